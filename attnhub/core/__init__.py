@@ -1,0 +1,1 @@
+"""The core model: specs, devices, capabilities, backends, registry, reference attention."""

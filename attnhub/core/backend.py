@@ -1,0 +1,103 @@
+"""The backend contract every plugin implements.
+
+A backend is cheap to construct and to ask questions of: ``capabilities`` is data, ``check``
+returns reasons, and kernels are imported only by ``load()``, on first use, so that listing or
+planning never touches a GPU or a heavy library.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from abc import ABC, abstractmethod
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from .capabilities import Capabilities
+from .device import DeviceInfo
+from .spec import AttentionSpec, AttnParams
+
+TIERS: tuple[str, ...] = ("reference", "portable", "vendor", "serving", "variant", "approximate",
+                          "distributed")
+
+
+class AttentionOutput(NamedTuple):
+    """``out`` in the query layout; ``lse`` (B, Hq, Sq) or (Hq, total_q) natural-log, or None."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None = None
+
+
+class Backend(ABC):
+    """Base class for attention backends.
+
+    Subclasses set ``name``, ``tier``, ``capabilities`` and implement ``forward``. Override
+    ``extra_checks`` for what data cannot express (a library build flag, a page size), and
+    ``requires`` with the importable modules the backend needs (checked without importing).
+    """
+
+    name: ClassVar[str]
+    tier: ClassVar[str] = "portable"
+    description: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: Modules that must be importable, each with the command that installs it.
+    requires: ClassVar[dict[str, str]] = {}
+
+    #: Set by the registry: the plugin (entry-point name) that registered this backend.
+    plugin: str = "?"
+
+    def __init__(self) -> None:
+        self._loaded = False
+        self._load_lock = threading.Lock()
+
+    # -- questions (cheap, no kernels imported) -------------------------------------------
+    def missing_requirements(self) -> list[str]:
+        """Reasons from libraries that are not installed, each with its install command."""
+        return [
+            f"{mod} is not installed ({hint})"
+            for mod, hint in self.requires.items()
+            if importlib.util.find_spec(mod.split(".")[0]) is None
+        ]
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        """Checks the capability data cannot express; reasons, empty means fine."""
+        return []
+
+    def check(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        """Every reason this backend cannot serve ``spec`` on ``device``; empty means it can."""
+        reasons = self.capabilities.check(spec, device)
+        if not device.simulated:
+            reasons += self.missing_requirements()
+        return reasons + self.extra_checks(spec, device)
+
+    def available(self, device: DeviceInfo) -> list[str]:
+        """Reasons the backend cannot run on this device at all (any spec)."""
+        reasons = self.capabilities._check_device(device)
+        if not device.simulated:
+            reasons += self.missing_requirements()
+        return reasons
+
+    # -- doing ----------------------------------------------------------------------------
+    def load(self) -> None:
+        """Import kernels once; idempotent and thread-safe. Override ``_load``."""
+        if self._loaded:
+            return
+        with self._load_lock:
+            if not self._loaded:
+                self._load()
+                self._loaded = True
+
+    def _load(self) -> None:
+        """Import the kernel library; called once by ``load``."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        spec: AttentionSpec, params: AttnParams,
+    ) -> AttentionOutput:
+        """Attention for one call. q/k/v arrive in ``spec.layout`` (never ``bhsd``: the API
+        turns it into a ``bshd`` view). Autograd must flow when ``capabilities.backward``."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} from {self.plugin}>"

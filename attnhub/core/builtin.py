@@ -1,0 +1,157 @@
+"""The core's own backends, registered through the same hook as any third-party plugin."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..hookspecs import hookimpl
+from .backend import AttentionOutput, Backend
+from .capabilities import ALL_MASKS, Capabilities
+from .device import DeviceInfo
+from .masking import allowed_mask, alibi_bias, doc_ranges
+from .paged import paged_to_varlen
+from .reference import _doc_params, reference_attention
+from .spec import AttentionSpec, AttnParams
+
+_ANY_LAYOUT = frozenset({"bshd", "thd", "paged"})
+
+
+def _serve_layouts(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, params: AttnParams,
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnParams, str], AttentionOutput],
+) -> AttentionOutput:
+    """Turn a paged call into varlen, then hand bshd or thd to ``run``."""
+    if spec.layout == "paged":
+        b, sq = q.shape[:2]
+        qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, k, v, params.block_table, params.seqlens_k)
+        p = replace(params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=None)
+        out, lse = run(qv, kv, vv, p, "thd")
+        lse_b = lse.view(lse.shape[0], b, sq).transpose(0, 1) if lse is not None else None
+        return AttentionOutput(out.view(b, sq, *out.shape[1:]), lse_b)
+    return run(q, k, v, params, spec.layout)
+
+
+class ReferenceBackend(Backend):
+    """Math attention in fp64 (CPU) or fp32 (GPU): slow, exact, every mask kind."""
+
+    name = "reference"
+    tier = "reference"
+    description = "math attention in fp64/fp32 materialising scores; the tests' oracle"
+    capabilities = Capabilities(
+        dtypes=frozenset({"fp32", "fp16", "bf16"}), max_head_dim=1024, different_v_dim=True,
+        layouts=_ANY_LAYOUT, backward=True, deterministic_backward=True,
+    )
+
+    def forward(self, q, k, v, spec, params):  # type: ignore[override]
+        compute = torch.float64 if q.device.type == "cpu" else torch.float32
+
+        def run(q, k, v, p, layout):
+            out, lse = reference_attention(q, k, v, p, layout=layout, compute_dtype=compute)
+            return AttentionOutput(out.to(q.dtype), lse if p.return_lse else None)
+
+        return _serve_layouts(q, k, v, spec, params, run)
+
+
+class TorchSDPABackend(Backend):
+    """torch's scaled_dot_product_attention with explicit masks/biases for every mask kind
+    it can express; bottom-right causal built as an explicit mask when Sq != Sk."""
+
+    name = "torch_sdpa"
+    tier = "portable"
+    description = "torch.nn.functional.scaled_dot_product_attention (any device)"
+    capabilities = Capabilities(
+        dtypes=frozenset({"fp32", "fp16", "bf16"}), max_head_dim=1024, different_v_dim=True,
+        masks=ALL_MASKS - {"softcap", "score_mod"}, layouts=_ANY_LAYOUT, backward=True,
+        deterministic_backward=True,
+    )
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        if spec.deterministic and spec.needs_grad and device.vendor != "cpu":
+            return ["SDPA's fused GPU backward kernels are not deterministic"]
+        return []
+
+    def forward(self, q, k, v, spec, params):  # type: ignore[override]
+        def run(q, k, v, p, layout):
+            if layout == "bshd":
+                return _sdpa_bshd(q, k, v, p)
+            outs, lses = [], []
+            for i, ((qs, qe), (ks, ke)) in enumerate(zip(doc_ranges(p.cu_seqlens_q),
+                                                           doc_ranges(p.cu_seqlens_k))):
+                o, l = _sdpa_bshd(q[qs:qe][None], k[ks:ke][None], v[ks:ke][None],
+                                  _doc_params(p, i, p.alibi_slopes))
+                outs.append(o[0])
+                lses.append(l[0] if l is not None else None)
+            lse = torch.cat(lses, -1) if p.return_lse else None
+            return AttentionOutput(torch.cat(outs, 0), lse)
+
+        return _serve_layouts(q, k, v, spec, params, run)
+
+
+def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               p: AttnParams) -> AttentionOutput:
+    b, sq, hq, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if sq == 0 or sk == 0:
+        out = q.new_zeros(b, sq, hq, v.shape[-1])
+        lse = torch.full((b, hq, sq), float("-inf"), device=q.device) if p.return_lse else None
+        return AttentionOutput(out, lse)
+    simple_causal = p.causal and (sq == sk or p.alignment == "top_left") and sq <= sk
+    only_causal = (p.window is None and p.prefix_lens is None and p.colmask_start is None
+                   and p.mask_mod is None)
+    if simple_causal and only_causal:
+        allowed = None
+    else:
+        allowed = allowed_mask(p, b, hq, sq, sk, q.device, kv_heads=hkv)
+    bias = None
+    if p.alibi_slopes is not None:
+        bias = alibi_bias(p.alibi_slopes, sq, sk, p.alignment, q.device)
+    row_ok = None
+    mask = None
+    if allowed is not None:
+        row_ok = allowed.any(dim=-1, keepdim=True)
+        allowed = allowed | ~row_ok  # fully masked rows attend everywhere, then are zeroed
+        mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+    elif bias is not None:
+        mask = bias
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=mask, is_causal=allowed is None and p.causal and mask is None,
+        scale=p.scale, enable_gqa=hq != hkv,
+    )
+    if row_ok is not None:
+        out = out * row_ok
+    lse = _lse(qt, kt, p, allowed, row_ok, bias) if p.return_lse else None
+    return AttentionOutput(out.transpose(1, 2), lse)
+
+
+def _lse(qt: torch.Tensor, kt: torch.Tensor, p: AttnParams, allowed: torch.Tensor | None,
+         row_ok: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """LSE by a second pass over the scores (SDPA does not return it), in query chunks."""
+    sq, sk = qt.shape[2], kt.shape[2]
+    kt = kt.float().repeat_interleave(qt.shape[1] // kt.shape[1], dim=1)
+    if allowed is None and p.causal:
+        allowed = allowed_mask(p, 1, 1, sq, sk, qt.device)
+    chunks = []
+    for s0 in range(0, sq, 1024):
+        s = torch.matmul(qt[:, :, s0:s0 + 1024].float(), kt.transpose(-1, -2)) * p.scale
+        if bias is not None:
+            s = s + bias[..., s0:s0 + 1024, :]
+        if allowed is not None:
+            s = s.masked_fill(~allowed[..., s0:s0 + 1024, :], float("-inf"))
+        chunks.append(torch.logsumexp(s, dim=-1))
+    lse = torch.cat(chunks, dim=-1)
+    if row_ok is not None:
+        lse = lse.masked_fill(~row_ok.squeeze(-1), float("-inf"))
+    return lse
+
+
+@hookimpl
+def attnhub_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+    register(ReferenceBackend())
+    register(TorchSDPABackend())

@@ -1,0 +1,135 @@
+"""Capabilities declared as data, and the generic check that turns them into reasons.
+
+A backend states what it can do once, here; ``check`` compares a spec and a device with it
+and returns every mismatch as a sentence, so ``explain`` never has to guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .device import DeviceInfo
+from .spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES, AttentionSpec
+
+ALL_MASKS = frozenset(MASK_KINDS)
+FLOAT_DTYPES = frozenset({"fp32", "fp16", "bf16"})
+HALF_DTYPES = frozenset({"fp16", "bf16"})
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend supports. Empty ``archs`` means any arch of the listed vendors.
+
+    ``min_capability``/``max_capability`` bound the CUDA compute capability (inclusive).
+    ``head_dims`` is either an explicit set or ``None`` with ``max_head_dim`` and
+    ``head_dim_multiple`` as the rule. ``exact=False`` marks an approximate backend whose
+    ``error_budget`` (relative RMSE against dense attention) must be declared.
+    """
+
+    vendors: frozenset[str] = frozenset({"cpu", "cuda", "rocm"})
+    archs: frozenset[str] = frozenset()
+    min_capability: tuple[int, int] | None = None
+    max_capability: tuple[int, int] | None = None
+    dtypes: frozenset[str] = FLOAT_DTYPES
+    kv_dtypes: frozenset[str] | None = None
+    head_dims: frozenset[int] | None = None
+    max_head_dim: int = 256
+    head_dim_multiple: int = 1
+    different_v_dim: bool = False
+    masks: frozenset[str] = ALL_MASKS
+    phases: frozenset[str] = frozenset(PHASES)
+    layouts: frozenset[str] = frozenset({"bshd", "bhsd"})
+    backward: bool = False
+    deterministic_backward: bool = False
+    deterministic_forward: bool = True
+    gqa: bool = True
+    returns_lse: bool = True
+    top_left_causal: bool = True
+    exact: bool = True
+    error_budget: float | None = None
+    max_query_len_decode: int | None = None
+    page_size_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        bad = (set(self.dtypes) | set(self.kv_dtypes or ())) - set(DTYPES)
+        bad |= set(self.masks) - ALL_MASKS
+        bad |= set(self.phases) - set(PHASES)
+        bad |= set(self.layouts) - set(LAYOUTS)
+        if bad:
+            raise ValueError(f"capabilities name unknown values: {sorted(bad)}")
+        if not self.exact and self.error_budget is None:
+            raise ValueError("an approximate backend (exact=False) must declare error_budget")
+
+    @property
+    def fp8(self) -> bool:
+        return any(d.startswith("fp8") for d in self.dtypes | (self.kv_dtypes or frozenset()))
+
+    def check(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        """Every reason this backend cannot serve ``spec`` on ``device``; empty means it can."""
+        r: list[str] = []
+        r += self._check_device(device)
+        if spec.dtype not in self.dtypes:
+            r.append(f"dtype {spec.dtype} not supported (supports {_fmt(self.dtypes)})")
+        kv_ok = self.kv_dtypes if self.kv_dtypes is not None else frozenset({spec.dtype})
+        if spec.kv_dtype != spec.dtype and spec.kv_dtype not in kv_ok:
+            r.append(f"kv dtype {spec.kv_dtype} not supported with {spec.dtype}")
+        r += self._check_head_dim(spec)
+        missing = spec.mask.kinds - self.masks - {"none"}
+        if missing:
+            r.append(f"mask {_fmt(missing)} not supported (supports {_fmt(self.masks)})")
+        if spec.mask.causal and spec.mask.alignment == "top_left" and not self.top_left_causal:
+            r.append("top-left causal alignment not supported (only bottom-right)")
+        if spec.phase not in self.phases:
+            r.append(f"phase {spec.phase} not supported (serves {_fmt(self.phases)})")
+        if spec.layout not in self.layouts:
+            r.append(f"layout {spec.layout} not supported (supports {_fmt(self.layouts)})")
+        if spec.needs_grad and not self.backward:
+            r.append("no backward pass (gradients requested)")
+        if spec.deterministic and spec.needs_grad and not self.deterministic_backward:
+            r.append("backward is not deterministic (deterministic requested)")
+        if spec.deterministic and not self.deterministic_forward:
+            r.append("forward is not deterministic (deterministic requested)")
+        if spec.num_q_heads != spec.num_kv_heads and not self.gqa:
+            r.append(f"GQA/MQA ({spec.num_q_heads}:{spec.num_kv_heads} heads) not supported")
+        if spec.return_lse and not self.returns_lse:
+            r.append("cannot return LSE (return_lse requested)")
+        if (spec.phase == "decode" and self.max_query_len_decode is not None
+                and spec.max_seqlen_q > self.max_query_len_decode):
+            r.append(f"decode with {spec.max_seqlen_q} query tokens per sequence not supported "
+                     f"(at most {self.max_query_len_decode})")
+        return r
+
+    def _check_device(self, device: DeviceInfo) -> list[str]:
+        if device.vendor not in self.vendors:
+            return [f"runs on {_fmt(self.vendors)}, this device is {device.vendor} ({device.arch})"]
+        if self.archs and device.arch not in self.archs:
+            return [f"needs arch {_fmt(self.archs)}, this device is {device.arch}"]
+        cap = device.capability
+        if cap is not None and self.min_capability and cap < self.min_capability:
+            return [f"needs compute capability >= {_cc(self.min_capability)}, "
+                    f"this device has {_cc(cap)}"]
+        if cap is not None and self.max_capability and cap > self.max_capability:
+            return [f"needs compute capability <= {_cc(self.max_capability)}, "
+                    f"this device has {_cc(cap)}"]
+        return []
+
+    def _check_head_dim(self, spec: AttentionSpec) -> list[str]:
+        r = []
+        for label, d in (("head dim", spec.head_dim), ("value head dim", spec.head_dim_v)):
+            if self.head_dims is not None:
+                if d not in self.head_dims:
+                    r.append(f"{label} {d} not supported (supports {_fmt(self.head_dims)})")
+            elif d > self.max_head_dim or d % self.head_dim_multiple:
+                mult = f", multiple of {self.head_dim_multiple}" if self.head_dim_multiple > 1 else ""
+                r.append(f"{label} {d} not supported (at most {self.max_head_dim}{mult})")
+        if spec.head_dim_v != spec.head_dim and not self.different_v_dim:
+            r.append(f"value head dim {spec.head_dim_v} != {spec.head_dim} not supported")
+        return r
+
+
+def _fmt(values: object) -> str:
+    return ", ".join(str(v) for v in sorted(values))  # type: ignore[call-overload]
+
+
+def _cc(cap: tuple[int, int]) -> str:
+    return f"{cap[0]}.{cap[1]}"

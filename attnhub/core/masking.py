@@ -1,0 +1,96 @@
+"""Dense masks and biases: the one place where the mask vocabulary gets its meaning.
+
+Every backend that materialises a mask (the reference, torch SDPA, tests of the kernels) builds
+it here, so the semantics of causal alignment, windows, prefix-LM and column-sparse ranges are
+written once. Convention (FlashAttention's): query ``i`` sits at key position
+``i + Sk - Sq`` under bottom-right alignment and at ``i`` under top-left.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .spec import AttnParams
+
+
+def query_offset(sq: int, sk: int, alignment: str) -> int:
+    """Key position of query 0: ``Sk - Sq`` bottom-right, 0 top-left."""
+    return sk - sq if alignment == "bottom_right" else 0
+
+
+def allowed_mask(
+    params: AttnParams, batch: int, heads: int, sq: int, sk: int, device: torch.device,
+    kv_heads: int | None = None,
+) -> torch.Tensor | None:
+    """Boolean (B|1, H|1, Sq, Sk) of visible (query, key) pairs, or None when all are visible.
+
+    ``kv_heads`` maps per-KV-head column-sparse ranges onto query heads (GQA).
+    """
+    qi = torch.arange(sq, device=device).view(sq, 1) + query_offset(sq, sk, params.alignment)
+    kj = torch.arange(sk, device=device).view(1, sk)
+    m: torch.Tensor | None = None
+
+    def both(x: torch.Tensor) -> torch.Tensor:
+        return x if m is None else m & x
+
+    if params.causal:
+        causal = kj <= qi
+        if params.prefix_lens is not None:
+            prefix = params.prefix_lens.to(device).view(-1, 1, 1, 1)
+            causal = causal.view(1, 1, sq, sk) | (kj.view(1, 1, 1, sk) < prefix)
+        m = both(causal.view(-1, 1, sq, sk) if causal.dim() == 4 else causal.view(1, 1, sq, sk))
+    elif params.prefix_lens is not None:
+        raise ValueError("prefix_lens needs causal=True: prefix-LM is causal after the prefix")
+    if params.window is not None:
+        left, right = params.window
+        w = torch.ones(sq, sk, dtype=torch.bool, device=device)
+        if left >= 0:
+            w &= kj >= qi - left
+        if right >= 0:
+            w &= kj <= qi + right
+        m = both(w.view(1, 1, sq, sk))
+    if params.colmask_start is not None:
+        m = both(_column_sparse(params, heads, kv_heads, sq, sk, device))
+    if params.mask_mod is not None:
+        b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+        h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+        q_idx = torch.arange(sq, device=device).view(1, 1, sq, 1)
+        kv_idx = torch.arange(sk, device=device).view(1, 1, 1, sk)
+        mm = params.mask_mod(b, h, q_idx, kv_idx)
+        m = both(torch.broadcast_to(mm.to(torch.bool), (batch, heads, sq, sk)))
+    return m
+
+
+def _column_sparse(params: AttnParams, heads: int, kv_heads: int | None, sq: int, sk: int,
+                   device: torch.device) -> torch.Tensor:
+    start = params.colmask_start.to(device)
+    end = params.colmask_end.to(device) if params.colmask_end is not None else torch.full_like(
+        start, sq)
+    if start.dim() != 3 or start.shape[-1] != sk:
+        raise ValueError(
+            f"colmask_start must be (B, H, Sk={sk}), got {tuple(start.shape)}")
+    hs = start.shape[1]
+    if hs not in (1, heads):
+        group = heads // (kv_heads or hs)
+        start = start.repeat_interleave(group, dim=1)
+        end = end.repeat_interleave(group, dim=1)
+    rows = torch.arange(sq, device=device).view(1, 1, sq, 1)
+    masked = (rows >= start.unsqueeze(2)) & (rows < end.unsqueeze(2))
+    return ~masked
+
+
+def alibi_bias(slopes: torch.Tensor, sq: int, sk: int, alignment: str,
+               device: torch.device) -> torch.Tensor:
+    """(B|1, H, Sq, Sk) fp32 bias ``-slope * |i_aligned - j|`` (FlashAttention's ALiBi)."""
+    qi = torch.arange(sq, device=device).view(sq, 1) + query_offset(sq, sk, alignment)
+    kj = torch.arange(sk, device=device).view(1, sk)
+    dist = (qi - kj).abs().to(torch.float32)
+    s = slopes.to(device=device, dtype=torch.float32)
+    s = s.view(1, -1, 1, 1) if s.dim() == 1 else s.view(s.shape[0], s.shape[1], 1, 1)
+    return -s * dist
+
+
+def doc_ranges(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` per sequence from cumulative lengths (host sync: slow path only)."""
+    cu = cu_seqlens.tolist()
+    return list(zip(cu[:-1], cu[1:]))

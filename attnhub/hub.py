@@ -1,0 +1,280 @@
+"""The Hub: registry + policy + device, and the call path of ``attnhub.attention``.
+
+Resolution happens once per spec bucket (and bind context) and is cached as a ``Runner``; a
+call builds a tuple key from shapes and flags, looks the runner up and calls it. No policy
+code runs on a cache hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from .core.backend import AttentionOutput, Backend
+from .core.decision import BindContext, Decision
+from .core.device import DeviceInfo, probe
+from .core.registry import Registry
+from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
+from .core.validate import check_cu_seqlens, check_paged, check_qkv
+from .errors import BackendUnavailableError, InputError, NoBackendError
+
+log = logging.getLogger("attnhub")
+
+
+class Resolver(Protocol):
+    """What the hub needs from a policy: a decision per spec and context."""
+
+    name: str
+
+    def resolve(self, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
+                ctx: BindContext) -> Decision: ...
+
+
+class Runner:
+    """A resolved binding: the chosen backend, then run-time fallbacks if the rule allows."""
+
+    __slots__ = ("decision", "chain", "hub")
+
+    def __init__(self, decision: Decision, chain: list[Backend], hub: "Hub"):
+        self.decision = decision
+        self.chain = chain
+        self.hub = hub
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        first = self.chain[0]
+        try:
+            first.load()
+            return first.forward(q, k, v, spec, params)
+        except InputError:
+            raise
+        except Exception as exc:
+            return self.hub._on_failure(self, 0, exc, q, k, v, spec, params)
+
+
+class Hub:
+    """One deployment's view: which plugins, which policy, which device."""
+
+    def __init__(self, policy: str | Path | Resolver | None = None, *,
+                 hardware: str | None = None, registry: Registry | None = None):
+        self.registry = registry or Registry.load()
+        self.device = probe(hardware)
+        self._policy_arg = policy
+        self._resolver: Resolver | None = policy if _is_resolver(policy) else None
+        self._runners: dict[tuple, tuple[AttentionSpec, Runner]] = {}
+        self._decisions: dict[tuple[AttentionSpec, BindContext], Decision] = {}
+        self._lock = threading.Lock()
+        self.forced_backend = os.environ.get("ATTNHUB_BACKEND") or None
+        self.fallback_counts: Counter[tuple[str, str]] = Counter()
+        self._warned: set[tuple[str, str]] = set()
+
+    # -- policy ---------------------------------------------------------------------------
+    @property
+    def resolver(self) -> Resolver:
+        if self._resolver is None:
+            from .policy import load_policy
+
+            path = self._policy_arg or os.environ.get("ATTNHUB_POLICY") or None
+            self._resolver = load_policy(path)
+        return self._resolver
+
+    def decide(self, spec: AttentionSpec, ctx: BindContext = BindContext()) -> Decision:
+        """The cached decision record for a spec (bucketed) in a bind context."""
+        key = (spec.bucketed(), ctx)
+        d = self._decisions.get(key)
+        if d is None:
+            d = self.resolver.resolve(key[0], self.device, self.registry, ctx)
+            self._decisions[key] = d
+        return d
+
+    def runner_for(self, spec: AttentionSpec, ctx: BindContext = BindContext(),
+                   backend: str | None = None) -> Runner:
+        """Bind: resolve (or force) a backend for a spec and build its runner."""
+        backend = backend or self.forced_backend
+        if backend is not None:
+            b = self.registry.get(backend)
+            reasons = b.check(spec, self.device)
+            if reasons:
+                raise BackendUnavailableError(backend, reasons)
+            d = Decision(spec=spec, device=self.device.describe(), backend=backend,
+                         rule="forced", candidates=(backend,), on_failure="error", context=ctx,
+                         notes=("backend forced by argument or ATTNHUB_BACKEND",))
+            return Runner(d, [b], self)
+        d = self.decide(spec, ctx)
+        if d.backend is None:
+            raise NoBackendError(
+                "no backend can serve this call:\n" + d.explain(), decision=d)
+        chain = [self.registry.get(n) for n in (d.backend, *d.fallbacks)]
+        return Runner(d, chain, self)
+
+    # -- run-time failure -------------------------------------------------------------------
+    def _on_failure(self, runner: Runner, i: int, exc: Exception, *args: Any) -> AttentionOutput:
+        d = runner.decision
+        name = runner.chain[i].name
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        if d.on_failure == "error" or i + 1 >= len(runner.chain):
+            raise NoBackendError(
+                f"backend {name!r} raised {reason}\n(rule on_failure={d.on_failure}; "
+                f"no further candidate)\n{d.explain()}", decision=d) from exc
+        nxt = runner.chain[i + 1]
+        self.fallback_counts[(name, nxt.name)] += 1
+        if (name, reason) not in self._warned:
+            self._warned.add((name, reason))
+            log.warning("attnhub: backend %s failed (%s); falling back to %s as rule %s allows",
+                        name, reason, nxt.name, d.rule)
+        try:
+            nxt.load()
+            return nxt.forward(*args)
+        except InputError:
+            raise
+        except Exception as exc2:
+            return self._on_failure(runner, i + 1, exc2, *args)
+
+    # -- the call path ----------------------------------------------------------------------
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        causal: bool = False, causal_alignment: str = "bottom_right",
+        window: int | tuple[int, int] | None = None, softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None, scale: float | None = None,
+        cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+        layout: str = "bshd", phase: str | None = None, return_lse: bool = False,
+        backend: str | None = None, prefix_lens: torch.Tensor | None = None,
+        colmask_start: torch.Tensor | None = None, colmask_end: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None, seqlens_k: torch.Tensor | None = None,
+        score_mod: Any = None, mask_mod: Any = None, deterministic: bool = False,
+        context: BindContext | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        check_qkv(q, k, v, layout)
+        if causal_alignment not in ("bottom_right", "top_left"):
+            raise InputError(f"causal_alignment={causal_alignment!r}; use 'bottom_right' "
+                             "(default, FlashAttention convention) or 'top_left'")
+        transposed = layout == "bhsd"
+        if transposed:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            layout = "bshd"
+        if isinstance(window, int):
+            window = (window, 0 if causal else window)
+        if window is not None and (len(window) != 2 or min(window) < -1):
+            raise InputError(f"window={window!r}; use (left, right) with -1 for unbounded")
+        if isinstance(score_mod, str) or isinstance(mask_mod, str):
+            score_mod, mask_mod = self._variant(score_mod, mask_mod)
+        if layout == "thd":
+            if cu_seqlens_q is None or cu_seqlens_k is None:
+                raise InputError("layout='thd' needs cu_seqlens_q and cu_seqlens_k (int32, B+1)")
+            mq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+            mk = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+            if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+                raise InputError("cu_seqlens_q and cu_seqlens_k must have the same length B+1")
+            max_seqlen_q, max_seqlen_k = max_seqlen_q or mq, max_seqlen_k or mk
+            batch = cu_seqlens_q.numel() - 1
+        elif layout == "paged":
+            max_seqlen_k = check_paged(q, k, block_table, seqlens_k)
+            max_seqlen_q, batch = q.shape[1], q.shape[0]
+        else:
+            if cu_seqlens_q is not None:
+                raise InputError("cu_seqlens given with layout='bshd'; pass layout='thd' and "
+                                 "packed (T, H, D) tensors for varlen/document masks")
+            batch, max_seqlen_q, max_seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        needs_grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad)
+        if phase is None:
+            phase = "train" if needs_grad else (
+                "decode" if layout == "paged" or (max_seqlen_q == 1 and max_seqlen_k > 1)
+                else "prefill")
+        key = (phase, q.dtype, k.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2],
+               layout, causal, causal_alignment, window is not None, alibi_slopes is not None,
+               softcap is not None, prefix_lens is not None, layout == "thd",
+               colmask_start is not None, score_mod, mask_mod, bucket(max_seqlen_q),
+               bucket(max_seqlen_k), bucket(batch), needs_grad, deterministic, return_lse,
+               backend, context)
+        hit = self._runners.get(key)
+        if hit is None:
+            spec = AttentionSpec(
+                phase=phase, dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype),
+                head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_q_heads=q.shape[-2],
+                num_kv_heads=k.shape[-2], layout=layout,
+                mask=MaskSpec(causal=causal, alignment=causal_alignment, window=window,
+                              alibi=alibi_slopes is not None, softcap=softcap is not None,
+                              prefix_lm=prefix_lens is not None, document=layout == "thd",
+                              column_sparse=colmask_start is not None,
+                              score_mod=_callable_name(score_mod),
+                              mask_mod=_callable_name(mask_mod)),
+                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, batch=batch,
+                needs_grad=needs_grad, deterministic=deterministic, return_lse=return_lse,
+            ).bucketed()
+            hit = (spec, self.runner_for(spec, context or BindContext(), backend))
+            with self._lock:
+                self._runners[key] = hit
+        spec, run = hit
+        params = AttnParams(
+            scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+            causal=causal, alignment=causal_alignment, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, prefix_lens=prefix_lens, colmask_start=colmask_start,
+            colmask_end=colmask_end, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
+            seqlens_k=seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
+            deterministic=deterministic, return_lse=return_lse)
+        out, lse = run(q, k, v, spec, params)
+        if transposed:
+            out = out.transpose(1, 2)
+        return (out, lse) if return_lse else out
+
+    def _variant(self, score_mod: Any, mask_mod: Any) -> tuple[Any, Any]:
+        """Named variants from plugins (``score_mod="softcap30"``) turned into callables."""
+        if isinstance(score_mod, str):
+            score_mod = self.registry.variant(score_mod).score_mod
+        if isinstance(mask_mod, str):
+            mask_mod = self.registry.variant(mask_mod).mask_mod
+        return score_mod, mask_mod
+
+    def bound(self) -> list[Runner]:
+        """Every runner bound so far (what the call path has resolved)."""
+        return [r for _, r in self._runners.values()]
+
+
+def _callable_name(fn: Any) -> str | None:
+    if fn is None:
+        return None
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _is_resolver(obj: object) -> bool:
+    return obj is not None and hasattr(obj, "resolve")
+
+
+_default: Hub | None = None
+_default_lock = threading.Lock()
+
+
+def default_hub() -> Hub:
+    """The process-wide hub, created on first use (never at import)."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = Hub()
+    return _default
+
+
+def set_default_hub(hub: Hub | None) -> None:
+    """Replace the process-wide hub (a new policy, a test); None resets to lazy creation."""
+    global _default
+    _default = hub
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention through the policy. See :meth:`Hub.attention` for the arguments.
+
+    Tensors are BSHD by default; ``backend="name"`` forces a backend and raises with its
+    reasons if it cannot serve. Fully masked rows give 0 output and -inf LSE.
+    """
+    return default_hub().attention(q, k, v, **kwargs)

@@ -1,0 +1,43 @@
+"""Test helpers for backends: the FlashAttention rule against an fp64 reference.
+
+A backend's error against the fp64 reference may be at most ``mult`` times the error of the
+same-precision torch reference (same maths, input dtype), plus a rounding floor. This is the
+rule FlashAttention's own tests use (2x forward, 3x gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rounding_floor(ref: torch.Tensor) -> float:
+    """FA3's floor: the error of adding and removing 0.3 in the output dtype."""
+    return float(((ref + 0.3 - 0.3) - ref).abs().max()) if ref.numel() else 0.0
+
+
+def fa_rule_error(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
+                  mult: float = 2.0, atol: float = 1e-5) -> tuple[float, float]:
+    """Return (error, allowed) for the FlashAttention rule; the caller asserts error <= allowed."""
+    ref = ref64.double()
+    err = float((out.double() - ref).abs().max()) if out.numel() else 0.0
+    base = float((ref_same.double() - ref).abs().max()) if out.numel() else 0.0
+    floor = rounding_floor(ref_same.double().to(ref_same.dtype).double()) if out.numel() else 0
+    return err, mult * base + floor + atol
+
+
+def assert_fa_rule(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
+                   mult: float = 2.0, atol: float = 1e-5, what: str = "output") -> None:
+    """Assert the FlashAttention rule, with a message that shows the numbers."""
+    assert not torch.isnan(out).any(), f"{what}: NaN in result"
+    err, allowed = fa_rule_error(out, ref64, ref_same, mult, atol)
+    assert err <= allowed, (
+        f"{what}: max error {err:.3e} vs fp64 exceeds {mult}x same-precision error + floor "
+        f"= {allowed:.3e}")
+
+
+def assert_lse(lse: torch.Tensor, ref_lse: torch.Tensor, atol: float = 1e-3) -> None:
+    """LSE equal to the reference within atol, -inf exactly where the reference is -inf."""
+    inf_ref = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), inf_ref), "LSE -inf pattern differs from reference"
+    diff = (lse.float() - ref_lse.float())[~inf_ref].abs()
+    assert diff.numel() == 0 or float(diff.max()) <= atol, f"LSE error {float(diff.max()):.3e}"

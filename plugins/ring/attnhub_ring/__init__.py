@@ -1,0 +1,1 @@
+"""attnhub plugin ring."""

@@ -1,0 +1,1 @@
+"""attnhub plugin sm80_fa2."""

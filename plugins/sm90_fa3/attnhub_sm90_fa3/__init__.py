@@ -1,0 +1,1 @@
+"""attnhub plugin sm90_fa3."""
