@@ -40,16 +40,20 @@ class Resolver(Protocol):
 class Runner:
     """A resolved binding: the chosen backend, then run-time fallbacks if the rule allows."""
 
-    __slots__ = ("decision", "chain", "hub")
+    __slots__ = ("decision", "chain", "hub", "local")
 
     def __init__(self, decision: Decision, chain: list[Backend], hub: "Hub"):
         self.decision = decision
         self.chain = chain
         self.hub = hub
+        inner = decision.inner
+        self.local = hub.registry.get(inner.backend) if inner and inner.backend else None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
         first = self.chain[0]
+        if self.local is not None:  # a distributed backend runs this local kernel per block
+            params.extra["local_backend"] = self.local
         try:
             first.load()
             return first.forward(q, k, v, spec, params)

@@ -44,6 +44,8 @@ class Decision:
     on_failure: str = "next"
     context: BindContext = field(default_factory=BindContext)
     notes: tuple[str, ...] = ()
+    #: For a distributed backend (ring): the decision for the local kernel it wraps.
+    inner: "Decision | None" = None
 
     def to_json(self) -> dict[str, Any]:
         c = self.context
@@ -61,6 +63,7 @@ class Decision:
             "context": {"model": c.model, "layer": c.layer, "layer_kind": c.layer_kind,
                         "world_size": c.world_size},
             "notes": list(self.notes),
+            "inner": self.inner.to_json() if self.inner is not None else None,
         }
 
     def explain(self) -> str:
@@ -75,4 +78,7 @@ class Decision:
             lines.append(f"  run-time fallbacks ({self.on_failure}): {', '.join(self.fallbacks)}")
         for n in self.notes:
             lines.append(f"  note: {n}")
+        if self.inner is not None:
+            lines.append("local kernel inside " + (self.backend or "?") + ":")
+            lines += ["  " + line for line in self.inner.explain().splitlines()]
         return "\n".join(lines)

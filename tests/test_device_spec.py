@@ -1,0 +1,107 @@
+"""Device probe, simulation, spec hashing and capability reasons."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnhub
+import attnhub.plugin
+from attnhub.core.capabilities import Capabilities
+from attnhub.core.device import probe, simulate
+from attnhub.core.spec import AttentionSpec, MaskSpec, bucket
+
+
+def test_probe_cpu_and_versions():
+    dev = probe()
+    if not torch.cuda.is_available():
+        assert dev.vendor == "cpu" and dev.arch == "cpu" and not dev.simulated
+    assert dev.version("torch") == torch.__version__
+
+
+@pytest.mark.parametrize("hw,vendor,cap", [("sm90", "cuda", (9, 0)), ("h100", "cuda", (9, 0)),
+                                           ("sm80", "cuda", (8, 0)), ("gfx942", "rocm", None)])
+def test_simulate(hw, vendor, cap):
+    dev = simulate(hw)
+    assert dev.vendor == vendor and dev.capability == cap and dev.simulated and dev.sm_count > 0
+
+
+def test_simulate_unknown_names_the_choices():
+    with pytest.raises(ValueError, match="sm90"):
+        simulate("tpu-v5")
+
+
+def test_env_hardware(monkeypatch):
+    monkeypatch.setenv("ATTNHUB_HARDWARE", "sm80")
+    assert probe().arch == "sm80"
+
+
+def test_spec_is_hashable_and_bucketed():
+    a = AttentionSpec(max_seqlen_q=100, max_seqlen_k=3000, batch=3).bucketed()
+    b = AttentionSpec(max_seqlen_q=128, max_seqlen_k=4096, batch=4).bucketed()
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
+    assert [bucket(n) for n in (0, 1, 2, 3, 1023, 1024, 1025)] == [0, 1, 2, 4, 1024, 1024, 2048]
+    with pytest.raises(Exception):
+        a.phase = "decode"  # frozen
+
+
+def test_mask_kinds():
+    assert MaskSpec().kinds == {"none"}
+    m = MaskSpec(causal=True, window=(5, 0), softcap=True, score_mod="f")
+    assert m.kinds == {"causal", "sliding_window", "softcap", "score_mod"}
+
+
+def test_capability_reasons_are_readable():
+    caps = Capabilities(vendors=frozenset({"cuda"}), min_capability=(9, 0),
+                        dtypes=frozenset({"bf16"}), max_head_dim=128,
+                        masks=frozenset({"causal"}), phases=frozenset({"prefill"}))
+    spec = AttentionSpec(phase="decode", dtype="fp32", head_dim=192,
+                         mask=MaskSpec(causal=True, softcap=True), needs_grad=True)
+    assert caps.check(spec, simulate("sm80")) == [
+        "needs compute capability >= 9.0, this device has 8.0"] + caps.check(
+            spec, simulate("sm90"))
+    reasons = " | ".join(caps.check(spec, simulate("sm90")))
+    for text in ("dtype fp32", "head dim 192", "softcap", "phase decode", "no backward"):
+        assert text in reasons
+    assert caps.check(spec, simulate("cpu"))[0].startswith("runs on cuda")
+    ok = AttentionSpec(phase="prefill", dtype="bf16", head_dim=128, mask=MaskSpec(causal=True))
+    assert caps.check(ok, simulate("sm90")) == []
+
+
+def test_approximate_needs_budget():
+    with pytest.raises(ValueError, match="error_budget"):
+        Capabilities(exact=False)
+
+
+def test_forced_backend_raises_with_its_reasons(hub):
+    from attnhub.core.backend import AttentionOutput, Backend
+
+    class Tiny(Backend):
+        name = "tiny"
+        capabilities = Capabilities(max_head_dim=128)
+
+        def forward(self, q, k, v, spec, params):
+            return AttentionOutput(q)
+
+    hub.registry.add_plugin(_Plugin(Tiny()), "tiny_plugin")
+    q = torch.randn(1, 3, 2, 300)
+    with pytest.raises(attnhub.BackendUnavailableError, match="head dim 300 not supported"):
+        hub.attention(q, q, q, backend="tiny")
+
+
+class _Plugin:
+    def __init__(self, backend):
+        self.backend = backend
+
+    @attnhub.plugin.hookimpl
+    def attnhub_register_backends(self, register):
+        register(self.backend)
+
+
+def test_env_forced_backend(monkeypatch):
+    monkeypatch.setenv("ATTNHUB_BACKEND", "reference")
+    hub = attnhub.Hub(hardware="cpu")
+    q = torch.randn(1, 4, 2, 16)
+    hub.attention(q, q, q)
+    (runner,) = hub.bound()
+    assert runner.decision.backend == "reference" and runner.decision.rule == "forced"
