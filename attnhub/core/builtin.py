@@ -100,11 +100,11 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = q.new_zeros(b, sq, hq, v.shape[-1])
         lse = torch.full((b, hq, sq), float("-inf"), device=q.device) if p.return_lse else None
         return AttentionOutput(out, lse)
+    other_masks = (p.window is not None or p.prefix_lens is not None
+                   or p.colmask_start is not None or p.mask_mod is not None)
     simple_causal = p.causal and (sq == sk or p.alignment == "top_left") and sq <= sk
-    only_causal = (p.window is None and p.prefix_lens is None and p.colmask_start is None
-                   and p.mask_mod is None)
-    if simple_causal and only_causal:
-        allowed = None
+    if not other_masks and (simple_causal or not p.causal):
+        allowed = None  # SDPA's own is_causal (top-left) or no mask at all
     else:
         allowed = allowed_mask(p, b, hq, sq, sk, q.device, kv_heads=hkv)
     bias = None

@@ -26,6 +26,9 @@ def allowed_mask(
 
     ``kv_heads`` maps per-KV-head column-sparse ranges onto query heads (GQA).
     """
+    if not (params.causal or params.window is not None or params.prefix_lens is not None
+            or params.colmask_start is not None or params.mask_mod is not None):
+        return None
     qi = torch.arange(sq, device=device).view(sq, 1) + query_offset(sq, sk, params.alignment)
     kj = torch.arange(sk, device=device).view(1, sk)
     m: torch.Tensor | None = None

@@ -84,7 +84,9 @@ class Registry:
         reg = cls()
         from . import builtin
 
-        reg.add_plugin(builtin, CORE_PLUGIN)
+        core = reg.add_plugin(builtin, CORE_PLUGIN)
+        core.distribution = "attnhub"
+        core.version = _version("attnhub")
         if allow is None and "ATTNHUB_PLUGINS" in os.environ:
             allow = [a.strip() for a in os.environ["ATTNHUB_PLUGINS"].split(",") if a.strip()]
         if modules is None:
@@ -199,6 +201,13 @@ class Registry:
 
     def errors(self) -> list[tuple[str, str]]:
         return [(r.name, e) for r in self.plugins.values() for e in r.errors]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _invalid_backend(obj: Any) -> str | None:

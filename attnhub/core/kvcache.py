@@ -1,0 +1,320 @@
+"""A paged KV cache: fixed-size pages from a free list, a block table per sequence.
+
+Layout is the one the ``paged`` attention layout reads: per layer, k/v caches of shape
+``(num_pages, page_size, Hkv, D)``; a sequence is a list of page indices plus a length, handed
+to kernels as ``block_table`` (B, P) int32 and ``seqlens`` (B,) int32.
+
+Pages are reference-counted so that ``fork`` shares a prefix without copying. A page is only
+ever written while exactly one sequence owns it: appending to a sequence whose partially
+filled last page is shared copies that page first (copy-on-write). Every mutation is planned
+and checked before anything changes, so a full cache raises ``CacheFullError`` and leaves all
+sequences exactly as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from ..errors import CacheFullError, InputError
+
+
+@dataclass
+class _Seq:
+    pages: list[int]
+    length: int
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    """One model step's view of the cache, shared by every layer of that step.
+
+    ``slots`` are flat indices (page * page_size + offset) of the new tokens, sequence-major
+    (B * new_tokens,); ``block_table``/``seqlens`` already include the new tokens.
+    ``context_lens`` are the host-side lengths before the step (0 for a fresh prefill).
+    """
+
+    cache: "PagedKVCache"
+    seq_ids: tuple[int, ...]
+    new_tokens: int
+    slots: torch.Tensor
+    block_table: torch.Tensor
+    seqlens: torch.Tensor
+    context_lens: tuple[int, ...]
+
+    @property
+    def fresh(self) -> bool:
+        """True when no sequence had context before this step (a prefill from scratch)."""
+        return not any(self.context_lens)
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.context_lens, default=0) + self.new_tokens
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's k/v (B, new_tokens, Hkv, D) for ``layer``."""
+        self.cache.write(layer, self.slots, k.reshape(-1, *k.shape[2:]),
+                         v.reshape(-1, *v.shape[2:]))
+
+    def positions(self) -> torch.Tensor:
+        """Absolute positions (B, new_tokens) of the new tokens, for rotary embeddings."""
+        start = torch.tensor(self.context_lens, device=self.slots.device).view(-1, 1)
+        return start + torch.arange(self.new_tokens, device=self.slots.device).view(1, -1)
+
+
+class PagedKVCache:
+    """Paged K/V storage for ``num_layers`` layers, shared by many sequences.
+
+    Sequence ids are small integers handed out by ``allocate``/``fork`` and never reused.
+    """
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, head_dim_v: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if min(num_layers, num_pages, page_size, num_kv_heads, head_dim) <= 0:
+            raise InputError("PagedKVCache: num_layers, num_pages, page_size, num_kv_heads and "
+                             "head_dim must all be positive")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+        dv = head_dim_v or head_dim
+        # zeros, not empty: kernels may read a whole page past a sequence's end (masked), and
+        # uninitialised memory could hold NaN, which survives a multiplication by zero.
+        self._k = torch.zeros(num_layers, num_pages, page_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=self.device)
+        self._v = torch.zeros(num_layers, num_pages, page_size, num_kv_heads, dv, dtype=dtype,
+                              device=self.device)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives page 0 first
+        self._refs: list[int] = [0] * num_pages
+        self._seqs: dict[int, _Seq] = {}
+        self._next_id = 0
+
+    # -- storage ----------------------------------------------------------------------------
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s keys, (num_pages, page_size, Hkv, D): the paged layout's k."""
+        return self._k[layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self._v[layer]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._k.dtype
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    def length(self, seq_id: int) -> int:
+        return self._seq(seq_id).length
+
+    def pages(self, seq_id: int) -> tuple[int, ...]:
+        return tuple(self._seq(seq_id).pages)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    # -- sequences --------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """A new, empty sequence; pages are taken only when tokens are appended."""
+        sid = self._next_id
+        self._next_id += 1
+        self._seqs[sid] = _Seq([], 0)
+        return sid
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing ``seq_id``'s tokens (no copy; pages are reference-counted)."""
+        src = self._seq(seq_id)
+        sid = self.allocate()
+        self._seqs[sid] = _Seq(list(src.pages), src.length)
+        for p in src.pages:
+            self._refs[p] += 1
+        return sid
+
+    def free(self, seq_id: int) -> None:
+        """Release a finished sequence; pages no other sequence holds return to the free list."""
+        seq = self._seqs.pop(self._check_id(seq_id))
+        for p in reversed(seq.pages):
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    # -- appending --------------------------------------------------------------------------
+    def reserve(self, seq_ids: Sequence[int], num_tokens: int | Sequence[int]) -> torch.Tensor:
+        """Make room for ``num_tokens`` more tokens in each sequence; returns their slots.
+
+        All or nothing: the pages needed (new pages plus copies of shared, partially filled
+        last pages) are counted first, and ``CacheFullError`` is raised before any change.
+        Slots are flat indices into ``(num_pages * page_size)``, sequence-major.
+        """
+        counts = [num_tokens] * len(seq_ids) if isinstance(num_tokens, int) else list(num_tokens)
+        if len(counts) != len(seq_ids):
+            raise InputError(f"reserve: {len(seq_ids)} sequences but {len(counts)} token counts")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InputError(f"reserve: sequence ids repeat in {list(seq_ids)}; each sequence "
+                             "appends once per call")
+        if any(n < 0 for n in counts):
+            raise InputError(f"reserve: negative token count in {counts}")
+        seqs = [self._seq(s) for s in seq_ids]
+        copies, new_pages = self._plan(seqs, counts)
+        need = len(copies) + sum(new_pages)
+        if need > len(self._free):
+            raise CacheFullError(
+                f"paged KV cache is full: appending {sum(counts)} tokens to sequences "
+                f"{list(seq_ids)} needs {need} free pages, {len(self._free)} of "
+                f"{self.num_pages} are free (page_size {self.page_size}); free finished "
+                "sequences or build the cache with more num_pages. No sequence was changed.")
+        for i in copies:
+            self._copy_on_write(seqs[i])
+        for seq, n in zip(seqs, new_pages):
+            for _ in range(n):
+                p = self._free.pop()
+                self._refs[p] = 1
+                seq.pages.append(p)
+        return self._slots(seqs, counts)
+
+    def _plan(self, seqs: list[_Seq], counts: list[int]) -> tuple[list[int], list[int]]:
+        """Which sequences copy their shared last page, and how many new pages each needs."""
+        pending = {}  # page -> references dropped by earlier copies in this same call
+        copies, new_pages = [], []
+        for i, (seq, n) in enumerate(zip(seqs, counts)):
+            if n and seq.length % self.page_size:
+                last = seq.pages[-1]
+                if self._refs[last] - pending.get(last, 0) > 2:
+                    copies.append(i)
+                    pending[last] = pending.get(last, 0) + 1
+            total = -(-(seq.length + n) // self.page_size)
+            new_pages.append(total - len(seq.pages))
+        return copies, new_pages
+
+    def _copy_on_write(self, seq: _Seq) -> None:
+        old = seq.pages[-1]
+        new = self._free.pop()
+        self._k[:, new] = self._k[:, old]
+        self._v[:, new] = self._v[:, old]
+        self._refs[old] -= 1
+        self._refs[new] = 1
+        seq.pages[-1] = new
+
+    def _slots(self, seqs: list[_Seq], counts: list[int]) -> torch.Tensor:
+        out = []
+        for seq, n in zip(seqs, counts):
+            pos = torch.arange(seq.length, seq.length + n)
+            pages = torch.tensor(seq.pages, dtype=torch.int64)
+            out.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
+            seq.length += n
+        slots = torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+        return slots.to(self.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v (N, Hkv, D) at ``slots`` (N,) returned by ``reserve`` for ``layer``."""
+        if k.shape[0] != slots.numel() or v.shape[0] != slots.numel():
+            raise InputError(f"write: {slots.numel()} slots but k has {k.shape[0]} and v has "
+                             f"{v.shape[0]} tokens")
+        self._k[layer].view(-1, *self._k.shape[3:]).index_copy_(0, slots, k.to(self.dtype))
+        self._v[layer].view(-1, *self._v.shape[3:]).index_copy_(0, slots, v.to(self.dtype))
+
+    def append(self, seq_id: int, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
+        """Append tokens to one sequence for every layer: ks[l]/vs[l] are (n, Hkv, D)."""
+        if len(ks) != self.num_layers or len(vs) != self.num_layers:
+            raise InputError(f"append: expected k and v for {self.num_layers} layers")
+        slots = self.reserve([seq_id], ks[0].shape[0])
+        for layer, (k, v) in enumerate(zip(ks, vs)):
+            self.write(layer, slots, k, v)
+
+    def step(self, seq_ids: Sequence[int], new_tokens: int) -> CacheStep:
+        """Reserve ``new_tokens`` per sequence and build the tables every layer of a step uses."""
+        context = tuple(self.length(s) for s in seq_ids)
+        slots = self.reserve(seq_ids, new_tokens)
+        return CacheStep(self, tuple(seq_ids), new_tokens, slots, self.block_table(seq_ids),
+                         self.seqlens(seq_ids), context)
+
+    # -- reading ----------------------------------------------------------------------------
+    def block_table(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        """(B, P) int32 page indices, P the most pages any of them holds; padded with 0."""
+        seqs = [self._seq(s) for s in seq_ids]
+        width = max((len(s.pages) for s in seqs), default=0) or 1
+        rows = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32).view(len(seqs), width).to(self.device)
+
+    def seqlens(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        """(B,) int32 token counts."""
+        return torch.tensor([self.length(s) for s in seq_ids], dtype=torch.int32,
+                            device=self.device)
+
+    def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A contiguous copy of one sequence's k/v for ``layer``: (length, Hkv, D) each."""
+        seq = self._seq(seq_id)
+        idx = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
+        k = self._k[layer].index_select(0, idx).flatten(0, 1)[: seq.length]
+        v = self._v[layer].index_select(0, idx).flatten(0, 1)[: seq.length]
+        return k, v
+
+    def gather(self, layer: int, seq_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """k/v of equal-length sequences as contiguous (B, S, Hkv, D), for backends that do
+        not read block tables."""
+        lens = {self.length(s) for s in seq_ids}
+        if len(lens) > 1:
+            raise InputError(f"gather: sequences {list(seq_ids)} have different lengths "
+                             f"{sorted(lens)}; use a paged or varlen (thd) backend")
+        pairs = [self.read(layer, s) for s in seq_ids]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    # -- invariants -------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless page ownership is consistent (tests call this).
+
+        Each page's reference count equals the number of sequences holding it, no sequence
+        holds a page twice, free pages are held by nobody, and every page is either free or
+        held.
+        """
+        held: dict[int, int] = {}
+        for sid, seq in self._seqs.items():
+            assert len(set(seq.pages)) == len(seq.pages), f"sequence {sid} holds a page twice"
+            assert len(seq.pages) == -(-seq.length // self.page_size), (
+                f"sequence {sid}: {len(seq.pages)} pages for {seq.length} tokens")
+            for p in seq.pages:
+                held[p] = held.get(p, 0) + 1
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        assert not free & set(held), f"pages both free and held: {sorted(free & set(held))}"
+        assert free | set(held) == set(range(self.num_pages)), "a page is lost"
+        for p in range(self.num_pages):
+            assert self._refs[p] == held.get(p, 0), (
+                f"page {p}: refcount {self._refs[p]} but held by {held.get(p, 0)} sequences")
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _check_id(self, seq_id: int) -> int:
+        if seq_id not in self._seqs:
+            raise InputError(f"unknown sequence id {seq_id} (live: {sorted(self._seqs)}); "
+                             "it was never allocated or was already freed")
+        return seq_id
+
+    def _seq(self, seq_id: int) -> _Seq:
+        return self._seqs[self._check_id(seq_id)]
+
+    @classmethod
+    def for_sequences(cls, *, num_layers: int, batch: int, max_len: int, page_size: int,
+                      num_kv_heads: int, head_dim: int, spare: int = 0,
+                      dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> "PagedKVCache":
+        """A cache with just enough pages for ``batch`` sequences of ``max_len`` tokens, plus
+        ``spare`` pages (forks append into copies of shared pages)."""
+        pages = batch * -(-max_len // page_size) + spare
+        return cls(num_layers=num_layers, num_pages=pages, page_size=page_size,
+                   num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+
+
+def free_all(cache: PagedKVCache, seq_ids: Iterable[int]) -> None:
+    """Free several sequences (a finished batch)."""
+    for s in seq_ids:
+        cache.free(s)
