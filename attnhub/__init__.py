@@ -21,6 +21,7 @@ from .errors import (
     UnknownBackendError,
 )
 from .hub import Hub, attention, default_hub, set_default_hub
+from .bind import BindingTable, bind  # noqa: E402  (after .hub: bind builds on it)
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "Backend",
     "BackendUnavailableError",
     "BindContext",
+    "BindingTable",
     "Capabilities",
     "Decision",
     "DeviceInfo",
@@ -42,6 +44,7 @@ __all__ = [
     "PolicyError",
     "UnknownBackendError",
     "attention",
+    "bind",
     "default_hub",
     "probe",
     "set_default_hub",

@@ -154,7 +154,7 @@ class Hub:
         colmask_start: torch.Tensor | None = None, colmask_end: torch.Tensor | None = None,
         block_table: torch.Tensor | None = None, seqlens_k: torch.Tensor | None = None,
         score_mod: Any = None, mask_mod: Any = None, deterministic: bool = False,
-        context: BindContext | None = None,
+        context: BindContext | None = None, extra: dict[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, layout)
         if causal_alignment not in ("bottom_right", "top_left"):
@@ -198,7 +198,7 @@ class Hub:
                softcap is not None, prefix_lens is not None, layout == "thd",
                colmask_start is not None, score_mod, mask_mod, bucket(max_seqlen_q),
                bucket(max_seqlen_k), bucket(batch), needs_grad, deterministic, return_lse,
-               backend, context)
+               backend, context, k.shape[1] if layout == "paged" else 0)
         hit = self._runners.get(key)
         if hit is None:
             spec = AttentionSpec(
@@ -213,6 +213,7 @@ class Hub:
                               mask_mod=_callable_name(mask_mod)),
                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, batch=batch,
                 needs_grad=needs_grad, deterministic=deterministic, return_lse=return_lse,
+                page_size=k.shape[1] if layout == "paged" else 0,
             ).bucketed()
             hit = (spec, self.runner_for(spec, context or BindContext(), backend))
             with self._lock:
@@ -225,7 +226,7 @@ class Hub:
             colmask_end=colmask_end, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
             seqlens_k=seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
-            deterministic=deterministic, return_lse=return_lse)
+            deterministic=deterministic, return_lse=return_lse, extra=dict(extra or {}))
         out, lse = run(q, k, v, spec, params)
         if transposed:
             out = out.transpose(1, 2)
@@ -243,6 +244,13 @@ class Hub:
         """Every runner bound so far (what the call path has resolved)."""
         return [r for _, r in self._runners.values()]
 
+    def bind(self, model: Any, **shapes: Any) -> Any:
+        """Resolve every ``attnhub.nn.Attention`` of ``model`` for every phase now and route
+        the model through this hub; returns the ``BindingTable`` (see ``attnhub.bind``)."""
+        from .bind import bind
+
+        return bind(model, self, **shapes)
+
 
 def _callable_name(fn: Any) -> str | None:
     if fn is None:
@@ -251,7 +259,9 @@ def _callable_name(fn: Any) -> str | None:
 
 
 def _is_resolver(obj: object) -> bool:
-    return obj is not None and hasattr(obj, "resolve")
+    # a pathlib.Path has .resolve() too: paths are policy files, not resolvers
+    return (obj is not None and not isinstance(obj, (str, os.PathLike))
+            and hasattr(obj, "resolve"))
 
 
 _default: Hub | None = None

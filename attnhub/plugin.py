@@ -9,11 +9,19 @@ from __future__ import annotations
 from .core.backend import TIERS, AttentionOutput, Backend
 from .core.capabilities import ALL_MASKS, FLOAT_DTYPES, HALF_DTYPES, Capabilities
 from .core.device import DeviceInfo
-from .core.masking import alibi_bias, allowed_mask, doc_ranges, query_offset
+from .core.flash_conventions import flash_form, flash_kwargs, natural_lse, top_left_reason
+from .core.masking import (
+    BottomRightForm,
+    alibi_bias,
+    allowed_mask,
+    bottom_right_form,
+    doc_ranges,
+    query_offset,
+)
 from .core.paged import paged_to_varlen
 from .core.reference import reference_attention
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, dtype_name, torch_dtype
-from .errors import AttnhubError, BackendUnavailableError, InputError
+from .errors import AttnhubError, BackendUnavailableError, CacheFullError, InputError
 from .hookspecs import hookimpl
 
 __all__ = [
@@ -26,18 +34,25 @@ __all__ = [
     "AttnParams",
     "AttnhubError",
     "Backend",
+    "BottomRightForm",
     "BackendUnavailableError",
+    "CacheFullError",
     "Capabilities",
     "DeviceInfo",
     "InputError",
     "MaskSpec",
     "alibi_bias",
     "allowed_mask",
+    "bottom_right_form",
     "doc_ranges",
+    "flash_form",
+    "flash_kwargs",
     "dtype_name",
     "hookimpl",
+    "natural_lse",
     "paged_to_varlen",
     "query_offset",
     "reference_attention",
+    "top_left_reason",
     "torch_dtype",
 ]

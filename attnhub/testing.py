@@ -43,3 +43,20 @@ def assert_lse(lse: torch.Tensor, ref_lse: torch.Tensor, atol: float = 1e-3) -> 
     assert torch.equal(torch.isinf(lse), inf_ref), "LSE -inf pattern differs from reference"
     diff = (lse.detach().float() - ref_lse.detach().float())[~inf_ref].abs()
     assert diff.numel() == 0 or float(diff.max()) <= atol, f"LSE error {float(diff.max()):.3e}"
+
+
+def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                    **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a FlashAttention-convention kernel returns for bshd inputs, for recording fakes in
+    plugin tests: bottom-right masks, output in q's dtype, LSE (B, H, Sq) with +inf on fully
+    masked rows (FA's marker, which backends must turn into -inf)."""
+    from .core.reference import reference_attention
+    from .core.spec import AttnParams
+
+    window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
+    params = AttnParams(scale=softmax_scale, causal=causal, window=window,  # type: ignore[arg-type]
+                        softcap=softcap or None, alibi_slopes=alibi_slopes)
+    out, lse = reference_attention(q, k, v, params, compute_dtype=torch.float32)
+    return out.to(q.dtype), lse.masked_fill(lse == float("-inf"), float("inf"))

@@ -83,6 +83,10 @@ class Capabilities:
             r.append(f"phase {spec.phase} not supported (serves {_fmt(self.phases)})")
         if spec.layout not in self.layouts:
             r.append(f"layout {spec.layout} not supported (supports {_fmt(self.layouts)})")
+        if (spec.layout == "paged" and spec.page_size
+                and spec.page_size % self.page_size_multiple):
+            r.append(f"page size {spec.page_size} not supported (must be a multiple of "
+                     f"{self.page_size_multiple})")
         if spec.needs_grad and not self.backward:
             r.append("no backward pass (gradients requested)")
         if spec.deterministic and spec.needs_grad and not self.deterministic_backward:

@@ -189,7 +189,7 @@ class PagedKVCache:
         for i, (seq, n) in enumerate(zip(seqs, counts)):
             if n and seq.length % self.page_size:
                 last = seq.pages[-1]
-                if self._refs[last] - pending.get(last, 0) > 2:
+                if self._refs[last] - pending.get(last, 0) > 1:
                     copies.append(i)
                     pending[last] = pending.get(last, 0) + 1
             total = -(-(seq.length + n) // self.page_size)

@@ -8,6 +8,8 @@ written once. Convention (FlashAttention's): query ``i`` sits at key position
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .spec import AttnParams
@@ -41,7 +43,7 @@ def allowed_mask(
         if params.prefix_lens is not None:
             prefix = params.prefix_lens.to(device).view(-1, 1, 1, 1)
             causal = causal.view(1, 1, sq, sk) | (kj.view(1, 1, 1, sk) < prefix)
-        m = both(causal.view(-1, 1, sq, sk) if causal.dim() == 4 else causal.view(1, 1, sq, sk))
+        m = both(causal if causal.dim() == 4 else causal.view(1, 1, sq, sk))
     elif params.prefix_lens is not None:
         raise ValueError("prefix_lens needs causal=True: prefix-LM is causal after the prefix")
     if params.window is not None:
@@ -80,6 +82,43 @@ def _column_sparse(params: AttnParams, heads: int, kv_heads: int | None, sq: int
     rows = torch.arange(sq, device=device).view(1, 1, sq, 1)
     masked = (rows >= start.unsqueeze(2)) & (rows < end.unsqueeze(2))
     return ~masked
+
+
+class BottomRightForm(NamedTuple):
+    """A mask in FlashAttention's terms: bottom-right ``causal`` and ``window`` (-1 unbounded)
+    over the first ``keys`` keys; ``shift`` is how far query positions moved (an ALiBi bias,
+    which depends on positions, is only preserved when it is 0)."""
+
+    causal: bool
+    window: tuple[int, int]
+    keys: int
+    shift: int
+
+
+def bottom_right_form(causal: bool, alignment: str, window: tuple[int, int] | None,
+                      sq: int, sk: int) -> BottomRightForm:
+    """Express a causal/window mask with bottom-right alignment, as FA2/FA3/FlashInfer take it.
+
+    Top-left masks are converted exactly: keys no query can see are cut off (``keys``), and
+    the rest becomes a window measured from the bottom-right position. Raises ValueError when
+    no such form exists (a top-left window whose left edge lies right of the diagonal).
+    """
+    left, right = window if window is not None else (-1, -1)
+    if (not causal and window is None) or alignment == "bottom_right" or sq == sk:
+        return BottomRightForm(causal, (left, right), sk, 0)
+    reach = 0 if causal else right  # last visible key, relative to the query's own index
+    keys = sk if reach < 0 else min(sk, sq + reach)
+    shift = keys - sq  # bottom-right alignment places query i at key i + shift
+    if shift == 0:
+        return BottomRightForm(causal, (left, right), keys, 0)
+    if left >= 0 and left + shift < 0:
+        raise ValueError(
+            f"top-left window {window} with Sq={sq} > Sk={sk} has no bottom-right form "
+            "(its left edge would lie right of the diagonal); use a backend that takes "
+            "top-left masks, such as triton or torch_sdpa")
+    new_left = -1 if left < 0 else left + shift
+    new_right = -1 if reach < 0 else reach - shift
+    return BottomRightForm(False, (new_left, new_right), keys, shift)
 
 
 def alibi_bias(slopes: torch.Tensor, sq: int, sk: int, alignment: str,

@@ -44,7 +44,7 @@ def _bshd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: A
     s = torch.where(row_ok, s, torch.zeros_like(s))  # fully masked rows: finite, then zeroed
     p = torch.softmax(s, dim=-1) * row_ok
     lse = torch.where(row_ok.squeeze(-1), torch.logsumexp(s, dim=-1),
-                      torch.full_like(s[..., 0], float("-inf")))
+                      s.new_full(s.shape[:-1], float("-inf")))  # Sk may be 0
     return torch.matmul(p, vt).transpose(1, 2), lse.float()
 
 

@@ -133,6 +133,8 @@ class AttentionSpec:
     needs_grad: bool = False
     deterministic: bool = False
     return_lse: bool = False
+    #: Tokens per KV page for the ``paged`` layout (0 otherwise): kernels constrain it.
+    page_size: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_dtype is None:
@@ -165,6 +167,7 @@ class AttentionSpec:
             + (" grad" if self.needs_grad else "")
             + (" deterministic" if self.deterministic else "")
             + (" lse" if self.return_lse else "")
+            + (f" page={self.page_size}" if self.page_size else "")
         )
 
 

@@ -1,1 +1,29 @@
-"""attnhub plugin ring."""
+"""attnhub plugin ``ring``: ring attention (context parallelism) over torch.distributed.
+
+Importing it imports torch.distributed only; no kernel and no GPU is touched until a call.
+"""
+
+from .backend import RingBackend, process_group_reasons
+from .comm import RingError
+from .functional import ring_attention
+from .merge import merge_partial
+from .sharding import (
+    ZigzagLayout,
+    zigzag_shard,
+    zigzag_shard_varlen,
+    zigzag_unshard,
+    zigzag_unshard_varlen,
+)
+
+__all__ = [
+    "RingBackend",
+    "RingError",
+    "ZigzagLayout",
+    "merge_partial",
+    "process_group_reasons",
+    "ring_attention",
+    "zigzag_shard",
+    "zigzag_shard_varlen",
+    "zigzag_unshard",
+    "zigzag_unshard_varlen",
+]

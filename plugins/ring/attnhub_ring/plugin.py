@@ -1,10 +1,13 @@
-"""Entry point of the ring plugin: registers its backends through the public hook."""
+"""Entry point of the ring plugin: registers its backend through the public hook."""
 
 from __future__ import annotations
 
 from attnhub.plugin import hookimpl
 
+from .backend import RingBackend
+
 
 @hookimpl
 def attnhub_register_backends(register):  # type: ignore[no-untyped-def]
-    """Nothing registered yet."""
+    """The ``ring`` backend; the hub gives it the local kernel per call."""
+    register(RingBackend())

@@ -7,4 +7,19 @@ from attnhub.plugin import hookimpl
 
 @hookimpl
 def attnhub_register_backends(register):  # type: ignore[no-untyped-def]
-    """Nothing registered yet."""
+    """The portable tier's backends (constructing one imports no kernel)."""
+    from .backend_dense import TritonDenseBackend
+    from .backend_decode import TritonDecodeBackend
+    from .backend_flex import FlexBackend
+
+    register(TritonDenseBackend())
+    register(TritonDecodeBackend())
+    register(FlexBackend())
+
+
+@hookimpl
+def attnhub_register_variants(register):  # type: ignore[no-untyped-def]
+    """Named score/mask variants (softcap30, alibi32, window4096...): see variants.py."""
+    from .variants import register_variants
+
+    register_variants(register)

@@ -1,0 +1,111 @@
+"""Flags and set-up shared by the commands that run the built-in decoder (run, profile, bench
+--from-model): sizes, dtype, device, policy; build the model and bind it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from ._common import add_hardware
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    """``"32:8"`` -> (32, 8); ``"8"`` -> (8, 8)."""
+    try:
+        q, _, kv = text.partition(":")
+        hq, hkv = int(q), int(kv or q)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads {text!r}: use Q:KV, e.g. 32:8") from None
+    if hq <= 0 or hkv <= 0 or hq % hkv:
+        raise argparse.ArgumentTypeError(f"--heads {text!r}: query heads must be a positive "
+                                         "multiple of KV heads")
+    return hq, hkv
+
+
+def add_decoder_args(p: argparse.ArgumentParser, *, batch: int = 4, prompt_len: int = 128,
+                     new_tokens: int = 32) -> None:
+    """The model and run-size flags (small CPU-friendly defaults)."""
+    p.add_argument("--policy", metavar="FILE",
+                   help="policy YAML (default: ATTNHUB_POLICY, else the packaged default)")
+    add_hardware(p)
+    g = p.add_argument_group("model (built-in decoder, random weights)")
+    g.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    g.add_argument("--heads", type=parse_heads, default=(8, 2), metavar="Q:KV",
+                   help="query:KV heads (default 8:2)")
+    g.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    g.add_argument("--vocab", type=int, default=1024, help="vocabulary size (default 1024)")
+    g.add_argument("--intermediate", type=int, default=None,
+                   help="MLP width (default 8/3 of the hidden size)")
+    g.add_argument("--layer-kinds", default="softmax", metavar="K1,K2,..",
+                   help="layer kinds cycled over the layers: softmax, sliding, linear "
+                        "(a hybrid model: linear,linear,linear,softmax)")
+    g.add_argument("--window", type=int, default=256, help="left window of sliding layers")
+    g.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
+    g = p.add_argument_group("run size")
+    g.add_argument("--batch", type=int, default=batch, help=f"prompts (default {batch})")
+    g.add_argument("--prompt-len", type=int, default=prompt_len,
+                   help=f"prompt tokens (default {prompt_len})")
+    g.add_argument("--new-tokens", type=int, default=new_tokens,
+                   help=f"decode steps (default {new_tokens})")
+    g.add_argument("--page-size", type=int, default=16, help="KV cache page size (default 16)")
+    g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="default: bf16 on a GPU, fp32 on the CPU")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+
+
+@dataclass
+class Setup:
+    """A built and bound decoder with the hub that serves it."""
+
+    hub: Any
+    model: Any
+    table: Any
+    device: torch.device
+    dtype: torch.dtype
+    simulated: bool
+
+
+def build(args: argparse.Namespace) -> Setup:
+    """Build the decoder from the flags and bind it with the policy (nothing runs yet). With
+    ``--hardware`` the model is shapes only (meta device): a plan for a machine not here."""
+    from ..core.device import DeviceInfo, library_versions
+    from ..core.spec import torch_dtype
+    from ..hub import Hub
+    from ..models.decoder import Decoder, DecoderConfig
+
+    hub = Hub(policy=args.policy, hardware=args.hardware)
+    simulated = hub.device.simulated
+    device = torch.device("meta" if simulated else
+                          (args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    if device.type == "cpu" and hub.device.vendor != "cpu":  # --device cpu on a GPU machine
+        hub.device = DeviceInfo(vendor="cpu", arch="cpu", name="CPU",
+                                versions=library_versions())
+    gpu = hub.device.vendor != "cpu"
+    dtype = torch_dtype(args.dtype or ("bf16" if gpu else "fp32"))
+    hq, hkv = args.heads
+    cfg = DecoderConfig(num_layers=args.layers, num_q_heads=hq, num_kv_heads=hkv,
+                        head_dim=args.head_dim, vocab_size=args.vocab,
+                        intermediate=args.intermediate,
+                        layer_kinds=tuple(k.strip() for k in args.layer_kinds.split(",")),
+                        window=args.window, seed=args.seed)
+    model = Decoder(cfg, dtype=dtype, device=device)
+    table = hub.bind(model, batch=args.batch, prompt_len=args.prompt_len,
+                     max_len=args.prompt_len + args.new_tokens, dtype=dtype,
+                     page_size=args.page_size)
+    return Setup(hub, model, table, device, dtype, simulated)
+
+
+def progress_bar(args: argparse.Namespace, desc: str, total: int):  # type: ignore[no-untyped-def]
+    """A tqdm wrapper for a loop (on stderr), or None with --json / --no-progress."""
+    if getattr(args, "json", False) or getattr(args, "no_progress", False):
+        return None
+    from tqdm import tqdm
+
+    def wrap(it: Iterable[int]) -> Iterable[int]:
+        return tqdm(it, desc=desc, total=total, file=sys.stderr, leave=False, unit="step")
+
+    return wrap

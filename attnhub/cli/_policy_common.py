@@ -1,0 +1,40 @@
+"""Flags and set-up shared by the policy commands (policy check, explain, plan, lock)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..core.device import DeviceInfo, probe, simulate
+from ..core.registry import Registry
+from ..errors import AttnhubError
+from ..policy import Policy, load_policy
+
+
+def add_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", metavar="FILE",
+                   help="policy YAML or packaged name (default: ATTNHUB_POLICY, else the "
+                        "packaged default)")
+
+
+def hardware_list(text: str | None) -> list[str]:
+    """``"cpu,sm80, sm90"`` -> ``["cpu", "sm80", "sm90"]``; each name checked."""
+    names = [h.strip() for h in (text or "").split(",") if h.strip()]
+    for h in names:
+        try:
+            simulate(h)
+        except ValueError as exc:
+            raise AttnhubError(f"--hardware: {exc}") from None
+    return names
+
+
+def devices(text: str | None, policy: Policy | None = None) -> list[DeviceInfo]:
+    """Simulated devices for ``--hardware a,b``; this machine when not given (or the policy's
+    ``targets`` when ``policy`` is passed and no hardware is given)."""
+    names = hardware_list(text)
+    if not names and policy is not None:
+        names = list(policy.targets)
+    return [simulate(h) for h in names] if names else [probe()]
+
+
+def load(args: argparse.Namespace) -> tuple[Policy, Registry]:
+    return load_policy(getattr(args, "policy", None)), Registry.load()

@@ -1,0 +1,143 @@
+"""``attnhub explain``: the decision record for one call shape, here or on simulated hardware.
+
+``--json`` prints schema ``attnhub.explain/1`` (documented in docs/policy.md); ``--trace``
+adds each rule tried and the ``when`` key that failed; ``--run`` executes the binding once on
+this machine through a Hub and reports run-time fallbacks (``Hub.fallback_counts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..core.decision import BindContext
+from ..core.spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES, AttentionSpec, torch_dtype
+from ..errors import AttnhubError
+from ..hub import Hub
+from ..policy.cells import mask_from_kinds
+from ._common import add_hardware, add_json, print_json
+from ._decoder import parse_heads
+from ._policy_common import add_policy, devices, load
+
+SCHEMA = "attnhub.explain/1"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="why a backend is chosen for a call shape (and why "
+                                       "every other candidate is not)")
+    add_policy(p)
+    add_hardware(p)
+    p.add_argument("--phase", choices=PHASES, default="prefill")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--kv-dtype", choices=DTYPES, help="KV dtype (default: --dtype)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim-v", type=int, help="value head dim (default: --head-dim)")
+    p.add_argument("--heads", type=parse_heads, default=(32, 32), metavar="Q:KV")
+    p.add_argument("--seqlen", type=int, default=4096, help="KV length (and query length "
+                                                            "outside decode)")
+    p.add_argument("--seqlen-q", type=int, help="query length (default: 1 for decode, else "
+                                                "--seqlen)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--mask", default="none", help=f"comma-separated kinds: {', '.join(MASK_KINDS)}")
+    p.add_argument("--window", type=int, default=1024, help="left window for sliding_window")
+    p.add_argument("--top-left", action="store_true", help="top-left causal alignment")
+    p.add_argument("--layout", choices=[x for x in LAYOUTS if x != "bhsd"])
+    p.add_argument("--page-size", type=int, default=16, help="KV page size for --layout paged")
+    p.add_argument("--grad", action="store_true", help="gradients needed (default for train)")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--return-lse", action="store_true")
+    g = p.add_argument_group("bind context")
+    g.add_argument("--model")
+    g.add_argument("--layer", type=int)
+    g.add_argument("--layer-kind", default="softmax")
+    g.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--trace", action="store_true", help="list each rule tried and why it did "
+                                                        "not match")
+    p.add_argument("--run", action="store_true", help="run the binding once on this machine "
+                                                      "and report run-time fallbacks")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
+    kinds = [k.strip() for k in args.mask.split(",") if k.strip()]
+    try:
+        mask = mask_from_kinds(kinds, args.window)
+    except ValueError as exc:
+        raise AttnhubError(f"--mask: {exc}") from None
+    if args.top_left:
+        mask = dataclasses.replace(mask, alignment="top_left")
+    layout = args.layout or ("thd" if mask.document else "bshd")
+    sq = _seqlen_q(args)
+    extra = {"page_size": args.page_size} if layout == "paged" else {}
+    return AttentionSpec(
+        phase=args.phase, dtype=args.dtype, kv_dtype=args.kv_dtype, head_dim=args.head_dim,
+        head_dim_v=args.head_dim_v, num_q_heads=args.heads[0], num_kv_heads=args.heads[1],
+        layout=layout, mask=mask, max_seqlen_q=sq, max_seqlen_k=args.seqlen, batch=args.batch,
+        needs_grad=args.grad or args.phase == "train", deterministic=args.deterministic,
+        return_lse=args.return_lse, **extra).bucketed()
+
+
+def _seqlen_q(args: argparse.Namespace) -> int:
+    return args.seqlen_q or (1 if args.phase == "decode" else args.seqlen)
+
+
+def run(args: argparse.Namespace) -> int:
+    policy, registry = load(args)
+    device = devices(args.hardware)[0]
+    spec = spec_from_args(args)
+    ctx = BindContext(model=args.model, layer=args.layer, layer_kind=args.layer_kind,
+                      world_size=args.world_size)
+    decision = policy.resolve(spec, device, registry, ctx)
+    trace = [{"rule": lr.rule.name, "location": lr.location, "failed": failed}
+             for lr, failed in policy.trace(spec, device, ctx)] if args.trace else None
+    ran = _run_once(policy, registry, spec, ctx, args) if args.run else None
+    if args.json:
+        print_json({"schema": SCHEMA,
+                    "policy": {"name": policy.name, "files": list(policy.data.files)},
+                    "device": {"arch": device.arch, "vendor": device.vendor, "name": device.name,
+                               "simulated": device.simulated},
+                    "decision": decision.to_json(), "trace": trace, "run": ran})
+        return 0 if decision.backend else 1
+    print(f"policy:  {policy.name} ({' <- '.join(policy.data.files)})")
+    print(decision.explain())
+    for t in trace or []:
+        state = "matched" if t["failed"] is None else f"no match on `{t['failed']}`"
+        print(f"  tried {t['rule']} ({t['location']}): {state}")
+    if ran is not None:
+        counts = ", ".join(f"{a} -> {b} x{n}" for a, b, n in ran["fallbacks"]) or "none"
+        print(f"run:     {ran['backend']} on {ran['device']}; run-time fallbacks: {counts}")
+    return 0 if decision.backend else 1
+
+
+def _run_once(policy: Any, registry: Any, spec: AttentionSpec, ctx: BindContext,
+              args: argparse.Namespace) -> dict[str, Any]:
+    """Call attention once with random inputs of ``spec`` through a Hub on this machine."""
+    if args.hardware:
+        raise AttnhubError("--run executes on this machine; drop --hardware")
+    supported = {"none", "causal", "sliding_window", "alibi", "softcap"}
+    if not spec.mask.kinds <= supported or spec.layout != "bshd":
+        raise AttnhubError(f"--run supports layout bshd with masks {', '.join(sorted(supported))}"
+                           f"; got {spec.layout} {spec.mask.describe()}")
+    hub = Hub(policy=policy, registry=registry)
+    dev = hub.device.torch_device
+    dt = torch_dtype(spec.dtype)
+    q = torch.randn(args.batch, _seqlen_q(args), spec.num_q_heads, spec.head_dim, device=dev,
+                    dtype=dt)
+    k, v = (torch.randn(args.batch, args.seqlen, spec.num_kv_heads, d, device=dev,
+                        dtype=torch_dtype(spec.kv_dtype or spec.dtype))
+            for d in (spec.head_dim, spec.head_dim_v or spec.head_dim))
+    m = spec.mask
+    slopes = torch.rand(spec.num_q_heads, device=dev) if m.alibi else None
+    with torch.set_grad_enabled(spec.needs_grad):
+        if spec.needs_grad:
+            q.requires_grad_(True)
+        hub.attention(q, k, v, causal=m.causal, window=m.window, alibi_slopes=slopes,
+                      softcap=30.0 if m.softcap else None, phase=spec.phase, context=ctx,
+                      deterministic=spec.deterministic, causal_alignment=m.alignment)
+    bound = hub.bound()[-1].decision
+    return {"backend": bound.backend, "device": hub.device.describe(),
+            "fallbacks": [[a, b, n] for (a, b), n in sorted(hub.fallback_counts.items())]}

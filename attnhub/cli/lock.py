@@ -1,0 +1,78 @@
+"""``attnhub lock``: freeze the resolved bindings; ``--check`` lists drift (exit 1)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..core.decision import BindContext
+from ..core.registry import Registry
+from ..errors import AttnhubError
+from ..policy import load_policy
+from ..policy.cells import cells
+from ..policy.lock import build_lock, check_lock, read_lock, write_lock
+from ._common import add_json, print_json
+from ._policy_common import add_policy, devices, load
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lock", help="freeze resolved bindings with library versions; "
+                                    "--check reports drift")
+    add_policy(p)
+    p.add_argument("--hardware", metavar="A,B",
+                   help="lock simulated hardware (default: this machine)")
+    p.add_argument("--model", help="model name of the bind context (rules may match on it)")
+    p.add_argument("-o", "--output", metavar="FILE", help="lockfile to write")
+    p.add_argument("--check", metavar="FILE", help="resolve a lockfile's bindings again and "
+                                                   "print what changed (exit 1 on drift)")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if bool(args.output) == bool(args.check):
+        raise AttnhubError("give exactly one of -o FILE (write a lock) or --check FILE")
+    if args.check:
+        return _check(args)
+    policy, registry = load(args)
+    ctx = BindContext(model=args.model)
+    pairs = [(dev, policy.resolve(c.spec(), dev, registry, ctx))
+             for dev in devices(args.hardware) for c in cells()]
+    lock = build_lock(policy, registry, pairs)
+    write_lock(args.output, lock)
+    unserved = sum(d.backend is None for _, d in pairs)
+    summary = {"lockfile": args.output, "bindings": len(pairs), "unserved": unserved,
+               "hardware": sorted({dev.arch for dev, _ in pairs})}
+    if args.json:
+        print_json(summary)
+    else:
+        print(f"wrote {args.output}: {len(pairs)} bindings on {', '.join(summary['hardware'])}"
+              f" ({unserved} unserved) for policy {policy.name}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    lock = read_lock(args.check)
+    policy_ref = args.policy or _locked_policy(lock, Path(args.check))
+    policy, registry = load_policy(policy_ref), Registry.load()
+    drift = check_lock(lock, policy, registry)
+    if args.json:
+        print_json(drift.to_json())
+        return int(drift.drifted)
+    for line in drift.policy + drift.versions:
+        print(f"note: {line}")
+    for line in drift.changed:
+        print(f"DRIFT {line}")
+    n = len(lock.get("bindings", []))
+    print(f"{args.check}: {len(drift.changed)} of {n} binding(s) changed"
+          if drift.drifted else f"{args.check}: all {n} binding(s) unchanged")
+    return int(drift.drifted)
+
+
+def _locked_policy(lock: dict, lock_path: Path) -> str:
+    """The top policy file recorded in the lock (relative to cwd, else to the lockfile)."""
+    files = lock.get("policy", {}).get("files") or []
+    if not files:
+        raise AttnhubError(f"{lock_path} records no policy file; pass --policy")
+    top = Path(files[-1])
+    return str(top if top.exists() else lock_path.parent / top)

@@ -1,0 +1,1 @@
+"""Bridges from model libraries to attnhub (imported on demand, never by ``import attnhub``)."""

@@ -1,0 +1,157 @@
+"""Hugging Face transformers: ``attn_implementation="attnhub"`` routes every layer through
+the policy.
+
+``register()`` adds an attention function to transformers' ``AttentionInterface`` and, since a
+name without a mask function gets no mask at all (``masking_utils`` then returns None), the
+boolean ``sdpa_mask`` under the same name. Each call turns the mask transformers built back
+into attnhub's mask vocabulary: plain causal, sliding window and key padding (column-sparse
+ranges) when the mask is exactly that, a dense ``mask_mod`` otherwise, so the policy sees
+what the mask really is. The phase comes from the call: one new query over a longer key
+sequence (a step of ``generate()`` with a cache) is ``decode``, anything else ``prefill``
+(``train`` when gradients flow). The bind context names the model and the layer index.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.decision import BindContext
+from ..errors import InputError
+from ..hub import Hub, default_hub
+
+NAME = "attnhub"
+_hub: Hub | None = None
+
+
+def register(hub: Hub | None = None, name: str = NAME) -> str:
+    """Register ``name`` with transformers' attention and mask interfaces; returns the name.
+
+    ``hub`` (default: the process-wide hub) is the policy + registry that serves the calls.
+    Calling again replaces the hub.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    global _hub
+    _hub = hub
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, sliding_window: int | None = None,
+                      softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) in,
+    (B, Sq, Hq, Dv) out and no attention weights."""
+    _refuse_unsupported(dropout, kwargs)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window = (sliding_window - 1, 0) if sliding_window else None
+    sq, sk = q.shape[1], k.shape[1]
+    if attention_mask is None and causal and 1 < sq < sk:
+        # transformers drops the mask only for a prefill into an empty static cache, whose
+        # keys past the queries are unused slots: keep the keys the queries can see
+        k, v, sk = k[:, :sq], v[:, :sq], sq
+    mask = _mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk)
+    # phase left to the hub: one query over a longer cache is decode, else prefill or train
+    out = (_hub or default_hub()).attention(q, k, v, scale=scaling, softcap=softcap,
+                                            context=_context(module), **mask)
+    return out, None
+
+
+def _refuse_unsupported(dropout: float, kwargs: dict[str, Any]) -> None:
+    if dropout:
+        raise InputError(f"attnhub attention has no dropout (got dropout={dropout}); call "
+                         "model.eval() or set the config's attention dropout to 0")
+    if kwargs.get("output_attentions"):
+        raise InputError("attnhub does not return attention weights; use "
+                         "attn_implementation='eager' for output_attentions=True")
+    for unsupported in ("position_bias", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise InputError(f"attnhub's transformers integration does not take "
+                             f"{unsupported!r} (learned biases / attention sinks); use the "
+                             "model's eager or sdpa implementation for this model")
+
+
+def _context(module: torch.nn.Module) -> BindContext:
+    """The layer's bind context, built once and kept on the module."""
+    ctx = getattr(module, "_attnhub_context", None)
+    if ctx is None:
+        cfg = getattr(module, "config", None)
+        model = (getattr(cfg, "_name_or_path", None) or getattr(cfg, "model_type", None)
+                 or type(module).__name__)
+        kind = "sliding" if getattr(module, "sliding_window", None) else "softmax"
+        ctx = BindContext(model=str(model), layer=getattr(module, "layer_idx", None),
+                          layer_kind=kind)
+        module._attnhub_context = ctx  # type: ignore[assignment]
+    return ctx
+
+
+class DenseMask:
+    """A boolean (B, 1, Sq, Sk) mask as a FlexAttention-style ``mask_mod``.
+
+    Used only for masks that are not causal + window + key padding. Instances compare equal
+    so that the hub binds one runner for them, not one per call; the mask data travels per
+    call.
+    """
+
+    __name__ = "dense_mask"
+
+    def __init__(self, allowed: torch.Tensor):
+        self.allowed = allowed
+
+    def __call__(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                 kv_idx: torch.Tensor) -> torch.Tensor:
+        return self.allowed[b, 0, q_idx, kv_idx]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DenseMask)
+
+    def __hash__(self) -> int:
+        return hash(DenseMask)
+
+
+_last: tuple[Any, ...] = ()  # (mask, causal, window, result): one forward reuses it per layer
+
+
+def _mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] | None,
+               batch: int, sq: int, sk: int) -> dict[str, Any]:
+    """attnhub mask arguments equal to transformers' mask for this call."""
+    global _last
+    if mask is None:
+        return {"causal": causal, "window": window}
+    if _last and _last[0] is mask and _last[1:3] == (causal, window):
+        return _last[3]
+    allowed = _as_bool(mask).expand(batch, 1, sq, sk)
+    keep = allowed[:, 0].any(dim=1)  # key columns some query sees; the rest are padding
+    structured = keep.view(batch, 1, 1, sk)
+    rows = torch.arange(sq, device=mask.device).view(sq, 1) + (sk - sq)
+    cols = torch.arange(sk, device=mask.device).view(1, sk)
+    if causal:
+        structured = structured & (cols <= rows)
+    if window is not None:
+        structured = structured & (cols >= rows - window[0])
+    if torch.equal(structured, allowed):
+        out: dict[str, Any] = {"causal": causal, "window": window}
+        if not bool(keep.all()):  # key padding: mask every query row of a padded column
+            pad = (~keep).to(torch.int32).view(batch, 1, sk)
+            out.update(colmask_start=torch.zeros_like(pad), colmask_end=pad * sq)
+    else:
+        out = {"mask_mod": DenseMask(allowed)}
+    _last = (mask, causal, window, out)
+    return out
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    lo = torch.finfo(mask.dtype).min / 2
+    if not bool(((mask == 0) | (mask <= lo)).all()):
+        raise InputError("attnhub takes boolean (or 0 / -inf additive) attention masks; this "
+                         "float mask carries a bias, which needs the eager implementation")
+    return mask == 0

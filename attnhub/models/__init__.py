@@ -1,0 +1,1 @@
+"""Built-in models that attnhub binds and runs (``attnhub run``, ``bench``, ``profile``)."""

@@ -1,0 +1,166 @@
+"""Greedy generation with the paged KV cache, timed per phase, and the checks around it.
+
+Decoding always runs on forks of the prefilled prompt sequences: the prompt's cache pages are
+shared, so the same prefill serves the policy's run, a warm-up, and one timed decode per
+backend in a side-by-side comparison, and freeing the forks returns the cache to the prompt
+state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from ..bind import BindingTable
+from ..core.kvcache import PagedKVCache, free_all
+from ..hub import Hub
+from ..nn import Attention, override_backend
+from ..timing import Stopwatch
+from .decoder import Decoder
+
+Progress = Callable[[Iterable[int]], Iterable[int]]
+
+
+@dataclass
+class Decoded:
+    """Tokens (B, steps) and the logits of the first ``keep`` steps (B, keep, vocab)."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    seconds: float
+
+
+def prefill(model: Decoder, cache: PagedKVCache,
+            prompts: torch.Tensor) -> tuple[list[int], torch.Tensor, float]:
+    """Prompt sequences, their last-position logits (B, vocab) and the seconds it took."""
+    with Stopwatch(model.device) as sw:
+        seqs, logits = model.prefill(cache, prompts)
+    return seqs, logits, sw.seconds
+
+
+def decode(model: Decoder, cache: PagedKVCache, seqs: Sequence[int], first: torch.Tensor,
+           steps: int, *, keep: int = 0, progress: Progress | None = None) -> Decoded:
+    """Greedy decode of ``steps`` tokens on forks of ``seqs`` (freed afterwards); ``first``
+    (B,) is the token each fork starts from (the prefill's greedy choice)."""
+    forks = [cache.fork(s) for s in seqs]
+    toks, kept = [first], []
+    rng: Iterable[int] = range(steps)
+    try:
+        with Stopwatch(model.device) as sw:
+            for i in (progress(rng) if progress else rng):
+                logits = model.decode(cache, forks, toks[-1])
+                if i < keep:
+                    kept.append(logits)
+                toks.append(logits.argmax(-1))
+    finally:
+        free_all(cache, forks)
+    empty = first.new_zeros(first.shape[0], 0, model.cfg.vocab_size, dtype=torch.float32)
+    return Decoded(torch.stack(toks[1:], 1) if steps else first.new_zeros(first.shape[0], 0),
+                   torch.stack(kept, 1) if kept else empty, sw.seconds)
+
+
+def exact_layers(hub: Hub, table: BindingTable) -> Callable[[Attention], bool]:
+    """A filter for layers whose every binding is an exact backend: those a reference run may
+    replace (an approximate layer, bound by name in a policy, keeps its backend)."""
+    approx = {r.layer for r in table if r.backend is not None
+              and not hub.registry.get(r.backend).capabilities.exact}
+    return lambda m: m.layer_idx not in approx
+
+
+@dataclass
+class Check:
+    """The first steps of a run against the same model with the ``reference`` backend."""
+
+    rows: int
+    steps: int
+    max_abs_diff: float
+    per_step: list[float]
+    agree: list[bool]
+    near_tie: list[bool] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Greedy tokens equal, or differing only where the reference's top two logits are
+        closer than twice the logit error (a tie that rounding may break either way)."""
+        return all(a or t for a, t in zip(self.agree, self.near_tie))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rows": self.rows, "steps": self.steps, "max_abs_diff": self.max_abs_diff,
+                "per_step_max_abs_diff": self.per_step, "same_greedy_tokens": all(self.agree),
+                "mismatches_at_near_ties": sum(not a and t for a, t in
+                                               zip(self.agree, self.near_tie)),
+                "ok": self.ok}
+
+
+def reference_check(model: Decoder, hub: Hub, table: BindingTable, prompts: torch.Tensor,
+                    logits: torch.Tensor, tokens: torch.Tensor, *, page_size: int) -> Check:
+    """Rerun the first ``logits.shape[1]`` steps of rows ``prompts`` with ``reference`` on
+    every exact layer, feeding the run's own tokens, and compare logits and greedy choices.
+
+    ``logits`` (R, K, vocab): the run's prefill logits then K-1 decode steps; ``tokens``
+    (R, K): the tokens the run chose at those steps.
+    """
+    rows, k = logits.shape[:2]
+    cache = model.new_cache(rows, prompts.shape[1] + k, page_size=page_size)
+    ref = []
+    with override_backend(model, "reference", only=exact_layers(hub, table)):
+        seqs, first = model.prefill(cache, prompts)
+        ref.append(first)
+        for i in range(k - 1):
+            ref.append(model.decode(cache, seqs, tokens[:, i]))
+    r = torch.stack(ref, 1)
+    diff = (r - logits).abs().amax(dim=(0, 2))
+    agree, tie = [], []
+    for i in range(k):
+        ref_tok = r[:, i].argmax(-1)
+        same = ref_tok == tokens[:, i]
+        agree.append(bool(same.all()))
+        margin = r[:, i].gather(1, ref_tok[:, None]) - r[:, i].gather(1, tokens[:, i, None])
+        tie.append(bool((margin.squeeze(1)[~same] <= 2 * diff[i]).all()))
+    return Check(rows, k, float(diff.max()), [float(d) for d in diff], agree, tie)
+
+
+def decode_candidates(hub: Hub, table: BindingTable) -> tuple[list[str], dict[str, str]]:
+    """Exact backends that can serve every exact layer's decode bindings on this device (the
+    ``reference`` oracle excluded), and, for the others, the first reason they cannot."""
+    specs = {r.decision.spec for r in table if r.phase == "decode" and r.backend is not None
+             and hub.registry.get(r.backend).capabilities.exact}
+    ok, skipped = [], {}
+    for name, b in hub.registry.backends.items():
+        if b.tier == "reference" or not b.capabilities.exact:
+            continue
+        reasons = [x for s in specs for x in b.check(s, hub.device)]
+        if reasons:
+            skipped[name] = reasons[0]
+        else:
+            ok.append(name)
+    return ok, skipped
+
+
+def compare_decode(model: Decoder, hub: Hub, table: BindingTable, cache: PagedKVCache,
+                   seqs: Sequence[int], first: torch.Tensor, steps: int, *,
+                   warmup: int = 2, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Decode tokens/s of the policy's binding and of each candidate decode backend forced on
+    the exact layers, all from the same prefill, each after ``warmup`` untimed steps."""
+    names, skipped = decode_candidates(hub, table)
+    only = exact_layers(hub, table)
+    out = []
+    for name in [None, *names]:
+        with override_backend(model, name, only=only):
+            try:
+                decode(model, cache, seqs, first, warmup)
+                d = decode(model, cache, seqs, first, steps, progress=progress)
+            except Exception as exc:  # one backend failing must not hide the others' numbers
+                out.append({"backend": name or "policy", "error": f"{type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:200]}"})
+                continue
+        out.append({"backend": name or "policy", "decode_s": d.seconds,
+                    "tokens_per_s": first.shape[0] * steps / d.seconds if d.seconds else None})
+    timed = [r for r in out if r.get("tokens_per_s")]
+    best = max((r["tokens_per_s"] for r in timed), default=None)
+    for r in timed:
+        r["vs_best"] = r["tokens_per_s"] / best
+    out += [{"backend": n, "skipped": why} for n, why in skipped.items()]
+    return out

@@ -1,0 +1,159 @@
+"""``attnhub.nn.Attention``: the attention op of one model layer, bound by the policy.
+
+Model code projects q/k/v (and applies rotary embeddings); this module stores the new k/v in
+the paged KV cache and runs attention through a hub, with the layer's bind context (model
+name, layer index, layer kind) so that a policy can bind each layer and phase differently.
+``attnhub.bind`` resolves every layer for every phase at start-up; the call path is then the
+hub's dict lookup, never a policy resolution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .core.decision import BindContext
+from .core.kvcache import CacheStep
+from .core.spec import AttentionSpec, MaskSpec, dtype_name
+from .hub import Hub, default_hub
+
+#: How a layer reads the cache in decode: ``paged`` hands block tables to the backend,
+#: ``gather`` copies the context into contiguous tensors first (for a backend bound to the
+#: layer that has no paged layout, such as a linear/recurrent one).
+DECODE_LAYOUTS = ("paged", "gather")
+
+_timer: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def timed_attention(timer: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> Iterator[None]:
+    """Route every ``Attention`` call through ``timer(fn)`` (``attnhub profile`` uses this to
+    measure the attention share of a step); no cost when unused beyond one global check."""
+    global _timer
+    old, _timer = _timer, timer
+    try:
+        yield
+    finally:
+        _timer = old
+
+
+class Attention(nn.Module):
+    """Attention of one layer: q (B, S, Hq, D), k/v (B, S, Hkv, D) of the new tokens.
+
+    Without a cache, attends over the given k/v (training, or a prefill without cache). With
+    a ``CacheStep``, writes k/v into the cache first, then attends over the sequence so far:
+    directly on the new tokens for a fresh prefill, through the paged layout (or a gathered
+    copy, see ``decode_layout``) otherwise.
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
+                 head_dim_v: int | None = None, causal: bool = True,
+                 window: tuple[int, int] | None = None, softcap: float | None = None,
+                 scale: float | None = None, layer_idx: int | None = None,
+                 layer_kind: str = "softmax", model: str | None = None):
+        super().__init__()
+        if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+            raise ValueError(f"Attention: {num_q_heads} query heads are not a multiple of "
+                             f"{num_kv_heads} KV heads")
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v or head_dim
+        self.causal = causal
+        self.window = window
+        self.softcap = softcap
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.context = BindContext(model=model, layer=layer_idx, layer_kind=layer_kind)
+        #: The hub this layer is bound to (``attnhub.bind`` sets it); None: the default hub.
+        self.hub: Hub | None = None
+        self.decode_layout = "paged"
+        #: Force a backend for this layer (reference checks, decode comparisons).
+        self.backend_override: str | None = None
+
+    def extra_repr(self) -> str:
+        c = self.context
+        return (f"heads={self.num_q_heads}:{self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"causal={self.causal}, kind={c.layer_kind}, layer={c.layer}, "
+                f"decode={self.decode_layout}")
+
+    def set_context(self, model: str | None, layer: int) -> None:
+        """Name the model and layer this op sits in (``bind`` calls this)."""
+        self.layer_idx = layer
+        self.context = replace(self.context, model=model, layer=layer)
+
+    # -- what a call asks for (bind resolves these ahead of the calls) ----------------------
+    def spec(self, phase: str, *, batch: int, seqlen_q: int, seqlen_k: int,
+             dtype: torch.dtype, layout: str | None = None, page_size: int = 16) -> AttentionSpec:
+        """The bucketed spec that a call of this layer in ``phase`` makes, as the hub keys it
+        (``page_size``: the KV cache's, for the paged layout)."""
+        if layout is None:
+            layout = "paged" if phase == "decode" and self.decode_layout == "paged" else "bshd"
+        return AttentionSpec(
+            phase=phase, dtype=dtype_name(dtype), kv_dtype=dtype_name(dtype),
+            head_dim=self.head_dim, head_dim_v=self.head_dim_v, num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads, layout=layout,  # type: ignore[arg-type]
+            mask=MaskSpec(causal=self._causal_for(seqlen_q), window=self.window,
+                          softcap=self.softcap is not None),
+            max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, batch=batch,
+            needs_grad=phase == "train", page_size=page_size if layout == "paged" else 0,
+        ).bucketed()
+
+    def _causal_for(self, new_tokens: int) -> bool:
+        # one query at the end of its context sees every key: causal is a no-op there, and
+        # dropping it leaves more backends eligible for decode
+        return self.causal and new_tokens > 1
+
+    # -- the call ---------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: CacheStep | None = None) -> torch.Tensor:
+        if _timer is not None:
+            return _timer(lambda: self._forward(q, k, v, cache))
+        return self._forward(q, k, v, cache)
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cache: CacheStep | None) -> torch.Tensor:
+        hub = self.hub or default_hub()
+        kw = dict(window=self.window, softcap=self.softcap, scale=self.scale,
+                  context=self.context, backend=self.backend_override)
+        if cache is not None:
+            if self.layer_idx is None:
+                raise ValueError("Attention with a KV cache needs layer_idx (the cache layer); "
+                                 "pass layer_idx= or bind the model first")
+            cache.write(self.layer_idx, k, v)
+        if cache is None or cache.fresh:
+            return hub.attention(q, k, v, causal=self._causal_for(q.shape[1]), **kw)
+        phase = "decode" if cache.new_tokens == 1 else "prefill"
+        causal = self._causal_for(cache.new_tokens)
+        if self.decode_layout == "gather":
+            kc, vc = cache.cache.gather(self.layer_idx, cache.seq_ids)
+            return hub.attention(q, kc, vc, causal=causal, phase=phase, **kw)
+        return hub.attention(
+            q, cache.cache.k_cache(self.layer_idx), cache.cache.v_cache(self.layer_idx),
+            layout="paged", block_table=cache.block_table, seqlens_k=cache.seqlens,
+            causal=causal, phase=phase, **kw)
+
+
+def attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
+    """Every ``Attention`` in ``model`` with its module path, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
+
+
+@contextlib.contextmanager
+def override_backend(model: nn.Module, backend: str | None,
+                     only: Callable[[Attention], bool] | None = None) -> Iterator[None]:
+    """Force ``backend`` on the model's attention layers (those ``only`` accepts) for a while:
+    reference checks and side-by-side decode timings."""
+    layers = [m for _, m in attention_layers(model) if only is None or only(m)]
+    old = [m.backend_override for m in layers]
+    for m in layers:
+        m.backend_override = backend
+    try:
+        yield
+    finally:
+        for m, o in zip(layers, old):
+            m.backend_override = o

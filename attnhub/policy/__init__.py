@@ -1,0 +1,29 @@
+"""The YAML policy engine: which backend serves which (model, layer, phase, spec bucket).
+
+    from attnhub.policy import load_policy
+    policy = load_policy("policies/h100-training.yaml")     # or None: ATTNHUB_POLICY / default
+    decision = policy.resolve(spec, device, registry, ctx)  # a Decision record
+
+Schema, precedence and overlay rules: docs/policy.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .loader import default_policy_path, load_data, policies_dir, resolve_policy_path
+from .profile import ProfileStore
+from .resolver import Policy
+
+__all__ = ["Policy", "ProfileStore", "load_policy", "policies_dir"]
+
+
+def load_policy(path: str | os.PathLike[str] | None = None, *,
+                profile: ProfileStore | None = None) -> Policy:
+    """Load and validate a policy file (``None``: ``ATTNHUB_POLICY``, else the packaged
+    ``default.yaml``; a bare name such as ``portable`` means a packaged policy).
+
+    Raises :class:`attnhub.errors.PolicyError` listing every problem, each located.
+    """
+    p = default_policy_path() if path is None else resolve_policy_path(path)
+    return Policy(load_data(p), profile=profile)

@@ -1,0 +1,237 @@
+"""``attnhub policy check``: what a policy gets wrong before it binds anything.
+
+Errors: unknown backend names, approximate backends outside layer selectors, contradictions
+(FP8 routed to a backend without FP8, deterministic routed to a non-deterministic one), and
+cells of (hardware x phase x dtype x mask) that no rule serves. Warnings: rules shadowed by an
+earlier rule, FP8 without an accuracy gate, thresholds that are not powers of two, and cells
+unserved only because a first-party plugin is not installed here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ..core.device import simulate
+from ..core.registry import Registry
+from .cells import Cell, cells
+from .loader import LoadedRule
+from .profile import ProfileStore
+from .resolver import Policy, accuracy_gated
+from .schema import Range, When
+
+#: Backend names of the in-repo plugins -> the plugin directory that provides them.
+FIRST_PARTY: dict[str, str] = {
+    **dict.fromkeys(("reference", "torch_sdpa"), "core"),
+    **dict.fromkeys(("triton", "triton_decode", "flex"), "triton_portable"),
+    **dict.fromkeys(("fa2", "fa2_torch", "flashinfer_decode", "flashinfer_prefill"), "sm80_fa2"),
+    **dict.fromkeys(("fa3", "cudnn", "fa3_fp8"), "sm90_fa3"),
+    **dict.fromkeys(("ck_fa", "triton_rocm"), "rocm"),
+    **dict.fromkeys(("gla", "linear", "retention", "sliding_window", "longformer", "lsh"),
+                    "hybrid_linear"),
+    "ring": "ring",
+}
+_FP8 = frozenset({"fp8_e4m3", "fp8_e5m2"})
+_BUCKETED = ("seqlen", "seqlen_q", "seqlen_k", "batch")
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: Literal["error", "warning"]
+    where: str  # file:line:col
+    path: str  # rules[3].use[1] (rule name)
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where} {self.path}: {self.level}: {self.message}"
+
+    def to_json(self) -> dict[str, str]:
+        return {"level": self.level, "location": self.where, "path": self.path,
+                "message": self.message}
+
+
+def lint_policy(policy: Policy, registry: Registry,
+                hardware: tuple[str, ...] | None = None) -> list[Finding]:
+    """Every finding for ``policy`` with the backends of ``registry``; cells are checked on
+    ``hardware`` (default: the policy's ``targets``)."""
+    out: list[Finding] = []
+    for i, lr in enumerate(policy.rules):
+        out += _backend_names(lr, registry)
+        out += _contradictions(lr, registry)
+        out += _thresholds(lr)
+        out += _shadowed(lr, policy.rules[:i])
+    out += _cells(policy, registry, hardware or policy.targets)
+    return sorted(out, key=lambda f: (f.level != "error", _sort_key(f.where)))
+
+
+def _sort_key(where: str) -> tuple[str, int, int]:
+    file, line, col = where.rsplit(":", 2)
+    return file, int(line), int(col)
+
+
+def _label(lr: LoadedRule, *sub: Any) -> str:
+    text = f"rules[{lr.path[1]}]"
+    for s in sub:
+        text += f"[{s}]" if isinstance(s, int) else f".{s}"
+    return f"{text} ({lr.rule.name})"
+
+
+def _use_where(lr: LoadedRule, j: int) -> str:
+    for sub in (("use", "fastest", j), ("use", "order", j), ("use", j)):
+        if lr.path + sub in lr.doc.values:
+            return lr.where(*sub)
+    return lr.where("use")
+
+
+def _backend_names(lr: LoadedRule, registry: Registry) -> list[Finding]:
+    out = []
+    for j, name in enumerate(lr.rule.use.names):
+        b = registry.backends.get(name)
+        where, label = _use_where(lr, j), _label(lr, "use", j)
+        if b is None and name in FIRST_PARTY:
+            plugin = FIRST_PARTY[name]
+            out.append(Finding("warning", where, label, (
+                f"backend {name!r} is not installed here (plugin attnhub-{plugin}: pip install "
+                f"-e plugins/{plugin}); resolution skips it with that reason")))
+        elif b is None:
+            known = sorted(set(registry.backends) | set(FIRST_PARTY))
+            hint = difflib.get_close_matches(name, known, n=1)
+            out.append(Finding("error", where, label, (
+                f"unknown backend {name!r}, expected one of: {', '.join(known)}"
+                + (f" (did you mean {hint[0]!r}?)" if hint else ""))))
+        elif not b.capabilities.exact and not (lr.rule.when.layer or accuracy_gated(lr, name)):
+            out.append(Finding("error", where, label, (
+                f"{name} is approximate (error budget {b.capabilities.error_budget}), expected "
+                "it only in a rule with a layer selector (when.layer) or with `requires: "
+                "{accuracy: ...}` for it; the resolver never binds it here")))
+        elif b.capabilities.fp8 and not accuracy_gated(lr, name):
+            out.append(Finding("warning", where, label, (
+                f"{name} computes in FP8 without an accuracy gate; FP8 attention lost accuracy "
+                "badly on outlier inputs (rel. error 0.17-0.26 vs 0.0018 for BF16 on an H200): "
+                "expected `requires: {accuracy: {backends: [" + name + "]}}`")))
+    out += _gate_names(lr)
+    return out
+
+
+def _gate_names(lr: LoadedRule) -> list[Finding]:
+    req = lr.rule.requires
+    gate = req.accuracy.backends if req is not None and req.accuracy is not None else None
+    return [Finding("error", lr.where("requires", "accuracy", "backends", i),
+                    _label(lr, "requires", "accuracy", "backends", i), (
+                        f"{name!r} is not a candidate of this rule, expected one of: "
+                        f"{', '.join(lr.rule.use.names)}"))
+            for i, name in enumerate(gate or []) if name not in lr.rule.use.names]
+
+
+def _contradictions(lr: LoadedRule, registry: Registry) -> list[Finding]:
+    w, out = lr.rule.when, []
+    fp8_only = w.dtype is not None and set(w.dtype) <= _FP8
+    fp8_kv = w.kv_dtype is not None and set(w.kv_dtype) <= _FP8
+    for j, name in enumerate(lr.rule.use.names):
+        b = registry.backends.get(name)
+        if b is None:
+            continue
+        c, where, label = b.capabilities, _use_where(lr, j), _label(lr, "use", j)
+        if fp8_only and not set(w.dtype or ()) & c.dtypes:
+            out.append(Finding("error", where, label, (
+                f"rule routes FP8 ({', '.join(w.dtype or ())}) to {name}, which supports "
+                f"{', '.join(sorted(c.dtypes))}; expected an FP8-capable backend")))
+        if fp8_kv and not set(w.kv_dtype or ()) & (c.kv_dtypes or frozenset()):
+            out.append(Finding("error", where, label, (
+                f"rule routes an FP8 KV cache to {name}, which declares no FP8 KV dtype; "
+                "expected an FP8-KV-capable backend")))
+        grad = w.needs_grad or (w.phase is not None and set(w.phase) == {"train"})
+        if w.deterministic and (not c.deterministic_forward
+                                or (grad and not c.deterministic_backward)):
+            part = "backward" if c.deterministic_forward else "forward"
+            out.append(Finding("error", where, label, (
+                f"rule routes deterministic requests to {name}, whose {part} is not "
+                "deterministic; expected a deterministic backend")))
+    return out
+
+
+def _thresholds(lr: LoadedRule) -> list[Finding]:
+    out = []
+    for key in _BUCKETED:
+        rng: Range | None = getattr(lr.rule.when, key)
+        bounds = [b for b in (rng.ge, rng.gt, rng.le, rng.lt) if b is not None] if rng else []
+        odd = [b for b in bounds if b < 1 or int(b) != b or int(b) & (int(b) - 1)]
+        if odd:
+            out.append(Finding("warning", lr.where("when", key), _label(lr, "when", key), (
+                f"bound {odd[0]:g} is not a power of two, but {key} is compared after bucketing "
+                "to the next power of two; expected a power of two (e.g. 4096, 8192)")))
+    return out
+
+
+def _shadowed(lr: LoadedRule, earlier: tuple[LoadedRule, ...]) -> list[Finding]:
+    for e in earlier:
+        if covers(e.rule.when, lr.rule.when):
+            return [Finding("warning", lr.where(), _label(lr), (
+                f"can never match: earlier rule {e.rule.name!r} ({e.location}) matches every "
+                "call this one does; expected it before that rule or narrower conditions there"))]
+    return []
+
+
+def covers(a: When, b: When) -> bool:
+    """Provably: every call that matches ``b`` also matches ``a`` (conservative)."""
+    for key in a.model_fields_set:
+        va, vb = getattr(a, key), getattr(b, key)
+        if va is None:
+            continue
+        if vb is None:
+            return False
+        if key == "hardware":
+            if not all(x in va or _vendor(x) in va for x in vb):
+                return False
+        elif isinstance(va, Range):
+            if not vb.within(va):
+                return False
+        elif isinstance(va, list):
+            if not set(vb) <= set(va):
+                return False
+        elif va != vb:
+            return False
+    return True
+
+
+def _vendor(arch: str) -> str:
+    return "cuda" if arch.startswith("sm") else "rocm" if arch.startswith("gfx") else arch
+
+
+def _cells(policy: Policy, registry: Registry, hardware: tuple[str, ...]) -> list[Finding]:
+    """Cells without a backend, grouped by (hardware, rule). Resolved without measurements
+    so that the verdict does not depend on this machine's profile store."""
+    with tempfile.TemporaryDirectory() as tmp:
+        iso = Policy(policy.data, profile=ProfileStore(Path(tmp) / "profile.json"))
+        groups: dict[tuple[str, str | None], list[tuple[Cell, Any]]] = defaultdict(list)
+        for hw in hardware:
+            dev = simulate(hw)
+            for cell in cells():
+                d = iso.resolve(cell.spec(), dev, registry)
+                if d.backend is None:
+                    groups[(hw, d.rule)].append((cell, d))
+    rules = {lr.rule.name: lr for lr in policy.rules}
+    out = []
+    for (hw, rule), items in groups.items():
+        lr = rules.get(rule) if rule else None
+        missing = sorted({r.backend for _, d in items for r in d.rejected
+                          if r.backend in FIRST_PARTY and r.backend not in registry.backends})
+        where = lr.where() if lr else f"{policy.data.files[-1]}:1:1"
+        label = _label(lr) if lr else "rules"
+        listed = ", ".join(c.label for c, _ in items[:6]) + (
+            f" and {len(items) - 6} more" if len(items) > 6 else "")
+        if missing:
+            out.append(Finding("warning", where, label, (
+                f"on {hw}, {len(items)} cell(s) have no installed backend ({listed}); not "
+                f"installed here: {', '.join(missing)}")))
+        else:
+            first = items[0][1]
+            why = "; ".join(f"{r.backend}: {r.reasons[0]}" for r in first.rejected)
+            out.append(Finding("error", where, label, (
+                f"on {hw}, {len(items)} cell(s) are served by no backend ({listed}); first: "
+                f"{why}; expected a candidate (or rule) that serves them")))
+    return out

@@ -1,0 +1,215 @@
+"""Load a policy: YAML with positions, schema validation, ``extends:`` overlays.
+
+Every problem of every file in the chain is collected and raised together as one
+:class:`~attnhub.errors.PolicyError`, each line ``file:line:col path: what is wrong, what is
+expected``.
+
+Overlay semantics (a file that ``extends`` another): the top file's name, version and
+description win; ``targets`` and each ``defaults`` key are inherited unless set; rules named
+in ``remove`` are dropped; a rule whose name exists in the base replaces it in place; a new
+rule goes before every base rule, in file order, unless ``before:``/``after:`` names the
+rule it should sit next to.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from ..errors import PolicyError
+from .located import Located, dotted, pydantic_problems, read_yaml
+from .schema import Defaults, PolicyFile, Rule
+
+_PACKAGED_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+@dataclass(frozen=True)
+class LoadedRule:
+    """A validated rule and where it was written (for explain, lint and lockfiles)."""
+
+    rule: Rule
+    doc: Located
+    path: tuple[str | int, ...]  # ("rules", i) inside ``doc``
+
+    @property
+    def location(self) -> str:
+        """``file:line`` of the rule, as decision records show it."""
+        return self.doc.where(self.path).rsplit(":", 1)[0]
+
+    def where(self, *sub: str | int, key: bool = False) -> str:
+        return self.doc.where(self.path + sub, key=key)
+
+
+@dataclass(frozen=True)
+class PolicyData:
+    """A merged policy: header from the top file, rules after every overlay."""
+
+    name: str
+    version: int
+    description: str
+    targets: tuple[str, ...] | None
+    defaults: Defaults
+    rules: tuple[LoadedRule, ...]
+    files: tuple[str, ...]
+
+
+def policies_dir() -> Path:
+    """Where the packaged policies live: the source tree (editable install) or
+    ``<prefix>/share/attnhub/policies`` (wheel install, pyproject ``data-files``)."""
+    here = Path(__file__).resolve().parents[2] / "policies"
+    candidates = [here]
+    for base in {sys.prefix, sysconfig.get_path("data"), sysconfig.get_path("data", "posix_user")}:
+        candidates.append(Path(base) / "share" / "attnhub" / "policies")
+    for c in candidates:
+        if (c / "default.yaml").is_file():
+            return c
+    raise PolicyError([f"the packaged default policy was not found (looked in "
+                       f"{', '.join(str(c) for c in candidates)}); reinstall attnhub or set "
+                       "ATTNHUB_POLICY=path/to/policy.yaml"])
+
+
+def default_policy_path() -> Path:
+    """``ATTNHUB_POLICY`` if set, else the packaged ``default.yaml``."""
+    env = os.environ.get("ATTNHUB_POLICY")
+    return Path(env) if env else policies_dir() / "default.yaml"
+
+
+def resolve_policy_path(ref: str | os.PathLike[str], base_dir: Path | None = None) -> Path:
+    """A file path, or a packaged policy name such as ``default`` or ``portable``."""
+    s = os.fspath(ref)
+    if _PACKAGED_NAME.match(s) and not (base_dir or Path.cwd()).joinpath(s).exists():
+        return policies_dir() / f"{s}.yaml"
+    p = Path(s).expanduser()
+    return p if p.is_absolute() or base_dir is None else base_dir / p
+
+
+def load_data(path: str | os.PathLike[str]) -> PolicyData:
+    """Read, validate and merge a policy file and the chain it extends."""
+    problems: list[str] = []
+    chain = _read_chain(Path(path), problems, [])
+    if problems:
+        raise PolicyError(problems)
+    merged = _merge(chain, problems)
+    if problems:
+        raise PolicyError(problems)
+    return merged
+
+
+def _display(p: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
+def _read_chain(path: Path, problems: list[str], seen: list[Path],
+                ref: str | None = None) -> list[tuple[PolicyFile, Located]]:
+    """Files from the root base to ``path`` (each validated); problems collected."""
+    file = _display(path)
+    if path.resolve() in seen:
+        cycle = " -> ".join(_display(p) for p in seen + [path.resolve()])
+        problems.append(f"{ref}: extends forms a cycle ({cycle}), expected a chain that ends")
+        return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        where = f"{ref}: " if ref else ""
+        problems.append(f"{where}cannot read policy {file} ({exc.strerror}), expected a "
+                        "readable YAML file (or a packaged name such as `default`)")
+        return []
+    doc, found = read_yaml(text, file)
+    problems += found
+    if found:
+        return []
+    if not isinstance(doc.data, dict):
+        problems.append(f"{doc.where(())} (document): got {type(doc.data).__name__}, expected "
+                        "a mapping with name, rules and optional extends, defaults, targets")
+        return []
+    try:
+        pf = PolicyFile.model_validate(doc.data)
+    except ValidationError as exc:
+        problems += sorted(pydantic_problems(exc.errors(), doc, PolicyFile), key=_pos)
+        return []
+    problems += _file_checks(pf, doc)
+    base: list[tuple[PolicyFile, Located]] = []
+    if pf.extends is not None:
+        base_path = resolve_policy_path(pf.extends, path.parent)
+        base = _read_chain(base_path, problems, seen + [path.resolve()],
+                           ref=f"{doc.where(('extends',))} extends")
+    return base + [(pf, doc)]
+
+
+def _pos(line: str) -> tuple[int, int]:
+    m = re.search(r":(\d+):(\d+) ", line)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def _file_checks(pf: PolicyFile, doc: Located) -> list[str]:
+    """Checks within one file that the schema cannot express."""
+    out, seen = [], {}
+    for i, r in enumerate(pf.rules):
+        if r.name in seen:
+            out.append(f"{doc.where(('rules', i, 'name'))} rules[{i}].name: duplicate rule name "
+                       f"{r.name!r} (first at rules[{seen[r.name]}]), expected unique names")
+        seen.setdefault(r.name, i)
+        for key in ("before", "after"):
+            if getattr(r, key) is not None and pf.extends is None:
+                out.append(f"{doc.where(('rules', i, key))} rules[{i}].{key}: got a placement in "
+                           "a file without `extends`, expected it only in an overlay")
+    if pf.remove and pf.extends is None:
+        out.append(f"{doc.where(('remove',))} remove: got rules to remove in a file without "
+                   "`extends`, expected it only in an overlay")
+    return out
+
+
+def _merge(chain: list[tuple[PolicyFile, Located]], problems: list[str]) -> PolicyData:
+    rules: list[LoadedRule] = []
+    defaults: dict[str, object] = {}
+    targets = None
+    for pf, doc in chain:
+        defaults.update({k: getattr(pf.defaults, k) for k in pf.defaults.model_fields_set})
+        targets = tuple(pf.targets) if pf.targets is not None else targets
+        rules = _overlay(rules, pf, doc, problems)
+    top = chain[-1][0]
+    return PolicyData(name=top.name, version=top.version, description=top.description,
+                      targets=targets, defaults=Defaults(**defaults), rules=tuple(rules),
+                      files=tuple(doc.file for _, doc in chain))
+
+
+def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
+             problems: list[str]) -> list[LoadedRule]:
+    names = lambda rs: [r.rule.name for r in rs]  # noqa: E731
+    rules = list(base)
+    for i, name in enumerate(pf.remove):
+        if name not in names(rules):
+            problems.append(_unknown_ref(doc, ("remove", i), name, names(rules)))
+        else:
+            rules.pop(names(rules).index(name))
+    top: list[LoadedRule] = []
+    for i, r in enumerate(pf.rules):
+        lr = LoadedRule(r, doc, ("rules", i))
+        target = r.before or r.after
+        if target is not None:
+            if r.name in names(rules):
+                rules.pop(names(rules).index(r.name))
+            if target not in names(rules):
+                problems.append(_unknown_ref(doc, ("rules", i, "before" if r.before else "after"),
+                                             target, names(rules)))
+                continue
+            rules.insert(names(rules).index(target) + (r.after is not None), lr)
+        elif r.name in names(rules):
+            rules[names(rules).index(r.name)] = lr
+        else:
+            top.append(lr)
+    return top + rules
+
+
+def _unknown_ref(doc: Located, path: tuple[str | int, ...], name: str, known: list[str]) -> str:
+    return (f"{doc.where(path)} {dotted(path)}: no rule named {name!r} in the policy it extends, "
+            f"expected one of: {', '.join(known) or '(none)'}")

@@ -1,0 +1,250 @@
+"""``Policy``: bind-time resolution of a spec to a backend, as a decision record.
+
+First matching rule in file order (after overlays); its candidates in order (or by measured
+speed for ``fastest``), each checked with ``backend.check(spec, device)`` plus the rule's own
+gates: approximate backends only through a layer selector, accuracy records where
+``requires.accuracy`` says so, and a local kernel for a distributed backend. Results are
+cached per (spec, device, context), so the call path never runs policy code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..core.backend import Backend
+from ..core.decision import BindContext, Decision, Rejection
+from ..core.device import DeviceInfo
+from ..core.registry import Registry
+from ..core.spec import AttentionSpec
+from .loader import LoadedRule, PolicyData
+from .match import Matcher
+from .profile import ProfileStore, bucket_key, device_key
+
+DISTRIBUTED = "distributed"
+
+
+@dataclass
+class _Outcome:
+    """What evaluating one rule's candidates found."""
+
+    order: list[str]
+    viable: list[str]
+    rejected: list[Rejection]
+    notes: list[str]
+    inner: Decision | None = None
+
+
+class Policy:
+    """A loaded policy; implements the hub's ``Resolver`` protocol."""
+
+    def __init__(self, data: PolicyData, profile: ProfileStore | None = None):
+        self.data = data
+        self.name = data.name
+        self.rules: tuple[LoadedRule, ...] = data.rules
+        self._matchers = [Matcher(r.rule.when) for r in data.rules]
+        self._profile = profile
+        self._cache: dict[tuple[Any, ...], Decision] = {}
+
+    def __repr__(self) -> str:
+        return f"<Policy {self.name!r} v{self.data.version}: {len(self.rules)} rules from " \
+               f"{', '.join(self.data.files)}>"
+
+    @property
+    def profile(self) -> ProfileStore:
+        """The profile store (``ATTNHUB_PROFILE`` or the default path, opened lazily)."""
+        if self._profile is None:
+            self._profile = ProfileStore()
+        return self._profile
+
+    @profile.setter
+    def profile(self, store: ProfileStore) -> None:
+        self._profile = store
+        self._cache.clear()
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Hardware the policy is written for (``targets:``); lint and plan default to it."""
+        return self.data.targets or ("cpu", "sm80", "sm90", "gfx942")
+
+    def digest(self) -> str:
+        """sha256 over the policy files (base first), for lockfiles."""
+        h = hashlib.sha256()
+        for f in self.data.files:
+            h.update(Path(f).read_bytes())
+        return h.hexdigest()[:16]
+
+    # -- resolution -------------------------------------------------------------------------
+    def resolve(self, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
+                ctx: BindContext = BindContext()) -> Decision:
+        """The decision record for ``spec`` on ``device`` in bind context ``ctx`` (cached)."""
+        return self._resolve(spec, device, registry, ctx, local=False)
+
+    def trace(self, spec: AttentionSpec, device: DeviceInfo,
+              ctx: BindContext = BindContext()) -> list[tuple[LoadedRule, str | None]]:
+        """Each rule up to the matching one, with the ``when`` key that failed (None: match)."""
+        out = []
+        for lr, m in zip(self.rules, self._matchers):
+            failed, _ = m.failed(spec, device, ctx, self._profile_if_needed(m))
+            out.append((lr, failed))
+            if failed is None:
+                break
+        return out
+
+    def _resolve(self, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
+                 ctx: BindContext, local: bool) -> Decision:
+        rev = self._profile.revision if self._profile is not None else -1
+        key = (spec, device, device.versions, ctx, registry, len(registry.backends), rev, local)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._decide(spec, device, registry, ctx, local)
+        return hit
+
+    def _profile_if_needed(self, m: Matcher) -> ProfileStore | None:
+        return self.profile if m.profile is not None else None
+
+    def _decide(self, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
+                ctx: BindContext, local: bool) -> Decision:
+        notes: list[str] = []
+        for lr, m in zip(self.rules, self._matchers):
+            failed, note = m.failed(spec, device, ctx, self._profile_if_needed(m))
+            if note:
+                notes.append(f"rule {lr.rule.name} skipped: {note}")
+            if failed is None:
+                return self._apply(lr, m, spec, device, registry, ctx, local, notes)
+        reason = (f"no rule of policy {self.name!r} matches {spec.describe()} on {device.arch} "
+                  f"(context {_ctx(ctx)}); rules are tried in file order and the first match "
+                  "wins: add a rule for this case (a last rule without `when` catches all)")
+        return Decision(spec=spec, device=device.describe(), backend=None, policy=self.name,
+                        rejected=(Rejection(f"policy:{self.name}", (reason,)),), context=ctx,
+                        on_failure=self.data.defaults.on_failure, notes=tuple(notes))
+
+    def _apply(self, lr: LoadedRule, m: Matcher, spec: AttentionSpec, device: DeviceInfo,
+               registry: Registry, ctx: BindContext, local: bool, notes: list[str]) -> Decision:
+        rule = lr.rule
+        on_failure = rule.on_failure or self.data.defaults.on_failure
+        out = _Outcome(self._order(rule.use, spec, device, notes), [], [], notes)
+        for name in out.order:
+            reasons = self._reasons(name, lr, m, spec, device, registry, ctx, local, out)
+            if reasons:
+                out.rejected.append(Rejection(name, tuple(reasons)))
+            else:
+                out.viable.append(name)
+        chosen = out.viable[0] if out.viable else None
+        fallbacks = _fallbacks(chosen, out.viable[1:], registry, on_failure, notes)
+        return Decision(spec=spec, device=device.describe(), backend=chosen, rule=rule.name,
+                        rule_location=lr.location, policy=self.name,
+                        candidates=tuple(out.order), rejected=tuple(out.rejected),
+                        fallbacks=tuple(fallbacks), on_failure=on_failure, context=ctx,
+                        notes=tuple(notes),
+                        inner=out.inner if _distributed(chosen, registry) else None)
+
+    def _order(self, use: Any, spec: AttentionSpec, device: DeviceInfo,
+               notes: list[str]) -> list[str]:
+        """Candidates in the order to try: as written, or by measured speed."""
+        if use.fastest is None:
+            return list(use.order)
+        ranked = self.profile.fastest(device, spec, list(use.fastest))
+        timed = [f"{b} {s * 1e6:.1f} us" for b, s in ranked if s is not None]
+        if not timed:
+            notes.append(f"fastest: nothing measured for this bucket on {device_key(device)} in "
+                         f"{self.profile.path}; using list order (record with attnhub bench)")
+        else:
+            rest = [b for b, s in ranked if s is None]
+            notes.append("fastest: measured " + ", ".join(timed)
+                         + (f"; unmeasured {', '.join(rest)} kept in list order after them"
+                            if rest else ""))
+        return [b for b, _ in ranked]
+
+    def _reasons(self, name: str, lr: LoadedRule, m: Matcher, spec: AttentionSpec,
+                 device: DeviceInfo, registry: Registry, ctx: BindContext, local: bool,
+                 out: _Outcome) -> list[str]:
+        backend = registry.backends.get(name)
+        if backend is None:
+            return [f"unknown backend (no installed plugin registers it); known: "
+                    f"{', '.join(sorted(registry.backends))}"]
+        reasons = list(backend.check(spec, device))
+        caps = backend.capabilities
+        gated = accuracy_gated(lr, name)
+        if not caps.exact and not (m.has_layer_selector or gated):
+            reasons.append(f"approximate backend (error budget {caps.error_budget}) is bound "
+                           "only by a rule with a layer selector (when.layer) or one that "
+                           f"requires an accuracy record for it; {lr.rule.name!r} has neither")
+        if gated:
+            reasons += self._accuracy_reasons(name, lr, spec, device)
+        if _distributed(name, registry) and not reasons:
+            reasons += self._local_kernel(backend, spec, device, registry, ctx, local, out)
+        return reasons
+
+    def _accuracy_reasons(self, name: str, lr: LoadedRule, spec: AttentionSpec,
+                          device: DeviceInfo) -> list[str]:
+        req = lr.rule.requires.accuracy  # type: ignore[union-attr]
+        rec = self.profile.accuracy(device, spec, name)
+        if rec is None:
+            return [f"rule {lr.rule.name!r} requires a passing accuracy record and there is "
+                    f"none for {name} on {device_key(device)} (bucket {bucket_key(spec)!r}) in "
+                    f"{self.profile.path}; record one with ProfileStore.record_accuracy "
+                    "(attnhub bench)"]
+        if not rec.passed:
+            return [f"accuracy record ({rec.key}, against {rec.reference}) failed: "
+                    f"{_metrics(rec.metrics)}"]
+        bad = [f"{k}={rec.metrics.get(k)} (max {v})" for k, v in req.max.items()
+               if rec.metrics.get(k) is None or rec.metrics[k] > v]
+        return [f"accuracy record ({rec.key}) exceeds the rule's bounds: {', '.join(bad)}"] \
+            if bad else []
+
+    def _local_kernel(self, backend: Backend, spec: AttentionSpec, device: DeviceInfo,
+                      registry: Registry, ctx: BindContext, local: bool,
+                      out: _Outcome) -> list[str]:
+        """A distributed backend runs a local kernel per block: resolve it (world size 1,
+        LSE required because blocks are merged by LSE)."""
+        if local:
+            return ["a distributed backend cannot be the local kernel of another one"]
+        inner = self._resolve(replace(spec, return_lse=True), device, registry,
+                              replace(ctx, world_size=1), local=True)
+        if inner.backend is None:
+            why = "; ".join(f"{r.backend}: {' / '.join(r.reasons)}" for r in inner.rejected)
+            return [f"no local kernel for {backend.name} ({why})"]
+        if out.inner is None:
+            out.inner = inner
+        return []
+
+
+def accuracy_gated(lr: LoadedRule, backend: str) -> bool:
+    """Does the rule require a passing accuracy record for this backend?"""
+    req = lr.rule.requires
+    return req is not None and req.accuracy is not None and req.accuracy.applies(backend)
+
+
+def _distributed(name: str | None, registry: Registry) -> bool:
+    b = registry.backends.get(name) if name else None
+    return b is not None and b.tier == DISTRIBUTED
+
+
+def _fallbacks(chosen: str | None, rest: list[str], registry: Registry, on_failure: str,
+               notes: list[str]) -> list[str]:
+    """Run-time fallbacks: the remaining viable candidates when ``on_failure: next``."""
+    if chosen is None or not rest:
+        return []
+    if on_failure == "error":
+        notes.append(f"on_failure=error: viable {', '.join(rest)} will not be tried if "
+                     f"{chosen} raises at run time")
+        return []
+    if _distributed(chosen, registry):
+        local = [n for n in rest if not _distributed(n, registry)]
+        if local:
+            notes.append(f"{', '.join(local)} not used as run-time fallbacks of {chosen}: "
+                         "a local kernel on sharded inputs would compute the wrong attention")
+        return [n for n in rest if n not in local]
+    return rest
+
+
+def _metrics(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in metrics.items()) or "no metrics"
+
+
+def _ctx(ctx: BindContext) -> str:
+    return (f"model={ctx.model or '-'} layer={ctx.layer if ctx.layer is not None else '-'} "
+            f"kind={ctx.layer_kind} world_size={ctx.world_size}")

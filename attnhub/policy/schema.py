@@ -1,0 +1,271 @@
+"""The policy file schema: pydantic v2 models that reject every unknown key.
+
+One file is a :class:`PolicyFile`. Shorthands are normalised *before* validation so that
+each field has exactly one shape and error messages stay plain: ``hardware: sm90`` is a list
+of one, ``head_dim: 128`` is ``{in: [128]}``, ``use: [a, b]`` is ``{order: [a, b]}``,
+``requires: {accuracy: true}`` is an accuracy requirement without metric bounds.
+docs/policy.md documents every key.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from ..core.device import known_hardware
+from ..core.spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES
+
+PhaseName = Literal[PHASES]  # type: ignore[valid-type]
+DtypeName = Literal[DTYPES]  # type: ignore[valid-type]
+MaskKind = Literal[MASK_KINDS]  # type: ignore[valid-type]
+LayoutName = Literal[tuple(x for x in LAYOUTS if x != "bhsd")]  # type: ignore[valid-type]
+OnFailure = Literal["next", "error"]
+
+VENDORS = ("cpu", "cuda", "rocm")
+_HARDWARE_RE = re.compile(r"^(cpu|cuda|rocm|sm\d{2,3}|gfx[0-9a-f]{3,4})$")
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RULE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def _listify(v: Any) -> Any:
+    """A scalar where a list is expected becomes a list of one."""
+    return v if isinstance(v, list) else [v]
+
+
+def _hardware(v: Any) -> Any:
+    if isinstance(v, str) and _HARDWARE_RE.match(v):
+        return v
+    raise ValueError(f"got {v!r}, expected an arch ({', '.join(known_hardware())}, any smNN "
+                     f"or gfxNNN) or a vendor ({', '.join(VENDORS)})")
+
+
+def _identifier(v: Any) -> Any:
+    if isinstance(v, str) and _IDENT_RE.match(v):
+        return v
+    raise ValueError(f"got {v!r}, expected a name made of letters, digits and _")
+
+
+def _rule_name(v: Any) -> Any:
+    if isinstance(v, str) and _RULE_NAME_RE.match(v):
+        return v
+    raise ValueError(f"got {v!r}, expected a rule name of letters, digits, '_', '-' and '.'")
+
+
+Hardware = Annotated[str, BeforeValidator(_hardware)]
+Identifier = Annotated[str, BeforeValidator(_identifier)]
+RuleName = Annotated[str, BeforeValidator(_rule_name)]
+
+
+class Strict(BaseModel):
+    """Base of every policy model: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Range(Strict):
+    """A numeric condition: ``in`` (one of these values) and/or bounds ge, gt, le, lt."""
+
+    in_: list[float] | None = Field(None, alias="in")
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError(f"got {v!r}, expected a number, a list of numbers or a mapping "
+                             "of ge/gt/le/lt bounds")
+        if isinstance(v, (int, float)):
+            return {"in": [v]}
+        if isinstance(v, list):
+            return {"in": v}
+        return v
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "Range":
+        if all(x is None for x in (self.in_, self.ge, self.gt, self.le, self.lt)):
+            raise ValueError("got an empty range, expected at least one of in, ge, gt, le, lt")
+        return self
+
+    def contains(self, x: float) -> bool:
+        return ((self.in_ is None or x in self.in_)
+                and (self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
+                and (self.le is None or x <= self.le) and (self.lt is None or x < self.lt))
+
+    def within(self, other: "Range") -> bool:
+        """True when every value this range admits is admitted by ``other`` (for the linter)."""
+        if self.in_ is not None:
+            return all(other.contains(x) for x in self.in_)
+        if other.in_ is not None:
+            return False
+        return (_inside(_lower(self), _lower(other), 1)
+                and _inside(_upper(self), _upper(other), -1))
+
+
+Bound = tuple[float | None, bool]  # (value, open)
+
+
+def _lower(r: Range) -> Bound:
+    if r.gt is not None and (r.ge is None or r.gt >= r.ge):
+        return r.gt, True
+    return r.ge, False
+
+
+def _upper(r: Range) -> Bound:
+    if r.lt is not None and (r.le is None or r.lt <= r.le):
+        return r.lt, True
+    return r.le, False
+
+
+def _inside(mine: Bound, theirs: Bound, sign: int) -> bool:
+    """Is bound ``mine`` at least as tight as ``theirs`` (sign +1: lower, -1: upper)?"""
+    if theirs[0] is None:
+        return True
+    if mine[0] is None:
+        return False
+    if mine[0] != theirs[0]:
+        return sign * (mine[0] - theirs[0]) > 0
+    return mine[1] or not theirs[1]
+
+
+def _many(t: Any) -> Any:
+    return Annotated[list[t], BeforeValidator(_listify), Field(min_length=1)]
+
+
+class LayerSelector(Strict):
+    """Which layers of a model: by index, every n-th (with offsets), or by layer kind."""
+
+    index: Range | None = None
+    every: int | None = Field(None, ge=1)
+    offset: _many(Annotated[int, Field(ge=0)]) | None = None  # type: ignore[valid-type]
+    kind: _many(Identifier) | None = None  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _offset_needs_every(self) -> "LayerSelector":
+        if self.offset is not None and self.every is None:
+            raise ValueError("got offset without every, expected `every: N` with `offset`")
+        return self
+
+
+class ProfileCondition(Strict):
+    """Conditions on measurements in the profile store (see attnhub.policy.profile)."""
+
+    attention_share: Range | None = None
+
+
+class When(Strict):
+    """Conditions of a rule; all given keys must hold (an empty ``when`` matches everything)."""
+
+    hardware: _many(Hardware) | None = None  # type: ignore[valid-type]
+    capability: Range | None = None
+    device_name: _many(str) | None = None  # type: ignore[valid-type]
+    phase: _many(PhaseName) | None = None  # type: ignore[valid-type]
+    dtype: _many(DtypeName) | None = None  # type: ignore[valid-type]
+    kv_dtype: _many(DtypeName) | None = None  # type: ignore[valid-type]
+    mask: _many(MaskKind) | None = None  # type: ignore[valid-type]
+    mask_any: _many(MaskKind) | None = None  # type: ignore[valid-type]
+    variant: _many(str) | None = None  # type: ignore[valid-type]
+    layout: _many(LayoutName) | None = None  # type: ignore[valid-type]
+    head_dim: Range | None = None
+    head_dim_v: Range | None = None
+    num_q_heads: Range | None = None
+    num_kv_heads: Range | None = None
+    gqa_ratio: Range | None = None
+    seqlen: Range | None = None
+    seqlen_q: Range | None = None
+    seqlen_k: Range | None = None
+    batch: Range | None = None
+    needs_grad: bool | None = None
+    deterministic: bool | None = None
+    return_lse: bool | None = None
+    world_size: Range | None = None
+    model: _many(str) | None = None  # type: ignore[valid-type]
+    layer: LayerSelector | None = None
+    profile: ProfileCondition | None = None
+
+
+class Use(Strict):
+    """Candidates: ``order`` (first that can serve) or ``fastest`` (by measured speed)."""
+
+    order: list[Identifier] | None = Field(None, min_length=1)
+    fastest: list[Identifier] | None = Field(None, min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return {"order": [v]}
+        if isinstance(v, list):
+            return {"order": v}
+        return v
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "Use":
+        if (self.order is None) == (self.fastest is None):
+            raise ValueError("got both or neither of order/fastest, expected a list of "
+                             "backends or `{fastest: [backends]}`")
+        return self
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.order or self.fastest or [])
+
+
+class AccuracyRequirement(Strict):
+    """A passing accuracy record must exist for ``backends`` (default: every candidate of the
+    rule); ``max`` bounds metrics of that record (e.g. ``{rel_error: 0.05}``)."""
+
+    backends: _many(Identifier) | None = None  # type: ignore[valid-type]
+    max: dict[str, float] = Field(default_factory=dict)
+
+    def applies(self, backend: str) -> bool:
+        return self.backends is None or backend in self.backends
+
+
+def _accuracy(v: Any) -> Any:
+    if v is True:
+        return {}
+    if v is False:
+        return None
+    return v
+
+
+class Requires(Strict):
+    accuracy: Annotated[AccuracyRequirement | None, BeforeValidator(_accuracy)] = None
+
+
+class Rule(Strict):
+    name: RuleName
+    when: When = Field(default_factory=When)
+    use: Use
+    on_failure: OnFailure | None = None
+    requires: Requires | None = None
+    before: str | None = None
+    after: str | None = None
+
+    @model_validator(mode="after")
+    def _one_placement(self) -> "Rule":
+        if self.before is not None and self.after is not None:
+            raise ValueError("got both before and after, expected at most one placement")
+        return self
+
+
+class Defaults(Strict):
+    on_failure: OnFailure = "next"
+
+
+class PolicyFile(Strict):
+    """One YAML file. ``extends`` overlays it on another file (see docs/policy.md)."""
+
+    name: str
+    version: int = 1
+    description: str = ""
+    extends: str | None = None
+    targets: _many(Hardware) | None = None  # type: ignore[valid-type]
+    defaults: Defaults = Field(default_factory=Defaults)
+    remove: list[str] = Field(default_factory=list)
+    rules: list[Rule] = Field(default_factory=list)

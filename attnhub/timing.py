@@ -1,0 +1,92 @@
+"""Timing that means the same thing on a CPU and a GPU.
+
+GPU work is asynchronous: a wall clock around a launch measures the launch. ``Stopwatch``
+synchronises before reading the clock; ``median_ms`` times each repeat with CUDA events on a
+GPU (``perf_counter`` on the CPU) after warm-up runs, and reports the median, which one slow
+repeat (a compile, a clock change) does not move.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued GPU work on ``device`` (no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """``with Stopwatch(device) as sw: ...`` then ``sw.seconds`` (GPU work included)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = device
+        self.seconds = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        synchronize(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self._t0
+
+
+def median_ms(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 3,
+              repeats: int = 10) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if torch.device(device).type == "cuda":
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class CallClock:
+    """Accumulates the time of the calls it wraps (``clock(fn)``): CUDA events on a GPU, so
+    timing adds no synchronisation to the step it sits in; ``perf_counter`` on the CPU."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._cpu = 0.0
+
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            self._events.append((start, end))
+            return out
+        t0 = time.perf_counter()
+        out = fn()
+        self._cpu += time.perf_counter() - t0
+        return out
+
+    def seconds(self) -> float:
+        """Total time of the wrapped calls so far (waits for the GPU)."""
+        synchronize(self.device)
+        return self._cpu + sum(s.elapsed_time(e) for s, e in self._events) / 1e3

@@ -1,0 +1,258 @@
+"""Backends ``gla``, ``linear`` and ``retention``: one recurrence, three decays.
+
+    S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t,   o_t = scale * q_t S_t     (per query head)
+
+* ``gla``: g data-dependent, per head and key channel (``extra["gla_gate"]`` or the default
+  of :func:`default_gate`);
+* ``retention``: g fixed per head, log(1 - 2^(-5-h)) (RetNet's decays, as fla's
+  ``chunk_retention``);
+* ``linear``: g = 0, plain (unnormalised) causal linear attention.
+
+These are different operators from softmax attention, not approximations of it: they are
+declared approximate (``exact=False``, tier ``approximate``) with an unbounded error budget
+against dense attention, so a resolver never binds them to an exact request; only a policy
+rule that names them for a layer does. Causal only (a recurrence), no LSE.
+
+Phases: train/prefill run the chunked form; decode (at most ``RECURRENT_MAX`` new tokens
+per sequence, no gradients) the recurrent form. See :mod:`.extra` for the recurrent-state
+cache that makes decode O(1) per token, and :mod:`.linear_ops` for which kernels run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from attnhub.plugin import (
+    FLOAT_DTYPES,
+    AttentionOutput,
+    AttentionSpec,
+    AttnParams,
+    Backend,
+    Capabilities,
+    DeviceInfo,
+    InputError,
+)
+
+from . import extra as X
+from . import linear_ops
+from .layouts import Doc, serve
+
+#: Decode calls with at most this many new tokens per sequence use the recurrent form.
+RECURRENT_MAX = 16
+#: Temperature of the default gate: per-step decay sigmoid(k)^(1/16), as GLA's gates
+#: (Yang et al. 2024, "Gated Linear Attention Transformers", tau = 16).
+GATE_TEMPERATURE = 16.0
+
+LINEAR_CAPABILITIES = Capabilities(
+    dtypes=FLOAT_DTYPES, max_head_dim=128, different_v_dim=True,
+    masks=frozenset({"causal"}), layouts=frozenset({"bshd", "thd", "paged"}), backward=True,
+    deterministic_backward=True, returns_lse=False, top_left_causal=False, exact=False,
+    error_budget=math.inf,
+)
+
+
+def default_gate(k: torch.Tensor) -> torch.Tensor:
+    """The gate used when ``extra["gla_gate"]`` is absent: ``logsigmoid(k) / 16`` (fp32).
+
+    Deterministic and data-dependent through the keys alone (the call has no access to the
+    layer input a trained gate projection would read): each channel keeps sigmoid(k)^(1/16)
+    of its state per token, a half-life of about 11 tokens at k = 0. Causal-consistent: the
+    gate of token t depends on k_t only, so prefill and decode derive the same gates.
+    """
+    return F.logsigmoid(k.float()) / GATE_TEMPERATURE
+
+
+def retention_decay(heads: int, device: torch.device) -> torch.Tensor:
+    """(H,) log-decays log(1 - 2^(-5-h)): RetNet's per-head decays, as fla uses them."""
+    h = torch.arange(heads, dtype=torch.float32, device=device)
+    return torch.log1p(-torch.pow(2.0, -5.0 - h))
+
+
+def _to_heads(x: torch.Tensor, hq: int, what: str) -> torch.Tensor:
+    """(B, S, H, ...) with H dividing Hq -> (B, S, Hq, ...), grouped as GQA groups heads."""
+    h = x.shape[2]
+    if h == hq:
+        return x
+    if hq % h:
+        raise InputError(f"{what} has {h} heads; it needs the query heads ({hq}) or a divisor "
+                         "of them (the KV heads)")
+    return x.repeat_interleave(hq // h, dim=2)
+
+
+def _several_queries(q: torch.Tensor, spec: AttentionSpec, params: AttnParams) -> bool:
+    """Does some sequence bring more than one query? (With one, causal changes nothing.)"""
+    if spec.layout == "thd":
+        cu = params.cu_seqlens_q
+        return bool(((cu[1:] - cu[:-1]) > 1).any())
+    return q.shape[1] > 1
+
+
+class _LinearFamily(Backend):
+    """Shared machinery: layouts, state cache, prefix state, chunked vs recurrent."""
+
+    tier = "approximate"
+    capabilities: ClassVar[Capabilities] = LINEAR_CAPABILITIES
+
+    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any],
+             doc: Doc | None) -> torch.Tensor:
+        """Log-decay (B, S, Hq, K) fp32 for the keys k (B, S, Hkv, K) of this call."""
+        raise NotImplementedError
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        if not spec.mask.causal and spec.max_seqlen_q > 1:
+            return [f"{self.name} is a causal recurrence: it serves causal masks only "
+                    "(pass causal=True; one query at the end of its context may omit it)"]
+        return []
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        if not params.causal and _several_queries(q, spec, params):
+            raise InputError(f"{self.name}: causal=False with several queries; a linear layer "
+                             "is a causal recurrence, call it with causal=True")
+        if X.GATE in params.extra and self.name != "gla":
+            raise InputError(f"{self.name}: extra[{X.GATE!r}] given, but {self.name} has no "
+                             "data-dependent gate; bind this layer to gla to use it")
+        batch = (params.cu_seqlens_q.numel() - 1 if spec.layout == "thd" else q.shape[0])
+        ref = X.state_ref(params.extra, batch, self.name)
+        if spec.layout == "paged" and ref is not None:
+            return AttentionOutput(self._paged_step(q, k, v, params, ref, spec), None)
+
+        def run(q1: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor, p: AttnParams,
+                doc: Doc | None) -> tuple[torch.Tensor, None]:
+            r = ref.subset(doc.index) if ref is not None and doc is not None else ref
+            g = self.gate(q1, k1, p.extra, doc)
+            return self._bshd(q1, k1, v1, g, p, r, spec), None
+
+        return serve(q, k, v, spec, params, run)
+
+    # -- the engine -------------------------------------------------------------------------
+    def _bshd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              p: AttnParams, ref: X.StateRef | None, spec: AttentionSpec) -> torch.Tensor:
+        b, sq, hq, _ = q.shape
+        sk = k.shape[1]
+        pre = sk - sq
+        if pre < 0:
+            raise InputError(f"{self.name}: {sq} queries but {sk} keys; the queries are the "
+                             "last Sq tokens of the context, so Sq <= Sk")
+        k, v = _to_heads(k, hq, "k"), _to_heads(v, hq, "v")
+        if ref is not None:
+            return self._continue(q, k[:, pre:], v[:, pre:], g[:, g.shape[1] - sq:], p, ref,
+                                  [pre] * b, spec)
+        h0 = None
+        if pre > 0:
+            if self._needs_grad(q, k, v):
+                raise InputError(f"{self.name}: gradients with Sq ({sq}) < Sk ({sk}) are not "
+                                 "supported (the prefix state is not differentiated); "
+                                 "train with Sq == Sk")
+            if g.shape[1] != sk:
+                raise InputError(f"{self.name}: the gate covers {g.shape[1]} tokens but the "
+                                 f"context has {sk}; give it for every key, or pass "
+                                 f"extra[{X.STATE!r}] so the prefix comes from the state")
+            h0 = linear_ops.state_after(k[:, :pre], v[:, :pre], g[:, :pre])
+        return self._run(q, k[:, pre:], v[:, pre:], g[:, pre:], p, h0, spec)[0]
+
+    def _continue(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  p: AttnParams, ref: X.StateRef, expected: list[int],
+                  spec: AttentionSpec) -> torch.Tensor:
+        """New tokens only (k/v/g of length Sq): read the states, run, store the new ones."""
+        h0, pos = ref.cache.read(ref.seq_ids, ref.layer)
+        if pos != expected:
+            bad = [(s, have, want) for s, have, want in zip(ref.seq_ids, pos, expected)
+                   if have != want]
+            s, have, want = bad[0]
+            raise InputError(
+                f"{self.name}: the recurrent state of sequence {s} in layer {ref.layer} has "
+                f"consumed {have} tokens but this call's context puts its new tokens after "
+                f"{want}; every step of a sequence must pass through the same state cache "
+                "(prefill included), in order")
+        o, h1 = self._run(q, k, v, g, p, h0.to(q.device), spec)
+        ref.cache.write(ref.seq_ids, ref.layer, h1.to(ref.cache.device), q.shape[1])
+        return o
+
+    def _paged_step(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    p: AttnParams, ref: X.StateRef, spec: AttentionSpec) -> torch.Tensor:
+        """Paged call with states: read only the new tokens' k/v from the pages."""
+        b, sq, hq, _ = q.shape
+        page = k_cache.shape[1]
+        lens = p.seqlens_k.to(torch.long).view(-1, 1)
+        pos = lens - sq + torch.arange(sq, device=lens.device).view(1, -1)
+        if bool((pos < 0).any()):
+            raise InputError(f"{self.name}: seqlens_k {p.seqlens_k.tolist()} shorter than the "
+                             f"{sq} new tokens; the cache must already hold the new tokens")
+        pages = p.block_table.to(torch.long).gather(1, pos // page)
+        k_new = k_cache[pages, pos % page]
+        g = self.gate(q, k_new, p.extra, None)
+        k = _to_heads(k_new, hq, "k")
+        v = _to_heads(v_cache[pages, pos % page], hq, "v")
+        expected = (lens.view(-1) - sq).tolist()
+        return self._continue(q, k, v, g[:, g.shape[1] - sq:], p, ref, expected, spec)
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             p: AttnParams, h0: torch.Tensor | None,
+             spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+        det = spec.deterministic or p.deterministic
+        if q.shape[1] <= RECURRENT_MAX and not self._needs_grad(q, k, v, g):
+            return linear_ops.recurrent(q, k, v, g, p.scale, h0, det)
+        return linear_ops.chunked(q, k, v, g, p.scale, h0, det)
+
+    @staticmethod
+    def _needs_grad(*xs: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+
+
+class GLABackend(_LinearFamily):
+    """Gated linear attention: per-head, per-channel, data-dependent decay."""
+
+    name = "gla"
+    description = ("gated linear attention (data-dependent decay; chunked Triton kernels for "
+                   "train/prefill, recurrent step for decode; fla when faster)")
+
+    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any],
+             doc: Doc | None) -> torch.Tensor:
+        hq = q.shape[2]
+        g = extra.get(X.GATE)
+        if g is None:
+            return _to_heads(default_gate(k), hq, "the default gate")
+        if not isinstance(g, torch.Tensor):
+            raise InputError(f"gla: extra[{X.GATE!r}] must be a tensor, got {type(g).__name__}")
+        if doc is not None:
+            g = g[doc.k_start:doc.k_end].unsqueeze(0)
+        sk, sq = k.shape[1], q.shape[1]
+        if g.dim() not in (3, 4) or g.shape[0] != k.shape[0] or g.shape[1] not in (sk, sq) or (
+                g.dim() == 4 and g.shape[3] != k.shape[3]):
+            raise InputError(
+                f"gla: extra[{X.GATE!r}] has shape {tuple(g.shape)}; expected (B={k.shape[0]}, "
+                f"S={sk} or {sq}, H, K={k.shape[3]}) or (B, S, H) log-decays (<= 0); "
+                "thd/paged take it packed like k (total_k, H, K|-)")
+        g = g.float()
+        if g.dim() == 3:
+            g = g.unsqueeze(-1).expand(*g.shape, k.shape[3])
+        return _to_heads(g, hq, f"extra[{X.GATE!r}]")
+
+
+class LinearBackend(_LinearFamily):
+    """Plain causal linear attention (no decay, no normaliser)."""
+
+    name = "linear"
+    description = "causal linear attention without decay, on the gla kernels"
+
+    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any],
+             doc: Doc | None) -> torch.Tensor:
+        return torch.zeros(*k.shape[:2], q.shape[2], k.shape[3], device=k.device)
+
+
+class RetentionBackend(_LinearFamily):
+    """Retention: a fixed decay per head (RetNet), no data dependence."""
+
+    name = "retention"
+    description = "retention (fixed per-head decay 1 - 2^(-5-h)), on the gla kernels"
+
+    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any],
+             doc: Doc | None) -> torch.Tensor:
+        hq = q.shape[2]
+        decay = retention_decay(hq, k.device).view(1, 1, hq, 1)
+        return decay.expand(*k.shape[:2], hq, k.shape[3])

@@ -1,0 +1,157 @@
+"""Recurrent state per sequence for linear layers (gla, linear, retention), kept beside the
+paged KV cache with the same guarantees.
+
+A linear layer's decode needs one fixed-size state per (sequence, layer): (H, K, V) fp32. The
+cache holds them in a preallocated pool of ``max_seqs`` slots. Sequence ids are the KV cache's
+ids (``PagedKVCache.allocate``/``fork`` hand them out), so one id names a sequence in both.
+
+Guarantees:
+  * allocated per sequence, zeroed on allocation (a slot never leaks a former owner's state);
+  * freed on finish (``free``), after which the id is unknown and any use raises;
+  * never shared: ``fork`` copies the parent's state into a slot of its own, ``read`` returns
+    a copy, ``write`` refuses repeated ids in one call;
+  * a full pool raises :class:`attnhub.plugin.CacheFullError` and changes nothing.
+Each (sequence, layer) also records how many tokens its state has consumed, so a backend can
+refuse a state that does not match the context it is given (a stale or skipped step).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from attnhub.plugin import CacheFullError, InputError
+
+
+class RecurrentStateCache:
+    """Pool of per-sequence recurrent states for the linear layers of one model."""
+
+    def __init__(self, *, layers: int | Iterable[int], num_heads: int, key_dim: int,
+                 value_dim: int | None = None, max_seqs: int,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        ids = list(range(layers)) if isinstance(layers, int) else list(layers)
+        if not ids or min(num_heads, key_dim, value_dim or key_dim, max_seqs) <= 0:
+            raise InputError("RecurrentStateCache: layers, num_heads, key_dim, value_dim and "
+                             "max_seqs must all be positive")
+        if len(set(ids)) != len(ids):
+            raise InputError(f"RecurrentStateCache: layer ids repeat in {ids}")
+        self._row = {layer: i for i, layer in enumerate(ids)}
+        self.max_seqs = max_seqs
+        self.device = torch.device(device)
+        vd = value_dim or key_dim
+        self._pool = torch.zeros(max_seqs, len(ids), num_heads, key_dim, vd, dtype=dtype,
+                                 device=self.device)
+        self._pos = [[0] * len(ids) for _ in range(max_seqs)]
+        self._free: list[int] = list(range(max_seqs - 1, -1, -1))
+        self._slot: dict[int, int] = {}
+
+    # -- sequences --------------------------------------------------------------------------
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self._row)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._slot
+
+    def allocate(self, seq_id: int) -> None:
+        """A zero state (position 0 in every layer) for a new sequence."""
+        if seq_id in self._slot:
+            raise InputError(f"RecurrentStateCache.allocate: sequence {seq_id} already has a "
+                             "state; free it first, or fork it to get a separate copy")
+        slot = self._take(f"allocate sequence {seq_id}")
+        self._pool[slot].zero_()
+        self._pos[slot] = [0] * len(self._row)
+        self._slot[seq_id] = slot
+
+    def fork(self, src: int, dst: int) -> None:
+        """``dst`` starts as a copy of ``src`` (state and positions); later writes diverge."""
+        s = self._slot_of(src)
+        if dst in self._slot:
+            raise InputError(f"RecurrentStateCache.fork: target sequence {dst} already has a "
+                             "state; fork into a fresh id (PagedKVCache.fork returns one)")
+        slot = self._take(f"fork sequence {src} into {dst}")
+        self._pool[slot].copy_(self._pool[s])
+        self._pos[slot] = list(self._pos[s])
+        self._slot[dst] = slot
+
+    def free(self, seq_id: int) -> None:
+        """Release a finished sequence's slot; the id is unknown afterwards."""
+        self._free.append(self._slot.pop(self._check(seq_id)))
+
+    # -- states -----------------------------------------------------------------------------
+    def position(self, seq_id: int, layer: int) -> int:
+        """Tokens the state of ``seq_id`` in ``layer`` has consumed."""
+        return self._pos[self._slot_of(seq_id)][self._layer_row(layer)]
+
+    def read(self, seq_ids: Sequence[int], layer: int) -> tuple[torch.Tensor, list[int]]:
+        """A copy of the states (B, H, K, V) and their positions, in ``seq_ids`` order."""
+        slots = self._slots(seq_ids, "read")
+        row = self._layer_row(layer)
+        idx = torch.tensor(slots, device=self.device)
+        return self._pool[:, row].index_select(0, idx), [self._pos[s][row] for s in slots]
+
+    def write(self, seq_ids: Sequence[int], layer: int, states: torch.Tensor,
+              advance: int | Sequence[int]) -> None:
+        """Store new states (B, H, K, V) and advance each position by the tokens consumed."""
+        slots = self._slots(seq_ids, "write")
+        row = self._layer_row(layer)
+        want = (len(slots), *self._pool.shape[2:])
+        if tuple(states.shape) != want:
+            raise InputError(f"RecurrentStateCache.write: states have shape "
+                             f"{tuple(states.shape)}, expected {want} (B, H, K, V)")
+        steps = [advance] * len(slots) if isinstance(advance, int) else list(advance)
+        if len(steps) != len(slots):
+            raise InputError(f"RecurrentStateCache.write: {len(slots)} sequences but "
+                             f"{len(steps)} token counts")
+        idx = torch.tensor(slots, device=self.device)
+        self._pool[:, row].index_copy_(0, idx, states.to(self._pool.dtype))
+        for s, n in zip(slots, steps):
+            self._pos[s][row] += int(n)
+
+    def check_invariants(self) -> None:
+        """Every slot is either free or owned by exactly one sequence."""
+        owned = list(self._slot.values())
+        assert len(owned) == len(set(owned)), "a state slot is owned twice"
+        assert not set(owned) & set(self._free), "a slot is both free and owned"
+        assert set(owned) | set(self._free) == set(range(self.max_seqs)), "a slot is lost"
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _take(self, what: str) -> int:
+        if not self._free:
+            raise CacheFullError(
+                f"RecurrentStateCache: cannot {what}: all {self.max_seqs} state slots are in "
+                "use. No sequence was changed; free finished sequences or build the cache "
+                "with a larger max_seqs")
+        return self._free.pop()
+
+    def _check(self, seq_id: int) -> int:
+        if seq_id not in self._slot:
+            raise InputError(f"RecurrentStateCache: unknown sequence id {seq_id} (live: "
+                             f"{sorted(self._slot)}); it was never allocated or was freed")
+        return seq_id
+
+    def _slot_of(self, seq_id: int) -> int:
+        return self._slot[self._check(seq_id)]
+
+    def _slots(self, seq_ids: Sequence[int], what: str) -> list[int]:
+        ids = [int(s) for s in seq_ids]
+        if len(set(ids)) != len(ids):
+            raise InputError(f"RecurrentStateCache.{what}: sequence ids repeat in {ids}; each "
+                             "sequence has one state (fork to get a second)")
+        return [self._slot_of(s) for s in ids]
+
+    def _layer_row(self, layer: int) -> int:
+        try:
+            return self._row[layer]
+        except KeyError:
+            raise InputError(f"RecurrentStateCache: layer {layer} has no state here (layers: "
+                             f"{self.layers}); build the cache with that layer") from None

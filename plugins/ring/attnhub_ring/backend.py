@@ -1,0 +1,105 @@
+"""The ``ring`` backend: context parallelism around any local backend that returns LSE.
+
+The policy binds ``ring`` for a spec and, one level down, a local kernel for the blocks (the
+decision's ``inner``); the hub hands that kernel over in ``params.extra["local_backend"]``.
+The process group is ``params.extra["process_group"]`` when given, else the default group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from attnhub.plugin import (
+    FLOAT_DTYPES,
+    AttentionOutput,
+    AttentionSpec,
+    AttnParams,
+    Backend,
+    Capabilities,
+    DeviceInfo,
+)
+
+from attnhub import probe
+
+from .comm import ProcessGroup, RingError
+from .ring import run_ring
+
+NO_LOCAL_BACKEND = (
+    "ring: no local backend to run the blocks with. Bind ring through a policy rule (the rest "
+    "of the policy picks the local kernel; `attnhub explain` shows both levels), or pass one: "
+    "RingBackend(local_backend=...) or attnhub_ring.ring_attention(..., local_backend=...)")
+
+
+class RingBackend(Backend):
+    """Shards the sequence over a process group and passes K/V blocks around the ring."""
+
+    name = "ring"
+    tier = "distributed"
+    description = ("ring attention over torch.distributed (zigzag shards, K/V rotated with "
+                   "isend/irecv, partial outputs merged by LSE) around a local backend")
+    capabilities = Capabilities(
+        dtypes=FLOAT_DTYPES, max_head_dim=1024, different_v_dim=True,
+        masks=frozenset({"none", "causal", "softcap", "document"}),
+        phases=frozenset({"train", "prefill"}), layouts=frozenset({"bshd", "bhsd", "thd"}),
+        backward=True, deterministic_backward=True, gqa=True, returns_lse=True,
+    )
+
+    def __init__(self, local_backend: Backend | None = None,
+                 process_group: ProcessGroup | None = None):
+        super().__init__()
+        self.local_backend = local_backend
+        self.process_group = process_group
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        """Self-attention only; and, on a real device, a process group of >= 2 ranks (the
+        spec has no world size, so this asks torch.distributed at bind time; a simulated
+        device plans offline and relies on the policy's ``world_size`` condition)."""
+        reasons = []
+        if spec.max_seqlen_q != spec.max_seqlen_k:
+            reasons.append(f"shards self-attention only: query length (<= {spec.max_seqlen_q}) "
+                           f"and key length (<= {spec.max_seqlen_k}) differ")
+        if not device.simulated:
+            reasons += process_group_reasons(self.process_group)
+        return reasons
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        local = params.extra.get("local_backend")
+        if local is None:  # not bound by a policy, which has already checked the local kernel
+            local = check_local(self.local_backend, spec)
+        local.load()
+        group = params.extra.get("process_group", self.process_group)
+        out, lse = run_ring(q, k, v, local, spec, params, group,
+                            params.extra.get("global_seqlens"))
+        return AttentionOutput(out, lse if params.return_lse else None)
+
+
+def check_local(local: Backend | None, spec: AttentionSpec) -> Backend:
+    """The local backend given by hand, or a :class:`RingError` saying what does not fit:
+    it must be a single-device kernel that returns LSE and serves the blocks of ``spec``."""
+    if local is None:
+        raise RingError(NO_LOCAL_BACKEND)
+    if local.tier == "distributed":
+        raise RingError(f"ring: local backend {local.name!r} is itself distributed; bind a "
+                        "single-device kernel for the blocks")
+    reasons = local.check(spec.with_(needs_grad=False, return_lse=True), probe())
+    if reasons:
+        raise RingError(f"ring: local backend {local.name!r} cannot run the blocks: "
+                        + "; ".join(reasons))
+    return local
+
+
+def process_group_reasons(group: ProcessGroup | None = None) -> list[str]:
+    """Why the ring cannot run in this process now (empty when it can)."""
+    if not dist.is_available():
+        return ["torch.distributed is not available in this torch build"]
+    if not dist.is_initialized():
+        return ["torch.distributed is not initialized: launch with torchrun and call "
+                "torch.distributed.init_process_group() before binding (plan offline with "
+                "--hardware to skip this check)"]
+    size = dist.get_world_size(group)
+    if size < 2:
+        return [f"needs a process group of at least 2 ranks; this one has {size} "
+                "(torchrun --nproc-per-node N with N >= 2)"]
+    return []

@@ -1,0 +1,243 @@
+"""``flashinfer_decode`` and ``flashinfer_prefill``: FlashInfer's batch kernels over a paged KV
+cache, with ``plan()`` kept off the hot path.
+
+A FlashInfer wrapper is planned for one batch layout (page table, lengths, heads, dtypes,
+mask) and then ``run()`` any number of times; every layer of a model step shares one layout.
+The wrapper's plan is cached under that layout's key (tensor identity + in-place version of
+``block_table`` and ``seqlens_k``, so a step that writes new lengths replans), and
+:meth:`FlashInferPagedBackend.plan` lets a serving loop plan explicitly before capturing
+``run()`` in a CUDA graph. Caches are (pages, page_size, Hkv, D): NHD storage, or a transposed
+view of HND storage (pages, Hkv, page_size, D), detected from strides.
+
+FlashInfer returns base-2 LSE; it is converted to natural log here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from attnhub.plugin import (
+    HALF_DTYPES,
+    AttentionOutput,
+    AttentionSpec,
+    AttnParams,
+    Backend,
+    BackendUnavailableError,
+    Capabilities,
+    DeviceInfo,
+)
+
+from .decode_choice import choose_tensor_cores
+from .paged_csr import PagedCSR, block_table_to_csr, kv_layout_of, native_cache, tensor_key
+from .probe import FlashInferBuild, flashinfer_build
+
+INSTALL_FLASHINFER = "pip install 'attnhub-sm80-fa2[flashinfer]'"
+WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
+LN2 = math.log(2.0)
+
+
+def flashinfer_capabilities(build: FlashInferBuild, phases: frozenset[str],
+                            max_query_len_decode: int | None) -> Capabilities:
+    """Declared from the wrappers' parameters: windows and softcap only where plan takes them."""
+    masks = {"causal"}
+    if build.window:
+        masks.add("sliding_window")
+    if build.softcap:
+        masks.add("softcap")
+    return Capabilities(
+        vendors=frozenset({"cuda"}), min_capability=(8, 0), dtypes=HALF_DTYPES,
+        head_dims=frozenset({64, 128, 256}), masks=frozenset(masks), phases=phases,
+        layouts=frozenset({"paged"}), top_left_causal=False, returns_lse=build.lse,
+        max_query_len_decode=max_query_len_decode,
+    )
+
+
+@dataclass
+class Plan:
+    """One planned wrapper and what it was planned for."""
+
+    key: tuple[Any, ...]
+    wrapper: Any
+    csr: PagedCSR
+    keepalive: tuple[torch.Tensor, ...]
+    tensor_cores: bool = False
+    reason: str = ""
+
+
+@dataclass
+class _Slot:
+    """A wrapper per (device, kv layout, tensor cores), holding its current plan."""
+
+    wrapper: Any
+    plan: Plan | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class FlashInferPagedBackend(Backend):
+    """Shared machinery: workspace, plan cache, CSR conversion, run and LSE conversion."""
+
+    tier = "serving"
+    requires = {"flashinfer": INSTALL_FLASHINFER}
+    phases: ClassVar[frozenset[str]] = frozenset()
+    max_query_len: ClassVar[int | None] = None
+    workspace_bytes: int = WORKSPACE_BYTES
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._workspace: dict[torch.device, torch.Tensor] = {}
+        self._slots: dict[tuple[Any, ...], _Slot] = {}
+        self._slots_lock = threading.Lock()
+        #: Decode kernel choices made so far: (gqa, batch, seqlen_k) -> (tensor cores, why).
+        self.choices: dict[tuple[int, int, int], tuple[bool, str]] = {}
+
+    @functools.cached_property
+    def build(self) -> FlashInferBuild:
+        return flashinfer_build()
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        return flashinfer_capabilities(self.build, self.phases, self.max_query_len)
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        m = spec.mask
+        if m.window is not None and m.alignment == "top_left" and not m.causal:
+            return ["top-left windows not supported (FlashInfer aligns bottom-right)"]
+        if (m.window is not None and not m.causal and m.window[1] > 0
+                and spec.phase != "decode"):
+            return [f"window {m.window}: FlashInfer bounds windows on the left only "
+                    "(right must be -1, or 0 with causal)"]
+        return []
+
+    def _load(self) -> None:
+        import flashinfer
+
+        self._fi = flashinfer
+
+    # -- planning (host side, outside CUDA graphs) ------------------------------------------
+    def plan(self, q: torch.Tensor, k_cache: torch.Tensor, params: AttnParams) -> Plan:
+        """Plan (or reuse the plan of) this batch layout; call once per step before capture."""
+        self.load()
+        layout = kv_layout_of(k_cache)
+        causal, window_left, mask_key = self._mask(q, params)
+        b, sq, hq, d = q.shape
+        hkv, page = k_cache.shape[2], k_cache.shape[1]
+        max_k = params.max_seqlen_k or int(params.seqlens_k.max())
+        use_tc, why = self._tensor_cores(hq // hkv, b, max_k)
+        key = (tensor_key(params.block_table), tensor_key(params.seqlens_k), b, sq, hq, hkv, d,
+               page, q.dtype, k_cache.dtype, mask_key, params.scale, use_tc)
+        slot = self._slot(q.device, layout, use_tc)
+        with slot.lock:
+            if slot.plan is not None and slot.plan.key == key:
+                return slot.plan
+            csr = block_table_to_csr(params.block_table, params.seqlens_k, page)
+            kw: dict[str, Any] = {"sm_scale": params.scale, "q_data_type": q.dtype,
+                                  "kv_data_type": k_cache.dtype}
+            if window_left >= 0:
+                kw["window_left"] = window_left
+            if params.softcap:
+                kw["logits_soft_cap"] = float(params.softcap)
+            self._plan_wrapper(slot.wrapper, csr, q, hkv, page, causal, kw)
+            slot.plan = Plan(key, slot.wrapper, csr, (params.block_table, params.seqlens_k),
+                             use_tc, why)
+            return slot.plan
+
+    def _mask(self, q: torch.Tensor, params: AttnParams) -> tuple[bool, int, tuple[Any, ...]]:
+        """(causal, window_left, key part) in FlashInfer's bottom-right terms."""
+        left, right = params.window if params.window is not None else (-1, -1)
+        causal = params.causal or (right == 0 and q.shape[1] > 1)
+        if right > 0 and not causal and q.shape[1] > 1:
+            raise BackendUnavailableError(self.name, [
+                f"window {params.window}: FlashInfer bounds windows on the left only"])
+        return causal, left, (causal, left, params.softcap)
+
+    def _tensor_cores(self, gqa: int, batch: int, seqlen_k: int) -> tuple[bool, str]:
+        return False, "prefill kernel (tensor cores)"
+
+    def _slot(self, device: torch.device, layout: str, use_tc: bool) -> _Slot:
+        key = (device, layout, use_tc)
+        with self._slots_lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                ws = self._workspace.get(device)
+                if ws is None:
+                    ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
+                    self._workspace[device] = ws
+                slot = _Slot(self._new_wrapper(ws, layout, use_tc))
+                self._slots[key] = slot
+            return slot
+
+    def _new_wrapper(self, workspace: torch.Tensor, layout: str, use_tc: bool) -> Any:
+        raise NotImplementedError
+
+    def _plan_wrapper(self, wrapper: Any, csr: PagedCSR, q: torch.Tensor, hkv: int,
+                      page: int, causal: bool, kw: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # -- the hot path ------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        plan = self.plan(q, k, params)
+        layout = kv_layout_of(k)
+        b, sq, hq, d = q.shape
+        out, lse = plan.wrapper.run(q.reshape(b * sq, hq, d),
+                                    (native_cache(k, layout), native_cache(v, layout)),
+                                    return_lse=True)
+        out = out.view(b, sq, hq, out.shape[-1])
+        lse = (lse.view(b, sq, hq).transpose(1, 2) * LN2) if params.return_lse else None
+        if plan.csr.empty is not None:  # sequences without keys: output 0, LSE -inf
+            out = out.masked_fill(plan.csr.empty.view(b, 1, 1, 1), 0.0)
+            if lse is not None:
+                lse = lse.masked_fill(plan.csr.empty.view(b, 1, 1), float("-inf"))
+        return AttentionOutput(out, lse)
+
+
+class FlashInferDecodeBackend(FlashInferPagedBackend):
+    """BatchDecodeWithPagedKVCacheWrapper: one query token per sequence."""
+
+    name = "flashinfer_decode"
+    description = ("FlashInfer batch decode over a paged KV cache (NHD/HND, any page size, GQA, "
+                   "window, softcap); tensor-core kernel chosen from measurements")
+    phases = frozenset({"decode"})
+    max_query_len = 1
+
+    def _tensor_cores(self, gqa: int, batch: int, seqlen_k: int) -> tuple[bool, str]:
+        if not self.build.tensor_core_choice:
+            return False, "this FlashInfer build has no use_tensor_cores switch"
+        use, why = choose_tensor_cores(gqa, batch, seqlen_k)
+        self.choices[(gqa, batch, seqlen_k)] = (use, why)
+        return use, why
+
+    def _new_wrapper(self, workspace: torch.Tensor, layout: str, use_tc: bool) -> Any:
+        kw = {"use_tensor_cores": True} if use_tc else {}
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, layout, **kw)
+
+    def _plan_wrapper(self, wrapper: Any, csr: PagedCSR, q: torch.Tensor, hkv: int,
+                      page: int, causal: bool, kw: dict[str, Any]) -> None:
+        wrapper.plan(csr.indptr, csr.indices, csr.last_page_len, q.shape[2], hkv, q.shape[3],
+                     page, **kw)
+
+
+class FlashInferPrefillBackend(FlashInferPagedBackend):
+    """BatchPrefillWithPagedKVCacheWrapper: several query tokens per sequence (chunked
+    prefill, append, speculative decode) against the paged cache."""
+
+    name = "flashinfer_prefill"
+    description = ("FlashInfer batch prefill over a paged KV cache (NHD/HND, any page size, GQA, "
+                   "causal bottom-right, window, softcap)")
+    phases = frozenset({"prefill", "decode"})
+
+    def _new_wrapper(self, workspace: torch.Tensor, layout: str, use_tc: bool) -> Any:
+        return self._fi.BatchPrefillWithPagedKVCacheWrapper(workspace, layout)
+
+    def _plan_wrapper(self, wrapper: Any, csr: PagedCSR, q: torch.Tensor, hkv: int,
+                      page: int, causal: bool, kw: dict[str, Any]) -> None:
+        b, sq = q.shape[:2]
+        qo_indptr = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+        wrapper.plan(qo_indptr, csr.indptr, csr.indices, csr.last_page_len, q.shape[2], hkv,
+                     q.shape[3], page, causal=causal, **kw)

@@ -1,0 +1,178 @@
+"""fa2 and fa2_torch against recording fakes: the arguments they pass and the numbers they get.
+
+The fakes compute what a bottom-right FlashAttention kernel returns, so a wrong translation of
+alignment, window, softcap, ALiBi or LSE shows up as a mismatch with attnhub's reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnhub.plugin import AttnParams, BackendUnavailableError, paged_to_varlen
+from attnhub.plugin import reference_attention as ref_attn
+from attnhub.testing import assert_lse, flash_reference
+from attnhub_sm80_fa2 import fa2_torch
+from attnhub_sm80_fa2.fa2 import FlashAttn2Backend
+from attnhub_sm80_fa2.fa2_torch import TorchFlashBackend
+
+
+def qkv(b: int, sq: int, sk: int, hq: int = 4, hkv: int = 2, d: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, sq, hq, d, generator=g), torch.randn(b, sk, hkv, d, generator=g),
+            torch.randn(b, sk, hkv, d, generator=g))
+
+
+def run(backend, q, k, v, spec, params):
+    backend.load()
+    return backend.forward(q, k, v, spec, params)
+
+
+MASKS = [  # sq, sk, causal, alignment, window
+    (5, 9, True, "top_left", None),
+    (9, 5, True, "top_left", None),
+    (6, 6, True, "bottom_right", (2, 0)),
+    (4, 10, False, "top_left", (1, 2)),
+    (7, 3, False, "bottom_right", None),
+    (3, 8, True, "bottom_right", (4, -1)),
+]
+
+
+@pytest.mark.parametrize("sq,sk,causal,align,window", MASKS)
+def test_fa2_dense_masks_match_reference(fake_flash_attn, helpers, sq, sk, causal, align,
+                                         window):
+    q, k, v = qkv(2, sq, sk)
+    p = AttnParams(scale=0.3, causal=causal, alignment=align, window=window, return_lse=True)
+    spec = helpers.spec(q, k, causal=causal, alignment=align, window=window, return_lse=True)
+    out, lse = run(FlashAttn2Backend(), q, k, v, spec, p)
+    ref, ref_lse = ref_attn(q, k, v, p, compute_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    assert_lse(lse, ref_lse, atol=1e-4)
+    kw = fake_flash_attn.last("flash_attn_func")
+    assert kw["softmax_scale"] == 0.3 and kw["return_attn_probs"] is True
+
+
+def test_fa2_top_left_causal_is_converted_not_approximated(fake_flash_attn, helpers):
+    q, k, v = qkv(1, 5, 9)
+    p = AttnParams(scale=0.25, causal=True, alignment="top_left")
+    run(FlashAttn2Backend(), q, k, v, helpers.spec(q, k, causal=True, alignment="top_left"), p)
+    kw = fake_flash_attn.last("flash_attn_func")
+    assert kw["sk"] == 5 and kw["causal"] is True  # keys no query sees are cut off
+    q, k, v = qkv(1, 9, 5)
+    run(FlashAttn2Backend(), q, k, v, helpers.spec(q, k, causal=True, alignment="top_left"), p)
+    kw = fake_flash_attn.last("flash_attn_func")
+    assert kw["causal"] is False and kw["window_size"] == (-1, 4)
+
+
+def test_fa2_softcap_alibi_deterministic_are_passed(fake_flash_attn, helpers):
+    q, k, v = qkv(2, 4, 8)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    p = AttnParams(scale=0.2, causal=True, softcap=5.0, alibi_slopes=slopes, deterministic=True)
+    out, lse = run(FlashAttn2Backend(), q, k, v,
+                   helpers.spec(q, k, causal=True, softcap=True, alibi=True), p)
+    kw = fake_flash_attn.last("flash_attn_func")
+    assert kw["softcap"] == 5.0 and kw["deterministic"] is True
+    assert kw["alibi_slopes"].dtype == torch.float32 and kw["return_attn_probs"] is False
+    assert lse is None
+    torch.testing.assert_close(out, ref_attn(q, k, v, p, compute_dtype=torch.float32)[0],
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_fa2_fully_masked_rows_give_zero_and_minus_inf(fake_flash_attn, helpers):
+    q, k, v = qkv(1, 6, 3)
+    p = AttnParams(scale=0.3, causal=True, return_lse=True)
+    out, lse = run(FlashAttn2Backend(), q, k, v, helpers.spec(q, k, causal=True), p)
+    assert torch.all(out[:, :3] == 0) and torch.all(torch.isneginf(lse[:, :, :3]))
+    assert torch.isfinite(lse[:, :, 3:]).all()
+
+
+def test_fa2_alibi_with_moved_positions_is_refused(fake_flash_attn, helpers):
+    q, k, v = qkv(1, 6, 3)
+    p = AttnParams(scale=0.3, causal=True, alignment="top_left",
+                   alibi_slopes=torch.ones(4) * 0.1)
+    with pytest.raises(BackendUnavailableError, match="ALiBi"):
+        run(FlashAttn2Backend(), q, k, v, helpers.spec(q, k, causal=True, alibi=True), p)
+
+
+def test_fa2_varlen_matches_reference(fake_flash_attn, helpers):
+    lens = [3, 5, 2]
+    cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(10, h, 8, generator=g) for h in (4, 2, 2))
+    p = AttnParams(scale=0.35, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                   max_seqlen_q=max(lens), max_seqlen_k=max(lens), return_lse=True)
+    out, lse = run(FlashAttn2Backend(), q, k, v,
+                   helpers.spec(q, k, "thd", causal=True, return_lse=True), p)
+    ref, ref_lse = ref_attn(q, k, v, p, layout="thd", compute_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    assert lse.shape == (4, 10)
+    assert_lse(lse, ref_lse, atol=1e-4)
+    assert fake_flash_attn.last("flash_attn_varlen_func")["max_seqlen_q"] == 5
+
+
+def test_fa2_paged_passes_block_table_and_matches(fake_flash_attn, helpers):
+    kc, vc, table, lens = helpers.paged(2, [300, 45], 256, 2, 8)
+    q = torch.randn(2, 1, 4, 8)
+    p = AttnParams(scale=0.3, causal=True, block_table=table, seqlens_k=lens, return_lse=True)
+    out, lse = run(FlashAttn2Backend(), q, kc, vc,
+                   helpers.spec(q, kc, "paged", phase="decode", causal=True), p)
+    kw = fake_flash_attn.last("flash_attn_with_kvcache")
+    assert kw["block_table"] is table and kw["cache_seqlens"] is lens
+    qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, lens)
+    ref, ref_lse = ref_attn(qv, kv, vv, AttnParams(scale=0.3, causal=True, cu_seqlens_q=cu_q,
+                                                   cu_seqlens_k=cu_k), layout="thd",
+                            compute_dtype=torch.float32)
+    torch.testing.assert_close(out.view(2, 4, 8), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_fa2_paged_small_page_is_refused(fake_flash_attn, helpers):
+    kc, vc, table, lens = helpers.paged(1, [40], 16, 2, 8)
+    q = torch.randn(1, 1, 4, 8)
+    p = AttnParams(scale=0.3, block_table=table, seqlens_k=lens)
+    with pytest.raises(BackendUnavailableError, match="multiple of 256"):
+        run(FlashAttn2Backend(), q, kc, vc, helpers.spec(q, kc, "paged", phase="decode"), p)
+
+
+class _Recorded:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    def op(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, **kw):
+        self.calls.append(("op", dict(kw, causal=causal, sk=k.shape[1], cu_q=cu_q)))
+        window = (kw.get("window_size_left", -1), kw.get("window_size_right", -1))
+        return flash_reference(q, k, v, softmax_scale=kw["scale"], causal=causal,
+                               window_size=window)
+
+    def sdpa(self, q, k, v, scale, causal):
+        self.calls.append(("sdpa", {"causal": causal, "sk": k.shape[1]}))
+        return flash_reference(q, k, v, softmax_scale=scale, causal=causal)[0]
+
+
+@pytest.mark.parametrize("sq,sk,causal,align,window,route", [
+    (6, 6, True, "bottom_right", None, "sdpa"),
+    (4, 9, True, "top_left", None, "sdpa"),  # keys cut to 4: square, top-left == bottom-right
+    (4, 9, True, "bottom_right", None, "op"),  # SDPA's is_causal would be top-left: not used
+    (6, 6, False, "bottom_right", (2, 1), "op"),
+])
+def test_fa2_torch_routes_and_matches(monkeypatch, helpers, sq, sk, causal, align, window,
+                                      route):
+    rec = _Recorded()
+    monkeypatch.setattr(fa2_torch, "flash_op", rec.op)
+    monkeypatch.setattr(fa2_torch, "_sdpa_flash", rec.sdpa)
+    q, k, v = qkv(2, sq, sk)
+    p = AttnParams(scale=0.3, causal=causal, alignment=align, window=window)
+    out, _ = run(TorchFlashBackend(), q, k, v,
+                 helpers.spec(q, k, causal=causal, alignment=align, window=window), p)
+    assert rec.calls[-1][0] == route
+    torch.testing.assert_close(out, ref_attn(q, k, v, p, compute_dtype=torch.float32)[0],
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_fa2_torch_lse_and_varlen_use_the_op(monkeypatch, helpers):
+    rec = _Recorded()
+    monkeypatch.setattr(fa2_torch, "flash_op", rec.op)
+    q, k, v = qkv(1, 5, 5)
+    p = AttnParams(scale=0.3, causal=True, return_lse=True)
+    out, lse = run(TorchFlashBackend(), q, k, v, helpers.spec(q, k, causal=True), p)
+    assert rec.calls[-1][0] == "op" and lse.shape == (1, 4, 5)
+    assert_lse(lse, ref_attn(q, k, v, p, compute_dtype=torch.float32)[1], atol=1e-4)

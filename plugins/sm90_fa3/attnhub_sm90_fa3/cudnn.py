@@ -1,0 +1,103 @@
+"""``cudnn``: torch SDPA's cuDNN attention (``SDPBackend.CUDNN_ATTENTION``), forward and
+backward.
+
+SDPA's ``is_causal`` is top-left. A bottom-right causal mask is converted where an exact
+form exists: Sq == Sk (the same mask), Sq == 1 (no mask: the one query sees every key) and
+Sq > Sk (the first Sq - Sk rows see nothing and give 0 / LSE -inf; the last Sk rows are a
+square top-left causal). Sq < Sk (chunked prefill) has none and is refused with a reason.
+GQA is served by expanding K/V heads (a copy); LSE comes from the cuDNN op itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attnhub.plugin import (
+    HALF_DTYPES,
+    AttentionOutput,
+    AttentionSpec,
+    AttnParams,
+    Backend,
+    BackendUnavailableError,
+    Capabilities,
+    DeviceInfo,
+)
+
+CUDNN_CAPABILITIES = Capabilities(
+    vendors=frozenset({"cuda"}), min_capability=(8, 0), dtypes=HALF_DTYPES, max_head_dim=128,
+    head_dim_multiple=8, masks=frozenset({"causal"}), layouts=frozenset({"bshd", "bhsd"}),
+    backward=True,
+)
+
+
+def bottom_right_refusal(causal: bool, alignment: str, sq: int, sk: int) -> str | None:
+    """Why a causal mask cannot be expressed with SDPA's top-left ``is_causal``, or None."""
+    if causal and alignment == "bottom_right" and 1 < sq < sk:
+        return (f"bottom-right causal with Sq={sq} < Sk={sk} has no top-left form for cuDNN's "
+                "is_causal; use fa3 or fa2_torch")
+    return None
+
+
+class CudnnBackend(Backend):
+    """cuDNN fused attention through torch SDPA."""
+
+    name = "cudnn"
+    tier = "vendor"
+    description = ("cuDNN attention via torch SDPA (CUDNN_ATTENTION): fwd+bwd, causal "
+                   "(bottom-right converted where exact), head dim <= 128")
+    capabilities = CUDNN_CAPABILITIES
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        r = []
+        # Buckets are powers of two: a smaller q bucket means Sq < Sk for every call in it.
+        refusal = bottom_right_refusal(spec.mask.causal, spec.mask.alignment,
+                                       spec.max_seqlen_q, spec.max_seqlen_k)
+        if refusal and spec.max_seqlen_q < spec.max_seqlen_k:
+            r.append(refusal)
+        if not device.simulated and device.vendor == "cuda" \
+                and not torch.backends.cudnn.is_available():
+            r.append("cuDNN is not available in this torch build")
+        return r
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        refusal = bottom_right_refusal(params.causal, params.alignment, sq, sk)
+        if refusal:
+            raise BackendUnavailableError(self.name, [refusal])
+        causal = params.causal and sq > 1
+        skip = sq - sk if causal and params.alignment == "bottom_right" and sq > sk else 0
+        if hq != hkv:
+            k = k.repeat_interleave(hq // hkv, dim=2)
+            v = v.repeat_interleave(hq // hkv, dim=2)
+        qt, kt, vt = q[:, skip:].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if params.return_lse:
+            out, lse = cudnn_with_lse(qt, kt, vt, causal, params.scale)
+            lse = lse.reshape(b, hq, sq - skip)
+        else:
+            out, lse = sdpa_cudnn(qt, kt, vt, causal, params.scale), None
+        out = out.transpose(1, 2)
+        if skip:  # rows that see no key under bottom-right alignment
+            out = torch.cat([out.new_zeros(b, skip, hq, out.shape[-1]), out], dim=1)
+            if lse is not None:
+                lse = torch.cat([lse.new_full((b, hq, skip), float("-inf")), lse], dim=2)
+        return AttentionOutput(out, lse)
+
+
+def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float) -> torch.Tensor:
+    """SDPA restricted to cuDNN (B, H, S, D): raises rather than run another kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) from the op SDPA's cuDNN backend runs, asking it for the LSE."""
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return res[0], res[1]

@@ -1,0 +1,139 @@
+"""``fa3``: FlashAttention-3 (Hopper) over ``flash_attn_interface`` or ``fa3_fwd_interface``.
+
+Declared from the installed build's flags (``build.fa3_build``): backward, paged KV, sliding
+window, softcap, fp16, varlen and the head-dim buckets each appear only when compiled in.
+FA3 has no ALiBi. Decode (one short query against a long cache) goes through
+``flash_attn_with_kvcache`` with the split-KV heuristic (``num_splits=0``) when the build has
+split-KV; everything else through ``flash_attn_func`` / ``flash_attn_varlen_func``.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from attnhub.plugin import (
+    AttentionOutput,
+    AttentionSpec,
+    AttnParams,
+    Backend,
+    Capabilities,
+    DeviceInfo,
+    flash_form,
+    flash_kwargs,
+    natural_lse,
+    top_left_reason,
+)
+
+from .build import INSTALL_FA3, Fa3Build, fa3_build, import_interface
+
+
+def fa3_masks(build: Fa3Build) -> frozenset[str]:
+    masks = {"causal"}
+    if build.has("LOCAL"):
+        masks.add("sliding_window")
+    if build.has("SOFTCAP"):
+        masks.add("softcap")
+    if build.has("VARLEN"):
+        masks.add("document")
+    return frozenset(masks)
+
+
+def fa3_capabilities(build: Fa3Build) -> Capabilities:
+    """What this FA3 build serves in bf16/fp16."""
+    layouts = {"bshd", "bhsd"}
+    if build.has("VARLEN"):
+        layouts.add("thd")
+    if build.has("PAGEDKV"):
+        layouts.add("paged")
+    dtypes = {"bf16"} | ({"fp16"} if build.has("FP16") else set())
+    backward = build.has("BACKWARD")
+    return Capabilities(
+        vendors=frozenset({"cuda"}), archs=frozenset({"sm90"}), dtypes=frozenset(dtypes),
+        max_head_dim=build.max_head_dim, head_dim_multiple=8, masks=fa3_masks(build),
+        layouts=frozenset(layouts), backward=backward, deterministic_backward=backward,
+        phases=frozenset({"train", "prefill", "decode"} if backward else {"prefill", "decode"}),
+    )
+
+
+def split_outputs(res: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FA3 interfaces return ``out`` or ``(out, lse, ...)`` depending on flags and version."""
+    if isinstance(res, (tuple, list)):
+        return res[0], res[1]
+    return res, None
+
+
+class Fa3Runner:
+    """The three FA3 entry points called with attnhub's data; shared by fa3 and fa3_fp8."""
+
+    def __init__(self, fa: ModuleType, build: Fa3Build, name: str):
+        self.fa = fa
+        self.build = build
+        self.name = name
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 spec: AttentionSpec, params: AttnParams,
+                 **extra: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out, lse or None); ``extra`` carries FP8 descales."""
+        fa = self.fa
+        splits = 0 if self.build.has("SPLIT") else 1
+        if spec.layout == "paged":
+            kw = flash_kwargs(params, flash_form(self.name, params, 1, 1))
+            res = fa.flash_attn_with_kvcache(
+                q, k, v, cache_seqlens=params.seqlens_k, page_table=params.block_table,
+                num_splits=splits, return_softmax_lse=True, **kw, **extra)
+            return split_outputs(res)
+        if params.deterministic:
+            extra["deterministic"] = True
+        lse_kw = {"return_attn_probs": True} if params.return_lse else {}
+        if spec.layout == "thd":
+            kw = flash_kwargs(params, flash_form(self.name, params, 1, 1))
+            res = fa.flash_attn_varlen_func(
+                q, k, v, params.cu_seqlens_q, params.cu_seqlens_k, params.max_seqlen_q,
+                params.max_seqlen_k, **kw, **lse_kw, **extra)
+            return split_outputs(res)
+        form = flash_form(self.name, params, q.shape[1], k.shape[1])
+        k, v = k[:, :form.keys], v[:, :form.keys]
+        kw = flash_kwargs(params, form)
+        if spec.phase == "decode" and not spec.needs_grad:
+            extra.pop("deterministic", None)
+            res = fa.flash_attn_with_kvcache(q, k, v, num_splits=splits,
+                                             return_softmax_lse=True, **kw, **extra)
+            return split_outputs(res)
+        return split_outputs(fa.flash_attn_func(q, k, v, **kw, **lse_kw, **extra))
+
+
+class Fa3Backend(Backend):
+    """FlashAttention-3 in bf16/fp16."""
+
+    name = "fa3"
+    tier = "vendor"
+    description = "FlashAttention-3 (Hopper): features as compiled into the installed build"
+    @functools.cached_property
+    def build(self) -> Fa3Build:
+        return fa3_build()
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        return fa3_capabilities(self.build)
+
+    def missing_requirements(self) -> list[str]:
+        """Either interface will do (flash_attn_interface or fa3_fwd_interface)."""
+        if self.build.module is None:
+            return [f"FlashAttention-3 is not installed ({INSTALL_FA3})"]
+        return []
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        return top_left_reason(spec)
+
+    def _load(self) -> None:
+        self._run = Fa3Runner(import_interface(self.build), self.build, self.name)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        out, lse = self._run(q, k, v, spec, params)
+        return AttentionOutput(out, natural_lse(lse) if params.return_lse and lse is not None
+                               else None)

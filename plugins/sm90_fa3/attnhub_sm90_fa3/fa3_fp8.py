@@ -1,0 +1,115 @@
+"""``fa3_fp8``: FlashAttention-3's FP8 (e4m3) forward, bf16 in and out.
+
+bf16 q/k/v are quantized per (batch, KV head) with the recipe in ``ATTNHUB_FP8_RECIPE``
+(default ``smooth_k``; see ``fp8.py``) or ``params.extra["fp8_recipe"]``; an FP8 KV cache is
+taken as is with ``params.extra["k_descale"]``/``["v_descale"]`` (B, Hkv). FP8 is not exact:
+the backend declares ``exact=False`` with a relative-error budget, and the policy binds it
+only where ``attnhub fp8-check`` has stored a passing accuracy record.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from attnhub.plugin import (
+    AttentionOutput,
+    AttentionSpec,
+    AttnParams,
+    Backend,
+    Capabilities,
+    DeviceInfo,
+    InputError,
+    natural_lse,
+    top_left_reason,
+)
+
+from .build import INSTALL_FA3, Fa3Build, fa3_build, import_interface
+from .fa3 import Fa3Runner, fa3_masks
+from .fp8 import E4M3, RECIPES, Fp8Operands, lse_shift, quantize, quantize_operands
+
+#: Relative L2 error against an fp32 reference that the FP8 path is declared to stay within
+#: on inputs without outliers (``attnhub fp8-check`` measures it per shape).
+FP8_ERROR_BUDGET = 0.05
+ENV_RECIPE = "ATTNHUB_FP8_RECIPE"
+
+
+def fa3_fp8_capabilities(build: Fa3Build) -> Capabilities:
+    """FP8 forward only; bf16 queries (output bf16), bf16 or e4m3 KV."""
+    return Capabilities(
+        vendors=frozenset({"cuda"}), archs=frozenset({"sm90"}), dtypes=frozenset({"bf16"}),
+        kv_dtypes=frozenset({"fp8_e4m3"}), max_head_dim=build.max_head_dim,
+        head_dim_multiple=8, masks=fa3_masks(build) - {"document"},
+        layouts=frozenset({"bshd", "bhsd"}), phases=frozenset({"prefill", "decode"}),
+        exact=False, error_budget=FP8_ERROR_BUDGET,
+    )
+
+
+class Fa3Fp8Backend(Backend):
+    """FA3 FP8 forward with per-(batch, KV head) descales behind an accuracy record."""
+
+    name = "fa3_fp8"
+    tier = "vendor"
+    description = ("FlashAttention-3 FP8 e4m3 forward, per-(batch, KV head) descales, bf16 out; "
+                   "bound only behind a passing fp8-check accuracy record")
+
+    def __init__(self, recipe: str | None = None) -> None:
+        super().__init__()
+        self.recipe = recipe or os.environ.get(ENV_RECIPE) or "smooth_k"
+        if self.recipe not in RECIPES:
+            raise ValueError(f"{ENV_RECIPE}={self.recipe!r}: use one of {', '.join(RECIPES)}")
+
+    @functools.cached_property
+    def build(self) -> Fa3Build:
+        return fa3_build()
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        return fa3_fp8_capabilities(self.build)
+
+    def missing_requirements(self) -> list[str]:
+        if self.build.module is None:
+            return [f"FlashAttention-3 is not installed ({INSTALL_FA3})"]
+        return []
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        r = top_left_reason(spec)
+        if not self.build.has("FP8"):
+            r.append(f"this FA3 build was compiled without FP8 ({self.build.source})")
+        if self.recipe == "smooth_k" and spec.mask.softcap and spec.kv_dtype == spec.dtype:
+            r.append(f"recipe smooth_k is not softmax-invariant under softcap; set "
+                     f"{ENV_RECIPE}=plain")
+        return r
+
+    def _load(self) -> None:
+        self._run = Fa3Runner(import_interface(self.build), self.build, self.name)
+
+    def operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 params: AttnParams) -> Fp8Operands:
+        """Quantized operands for this call (bf16 inputs, or an FP8 KV cache with descales)."""
+        if k.dtype != E4M3:
+            recipe = params.extra.get("fp8_recipe", self.recipe)
+            if recipe == "smooth_k" and params.softcap:
+                raise InputError("fp8_recipe='smooth_k' cannot be used with softcap; "
+                                 "pass fp8_recipe='plain'")
+            return quantize_operands(q, k, v, recipe)
+        try:
+            kd, vd = params.extra["k_descale"], params.extra["v_descale"]
+        except KeyError:
+            raise InputError("an e4m3 KV cache needs params.extra['k_descale'] and "
+                             "['v_descale'], (B, Hkv) float32") from None
+        q8, qd = quantize(q, k.shape[2])
+        return Fp8Operands(q8, k, v, qd, kd.float(), vd.float())
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        ops = self.operands(q, k, v, params)
+        out, lse = self._run(ops.q, ops.k, ops.v, spec, params, **ops.descales())
+        if not params.return_lse or lse is None:
+            return AttentionOutput(out, None)
+        lse = natural_lse(lse)
+        if ops.k_mean is not None:
+            lse = lse + lse_shift(q, ops.k_mean, params.scale)
+        return AttentionOutput(out, lse)

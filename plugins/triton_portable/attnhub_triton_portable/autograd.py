@@ -1,0 +1,94 @@
+"""``flash_attention``: the dense Triton kernels as one differentiable call.
+
+The forward saves q, k, v, out and the LSE; the backward recomputes probabilities from the
+LSE (FlashAttention-2's scheme). Tile configs come from the tables in :mod:`.configs` (tuned
+per shape bucket on a GPU) unless the caller passes its own, which is how another plugin
+(ROCm) runs these kernels with its tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from attnhub.plugin import AttnParams, InputError, dtype_name
+
+from . import autotune
+from .bwd import flash_bwd
+from .configs import bwd_candidates, fwd_candidates
+from .fwd import flash_fwd
+from .launch import DenseArgs, device_arch
+
+Config = dict[str, Any]
+
+
+def _key(kind: str, args: DenseArgs, extra: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+    return (kind, device_arch(args.q.device), args.head_dim, args.q.dtype,
+            tuple(sorted(args.mask_constants().items(), key=lambda kv: kv[0])),
+            autotune.bucket(args.max_seqlen_q), autotune.bucket(args.max_seqlen_k),
+            autotune.bucket(args.batch * args.num_heads), args.group, *extra)
+
+
+def fwd_config_for(args: DenseArgs) -> Config:
+    """The forward tile config for this call (table entry, or tuned on a GPU)."""
+    cands = fwd_candidates(device_arch(args.q.device), args.head_dim, dtype_name(args.q.dtype),
+                           args.causal)
+    return autotune.pick(_key("fwd", args), cands, args.q.device,
+                         lambda cfg: flash_fwd(args, cfg))
+
+
+def bwd_config_for(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor,
+                   dout: torch.Tensor, deterministic: bool) -> Config:
+    """The backward configs for this call; only atomic-free ones when deterministic."""
+    cands = bwd_candidates(device_arch(args.q.device), args.head_dim, dtype_name(args.q.dtype),
+                           args.causal, deterministic)
+    return autotune.pick(_key("bwd", args, (deterministic,)), cands, args.q.device,
+                         lambda cfg: flash_bwd(args, out, lse, dout, cfg))
+
+
+class _DenseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                params: AttnParams, layout: str, fwd_cfg: Config | None,
+                bwd_cfg: Config | None) -> tuple[torch.Tensor, torch.Tensor]:
+        args = DenseArgs.from_params(q, k, v, params, layout)
+        out, lse = flash_fwd(args, fwd_cfg or fwd_config_for(args))
+        ctx.save_for_backward(args.q, args.k, args.v, out, lse)
+        # The tensors travel as saved tensors (version-checked), not on the args copy.
+        ctx.args = replace(args, q=None, k=None, v=None)  # type: ignore[arg-type]
+        ctx.bwd_cfg = bwd_cfg
+        ctx.deterministic = bool(params.deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        args = replace(ctx.args, q=q, k=k, v=v)
+        cfg = ctx.bwd_cfg or bwd_config_for(args, out, lse, dout, ctx.deterministic)
+        dq, dk, dv = flash_bwd(args, out, lse, dout, cfg)
+        return dq, dk, dv, None, None, None, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttnParams,
+                    layout: str = "bshd", *, fwd_cfg: Config | None = None,
+                    bwd_cfg: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with the dense Triton kernels: ``(out, lse)``, differentiable in q, k, v.
+
+    ``layout`` is ``bshd`` (q (B,Sq,Hq,D), lse (B,Hq,Sq)) or ``thd`` (q (Tq,Hq,D) with
+    ``params.cu_seqlens_q/k``, lse (Hq,Tq)). ``fwd_cfg``/``bwd_cfg`` override the tile
+    tables (see :mod:`.configs` for their form).
+    """
+    if params.deterministic and bwd_cfg is not None and bwd_cfg.get("dq_mode") == "atomic":
+        raise InputError("deterministic=True with a backward config whose dq_mode is "
+                         "'atomic': use dq_mode='separate' (no atomics) for bitwise-equal "
+                         "gradients")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        out, lse = _DenseAttention.apply(q, k, v, params, layout, fwd_cfg, bwd_cfg)
+        return out, lse
+    args = DenseArgs.from_params(q, k, v, params, layout)
+    return flash_fwd(args, fwd_cfg or fwd_config_for(args))

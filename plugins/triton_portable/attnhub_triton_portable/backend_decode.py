@@ -1,0 +1,89 @@
+"""The ``triton_decode`` backend: this plugin's split-KV decode kernel behind the Backend API."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from attnhub.plugin import (
+    AttentionOutput,
+    AttentionSpec,
+    AttnParams,
+    Backend,
+    Capabilities,
+    DeviceInfo,
+    InputError,
+)
+
+_MASKS = frozenset({"none", "causal", "sliding_window", "softcap", "alibi"})
+
+
+class TritonDecodeBackend(Backend):
+    """Flash-Decoding in Triton: contiguous or paged KV (any page size), 1..16 query tokens
+    per sequence, GQA heads packed so each KV head is read once, splits merged by LSE."""
+
+    name = "triton_decode"
+    tier = "serving"
+    description = ("own Triton split-KV decode (Flash-Decoding): contiguous and paged KV, "
+                   "GQA packed, per-sequence lengths, LSE merge")
+    capabilities = Capabilities(
+        vendors=frozenset({"cpu", "cuda", "rocm"}),
+        min_capability=(8, 0),
+        dtypes=frozenset({"fp32", "fp16", "bf16"}),
+        max_head_dim=256,
+        masks=_MASKS,
+        phases=frozenset({"decode"}),
+        layouts=frozenset({"bshd", "paged"}),
+        backward=False,
+        gqa=True,
+        returns_lse=True,
+        top_left_causal=True,
+        max_query_len_decode=16,
+    )
+    requires = {"triton": "pip install triton (ships with torch on Linux x86-64)"}
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        """What the data cannot say: on the CPU the kernel only runs in Triton's interpreter."""
+        if device.vendor == "cpu" and not device.simulated and \
+                os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return ["on the CPU Triton kernels run only in the interpreter: set "
+                    "TRITON_INTERPRET=1 before attnhub_triton_portable.decode is imported "
+                    "(tests do); otherwise use torch_sdpa or reference"]
+        return []
+
+    def _load(self) -> None:
+        from . import decode
+
+        self._decode = decode.decode_attention
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        _refuse_unserved(params, spec.layout)
+        paged = spec.layout == "paged"
+        out, lse = self._decode(
+            q, k, v, scale=params.scale, causal=params.causal, alignment=params.alignment,
+            window=params.window, softcap=params.softcap, alibi_slopes=params.alibi_slopes,
+            block_table=params.block_table if paged else None,
+            seqlens_k=params.seqlens_k if paged else None,
+            max_seqlen_k=params.max_seqlen_k if paged else None,
+        )
+        return AttentionOutput(out, lse)
+
+
+def _refuse_unserved(params: AttnParams, layout: str) -> None:
+    """Per-call data the kernel would otherwise ignore: an error, never a silent change."""
+    unserved: dict[str, Any] = {
+        "prefix_lens": params.prefix_lens, "colmask_start": params.colmask_start,
+        "cu_seqlens_q": params.cu_seqlens_q, "score_mod": params.score_mod,
+        "mask_mod": params.mask_mod,
+    }
+    given = [name for name, value in unserved.items() if value is not None]
+    if given:
+        raise InputError(f"triton_decode: {', '.join(given)} given but this decode kernel does "
+                         "not apply it; use the triton or flex backend for that mask")
+    if layout == "bshd" and params.seqlens_k is not None:
+        raise InputError("triton_decode: seqlens_k with layout='bshd' is not part of the bshd "
+                         "contract (every backend attends to all Sk keys); pass layout='paged' "
+                         "with a block_table, or slice k/v per sequence")

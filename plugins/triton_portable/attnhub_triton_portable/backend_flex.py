@@ -1,0 +1,99 @@
+"""The ``flex`` backend: ``torch.compile(flex_attention)`` for every mask kind and any
+score_mod/mask_mod, with BlockMasks cached per (mask, shape)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import torch
+
+from attnhub.plugin import (
+    ALL_MASKS,
+    AttentionOutput,
+    AttentionSpec,
+    AttnParams,
+    Backend,
+    Capabilities,
+    DeviceInfo,
+)
+
+#: Why decode is refused, with what was measured (shared/gpu/README.md, H200, bf16, 32/8
+#: heads, d=128): flex's decode path ran at 0.11-0.12 TB/s at batch 1 (SDPA 2.73-3.91) and
+#: failed to compile at 64 x 32k.
+DECODE_REASON = ("decode is not served: compiled flex_attention measured 10-40x slower than "
+                 "SDPA for decode on the H200 (0.11 vs 2.73 TB/s at 1 x 32k) and failed to "
+                 "compile at batch 64 x 32k; use triton_decode, fa3 or torch_sdpa")
+
+
+class FlexBackend(Backend):
+    """FlexAttention through torch.compile: the variant tier for masks and score functions
+    that no fused kernel has. ``compiled=False`` runs flex eagerly (tests of the mask
+    translation only: eager flex materialises the whole score matrix)."""
+
+    name = "flex"
+    tier = "variant"
+    description = ("torch.compile(flex_attention): every attnhub mask kind plus arbitrary "
+                   "score_mod/mask_mod; BlockMask built once per (mask, shape)")
+    capabilities = Capabilities(
+        vendors=frozenset({"cpu", "cuda", "rocm"}),
+        dtypes=frozenset({"fp32", "fp16", "bf16"}),
+        max_head_dim=256,
+        masks=ALL_MASKS,
+        phases=frozenset({"train", "prefill"}),
+        layouts=frozenset({"bshd", "thd"}),
+        backward=True,
+        deterministic_backward=False,
+        gqa=True,
+        returns_lse=True,
+        top_left_causal=True,
+    )
+
+    def __init__(self, compiled: bool = True) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        """Decode, the CPU limits of Inductor's flex lowering, and what compile needs."""
+        r: list[str] = []
+        if spec.phase == "decode":
+            r.append(DECODE_REASON)
+        if spec.layout == "thd" and spec.mask.column_sparse:
+            r.append("column-sparse ranges are per (batch, head, key) of a bshd batch; with "
+                     "thd documents use layout='bshd' or the triton backend")
+        if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+            r.append(f"torch {torch.__version__} has no flex_attention (needs torch >= 2.5)")
+        if device.vendor == "cpu" and self.compiled:
+            if spec.needs_grad:
+                r.append("torch.compile(flex_attention) on the CPU is inference-only (Inductor: "
+                         "'torch.compile on CPU only supports inference'); no gradients")
+            if spec.return_lse:
+                r.append("torch.compile(flex_attention) on the CPU cannot return the LSE "
+                         "(Inductor: 'return_lse is not supported yet')")
+            if not device.simulated and not any(shutil.which(c) for c in ("c++", "g++",
+                                                                           "clang++")):
+                r.append("torch.compile on the CPU needs a C++ compiler (c++/g++/clang++) on "
+                         "PATH; none found")
+        if device.vendor != "cpu" and not device.simulated and self.compiled and \
+                importlib.util.find_spec("triton") is None:
+            r.append("torch.compile(flex_attention) on GPUs generates Triton kernels: "
+                     "triton is not installed (pip install triton)")
+        return r
+
+    def _load(self) -> None:
+        from . import flex
+
+        self._flex = flex
+        self._mods = flex.ModCache()
+
+    @property
+    def mask_builds(self) -> int:
+        """BlockMask/score-function builds so far (a cache hit builds nothing)."""
+        return self._mods.builds if self._loaded else 0
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        out, lse = self._flex.flex_attention(
+            q, k, v, params, spec.layout, self._mods, compiled=self.compiled,
+            want_lse=params.return_lse)
+        return AttentionOutput(out, lse)

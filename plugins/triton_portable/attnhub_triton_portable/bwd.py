@@ -1,0 +1,355 @@
+"""Backward attention kernels: delta preprocess, dk/dv, and dq.
+
+* ``_delta_kernel``: ``delta_i = sum_d out_i * dout_i`` (fp32), in the LSE's layout.
+* ``_dkdv_kernel``: one program owns a key tile of one KV head and loops over the query heads
+  of its GQA group and the query tiles that can see it, so dk/dv need no atomics. Scores are
+  recomputed transposed (keys x queries) so that P^T and dS^T feed the next dots from
+  registers.
+* ``_dq_kernel``: one program owns a query tile and walks the visible key tiles, like the
+  forward. With ``dq_mode="atomic"`` dq is instead accumulated inside the dk/dv kernel with
+  fp32 atomics (fewer recomputed dots, but the summation order varies run to run); the
+  ``separate`` mode uses no atomic anywhere and gives bitwise-equal gradients run to run.
+
+Fully masked rows carry LSE -inf; it is turned into +inf so their probabilities are exactly 0
+and no NaN reaches a gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tiles
+from .launch import DenseArgs, launch_options
+
+_DELTA_BLOCK = 64
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, sob, sos, soh, sdb, sds, sdh, slb, slh, CU_Q, seqlen_q_arg,
+                  num_heads, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr, VARLEN: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    q_start, seqlen_q = tiles.doc_bounds(b, CU_Q, seqlen_q_arg, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    b64 = b.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = tiles.load_rows(None, O + b64 * sob + q_start.to(tl.int64) * sos + h * soh, m0,
+                        seqlen_q, sos, offs_r, offs_d, HEAD_DIM, False)
+    do = tiles.load_rows(None, DO + b64 * sdb + q_start.to(tl.int64) * sds + h * sdh, m0,
+                         seqlen_q, sds, offs_r, offs_d, HEAD_DIM, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    rows = m0 + offs_r
+    tl.store(DELTA + b64 * slb + h * slh + q_start + rows, delta, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo, hi, offs_n,
+                offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix,
+                left, right, cs, ce, TMAX, TMIN, n0, n1,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, PREFIX_LM: tl.constexpr,
+                WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                ALIBI: tl.constexpr, COLMASK: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Accumulate dk, dv of key tile ``[n0, n1)`` over query tiles ``[lo, hi)``."""
+    j = (n0 + offs_n)[:, None]
+    for m0 in tl.range(lo, hi, BLOCK_M):
+        run = True
+        if COLMASK:
+            run = tiles.colmask_tile_kept(TMAX, TMIN, n0 // BLOCK_N, m0,
+                                          tl.minimum(m0 + BLOCK_M, seqlen_q))
+        if run:
+            rows = m0 + offs_r
+            q = tiles.load_rows(None, Qb, m0, seqlen_q, sqs, offs_r, offs_d, HEAD_DIM, False)
+            lse = tl.load(LSEb + rows, mask=rows < seqlen_q, other=float("-inf"))
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * tiles.LOG2E)
+            qk_t = tiles.mma(k, tl.trans(q), None, DOT_PREC, DOT_UPCAST)
+            i = rows[None, :]
+            s_t, dfac = tiles.scores(qk_t, i, j, q_off, scale, softcap, slope, SOFTCAP, ALIBI)
+            if MASKED:
+                ok = tiles.visible(i, j, seqlen_q, seqlen_k, q_off, prefix, left, right, cs, ce,
+                                   CAUSAL, PREFIX_LM, WIN_LEFT, WIN_RIGHT, COLMASK)
+                s_t = tl.where(ok, s_t, float("-inf"))
+            p_t = tl.exp2(s_t - lse2[None, :])
+            do = tiles.load_rows(None, DOb, m0, seqlen_q, sds, offs_r, offs_d, HEAD_DIM, False)
+            dv = tiles.mma(p_t.to(do.dtype), do, dv, DOT_PREC, DOT_UPCAST)
+            delta = tl.load(DELTAb + rows, mask=rows < seqlen_q, other=0.0)
+            dp_t = tiles.mma(v, tl.trans(do), None, DOT_PREC, DOT_UPCAST)
+            ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * dfac
+            dk = tiles.mma(ds_t.to(q.dtype), q, dk, DOT_PREC, DOT_UPCAST)
+            if DQ_ATOMIC:
+                dq = tiles.mma(tl.trans(ds_t.to(k.dtype)), k, None, DOT_PREC, DOT_UPCAST)
+                ptrs = DQb + rows[:, None].to(tl.int64) * sdqs + offs_d[None, :]
+                tl.atomic_add(ptrs, dq * scale,
+                              mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdkb, sdks, sdkh,
+    sdvb, sdvs, sdvh, sdqb, sdqs, sdqh, slb, slh,
+    CU_Q, CU_K, seqlen_q_arg, seqlen_k_arg, num_kv_heads, group,
+    scale, softcap, left, right, SLOPES, s_slope_b, PREFIX,
+    CM_START, CM_END, scmb, scmh, cm_div, TMAX, TMIN, stmb, stmh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, PREFIX_LM: tl.constexpr, COLMASK: tl.constexpr,
+    VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    pid_n = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_kv_heads
+    hk = bh % num_kv_heads
+    q_start, seqlen_q = tiles.doc_bounds(b, CU_Q, seqlen_q_arg, VARLEN)
+    k_start, seqlen_k = tiles.doc_bounds(b, CU_K, seqlen_k_arg, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= seqlen_k:
+        return
+    n1 = tl.minimum(n0 + BLOCK_N, seqlen_k)
+    q_off = seqlen_k * 0
+    if BOTTOM_RIGHT:
+        q_off = seqlen_k - seqlen_q
+    b64 = b.to(tl.int64)
+    qs64 = q_start.to(tl.int64)
+    ks64 = k_start.to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = tiles.load_rows(None, K + b64 * skb + ks64 * sks + hk * skh, n0, seqlen_k, sks, offs_n,
+                        offs_d, HEAD_DIM, False)
+    v = tiles.load_rows(None, V + b64 * svb + ks64 * svs + hk * svh, n0, seqlen_k, svs, offs_n,
+                        offs_d, HEAD_DIM, False)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    prefix = 0
+    if PREFIX_LM:
+        prefix = tl.load(PREFIX + b)
+    j = n0 + offs_n
+    for g in range(group):
+        h = hk * group + g
+        Qb = Q + b64 * sqb + qs64 * sqs + h * sqh
+        DOb = DO + b64 * sdb + qs64 * sds + h * sdh
+        DQb = DQACC + b64 * sdqb + qs64 * sdqs + h * sdqh
+        LSEb = LSE + b64 * slb + h * slh + q_start
+        DELTAb = DELTA + b64 * slb + h * slh + q_start
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(SLOPES + b * s_slope_b + h)
+        cs = 0
+        ce = 0
+        TMAXh = TMAX
+        TMINh = TMIN
+        if COLMASK:
+            ch = h // cm_div
+            cs = tl.load(CM_START + b64 * scmb + ch * scmh + j, mask=j < seqlen_k,
+                         other=0)[:, None]
+            ce = tl.load(CM_END + b64 * scmb + ch * scmh + j, mask=j < seqlen_k,
+                         other=0)[:, None]
+            TMAXh = TMAX + b64 * stmb + ch * stmh
+            TMINh = TMIN + b64 * stmb + ch * stmh
+        lo, full_lo, full_hi, hi = tiles.query_range(n0, n1, seqlen_q, q_off, prefix, left,
+                                                     right, BLOCK_M, CAUSAL, PREFIX_LM,
+                                                     WIN_LEFT, WIN_RIGHT, COLMASK)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo, full_lo, offs_n,
+            offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
+            right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
+            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, DOT_PREC, DOT_UPCAST)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_lo, full_hi, offs_n,
+            offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
+            right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
+            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, DOT_PREC, DOT_UPCAST)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_hi, hi, offs_n,
+            offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
+            right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
+            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, DOT_PREC, DOT_UPCAST)
+    tiles.store_rows(None, DK + b64 * sdkb + ks64 * sdks + hk * sdkh,
+                     (dk * scale).to(DK.dtype.element_ty), n0, seqlen_k, sdks, offs_n, offs_d,
+                     HEAD_DIM, False)
+    tiles.store_rows(None, DV + b64 * sdvb + ks64 * sdvs + hk * sdvh, dv.to(DV.dtype.element_ty),
+                     n0, seqlen_k, sdvs, offs_n, offs_d, HEAD_DIM, False)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, Kb, Vb, sks, svs, lo, hi, offs_m, offs_n, offs_d,
+              seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right, CMS, CME,
+              TMAX, TMIN, m0, m1,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr, PREFIX_LM: tl.constexpr, WIN_LEFT: tl.constexpr,
+              WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              COLMASK: tl.constexpr, DOT_PREC: tl.constexpr,
+              DOT_UPCAST: tl.constexpr):
+    """Accumulate dq of query rows ``[m0, m1)`` over key tiles ``[lo, hi)``."""
+    i = offs_m[:, None]
+    for n0 in tl.range(lo, hi, BLOCK_N):
+        run = True
+        if COLMASK:
+            run = tiles.colmask_tile_kept(TMAX, TMIN, n0 // BLOCK_N, m0, m1)
+        if run:
+            k = tiles.load_rows(None, Kb, n0, seqlen_k, sks, offs_n, offs_d, HEAD_DIM, False)
+            v = tiles.load_rows(None, Vb, n0, seqlen_k, svs, offs_n, offs_d, HEAD_DIM, False)
+            qk = tiles.mma(q, tl.trans(k), None, DOT_PREC, DOT_UPCAST)
+            j = (n0 + offs_n)[None, :]
+            s, dfac = tiles.scores(qk, i, j, q_off, scale, softcap, slope, SOFTCAP, ALIBI)
+            if MASKED:
+                cs = 0
+                ce = 0
+                if COLMASK:
+                    cs = tl.load(CMS + j, mask=j < seqlen_k, other=0)
+                    ce = tl.load(CME + j, mask=j < seqlen_k, other=0)
+                ok = tiles.visible(i, j, seqlen_q, seqlen_k, q_off, prefix, left, right, cs, ce,
+                                   CAUSAL, PREFIX_LM, WIN_LEFT, WIN_RIGHT, COLMASK)
+                s = tl.where(ok, s, float("-inf"))
+            p = tl.exp2(s - lse2[:, None])
+            dp = tiles.mma(do, tl.trans(v), None, DOT_PREC, DOT_UPCAST)
+            ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * dfac
+            dq = tiles.mma(ds.to(k.dtype), k, dq, DOT_PREC, DOT_UPCAST)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdqb, sdqs, sdqh, slb, slh,
+    CU_Q, CU_K, seqlen_q_arg, seqlen_k_arg, num_heads, group,
+    scale, softcap, left, right, SLOPES, s_slope_b, PREFIX,
+    CM_START, CM_END, scmb, scmh, cm_div, TMAX, TMIN, stmb, stmh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, PREFIX_LM: tl.constexpr, COLMASK: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // group
+    q_start, seqlen_q = tiles.doc_bounds(b, CU_Q, seqlen_q_arg, VARLEN)
+    k_start, seqlen_k = tiles.doc_bounds(b, CU_K, seqlen_k_arg, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    m1 = tl.minimum(m0 + BLOCK_M, seqlen_q)
+    q_off = seqlen_k * 0
+    if BOTTOM_RIGHT:
+        q_off = seqlen_k - seqlen_q
+    b64 = b.to(tl.int64)
+    qs64 = q_start.to(tl.int64)
+    ks64 = k_start.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = m0 + offs_r
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tiles.load_rows(None, Q + b64 * sqb + qs64 * sqs + h * sqh, m0, seqlen_q, sqs, offs_r,
+                        offs_d, HEAD_DIM, False)
+    do = tiles.load_rows(None, DO + b64 * sdb + qs64 * sds + h * sdh, m0, seqlen_q, sds, offs_r,
+                         offs_d, HEAD_DIM, False)
+    lse = tl.load(LSE + b64 * slb + h * slh + q_start + offs_m, mask=offs_m < seqlen_q,
+                  other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * tiles.LOG2E)
+    delta = tl.load(DELTA + b64 * slb + h * slh + q_start + offs_m, mask=offs_m < seqlen_q,
+                    other=0.0)
+    Kb = K + b64 * skb + ks64 * sks + hk * skh
+    Vb = V + b64 * svb + ks64 * svs + hk * svh
+    prefix = 0
+    if PREFIX_LM:
+        prefix = tl.load(PREFIX + b)
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + b * s_slope_b + h)
+    CMS = CM_START
+    CME = CM_END
+    if COLMASK:
+        ch = h // cm_div
+        CMS = CM_START + b64 * scmb + ch * scmh
+        CME = CM_END + b64 * scmb + ch * scmh
+        TMAX = TMAX + b64 * stmb + ch * stmh
+        TMIN = TMIN + b64 * stmb + ch * stmh
+    lo, full_lo, full_hi, hi = tiles.key_range(m0, m1, seqlen_k, q_off, prefix, left, right,
+                                               BLOCK_N, CAUSAL, PREFIX_LM, WIN_LEFT,
+                                               WIN_RIGHT, COLMASK)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_tiles(dq, q, do, lse2, delta, Kb, Vb, sks, svs, lo, full_lo, offs_m, offs_n,
+                   offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right,
+                   CMS, CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, True, CAUSAL, PREFIX_LM,
+                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DOT_PREC, DOT_UPCAST)
+    dq = _dq_tiles(dq, q, do, lse2, delta, Kb, Vb, sks, svs, full_lo, full_hi, offs_m, offs_n,
+                   offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right,
+                   CMS, CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, False, CAUSAL, PREFIX_LM,
+                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DOT_PREC, DOT_UPCAST)
+    dq = _dq_tiles(dq, q, do, lse2, delta, Kb, Vb, sks, svs, full_hi, hi, offs_m, offs_n,
+                   offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right,
+                   CMS, CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, True, CAUSAL, PREFIX_LM,
+                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DOT_PREC, DOT_UPCAST)
+    tiles.store_rows(None, DQ + b64 * sdqb + qs64 * sdqs + h * sdqh,
+                     (dq * scale).to(DQ.dtype.element_ty), m0, seqlen_q, sdqs, offs_r, offs_d,
+                     HEAD_DIM, False)
+
+
+def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+              config: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of the forward that produced ``out``/``lse`` from ``args``.
+
+    ``config`` is ``{"dkdv": cfg, "dq": cfg, "dq_mode": "separate"|"atomic"}`` (see
+    :func:`.configs.bwd_config`).
+    """
+    q, k, v = args.q, args.k, args.v
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    zeros = args.varlen  # rows outside cu_seqlens are never written: give them 0
+    dq = torch.zeros_like(q) if zeros else torch.empty_like(q)
+    dk = torch.zeros_like(k) if zeros else torch.empty_like(k)
+    dv = torch.zeros_like(v) if zeros else torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0 or args.batch == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = torch.empty_like(lse)
+    heads = args.batch * args.num_heads
+    _delta_kernel[(triton.cdiv(args.max_seqlen_q, _DELTA_BLOCK), heads)](
+        out, dout, delta, *args.bsh_strides(out), *args.bsh_strides(dout),
+        *args.lse_strides(lse), args.cu_q, args.seqlen_q, args.num_heads,
+        HEAD_DIM=args.head_dim, BLOCK_M=_DELTA_BLOCK, BLOCK_D=args.block_d, VARLEN=args.varlen)
+
+    atomic = config.get("dq_mode", "separate") == "atomic"
+    dqacc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
+    common = (args.cu_q, args.cu_k, args.seqlen_q, args.seqlen_k)
+    masks = args.mask_scalars()
+    consts, options = launch_options(config["dkdv"])
+    bm, bn = consts["BLOCK_M"], consts["BLOCK_N"]
+    _dkdv_kernel[(triton.cdiv(args.max_seqlen_k, bn), args.batch * args.num_kv_heads)](
+        q, k, v, dout, lse, delta, dk, dv, dqacc,
+        *args.bsh_strides(q), *args.bsh_strides(k), *args.bsh_strides(v),
+        *args.bsh_strides(dout), *args.bsh_strides(dk), *args.bsh_strides(dv),
+        *args.bsh_strides(dqacc), *args.lse_strides(lse),
+        *common, args.num_kv_heads, args.group, *masks, *args.colmask_tiles(bn),
+        HEAD_DIM=args.head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=args.block_d,
+        DQ_ATOMIC=atomic, **args.mask_constants(), **options)
+    if atomic:
+        return dqacc.to(q.dtype), dk, dv
+    consts, options = launch_options(config["dq"])
+    bm, bn = consts["BLOCK_M"], consts["BLOCK_N"]
+    _dq_kernel[(triton.cdiv(args.max_seqlen_q, bm), heads)](
+        q, k, v, dout, lse, delta, dq,
+        *args.bsh_strides(q), *args.bsh_strides(k), *args.bsh_strides(v),
+        *args.bsh_strides(dout), *args.bsh_strides(dq), *args.lse_strides(lse),
+        *common, args.num_heads, args.group, *masks, *args.colmask_tiles(bn),
+        HEAD_DIM=args.head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=args.block_d,
+        **args.mask_constants(), **options)
+    return dq, dk, dv

@@ -1,0 +1,325 @@
+"""Split-KV decode (Flash-Decoding) over a contiguous or a paged KV cache, in Triton.
+
+Decode has 1..16 query tokens per sequence against a long cache, so one program per query
+head would leave most of the GPU idle and read each KV head ``Hq / Hkv`` times. Here one
+program owns every query row of one KV head (GQA group x query tokens, packed into the M
+side of the dot), reads that head's keys once, and covers one key range ("split") of the
+sequence; the splits of a sequence run in parallel and write partial outputs with their
+base-2 log-sum-exp. Pass 2 merges the partials of each row by LSE, either as a second
+launch or, with ``fused_merge``, in the last program of a (sequence, KV head) to finish.
+
+Paged caches are read through the block table key by key (``page = table[b, j // PAGE]``),
+so any page size >= 1 works and a key tile may span pages. Per-sequence lengths give each
+sequence its own balanced splits. Multi-token queries use the mask semantics of
+``attnhub.core.masking`` (bottom-right by default: token t sits at key ``t + L - Sq``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tiles
+from .configs import block_d
+from .decode_configs import (
+    INTERPRETER_SM_COUNT,
+    DecodeConfig,
+    block_m,
+    choose_splits,
+    decode_config,
+)
+from .launch import device_arch
+
+
+@triton.jit
+def _merge_row(OP, LP, prow, num_splits, Out, out_off, Lse, lse_off,
+               HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+               CACHE: tl.constexpr):
+    """Merge the ``num_splits`` partials of one row (starting at partial row ``prow``).
+
+    Partials are normalised outputs with base-2 LSEs; empty splits carry -inf and weigh 0,
+    so a row no split saw ends as output 0, LSE -inf.
+    """
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < num_splits
+    lse = tl.load(LP + prow + s, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
+    m = tl.max(lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_use)
+    total = tl.sum(w, 0)
+    o = tl.load(OP + (prow + s)[:, None] * HEAD_DIM + d[None, :],
+                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0, cache_modifier=CACHE)
+    acc = tl.sum(o * w[:, None], 0)
+    has = total > 0
+    safe = tl.where(has, total, 1.0)
+    tl.store(Out + out_off + d, (acc / safe).to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(Lse + lse_off, tl.where(has, (m_use + tl.log2(safe)) * tiles.LN2, float("-inf")))
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, Out, Lse, OP, LP, Counters, BlockTable, SeqLens, Slopes,
+    sqb, sqs, sqh, skp, sks, skh, svp, svs, svh, sob, sos, soh, sbt, s_slope_b,
+    scale, softcap, left, right,
+    seqlen_q, seqlen_k, num_q_heads, num_kv_heads, group, m_blocks, num_splits,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, CAUSAL: tl.constexpr,
+    WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, ONE_SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Pass 1: one (split, sequence x KV head x row block) per program."""
+    split = tl.program_id(0)
+    pid = tl.program_id(1)
+    mb = pid % m_blocks
+    b = pid // (m_blocks * num_kv_heads)
+    h = (pid // m_blocks) % num_kv_heads
+    if HAS_SEQLENS:
+        seq_len = tl.load(SeqLens + b)
+    else:
+        seq_len = seqlen_k + b * 0
+    q_off = b * 0
+    if BOTTOM_RIGHT:
+        q_off = seq_len - seqlen_q
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seqlen_q * group
+    t = rows // group
+    hq = h * group + rows % group
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + b64 * sqb + t[:, None] * sqs + hq[:, None] * sqh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(Slopes + b * s_slope_b + hq, mask=row_ok, other=0.0)[:, None]
+
+    # This split's keys: a balanced share of the sequence's tiles, then cut to what the
+    # causal / window masks of the rows of this block can see.
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    lo = (split * n_tiles // num_splits) * BLOCK_N
+    hi = tl.minimum(((split + 1) * n_tiles // num_splits) * BLOCK_N, seq_len)
+    t_first = (mb * BLOCK_M) // group
+    t_last = tl.minimum((mb * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
+    if CAUSAL:
+        hi = tl.minimum(hi, t_last + q_off + 1)
+    if WIN_RIGHT:
+        hi = tl.minimum(hi, t_last + q_off + right + 1)
+    if WIN_LEFT:
+        lo = tl.maximum(lo, t_first + q_off - left)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_head = K + h.to(tl.int64) * skh
+    v_head = V + h.to(tl.int64) * svh
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        if PAGED:
+            page = tl.load(BlockTable + b64 * sbt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            k_rows = page * skp + (n % PAGE) * sks
+            v_rows = page * svp + (n % PAGE) * svs
+        else:
+            k_rows = b64 * skp + n.to(tl.int64) * sks
+            v_rows = b64 * svp + n.to(tl.int64) * svs
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s, _ = tiles.scores(qk, t[:, None], n[None, :], q_off, scale, softcap, slope,
+                            SOFTCAP, ALIBI)
+        ok = tiles.visible(t[:, None], n[None, :], seqlen_q, hi, q_off, 0, left, right, 0, 0,
+                           CAUSAL, False, WIN_LEFT, WIN_RIGHT, False)
+        s = tl.where(ok & row_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        pv = p.to(v.dtype)
+        if UPCAST:  # same rounding of p as on the GPU, then an fp32 dot
+            pv = pv.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = tl.dot(pv, v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0
+    safe = tl.where(has, l_i, 1.0)
+    o = acc / safe[:, None]
+    lse2 = tl.where(has, m_i + tl.log2(safe), float("-inf"))
+    lse_rows = (b64 * num_q_heads + hq) * seqlen_q + t
+    if ONE_SPLIT:
+        tl.store(Out + b64 * sob + t[:, None] * sos + hq[:, None] * soh + d[None, :],
+                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(Lse + lse_rows, lse2 * tiles.LN2, mask=row_ok)
+    else:
+        prow = lse_rows * num_splits + split
+        tl.store(OP + prow[:, None] * HEAD_DIM + d[None, :], o,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LP + prow, lse2, mask=row_ok)
+        if FUSED_MERGE:
+            # The last program of this (sequence, head, rows) to finish merges for all:
+            # the barrier orders every thread's partial stores before the release.
+            tl.debug_barrier()
+            done = tl.atomic_add(Counters + pid, 1, sem="acq_rel")
+            if done == num_splits - 1:
+                n_rows = tl.minimum(seqlen_q * group - mb * BLOCK_M, BLOCK_M)
+                for r in range(0, n_rows):
+                    row = mb * BLOCK_M + r
+                    tr = row // group
+                    hr = h * group + row % group
+                    lrow = (b64 * num_q_heads + hr) * seqlen_q + tr
+                    _merge_row(OP, LP, lrow * num_splits, num_splits, Out,
+                               b64 * sob + tr * sos + hr * soh, Lse, lrow,
+                               HEAD_DIM, BLOCK_S, BLOCK_D, ".cg")
+                tl.atomic_xchg(Counters + pid, 0)
+
+
+@triton.jit
+def _merge_kernel(OP, LP, Out, Lse, sob, sos, soh, seqlen_q, num_q_heads, num_splits,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Pass 2 as its own launch: one program per (sequence, query head, query token)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = row % seqlen_q
+    hq = (row // seqlen_q) % num_q_heads
+    b = row // (seqlen_q * num_q_heads)
+    _merge_row(OP, LP, row * num_splits, num_splits, Out, b * sob + t * sos + hq * soh,
+               Lse, row, HEAD_DIM, BLOCK_S, BLOCK_D, "")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_counter_lock = threading.Lock()
+_counters: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 tickets for the fused merge, one buffer per (device, stream).
+
+    The kernel returns every ticket it used to 0, so the buffer is allocated once and
+    stays valid across calls and CUDA-graph replays; streams get their own so that calls in
+    flight on two streams never share a ticket.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    with _counter_lock:
+        buf = _counters.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+            _counters[key] = buf
+        return buf
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_interpreter(device: torch.device) -> None:
+    if device.type == "cpu" and not triton.knobs.runtime.interpret:
+        raise RuntimeError(
+            "attnhub_triton_portable.decode: tensors are on the CPU but Triton is not in "
+            "interpreter mode; set TRITON_INTERPRET=1 before this module is imported, or "
+            "run on a GPU")
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+    causal: bool = False, alignment: str = "bottom_right",
+    window: tuple[int, int] | None = None, softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+    seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None,
+    num_splits: int | None = None, config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention; returns (out like q, LSE (B, Hq, Sq) fp32, natural log).
+
+    q (B, Sq, Hq, D). Contiguous cache: k/v (B, Sk, Hkv, D), optionally ``seqlens_k`` (B,)
+    int32 for per-sequence lengths <= Sk. Paged cache: k/v (num_pages, page_size, Hkv, D)
+    with ``block_table`` (B, P) int32 and ``seqlens_k`` (B,) int32. ``max_seqlen_k`` (the
+    longest length, when the caller knows it) only sizes the splits; without it the cache
+    capacity is used, which never syncs with the device. ``num_splits``/``config`` override
+    the heuristic and the table (benchmarks, tests).
+    """
+    _check_interpreter(q.device)
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    batch, seqlen_q, hq, dim = q.shape
+    hkv = k.shape[2]
+    paged = block_table is not None
+    if paged and seqlens_k is None:
+        raise ValueError("decode_attention: a paged cache needs seqlens_k (B,) int32")
+    if v.shape[-1] != dim:
+        raise ValueError(f"decode_attention: value head dim {v.shape[-1]} != {dim}; the "
+                         "decode kernel needs equal head dims (use another backend)")
+    out = torch.empty((batch, seqlen_q, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    page = k.shape[1] if paged else 1
+    cap_k = block_table.shape[1] * page if paged else k.shape[1]
+    longest = min(max_seqlen_k, cap_k) if max_seqlen_k is not None else cap_k
+
+    arch = device_arch(q.device)
+    dname = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
+    cfg = config or decode_config(arch, dname)
+    group = hq // hkv
+    bm = block_m(seqlen_q * group)
+    m_blocks = triton.cdiv(seqlen_q * group, bm)
+    sms = INTERPRETER_SM_COUNT if arch == "cpu" else _sm_count(q.device.index or 0)
+    splits = num_splits or choose_splits(batch, hkv, longest, sms, cfg, m_blocks)
+    splits = max(1, min(splits, max(1, triton.cdiv(longest, cfg.block_n))))
+
+    if splits > 1:
+        rows = batch * hq * seqlen_q * splits
+        opart = torch.empty((rows, dim), dtype=torch.float32, device=q.device)
+        lpart = torch.empty((rows,), dtype=torch.float32, device=q.device)
+    else:
+        opart = lpart = lse  # unused by the kernel
+    fused = cfg.fused_merge and splits > 1
+    counters = _merge_counters(q.device, batch * hkv * m_blocks) if fused else lse
+    slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous() \
+        if alibi_slopes is not None else lse
+    left, right = window if window is not None else (-1, -1)
+    bd = block_d(dim)
+    bs = max(2, triton.next_power_of_2(splits))
+    # Triton 3.9's interpreter computes bf16 dots wrongly (garbage of order 1e10): the
+    # interpreter path feeds them fp32 copies instead, keeping the bf16 rounding of p.
+    upcast = arch == "cpu" and q.dtype == torch.bfloat16
+    _split_kernel[(splits, batch * hkv * m_blocks)](
+        q, k, v, out, lse, opart, lpart, counters,
+        block_table if paged else lse, seqlens_k if seqlens_k is not None else lse, slopes,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        block_table.stride(0) if paged else 0,
+        hq if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        scale, softcap or 1.0, left, right,
+        seqlen_q, k.shape[1], hq, hkv, group, m_blocks, splits,
+        HEAD_DIM=dim, PAGE=page, PAGED=paged, HAS_SEQLENS=seqlens_k is not None,
+        BOTTOM_RIGHT=alignment == "bottom_right", CAUSAL=causal,
+        WIN_LEFT=left >= 0, WIN_RIGHT=right >= 0, SOFTCAP=bool(softcap),
+        ALIBI=alibi_slopes is not None, ONE_SPLIT=splits == 1, FUSED_MERGE=fused,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_D=bd, BLOCK_S=bs,
+        DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1 and not fused:
+        _merge_kernel[(batch * hq * seqlen_q,)](
+            opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2),
+            seqlen_q, hq, splits, HEAD_DIM=dim, BLOCK_S=bs, BLOCK_D=bd,
+            num_warps=cfg.merge_warps,
+        )
+    return out, lse

@@ -1,0 +1,120 @@
+"""Launch configurations of the split-KV decode kernel, and how many splits to use.
+
+Decode reads the whole KV cache once and does little arithmetic on it, so the kernel is
+bound by memory bandwidth: what matters is that enough bytes are in flight on every SM for
+the whole run. The configuration fixes the key tile (``block_n``), the pipeline depth
+(``num_stages``) and how many programs stay resident on one SM (``ctas_per_sm``, which
+follows from the shared memory the pipeline takes); ``choose_splits`` then cuts each
+sequence into as many key ranges as it takes to fill the machine once, no more, because
+every extra split costs a partial write and a share of the merge.
+
+Pure Python: importing this module imports neither Triton nor a GPU library.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """One launch configuration of the decode kernels.
+
+    ``ctas_per_sm`` is the number of programs one SM holds at once with this tile and
+    pipeline (a property of the config, used by ``choose_splits``); ``overhead_tiles`` is the
+    fixed cost of one program (query load, partial write, its share of the merge) counted in
+    key tiles. ``fused_merge`` lets the last split of a (sequence, KV head) merge the partials
+    itself instead of a second launch.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    ctas_per_sm: int = 2
+    overhead_tiles: float = 2.0
+    fused_merge: bool = False
+    max_splits: int = 128
+    merge_warps: int = 4
+
+    def with_(self, **changes: object) -> "DecodeConfig":
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+#: Per architecture family. The sm90 row is the one measured on the H200 (see
+#: docs/benchmarks/triton_decode.md); the others are starting points, not measurements.
+_TABLE: dict[str, DecodeConfig] = {
+    # Interpreter: 16-key tiles so that contexts of 20..100 keys cross several tiles and
+    # several splits in the tests; sm_count is small there too (see ``interpreter_sm_count``).
+    "cpu": DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=1,
+                        overhead_tiles=0.5),
+    "sm80": DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2),
+    "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2),
+    "rocm": DecodeConfig(block_n=64, num_warps=4, num_stages=1, ctas_per_sm=2),
+    "generic": DecodeConfig(block_n=32, num_warps=4, num_stages=2, ctas_per_sm=2),
+}
+
+#: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
+INTERPRETER_SM_COUNT = 4
+
+
+def _family(arch: str) -> str:
+    if arch == "cpu":
+        return "cpu"
+    if arch.startswith("gfx"):
+        return "rocm"
+    if arch.startswith("sm"):
+        try:
+            return "sm90" if int(arch[2:]) >= 90 else "sm80"
+        except ValueError:
+            return "generic"
+    return "generic"
+
+
+def decode_config(arch: str, dtype: str = "bf16") -> DecodeConfig:
+    """The table's configuration for ``arch`` (``cpu``, ``sm90``, ``gfx942``...).
+
+    fp32 tiles take twice the shared memory of 16-bit ones, so the key tile is halved there
+    (on GPUs) to keep the same number of programs resident.
+    """
+    cfg = _TABLE[_family(arch)]
+    if dtype == "fp32" and arch != "cpu":
+        cfg = cfg.with_(block_n=max(16, cfg.block_n // 2))
+    return cfg
+
+
+def block_m(rows: int) -> int:
+    """Query-row tile for ``rows`` = query tokens x GQA group: a power of two in [16, 64].
+
+    16 is the smallest ``tl.dot`` tile; above 64 rows the rows are split over several
+    programs (each re-reads its KV head, from L2 when they run together).
+    """
+    return min(64, max(16, 1 << (max(rows, 1) - 1).bit_length()))
+
+
+def choose_splits(batch: int, kv_heads: int, max_seqlen_k: int, sm_count: int,
+                  cfg: DecodeConfig, m_blocks: int = 1) -> int:
+    """How many key ranges each (sequence, KV head) is cut into.
+
+    Programs = batch x kv_heads x m_blocks x splits. With ``capacity = sm_count x
+    ctas_per_sm`` programs resident at once, the run takes ``ceil(programs / capacity)``
+    rounds, each as long as one program's key tiles plus its fixed overhead; the merge adds
+    one more overhead when splits > 1. The cheapest split count under that model wins, the
+    smallest on ties (fewer partials to write and merge). Examples on an H200 (132 SMs, 2
+    programs each, 32/8 heads): 1 x 32k context -> 33 splits; 64 x 32k -> 1.
+    """
+    tiles = math.ceil(max(max_seqlen_k, 0) / cfg.block_n)
+    base = max(1, batch * kv_heads * m_blocks)
+    capacity = max(1, sm_count * cfg.ctas_per_sm)
+    if tiles <= 1 or sm_count <= 0:
+        return 1
+    limit = max(1, min(cfg.max_splits, tiles))
+    best, best_cost = 1, math.inf
+    for s in range(1, limit + 1):
+        rounds = math.ceil(base * s / capacity)
+        cost = rounds * (math.ceil(tiles / s) + cfg.overhead_tiles)
+        if s > 1:
+            cost += cfg.overhead_tiles
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best

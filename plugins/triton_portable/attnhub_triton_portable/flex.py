@@ -1,0 +1,258 @@
+"""attnhub's mask vocabulary as FlexAttention ``score_mod`` / ``mask_mod``, with cached BlockMasks.
+
+FlexAttention takes (B, H, S, D) tensors and two callables: ``score_mod(score, b, h, q, kv)``
+and ``mask_mod(b, h, q, kv)``. This module writes every attnhub mask kind as those callables,
+with the semantics of ``attnhub.core.masking`` / ``reference_attention``:
+
+* positions: query ``i`` of a sequence sits at key position ``i + Sk - Sq`` (bottom-right)
+  or ``i`` (top-left); causal keeps ``j <= pos``, a window ``pos - left <= j <= pos + right``;
+* prefix-LM: causal, or ``j < prefix_lens[b]``; column-sparse: rows ``[start, end)`` of key
+  column ``j`` are masked (rows are raw query indices, as in ``masking._column_sparse``);
+* softcap, then ALiBi ``-slope * |pos - j|``, then the user's score_mod, then the masks;
+* thd (documents): q/k are packed into one sequence; each packed index maps to its document
+  by ``cu_seqlens``, masks apply per document, and the user's callables see what the
+  reference shows them: batch 0 and positions inside the document.
+
+Building a BlockMask evaluates the mask over every (query block, key block), so it is built
+once per (mask data, shape) and kept in a small LRU cache. Tensors in the key are identified
+by object and version counter (``t._version``), held by weak reference: an in-place change or
+a new tensor builds a new mask, and nothing on the hot path copies data to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.nn.attention import flex_attention as _fa
+
+from attnhub.plugin import AttnParams, query_offset
+
+Mod = Callable[..., torch.Tensor]
+
+_CACHE_SIZE = 32
+
+
+@dataclass(frozen=True)
+class FlexMods:
+    """What one flex call needs besides q/k/v; ``None`` parts are simply not passed."""
+
+    score_mod: Mod | None
+    block_mask: Any | None
+
+
+class _Positions:
+    """Maps flex's (b, q_idx, kv_idx) to (sequence, query index, key index, query position,
+    same-sequence flag) for bshd (one sequence per batch row) or packed thd documents."""
+
+    def __init__(self, params: AttnParams, sq: int, sk: int, packed: bool,
+                 device: torch.device):
+        self.packed = packed
+        self.bottom_right = params.alignment == "bottom_right"
+        if not packed:
+            self.off = query_offset(sq, sk, params.alignment)
+            return
+        cu_q = params.cu_seqlens_q.to(device=device, dtype=torch.int64)
+        cu_k = params.cu_seqlens_k.to(device=device, dtype=torch.int64)
+        self.cu_q, self.cu_k = cu_q, cu_k
+        self.doc_q = _doc_ids(cu_q, sq)
+        self.doc_k = _doc_ids(cu_k, sk)
+        lens_q, lens_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        self.doc_off = (lens_k - lens_q) if self.bottom_right else torch.zeros_like(lens_q)
+
+    def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):
+        if not self.packed:
+            return b, q, kv, q + self.off, None
+        dq, dk = self.doc_q[q], self.doc_k[kv]
+        seq = dq.clamp(min=0)
+        qi = q - self.cu_q[seq]
+        kj = kv - self.cu_k[dk.clamp(min=0)]
+        return seq, qi, kj, qi + self.doc_off[seq], (dq == dk) & (dq >= 0)
+
+
+def _doc_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """Document of each packed index from cumulative lengths; -1 past ``cu[-1]`` (padding)."""
+    idx = torch.arange(total, device=cu.device)
+    doc = torch.searchsorted(cu[1:], idx, right=True)
+    return torch.where(idx < cu[-1], doc, torch.full_like(doc, -1))
+
+
+def _column_sparse_rows(params: AttnParams, sq: int, hq: int, hkv: int,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(start, end, head divisor, head modulus) so that query head h reads column-sparse
+    head ``(h // div) % mod`` (per query head, per KV head, or one for all)."""
+    start = params.colmask_start.to(device)
+    end = params.colmask_end.to(device) if params.colmask_end is not None else \
+        torch.full_like(start, sq)
+    hs = start.shape[1]
+    if hs == 1:
+        return start, end, 1, 1
+    if hs == hq:
+        return start, end, 1, hq
+    return start, end, hq // hkv, hs
+
+
+def build_mask_mod(params: AttnParams, pos: _Positions, hq: int, hkv: int,
+                   sq: int, device: torch.device) -> tuple[Mod | None, bool, bool]:
+    """(mask_mod or None when nothing is masked, depends on batch, depends on head)."""
+    conds: list[Mod] = []
+    per_b = per_h = False
+    prefix = params.prefix_lens.to(device) if params.prefix_lens is not None else None
+    if params.causal:
+        def causal(seq, h, qi, kj, qpos):
+            keep = kj <= qpos
+            return keep | (kj < prefix[seq]) if prefix is not None else keep
+        conds.append(causal)
+        per_b |= prefix is not None
+    elif prefix is not None:
+        raise ValueError("prefix_lens needs causal=True: prefix-LM is causal after the prefix")
+    if params.window is not None:
+        left, right = params.window
+        if left >= 0:
+            conds.append(lambda seq, h, qi, kj, qpos: kj >= qpos - left)
+        if right >= 0:
+            conds.append(lambda seq, h, qi, kj, qpos: kj <= qpos + right)
+    if params.colmask_start is not None:
+        start, end, div, mod = _column_sparse_rows(params, sq, hq, hkv, device)
+
+        def column_sparse(seq, h, qi, kj, qpos):
+            hc = (h // div) % mod
+            return (qi < start[seq, hc, kj]) | (qi >= end[seq, hc, kj])
+        conds.append(column_sparse)
+        per_b, per_h = True, per_h or mod > 1
+    user = params.mask_mod
+    if user is not None:
+        conds.append(lambda seq, h, qi, kj, qpos: user(
+            seq * 0 if pos.packed else seq, h, qi, kj))
+        per_b = per_h = True
+    if not conds and not pos.packed:
+        return None, False, False
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        seq, qi, kj, qpos, same = pos(b, q_idx, kv_idx)
+        keep = same if same is not None else kj >= 0
+        for cond in conds:
+            keep = keep & cond(seq, h, qi, kj, qpos)
+        return keep
+
+    return mask_mod, per_b, per_h
+
+
+def build_score_mod(params: AttnParams, pos: _Positions, device: torch.device) -> Mod | None:
+    """softcap, then ALiBi, then the user's score_mod; None when the score is left alone."""
+    cap = params.softcap
+    slopes = params.alibi_slopes.to(device=device, dtype=torch.float32) \
+        if params.alibi_slopes is not None else None
+    user = params.score_mod
+    if not cap and slopes is None and user is None:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        seq, qi, kj, qpos, _ = pos(b, q_idx, kv_idx)
+        if cap:
+            score = torch.tanh(score / cap) * cap
+        if slopes is not None:
+            slope = slopes[h] if slopes.dim() == 1 else slopes[seq, h]
+            score = score - slope * (qpos - kj).abs()
+        if user is not None:
+            score = user(score, seq * 0 if pos.packed else seq, h, qi, kj)
+        return score
+
+    return score_mod
+
+
+def _token(t: torch.Tensor | None) -> tuple[int, int] | None:
+    return None if t is None else (id(t), t._version)
+
+
+class ModCache:
+    """LRU of FlexMods keyed by mask data and shape; thread-safe."""
+
+    def __init__(self, size: int = _CACHE_SIZE):
+        self.size = size
+        self._items: OrderedDict[tuple, tuple[tuple, FlexMods]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.builds = 0
+
+    def get(self, params: AttnParams, batch: int, hq: int, hkv: int, sq: int, sk: int,
+            packed: bool, device: torch.device) -> FlexMods:
+        tensors = (params.prefix_lens, params.colmask_start, params.colmask_end,
+                   params.cu_seqlens_q if packed else None,
+                   params.cu_seqlens_k if packed else None, params.alibi_slopes)
+        key = (packed, batch, hq, hkv, sq, sk, str(device), params.causal, params.alignment,
+               params.window, params.softcap, params.score_mod, params.mask_mod,
+               tuple(_token(t) for t in tensors))
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None and all(
+                    (r is None and t is None) or (r is not None and r() is t)
+                    for r, t in zip(hit[0], tensors)):
+                self._items.move_to_end(key)
+                return hit[1]
+        mods = _build(params, batch, hq, hkv, sq, sk, packed, device)
+        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+        with self._lock:
+            self.builds += 1
+            self._items[key] = (refs, mods)
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return mods
+
+
+def _build(params: AttnParams, batch: int, hq: int, hkv: int, sq: int, sk: int,
+           packed: bool, device: torch.device) -> FlexMods:
+    pos = _Positions(params, sq, sk, packed, device)
+    mask_mod, per_b, per_h = build_mask_mod(params, pos, hq, hkv, sq, device)
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = _fa.create_block_mask(mask_mod, batch if per_b else None,
+                                           hq if per_h else None, sq, sk, device=device)
+    return FlexMods(build_score_mod(params, pos, device), block_mask)
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_flex() -> Callable[..., Any]:
+    """``torch.compile(flex_attention)``, made once per process (Inductor compiles per shape
+    and per callable's code; new closures over new tensors reuse the compiled kernel)."""
+    return torch.compile(_fa.flex_attention)
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttnParams,
+                   layout: str, mods: ModCache, *, compiled: bool = True,
+                   want_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """attnhub-layout attention through flex. bshd: (B,S,H,D); thd: (T,H,D) with cu_seqlens.
+
+    Returns (out in q's layout, LSE (B,Hq,Sq) or (Hq,T) natural log, or None unless asked).
+    ``compiled=False`` runs flex eagerly (it materialises the scores: tests only).
+    """
+    packed = layout == "thd"
+    qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) if packed else x.transpose(1, 2)
+                  for x in (q, k, v))
+    batch, hq, sq, _ = qt.shape
+    hkv, sk = kt.shape[1], kt.shape[2]
+    if sq == 0 or sk == 0:
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        lse_shape = (hq, sq) if packed else (batch, hq, sq)
+        lse = torch.full(lse_shape, float("-inf"), device=q.device) if want_lse else None
+        return out, lse
+    m = mods.get(params, batch, hq, hkv, sq, sk, packed, q.device)
+    fn = compiled_flex() if compiled else _fa.flex_attention
+    kwargs: dict[str, Any] = dict(score_mod=m.score_mod, block_mask=m.block_mask,
+                                  scale=params.scale, enable_gqa=hq != hkv)
+    if want_lse:
+        kwargs["return_aux"] = _fa.AuxRequest(lse=True)
+    with warnings.catch_warnings():
+        if not compiled:  # the eager path warns on every call that it is unfused
+            warnings.simplefilter("ignore", UserWarning)
+        res = fn(qt, kt, vt, **kwargs)
+    out, lse = (res[0], res[1].lse) if want_lse else (res, None)
+    if packed:
+        return out[0].transpose(0, 1), (lse[0] if lse is not None else None)
+    return out.transpose(1, 2), lse
