@@ -160,13 +160,19 @@ def bind(model: nn.Module, hub: Hub | None = None, *, batch: int = 1, prompt_len
     ``train`` at ``prompt_len`` if asked.
 
     A decode layer whose paged spec no backend serves (a linear/recurrent layer, say) is
-    switched to reading a gathered copy of the cache when that spec binds.
+    switched to reading a gathered copy of the cache when that spec binds. A transformers
+    model built with ``attn_implementation="attnhub"`` binds its attention modules alike.
     """
     hub = hub or default_hub()
     name = name or model_name(model)
     dtype = dtype or _model_dtype(model)
     max_len = max_len or prompt_len * 2
     layers = attention_layers(model)
+    if not layers and _is_transformers_attnhub(model):
+        from .integrations.transformers import bind_model
+
+        return bind_model(model, hub, batch=batch, prompt_len=prompt_len, max_len=max_len,
+                          dtype=dtype, phases=phases)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attnhub.nn.Attention layers to bind; "
                          "build its attention with attnhub.nn.Attention (or, for transformers "
@@ -179,6 +185,11 @@ def bind(model: nn.Module, hub: Hub | None = None, *, batch: int = 1, prompt_len
             rows += _bind_phase(hub, layer, path, phase, batch, prompt_len, max_len, dtype,
                                 page_size)
     return BindingTable(name, getattr(hub.resolver, "name", "?"), hub.device.describe(), rows)
+
+
+def _is_transformers_attnhub(model: nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "_attn_implementation", None) == "attnhub"
 
 
 def _bind_phase(hub: Hub, layer: Attention, path: str, phase: str, batch: int,

@@ -93,15 +93,12 @@ class Attention(nn.Module):
         (``page_size``: the KV cache's, for the paged layout)."""
         if layout is None:
             layout = "paged" if phase == "decode" and self.decode_layout == "paged" else "bshd"
-        return AttentionSpec(
-            phase=phase, dtype=dtype_name(dtype), kv_dtype=dtype_name(dtype),
-            head_dim=self.head_dim, head_dim_v=self.head_dim_v, num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads, layout=layout,  # type: ignore[arg-type]
-            mask=MaskSpec(causal=self._causal_for(seqlen_q), window=self.window,
-                          softcap=self.softcap is not None),
-            max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, batch=batch,
-            needs_grad=phase == "train", page_size=page_size if layout == "paged" else 0,
-        ).bucketed()
+        return call_spec(phase, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                         head_dim=self.head_dim, head_dim_v=self.head_dim_v,
+                         causal=self._causal_for(seqlen_q), window=self.window,
+                         softcap=self.softcap is not None, batch=batch, seqlen_q=seqlen_q,
+                         seqlen_k=seqlen_k, dtype=dtype, layout=layout,
+                         page_size=page_size if layout == "paged" else 0)
 
     def _causal_for(self, new_tokens: int) -> bool:
         # one query at the end of its context sees every key: causal is a no-op there, and
@@ -136,6 +133,22 @@ class Attention(nn.Module):
             q, cache.cache.k_cache(self.layer_idx), cache.cache.v_cache(self.layer_idx),
             layout="paged", block_table=cache.block_table, seqlens_k=cache.seqlens,
             causal=causal, phase=phase, **kw)
+
+
+def call_spec(phase: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+              head_dim_v: int, causal: bool, window: tuple[int, int] | None, softcap: bool,
+              batch: int, seqlen_q: int, seqlen_k: int, dtype: torch.dtype, layout: str,
+              page_size: int = 0) -> AttentionSpec:
+    """The bucketed spec ``Hub.attention`` builds for a call of these sizes and flags: what
+    binding resolves ahead of the calls, so that the calls find their decision cached."""
+    return AttentionSpec(
+        phase=phase, dtype=dtype_name(dtype), kv_dtype=dtype_name(dtype),  # type: ignore[arg-type]
+        head_dim=head_dim, head_dim_v=head_dim_v, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, layout=layout,  # type: ignore[arg-type]
+        mask=MaskSpec(causal=causal, window=window, softcap=softcap),
+        max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, batch=batch,
+        needs_grad=phase == "train", page_size=page_size,
+    ).bucketed()
 
 
 def attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:

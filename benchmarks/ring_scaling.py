@@ -25,14 +25,15 @@ import os
 import statistics
 import subprocess
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-import attnhub
 from attnhub_ring import ZigzagLayout, ring_attention
 from attnhub_ring.cost import INFINIBAND, LLAMA3_8B, LLAMA3_70B, NVLINK, hop, min_tokens_per_gpu
+
+import attnhub
 
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 

@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompts in the reference check (default 2)")
     g.add_argument("--compare-decode", action="store_true",
                    help="also time decode with each available decode backend")
+    g.add_argument("--compare-rounds", type=int, default=1,
+                   help="with --compare-decode: decode each backend this many times, in a "
+                        "rotated order, and report the median (default 1)")
     g.add_argument("--warmup", type=int, default=2,
                    help="untimed decode steps before each timed decode (default 2)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -91,14 +94,23 @@ def run(args: argparse.Namespace) -> int:
                      f"{'ok' if chk.ok else 'FAILED'}")
     if args.compare_decode:
         rows_ = compare_decode(s.model, s.hub, s.table, cache, seqs, first, n,
-                               warmup=args.warmup, progress=progress_bar(args, "compare", n))
+                               warmup=args.warmup, rounds=args.compare_rounds,
+                               progress=progress_bar(args, "compare", n))
         report["decode_backends"] = rows_
         lines.append(f"decode with each available backend (same prefill, {n} steps, "
-                     f"{args.warmup} warm-up steps):")
+                     f"{args.warmup} warm-up steps, median of {args.compare_rounds} "
+                     "round(s)):")
+        absent = [r["backend"] for r in rows_
+                  if r.get("skipped", "").startswith("not on this device")]
+        here = [r for r in rows_ if r["backend"] not in absent]
         lines.append(table([(r["backend"], _rate(r.get("tokens_per_s")),
                              f"{r['vs_best']:.3f}" if "vs_best" in r else "-",
+                             r.get("steps_equal_to_policy", "-"),
                              r.get("error") or r.get("skipped") or "")
-                            for r in rows_], ("backend", "decode tokens/s", "vs best", "note")))
+                            for r in here], ("backend", "decode tokens/s", "vs best",
+                                             "steps same as policy", "note")))
+        if absent:
+            lines.append("not available on this device: " + ", ".join(absent))
     _finish(args, report, lines)
     return 0 if ok else 1
 

@@ -13,13 +13,16 @@ sequence (a step of ``generate()`` with a cache) is ``decode``, anything else ``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from ..core.decision import BindContext
 from ..errors import InputError
 from ..hub import Hub, default_hub
+
+if TYPE_CHECKING:
+    from ..bind import BindingTable
 
 NAME = "attnhub"
 _hub: Hub | None = None
@@ -59,8 +62,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         k, v, sk = k[:, :sq], v[:, :sq], sq
     mask = _mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk)
     # phase left to the hub: one query over a longer cache is decode, else prefill or train
-    out = (_hub or default_hub()).attention(q, k, v, scale=scaling, softcap=softcap,
-                                            context=_context(module), **mask)
+    hub = getattr(module, "_attnhub_hub", None) or _hub or default_hub()
+    out = hub.attention(q, k, v, scale=scaling, softcap=softcap, context=_context(module),
+                        **mask)
     return out, None
 
 
@@ -155,3 +159,44 @@ def _as_bool(mask: torch.Tensor) -> torch.Tensor:
         raise InputError("attnhub takes boolean (or 0 / -inf additive) attention masks; this "
                          "float mask carries a bias, which needs the eager implementation")
     return mask == 0
+
+
+def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The attention modules of a transformers model built with ``attn_implementation=
+    "attnhub"`` (those with a layer index and a causal flag), in module order."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(m, "layer_idx") and hasattr(m, "is_causal")
+            and getattr(getattr(m, "config", None), "_attn_implementation", None) == NAME]
+
+
+def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
+               max_len: int, dtype: torch.dtype,
+               phases: Sequence[str] = ("prefill", "decode")) -> "BindingTable":
+    """``attnhub.bind`` for a transformers model: route its layers through ``hub`` and
+    resolve each for each phase at the shapes given (no padding; transformers' contiguous
+    cache, so decode is ``bshd`` with one query)."""
+    from ..bind import Binding, BindingTable, decode_buckets, model_name
+    from ..nn import call_spec
+
+    rows = []
+    for path, m in attention_modules(model):
+        cfg = m.config
+        hq = cfg.num_attention_heads
+        hkv = getattr(cfg, "num_key_value_heads", None) or hq
+        d = getattr(m, "head_dim", None) or cfg.hidden_size // hq
+        sw = getattr(m, "sliding_window", None)
+        m._attnhub_hub = hub  # type: ignore[assignment]
+        ctx = _context(m)
+        for phase in phases:
+            lens = ([(prompt_len, prompt_len)] if phase != "decode" else
+                    [(1, n) for n in decode_buckets(prompt_len, max_len)])
+            for sq, sk in lens:
+                spec = call_spec(phase, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                 head_dim_v=d, causal=bool(m.is_causal) and sq > 1,
+                                 window=(sw - 1, 0) if sw else None,
+                                 softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
+                                 batch=batch, seqlen_q=sq, seqlen_k=sk, dtype=dtype,
+                                 layout="bshd")
+                rows.append(Binding(m.layer_idx, path, phase, hub.decide(spec, ctx)))
+    return BindingTable(model_name(model), getattr(hub.resolver, "name", "?"),
+                        hub.device.describe(), rows)

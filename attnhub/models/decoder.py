@@ -75,16 +75,22 @@ class RMSNorm(nn.Module):
             self.weight
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE: x (B, S, H, D), positions (B, S) absolute token positions."""
-    d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+def rope_tables(positions: torch.Tensor, head_dim: int,
+                theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (B, S, 1, D) for absolute ``positions`` (B, S): computed once per step, shared
+    by every layer."""
+    inv = theta ** (-torch.arange(0, head_dim, 2, device=positions.device,
+                                  dtype=torch.float32) / head_dim)
     ang = positions.to(torch.float32).unsqueeze(-1) * inv  # (B, S, D/2)
-    cos = torch.cat([ang.cos(), ang.cos()], -1).unsqueeze(2)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).unsqueeze(2)
+    ang = torch.cat([ang, ang], -1).unsqueeze(2)
+    return ang.cos(), ang.sin()
+
+
+def rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate-half RoPE of x (B, S, H, D) with tables from ``rope_tables``."""
+    cos, sin = rope
     x1, x2 = x.float().chunk(2, dim=-1)
-    rot = torch.cat([-x2, x1], -1)
-    return (x.float() * cos + rot * sin).to(x.dtype)
+    return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -103,13 +109,13 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(h, 2 * cfg.ffn, bias=False)
         self.down = nn.Linear(cfg.ffn, h, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: CacheStep | None) -> torch.Tensor:
         c = self.cfg
         b, s, _ = x.shape
         qkv = self.qkv(self.norm1(x)).view(b, s, c.num_q_heads + 2 * c.num_kv_heads, c.head_dim)
         q, k, v = qkv.split([c.num_q_heads, c.num_kv_heads, c.num_kv_heads], dim=2)
-        q, k = rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta)
+        q, k = rotary(q, rope), rotary(k, rope)
         a = self.attn(q, k, v.contiguous(), cache)
         x = x + self.out(a.reshape(b, s, -1))
         g, u = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
@@ -152,15 +158,21 @@ class Decoder(nn.Module):
     def device(self) -> torch.device:
         return self.head.weight.device
 
-    def forward(self, ids: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
-        """ids (B, S) -> logits (B, S, vocab) in fp32; with ``cache``, the step's new tokens."""
+    def forward(self, ids: torch.Tensor, cache: CacheStep | None = None, *,
+                last_only: bool = False) -> torch.Tensor:
+        """ids (B, S) -> logits (B, S, vocab) in fp32; with ``cache``, the step's new tokens.
+        ``last_only``: logits of the last position only, (B, 1, vocab) (a prefill at a large
+        vocabulary would otherwise materialise B x S x vocab)."""
         if cache is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         else:
             positions = cache.positions()
         x = self.embed(ids)
+        rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         for layer in self.layers:
-            x = layer(x, positions, cache)
+            x = layer(x, rope, cache)
+        if last_only:
+            x = x[:, -1:]
         return self.head(self.norm(x)).float()
 
     def new_cache(self, batch: int, max_len: int, *, page_size: int = 16,
@@ -177,7 +189,7 @@ class Decoder(nn.Module):
         """Start one sequence per row of ``ids`` (B, S); returns their ids and the logits of
         the last position (B, vocab)."""
         seqs = [cache.allocate() for _ in range(ids.shape[0])]
-        return seqs, self(ids, cache.step(seqs, ids.shape[1]))[:, -1]
+        return seqs, self(ids, cache.step(seqs, ids.shape[1]), last_only=True)[:, -1]
 
     @torch.no_grad()
     def decode(self, cache: PagedKVCache, seqs: Sequence[int],

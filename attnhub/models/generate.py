@@ -8,6 +8,7 @@ state.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -131,9 +132,10 @@ def decode_candidates(hub: Hub, table: BindingTable) -> tuple[list[str], dict[st
     for name, b in hub.registry.backends.items():
         if b.tier == "reference" or not b.capabilities.exact:
             continue
-        reasons = [x for s in specs for x in b.check(s, hub.device)]
+        absent = b.available(hub.device)
+        reasons = absent or [x for s in specs for x in b.check(s, hub.device)]
         if reasons:
-            skipped[name] = reasons[0]
+            skipped[name] = ("not on this device: " if absent else "") + reasons[0]
         else:
             ok.append(name)
     return ok, skipped
@@ -141,26 +143,56 @@ def decode_candidates(hub: Hub, table: BindingTable) -> tuple[list[str], dict[st
 
 def compare_decode(model: Decoder, hub: Hub, table: BindingTable, cache: PagedKVCache,
                    seqs: Sequence[int], first: torch.Tensor, steps: int, *,
-                   warmup: int = 2, progress: Progress | None = None) -> list[dict[str, Any]]:
+                   warmup: int = 2, rounds: int = 1,
+                   progress: Progress | None = None) -> list[dict[str, Any]]:
     """Decode tokens/s of the policy's binding and of each candidate decode backend forced on
-    the exact layers, all from the same prefill, each after ``warmup`` untimed steps."""
+    the exact layers, all from the same prefill, each after ``warmup`` untimed steps.
+
+    With ``rounds`` > 1 every backend decodes once per round, in an order rotated each round,
+    and the median is reported: a decode loop is host-bound at small per-layer work, and one
+    slow stretch of the host must not decide a comparison.
+    """
     names, skipped = decode_candidates(hub, table)
     only = exact_layers(hub, table)
-    out = []
-    for name in [None, *names]:
-        with override_backend(model, name, only=only):
-            try:
-                decode(model, cache, seqs, first, warmup)
-                d = decode(model, cache, seqs, first, steps, progress=progress)
-            except Exception as exc:  # one backend failing must not hide the others' numbers
-                out.append({"backend": name or "policy", "error": f"{type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0][:200]}"})
+    runs: dict[str | None, list[float]] = {n: [] for n in [None, *names]}
+    errors: dict[str | None, str] = {}
+    tokens: dict[str | None, torch.Tensor] = {}
+    for r in range(rounds):
+        order = [None, *names]
+        for name in order[r % len(order):] + order[: r % len(order)]:
+            if name in errors:
                 continue
-        out.append({"backend": name or "policy", "decode_s": d.seconds,
-                    "tokens_per_s": first.shape[0] * steps / d.seconds if d.seconds else None})
+            with override_backend(model, name, only=only):
+                try:
+                    decode(model, cache, seqs, first, warmup)
+                    d = decode(model, cache, seqs, first, steps, progress=progress)
+                except Exception as exc:  # one backend failing must not hide the others
+                    errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    continue
+            runs[name].append(d.seconds)
+            tokens[name] = d.tokens
+    out: list[dict[str, Any]] = []
+    for name, secs in runs.items():
+        row: dict[str, Any] = {"backend": name or "policy"}
+        if name in errors:
+            row["error"] = errors[name]
+        elif secs:
+            med = statistics.median(secs)
+            row.update(decode_s=med, rounds_s=secs,
+                       tokens_per_s=first.shape[0] * steps / med if med else None,
+                       steps_equal_to_policy=_common_prefix(tokens[name], tokens.get(None)))
+        out.append(row)
     timed = [r for r in out if r.get("tokens_per_s")]
     best = max((r["tokens_per_s"] for r in timed), default=None)
     for r in timed:
         r["vs_best"] = r["tokens_per_s"] / best
     out += [{"backend": n, "skipped": why} for n, why in skipped.items()]
     return out
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int:
+    """How many leading steps two greedy runs (B, steps) chose the same tokens in."""
+    if b is None or a.shape != b.shape:
+        return 0
+    differ = (a != b).any(0).nonzero()
+    return int(differ[0]) if differ.numel() else a.shape[1]

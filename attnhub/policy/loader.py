@@ -56,14 +56,15 @@ class PolicyData:
     targets: tuple[str, ...] | None
     defaults: Defaults
     rules: tuple[LoadedRule, ...]
-    files: tuple[str, ...]
+    files: tuple[str, ...]  # as displayed (relative to the working directory when inside it)
+    paths: tuple[Path, ...] = ()  # absolute, base first
 
 
 def policies_dir() -> Path:
     """Where the packaged policies live: the source tree (editable install) or
     ``<prefix>/share/attnhub/policies`` (wheel install, pyproject ``data-files``)."""
-    here = Path(__file__).resolve().parents[2] / "policies"
-    candidates = [here]
+    root = Path(__file__).resolve().parents[2]
+    candidates = [root / "policies"] if (root / "pyproject.toml").is_file() else []
     for base in {sys.prefix, sysconfig.get_path("data"), sysconfig.get_path("data", "posix_user")}:
         candidates.append(Path(base) / "share" / "attnhub" / "policies")
     for c in candidates:
@@ -123,26 +124,34 @@ def _read_chain(path: Path, problems: list[str], seen: list[Path],
         problems.append(f"{where}cannot read policy {file} ({exc.strerror}), expected a "
                         "readable YAML file (or a packaged name such as `default`)")
         return []
-    doc, found = read_yaml(text, file)
-    problems += found
-    if found:
-        return []
+    doc, mine = read_yaml(text, file)
+    pf = _validate(doc, mine)
+    problems += sorted(mine, key=_pos)
+    extends = pf.extends if pf else (doc.data or {}).get("extends") if isinstance(
+        doc.data, dict) else None
+    base: list[tuple[PolicyFile, Located]] = []
+    if isinstance(extends, str):  # followed even when this file is invalid: report all
+        base = _read_chain(resolve_policy_path(extends, path.parent), problems,
+                           seen + [path.resolve()], ref=f"{doc.where(('extends',))} extends")
+    return base + [(pf, doc)] if pf else []
+
+
+def _validate(doc: Located, problems: list[str]) -> PolicyFile | None:
+    """The validated file, or None with the reasons added to ``problems``."""
+    if doc.data is None and problems:  # a syntax error: nothing to validate
+        return None
     if not isinstance(doc.data, dict):
         problems.append(f"{doc.where(())} (document): got {type(doc.data).__name__}, expected "
                         "a mapping with name, rules and optional extends, defaults, targets")
-        return []
+        return None
     try:
         pf = PolicyFile.model_validate(doc.data)
     except ValidationError as exc:
-        problems += sorted(pydantic_problems(exc.errors(), doc, PolicyFile), key=_pos)
-        return []
-    problems += _file_checks(pf, doc)
-    base: list[tuple[PolicyFile, Located]] = []
-    if pf.extends is not None:
-        base_path = resolve_policy_path(pf.extends, path.parent)
-        base = _read_chain(base_path, problems, seen + [path.resolve()],
-                           ref=f"{doc.where(('extends',))} extends")
-    return base + [(pf, doc)]
+        problems += pydantic_problems(exc.errors(), doc, PolicyFile)
+        return None
+    found = _file_checks(pf, doc)
+    problems += found
+    return None if found else pf
 
 
 def _pos(line: str) -> tuple[int, int]:
@@ -165,7 +174,7 @@ def _file_checks(pf: PolicyFile, doc: Located) -> list[str]:
     if pf.remove and pf.extends is None:
         out.append(f"{doc.where(('remove',))} remove: got rules to remove in a file without "
                    "`extends`, expected it only in an overlay")
-    return out
+    return sorted(out, key=_pos)
 
 
 def _merge(chain: list[tuple[PolicyFile, Located]], problems: list[str]) -> PolicyData:
@@ -179,7 +188,8 @@ def _merge(chain: list[tuple[PolicyFile, Located]], problems: list[str]) -> Poli
     top = chain[-1][0]
     return PolicyData(name=top.name, version=top.version, description=top.description,
                       targets=targets, defaults=Defaults(**defaults), rules=tuple(rules),
-                      files=tuple(doc.file for _, doc in chain))
+                      files=tuple(doc.file for _, doc in chain),
+                      paths=tuple(Path(doc.file).resolve() for _, doc in chain))
 
 
 def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,

@@ -78,7 +78,8 @@ def _build(node: yaml.Node, path: Path_, doc: Located, problems: list[str],
     out: dict[Any, Any] = {}
     for knode, vnode in node.value:
         pos = (knode.start_mark.line + 1, knode.start_mark.column + 1)
-        key = loader.construct_object(knode, deep=True) if isinstance(knode, yaml.ScalarNode) else None
+        scalar = isinstance(knode, yaml.ScalarNode)
+        key = loader.construct_object(knode, deep=True) if scalar else None
         if not isinstance(key, (str, int, float, bool)) or key is None:
             problems.append(f"{doc.file}:{pos[0]}:{pos[1]} {dotted(path)}: got a "
                             f"{type(key).__name__} as a key, expected a plain name")
@@ -113,6 +114,9 @@ def _one(err: dict[str, Any], doc: Located, model: type[BaseModel], prefix: Path
     if kind == "missing":
         return (f"{doc.where(path)} {dotted(path + missing)}: required key is missing, "
                 f"expected `{missing[-1]}: ...` here")
+    if kind == "too_short":
+        n = err.get("ctx", {}).get("min_length", 1)
+        return f"{doc.where(path)} {dotted(path)}: got an empty list, expected at least {n} item(s)"
     msg = str(err["msg"]).removeprefix("Value error, ")
     if msg.startswith("Input should be"):
         msg = f"got {_show(err.get('input'))}, expected{msg[len('Input should be'):]}"

@@ -23,6 +23,7 @@ concurrent writers are merged (the last write of the *same* entry wins).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -50,10 +51,16 @@ def default_profile_path() -> Path:
 
 def device_key(device: DeviceInfo) -> str:
     """``"NVIDIA H200 (sm90) cuda=13.0 cudnn=91900 torch=2.11.0 triton=3.6.0"``."""
-    libs = " ".join(f"{k}={v}" for k, v in sorted(device.versions) if k not in _NOT_IN_KEY)
-    return f"{device.name or device.arch} ({device.arch}) {libs}".strip()
+    return _device_key(device.name or device.arch, device.arch, device.versions)
 
 
+@functools.lru_cache(maxsize=256)
+def _device_key(name: str, arch: str, versions: tuple[tuple[str, str], ...]) -> str:
+    libs = " ".join(f"{k}={v}" for k, v in sorted(versions) if k not in _NOT_IN_KEY)
+    return f"{name} ({arch}) {libs}".strip()
+
+
+@functools.lru_cache(maxsize=4096)
 def bucket_key(spec: AttentionSpec) -> str:
     """A stable, readable key of the bucketed spec, e.g. ``"decode bf16/bf16 d=128/128
     h=32:8 paged mask=causal(bottom_right) sq=1 sk=32768 b=16 page_size=16"``."""
@@ -128,7 +135,8 @@ class ProfileStore:
     def fastest(self, device: DeviceInfo, spec: AttentionSpec,
                 backends: list[str]) -> list[tuple[str, float | None]]:
         """``backends`` ordered by measured time; unmeasured ones follow in the given order."""
-        timed = [(b, self.speed(device, spec, b)) for b in backends]
+        section = self._get(device, "speed", bucket_key(spec))
+        timed = [(b, float(section[b]["seconds"]) if b in section else None) for b in backends]
         measured = sorted((t for t in timed if t[1] is not None), key=lambda t: t[1] or 0.0)
         return measured + [t for t in timed if t[1] is None]
 
@@ -166,8 +174,9 @@ class ProfileStore:
         return self._device_data(device).get(section, {}).get(key, {})
 
     def _read(self) -> dict[str, Any]:
-        if self._data is None or self._stamp != _stamp(self.path):
-            self._data, self._stamp = _load(self.path), _stamp(self.path)
+        stamp = _stamp(self.path)
+        if self._data is None or self._stamp != stamp:
+            self._data, self._stamp = _load(self.path), stamp
         return self._data
 
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:

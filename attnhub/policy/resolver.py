@@ -1,24 +1,23 @@
 """``Policy``: bind-time resolution of a spec to a backend, as a decision record.
 
 First matching rule in file order (after overlays); its candidates in order (or by measured
-speed for ``fastest``), each checked with ``backend.check(spec, device)`` plus the rule's own
-gates: approximate backends only through a layer selector, accuracy records where
-``requires.accuracy`` says so, and a local kernel for a distributed backend. Results are
-cached per (spec, device, context), so the call path never runs policy code.
+speed for ``fastest``), each checked with ``backend.check(spec, device)`` plus the rule's
+gates: approximate backends only through a layer selector or an accuracy gate, accuracy
+records where ``requires.accuracy`` says so, and a local kernel for a distributed backend.
+Results are cached per (spec, device, context), so the call path never runs policy code.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.backend import Backend
 from ..core.decision import BindContext, Decision, Rejection
 from ..core.device import DeviceInfo
 from ..core.registry import Registry
-from ..core.spec import AttentionSpec
+from ..core.spec import AttentionSpec, bucket
 from .loader import LoadedRule, PolicyData
 from .match import Matcher
 from .profile import ProfileStore, bucket_key, device_key
@@ -28,12 +27,14 @@ DISTRIBUTED = "distributed"
 
 @dataclass
 class _Outcome:
-    """What evaluating one rule's candidates found."""
+    """What evaluating one rule's candidates found (shared by decisions; not mutated after)."""
 
     order: list[str]
     viable: list[str]
     rejected: list[Rejection]
     notes: list[str]
+    on_failure: str = "next"
+    fallbacks: list[str] = field(default_factory=list)
     inner: Decision | None = None
 
 
@@ -47,6 +48,7 @@ class Policy:
         self._matchers = [Matcher(r.rule.when) for r in data.rules]
         self._profile = profile
         self._cache: dict[tuple[Any, ...], Decision] = {}
+        self._outcomes: dict[tuple[Any, ...], _Outcome] = {}
 
     def __repr__(self) -> str:
         return f"<Policy {self.name!r} v{self.data.version}: {len(self.rules)} rules from " \
@@ -63,6 +65,7 @@ class Policy:
     def profile(self, store: ProfileStore) -> None:
         self._profile = store
         self._cache.clear()
+        self._outcomes.clear()
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -72,22 +75,23 @@ class Policy:
     def digest(self) -> str:
         """sha256 over the policy files (base first), for lockfiles."""
         h = hashlib.sha256()
-        for f in self.data.files:
-            h.update(Path(f).read_bytes())
+        for f in self.data.paths:
+            h.update(f.read_bytes())
         return h.hexdigest()[:16]
 
     # -- resolution -------------------------------------------------------------------------
     def resolve(self, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
                 ctx: BindContext = BindContext()) -> Decision:
-        """The decision record for ``spec`` on ``device`` in bind context ``ctx`` (cached)."""
-        return self._resolve(spec, device, registry, ctx, local=False)
+        """The decision record for ``spec`` (bucketed first: conditions compare buckets) on
+        ``device`` in bind context ``ctx``; cached."""
+        return self._resolve(_bucketed(spec), device, registry, ctx, local=False)
 
     def trace(self, spec: AttentionSpec, device: DeviceInfo,
               ctx: BindContext = BindContext()) -> list[tuple[LoadedRule, str | None]]:
         """Each rule up to the matching one, with the ``when`` key that failed (None: match)."""
-        out = []
+        out, spec = [], _bucketed(spec)
         for lr, m in zip(self.rules, self._matchers):
-            failed, _ = m.failed(spec, device, ctx, self._profile_if_needed(m))
+            failed, _ = m.failed(spec, device, ctx, self.profile)
             out.append((lr, failed))
             if failed is None:
                 break
@@ -95,51 +99,67 @@ class Policy:
 
     def _resolve(self, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
                  ctx: BindContext, local: bool) -> Decision:
-        rev = self._profile.revision if self._profile is not None else -1
-        key = (spec, device, device.versions, ctx, registry, len(registry.backends), rev, local)
+        key = (spec, device, device.versions, ctx, registry, len(registry.backends),
+               self.profile.revision, local)
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self._decide(spec, device, registry, ctx, local)
         return hit
 
-    def _profile_if_needed(self, m: Matcher) -> ProfileStore | None:
-        return self.profile if m.profile is not None else None
-
     def _decide(self, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
                 ctx: BindContext, local: bool) -> Decision:
-        notes: list[str] = []
-        for lr, m in zip(self.rules, self._matchers):
-            failed, note = m.failed(spec, device, ctx, self._profile_if_needed(m))
+        skipped: list[str] = []
+        for i, (lr, m) in enumerate(zip(self.rules, self._matchers)):
+            failed, note = m.failed(spec, device, ctx, self.profile)
             if note:
-                notes.append(f"rule {lr.rule.name} skipped: {note}")
+                skipped.append(f"rule {lr.rule.name} skipped: {note}")
             if failed is None:
-                return self._apply(lr, m, spec, device, registry, ctx, local, notes)
+                out = self._outcome(i, spec, device, registry, ctx, local)
+                chosen = out.viable[0] if out.viable else None
+                return Decision(
+                    spec=spec, device=device.describe(), backend=chosen, rule=lr.rule.name,
+                    rule_location=lr.location, policy=self.name, candidates=tuple(out.order),
+                    rejected=tuple(out.rejected), fallbacks=tuple(out.fallbacks),
+                    on_failure=out.on_failure, context=ctx, notes=tuple(skipped + out.notes),
+                    inner=out.inner if _distributed(chosen, registry) else None)
         reason = (f"no rule of policy {self.name!r} matches {spec.describe()} on {device.arch} "
                   f"(context {_ctx(ctx)}); rules are tried in file order and the first match "
                   "wins: add a rule for this case (a last rule without `when` catches all)")
         return Decision(spec=spec, device=device.describe(), backend=None, policy=self.name,
                         rejected=(Rejection(f"policy:{self.name}", (reason,)),), context=ctx,
-                        on_failure=self.data.defaults.on_failure, notes=tuple(notes))
+                        on_failure=self.data.defaults.on_failure, notes=tuple(skipped))
 
-    def _apply(self, lr: LoadedRule, m: Matcher, spec: AttentionSpec, device: DeviceInfo,
-               registry: Registry, ctx: BindContext, local: bool, notes: list[str]) -> Decision:
-        rule = lr.rule
-        on_failure = rule.on_failure or self.data.defaults.on_failure
-        out = _Outcome(self._order(rule.use, spec, device, notes), [], [], notes)
+    def _outcome(self, i: int, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
+                 ctx: BindContext, local: bool) -> _Outcome:
+        """Rule ``i``'s candidates checked for ``spec``. Backend checks do not depend on the
+        bind context, so outcomes are shared across layers, except for rules with a
+        distributed candidate, whose local kernel is resolved in that context."""
+        lr = self.rules[i]
+        per_ctx = any(_distributed(n, registry) for n in lr.rule.use.names)
+        key = (i, spec, device, device.versions, registry, len(registry.backends),
+               self.profile.revision, local)
+        out = None if per_ctx else self._outcomes.get(key)
+        if out is None:
+            out = self._evaluate(lr, self._matchers[i], spec, device, registry, ctx, local)
+            if not per_ctx:
+                self._outcomes[key] = out
+        return out
+
+    def _evaluate(self, lr: LoadedRule, m: Matcher, spec: AttentionSpec, device: DeviceInfo,
+                  registry: Registry, ctx: BindContext, local: bool) -> _Outcome:
+        notes: list[str] = []
+        out = _Outcome(self._order(lr.rule.use, spec, device, notes), [], [], notes,
+                       on_failure=lr.rule.on_failure or self.data.defaults.on_failure)
         for name in out.order:
             reasons = self._reasons(name, lr, m, spec, device, registry, ctx, local, out)
             if reasons:
                 out.rejected.append(Rejection(name, tuple(reasons)))
             else:
                 out.viable.append(name)
-        chosen = out.viable[0] if out.viable else None
-        fallbacks = _fallbacks(chosen, out.viable[1:], registry, on_failure, notes)
-        return Decision(spec=spec, device=device.describe(), backend=chosen, rule=rule.name,
-                        rule_location=lr.location, policy=self.name,
-                        candidates=tuple(out.order), rejected=tuple(out.rejected),
-                        fallbacks=tuple(fallbacks), on_failure=on_failure, context=ctx,
-                        notes=tuple(notes),
-                        inner=out.inner if _distributed(chosen, registry) else None)
+        if out.viable:
+            out.fallbacks = _fallbacks(out.viable[0], out.viable[1:], registry, out.on_failure,
+                                       notes)
+        return out
 
     def _order(self, use: Any, spec: AttentionSpec, device: DeviceInfo,
                notes: list[str]) -> list[str]:
@@ -210,6 +230,14 @@ class Policy:
         if out.inner is None:
             out.inner = inner
         return []
+
+
+def _bucketed(spec: AttentionSpec) -> AttentionSpec:
+    """``spec.bucketed()``, skipping the copy when it already is (the common case)."""
+    if (bucket(spec.max_seqlen_q) == spec.max_seqlen_q and bucket(spec.batch) == spec.batch
+            and bucket(spec.max_seqlen_k) == spec.max_seqlen_k):
+        return spec
+    return spec.bucketed()
 
 
 def accuracy_gated(lr: LoadedRule, backend: str) -> bool:

@@ -49,7 +49,7 @@ class StateRef:
     seq_ids: tuple[int, ...]
     layer: int
 
-    def subset(self, i: int) -> "StateRef":
+    def subset(self, i: int) -> StateRef:
         return StateRef(self.cache, (self.seq_ids[i],), self.layer)
 
 

@@ -8,8 +8,8 @@ per-sequence extras (packed gates, state ids) can be sliced.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -58,5 +58,5 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttnParam
         o, l = run(q[qs:qe][None], k[ks:ke][None], v[ks:ke][None], p, Doc(i, ks, ke))
         outs.append(o[0])
         lses.append(l[0] if l is not None else None)
-    lse = torch.cat(lses, dim=-1) if lses and lses[0] is not None else None  # type: ignore[arg-type]
+    lse = torch.cat(lses, dim=-1) if lses and lses[0] is not None else None  # type: ignore
     return torch.cat(outs, dim=0), lse

@@ -49,9 +49,9 @@ GATE_TEMPERATURE = 16.0
 
 LINEAR_CAPABILITIES = Capabilities(
     dtypes=FLOAT_DTYPES, max_head_dim=128, different_v_dim=True,
-    masks=frozenset({"causal"}), layouts=frozenset({"bshd", "thd", "paged"}), backward=True,
-    deterministic_backward=True, returns_lse=False, top_left_causal=False, exact=False,
-    error_budget=math.inf,
+    masks=frozenset({"causal", "document"}), layouts=frozenset({"bshd", "thd", "paged"}),
+    backward=True, deterministic_backward=True, returns_lse=False, top_left_causal=False,
+    exact=False, error_budget=math.inf,
 )
 
 
@@ -97,9 +97,10 @@ class _LinearFamily(Backend):
     tier = "approximate"
     capabilities: ClassVar[Capabilities] = LINEAR_CAPABILITIES
 
-    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any],
-             doc: Doc | None) -> torch.Tensor:
-        """Log-decay (B, S, Hq, K) fp32 for the keys k (B, S, Hkv, K) of this call."""
+    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any], doc: Doc | None,
+             context: int) -> torch.Tensor:
+        """Log-decay (B, S, Hq, K) fp32 for keys k (B, S, Hkv, K), the last S of a context of
+        ``context`` tokens (a given gate may cover the context or just these S)."""
         raise NotImplementedError
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
@@ -124,34 +125,31 @@ class _LinearFamily(Backend):
         def run(q1: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor, p: AttnParams,
                 doc: Doc | None) -> tuple[torch.Tensor, None]:
             r = ref.subset(doc.index) if ref is not None and doc is not None else ref
-            g = self.gate(q1, k1, p.extra, doc)
-            return self._bshd(q1, k1, v1, g, p, r, spec), None
+            return self._bshd(q1, k1, v1, p, doc, r, spec), None
 
         return serve(q, k, v, spec, params, run)
 
     # -- the engine -------------------------------------------------------------------------
-    def _bshd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-              p: AttnParams, ref: X.StateRef | None, spec: AttentionSpec) -> torch.Tensor:
+    def _bshd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams,
+              doc: Doc | None, ref: X.StateRef | None, spec: AttentionSpec) -> torch.Tensor:
         b, sq, hq, _ = q.shape
         sk = k.shape[1]
         pre = sk - sq
         if pre < 0:
             raise InputError(f"{self.name}: {sq} queries but {sk} keys; the queries are the "
                              "last Sq tokens of the context, so Sq <= Sk")
+        if ref is not None:  # the state holds the prefix: only the new tokens are read
+            g = self.gate(q, k[:, pre:], p.extra, doc, sk)
+            return self._continue(q, _to_heads(k[:, pre:], hq, "k"),
+                                  _to_heads(v[:, pre:], hq, "v"), g, p, ref, [pre] * b, spec)
+        g = self.gate(q, k, p.extra, doc, sk)
         k, v = _to_heads(k, hq, "k"), _to_heads(v, hq, "v")
-        if ref is not None:
-            return self._continue(q, k[:, pre:], v[:, pre:], g[:, g.shape[1] - sq:], p, ref,
-                                  [pre] * b, spec)
         h0 = None
         if pre > 0:
             if self._needs_grad(q, k, v):
                 raise InputError(f"{self.name}: gradients with Sq ({sq}) < Sk ({sk}) are not "
                                  "supported (the prefix state is not differentiated); "
                                  "train with Sq == Sk")
-            if g.shape[1] != sk:
-                raise InputError(f"{self.name}: the gate covers {g.shape[1]} tokens but the "
-                                 f"context has {sk}; give it for every key, or pass "
-                                 f"extra[{X.STATE!r}] so the prefix comes from the state")
             h0 = linear_ops.state_after(k[:, :pre], v[:, :pre], g[:, :pre])
         return self._run(q, k[:, pre:], v[:, pre:], g[:, pre:], p, h0, spec)[0]
 
@@ -176,7 +174,7 @@ class _LinearFamily(Backend):
     def _paged_step(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     p: AttnParams, ref: X.StateRef, spec: AttentionSpec) -> torch.Tensor:
         """Paged call with states: read only the new tokens' k/v from the pages."""
-        b, sq, hq, _ = q.shape
+        sq, hq = q.shape[1], q.shape[2]
         page = k_cache.shape[1]
         lens = p.seqlens_k.to(torch.long).view(-1, 1)
         pos = lens - sq + torch.arange(sq, device=lens.device).view(1, -1)
@@ -185,11 +183,11 @@ class _LinearFamily(Backend):
                              f"{sq} new tokens; the cache must already hold the new tokens")
         pages = p.block_table.to(torch.long).gather(1, pos // page)
         k_new = k_cache[pages, pos % page]
-        g = self.gate(q, k_new, p.extra, None)
+        g = self.gate(q, k_new, p.extra, None, sq)
         k = _to_heads(k_new, hq, "k")
         v = _to_heads(v_cache[pages, pos % page], hq, "v")
         expected = (lens.view(-1) - sq).tolist()
-        return self._continue(q, k, v, g[:, g.shape[1] - sq:], p, ref, expected, spec)
+        return self._continue(q, k, v, g, p, ref, expected, spec)
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              p: AttnParams, h0: torch.Tensor | None,
@@ -211,8 +209,8 @@ class GLABackend(_LinearFamily):
     description = ("gated linear attention (data-dependent decay; chunked Triton kernels for "
                    "train/prefill, recurrent step for decode; fla when faster)")
 
-    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any],
-             doc: Doc | None) -> torch.Tensor:
+    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any], doc: Doc | None,
+             context: int) -> torch.Tensor:
         hq = q.shape[2]
         g = extra.get(X.GATE)
         if g is None:
@@ -221,14 +219,14 @@ class GLABackend(_LinearFamily):
             raise InputError(f"gla: extra[{X.GATE!r}] must be a tensor, got {type(g).__name__}")
         if doc is not None:
             g = g[doc.k_start:doc.k_end].unsqueeze(0)
-        sk, sq = k.shape[1], q.shape[1]
-        if g.dim() not in (3, 4) or g.shape[0] != k.shape[0] or g.shape[1] not in (sk, sq) or (
-                g.dim() == 4 and g.shape[3] != k.shape[3]):
+        s = k.shape[1]
+        if g.dim() not in (3, 4) or g.shape[0] != k.shape[0] or g.shape[1] not in (
+                s, context) or (g.dim() == 4 and g.shape[3] != k.shape[3]):
             raise InputError(
                 f"gla: extra[{X.GATE!r}] has shape {tuple(g.shape)}; expected (B={k.shape[0]}, "
-                f"S={sk} or {sq}, H, K={k.shape[3]}) or (B, S, H) log-decays (<= 0); "
-                "thd/paged take it packed like k (total_k, H, K|-)")
-        g = g.float()
+                f"S={context} (every key) or {s} (the new tokens), H, K={k.shape[3]}) or "
+                "(B, S, H) log-decays (<= 0); thd/paged take it packed like k (total_k, H, K|-)")
+        g = g[:, g.shape[1] - s:].float()
         if g.dim() == 3:
             g = g.unsqueeze(-1).expand(*g.shape, k.shape[3])
         return _to_heads(g, hq, f"extra[{X.GATE!r}]")
@@ -240,8 +238,8 @@ class LinearBackend(_LinearFamily):
     name = "linear"
     description = "causal linear attention without decay, on the gla kernels"
 
-    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any],
-             doc: Doc | None) -> torch.Tensor:
+    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any], doc: Doc | None,
+             context: int) -> torch.Tensor:
         return torch.zeros(*k.shape[:2], q.shape[2], k.shape[3], device=k.device)
 
 
@@ -251,8 +249,8 @@ class RetentionBackend(_LinearFamily):
     name = "retention"
     description = "retention (fixed per-head decay 1 - 2^(-5-h)), on the gla kernels"
 
-    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any],
-             doc: Doc | None) -> torch.Tensor:
+    def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any], doc: Doc | None,
+             context: int) -> torch.Tensor:
         hq = q.shape[2]
         decay = retention_decay(hq, k.device).view(1, 1, hq, 1)
         return decay.expand(*k.shape[:2], hq, k.shape[3])

@@ -20,8 +20,8 @@ import importlib.util
 import logging
 import os
 import threading
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 import torch
 

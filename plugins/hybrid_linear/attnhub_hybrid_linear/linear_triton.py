@@ -28,6 +28,39 @@ BC = 16  # sub-chunk length (tl.dot needs >= 16)
 
 
 @triton.jit
+def _tile(ptr, rows, i_h, H: tl.constexpr, W: tl.constexpr, cols, m):
+    """Rows ``rows`` (B*T indices), head ``i_h``, columns ``cols`` of a (B*T, H, W) tensor."""
+    return tl.load(ptr + (rows[:, None] * H + i_h) * W + cols[None, :], mask=m[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _row(ptr, r, i_h, H: tl.constexpr, W: tl.constexpr, cols, m):
+    """One row ``r`` of a (B*T, H, W) tensor, as a vector over ``cols``."""
+    return tl.load(ptr + (r * H + i_h) * W + cols, mask=m, other=0.0)
+
+
+@triton.jit
+def _key_block(k_ptr, v_ptr, gc_ptr, rows, i_h, H: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, ok, ov, mk, mv):
+    """Keys (fp32), their cumulative decays and values (storage dtype) of one sub-chunk."""
+    return (_tile(k_ptr, rows, i_h, H, K, ok, mk).to(tl.float32),
+            _tile(gc_ptr, rows, i_h, H, K, ok, mk), _tile(v_ptr, rows, i_h, H, V, ov, mv))
+
+
+@triton.jit
+def _diag_key(k_ptr, v_ptr, gc_ptr, rs, jj, g_i, rc, i_h, H: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, ok, ov, mk, mv):
+    """Key row ``rs`` (the jj-th of its sub-chunk) and its decays exp(G_t - G_s) to the
+    sub-chunk's rows t >= jj (0 above the diagonal): the pairwise in-chunk term."""
+    k_s = _row(k_ptr, rs, i_h, H, K, ok, mk).to(tl.float32)
+    g_s = _row(gc_ptr, rs, i_h, H, K, ok, mk)
+    v_s = _row(v_ptr, rs, i_h, H, V, ov, mv).to(tl.float32)
+    e = tl.exp(tl.where(rc[:, None] >= jj, g_i - g_s[None, :], float("-inf")))
+    return k_s, v_s, e
+
+
+@triton.jit
 def _scan_kernel(x_ptr, y_ptr, gc_ptr, s0_ptr, states_ptr, final_ptr, scale, T, NT,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CT: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
@@ -56,13 +89,10 @@ def _scan_kernel(x_ptr, y_ptr, gc_ptr, s0_ptr, states_ptr, final_ptr, scale, T, 
         if STORE_STATES:
             tl.store(states_ptr + ((i_b * NT + i_c) * H + i_h) * K * V + s_off, s, mask=mkv)
         r = i_b * T + i_c * CT + rows
-        xk = (r[:, None] * H + i_h) * K + ok[None, :]
-        x = tl.load(x_ptr + xk, mask=mk[None, :], other=0.0).to(tl.float32)
-        gc = tl.load(gc_ptr + xk, mask=mk[None, :], other=0.0)
-        y = tl.load(y_ptr + (r[:, None] * H + i_h) * V + ov[None, :], mask=mv[None, :],
-                    other=0.0)
-        g_last = tl.load(gc_ptr + ((i_b * T + i_c * CT + CT - 1) * H + i_h) * K + ok,
-                         mask=mk, other=0.0)
+        x = _tile(x_ptr, r, i_h, H, K, ok, mk).to(tl.float32)
+        gc = _tile(gc_ptr, r, i_h, H, K, ok, mk)
+        y = _tile(y_ptr, r, i_h, H, V, ov, mv)
+        g_last = _row(gc_ptr, i_b * T + i_c * CT + CT - 1, i_h, H, K, ok, mk)
         if REVERSE:
             xs = x * tl.exp(gc) * scale
         else:
@@ -94,30 +124,22 @@ def _chunk_out_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, states_ptr, o_ptr, scale, T, 
     row0 = i_b * T + i_c * CT
     for i in tl.static_range(CT // CC):
         ri = row0 + i * CC + rc
-        pk_i = (ri[:, None] * H + i_h) * K + ok[None, :]
-        q_i = tl.load(q_ptr + pk_i, mask=mk[None, :], other=0.0).to(tl.float32) * scale
-        g_i = tl.load(gc_ptr + pk_i, mask=mk[None, :], other=0.0)
+        q_i = _tile(q_ptr, ri, i_h, H, K, ok, mk).to(tl.float32) * scale
+        g_i = _tile(gc_ptr, ri, i_h, H, K, ok, mk)
         acc = tl.dot((q_i * tl.exp(g_i)).to(dt), s.to(dt), input_precision=PREC)
         if i > 0:
-            g_ref = tl.load(gc_ptr + ((row0 + i * CC) * H + i_h) * K + ok, mask=mk, other=0.0)
+            g_ref = _row(gc_ptr, row0 + i * CC, i_h, H, K, ok, mk)
             q_r = (q_i * tl.exp(g_i - g_ref[None, :])).to(dt)
             for j in tl.static_range(i):
-                rj = row0 + j * CC + rc
-                pk_j = (rj[:, None] * H + i_h) * K + ok[None, :]
-                k_j = tl.load(k_ptr + pk_j, mask=mk[None, :], other=0.0).to(tl.float32)
-                g_j = tl.load(gc_ptr + pk_j, mask=mk[None, :], other=0.0)
-                v_j = tl.load(v_ptr + (rj[:, None] * H + i_h) * V + ov[None, :],
-                              mask=mv[None, :], other=0.0)
+                k_j, g_j, v_j = _key_block(k_ptr, v_ptr, gc_ptr, row0 + j * CC + rc, i_h, H, K,
+                                           V, ok, ov, mk, mv)
                 a = tl.dot(q_r, tl.trans((k_j * tl.exp(g_ref[None, :] - g_j)).to(dt)),
                            input_precision=PREC)
                 acc += tl.dot(a.to(dt), v_j, input_precision=PREC)
         # the diagonal sub-chunk, one key row at a time (pairwise decays)
         for jj in range(CC):
-            rs = row0 + i * CC + jj
-            k_s = tl.load(k_ptr + (rs * H + i_h) * K + ok, mask=mk, other=0.0).to(tl.float32)
-            g_s = tl.load(gc_ptr + (rs * H + i_h) * K + ok, mask=mk, other=0.0)
-            v_s = tl.load(v_ptr + (rs * H + i_h) * V + ov, mask=mv, other=0.0).to(tl.float32)
-            e = tl.exp(tl.where(rc[:, None] >= jj, g_i - g_s[None, :], float("-inf")))
+            k_s, v_s, e = _diag_key(k_ptr, v_ptr, gc_ptr, row0 + i * CC + jj, jj, g_i, rc, i_h,
+                                    H, K, V, ok, ov, mk, mv)
             a_col = tl.sum(q_i * k_s[None, :] * e, 1)
             acc += a_col[:, None] * v_s[None, :]
         tl.store(o_ptr + (ri[:, None] * H + i_h) * V + ov[None, :],
@@ -151,17 +173,15 @@ def _chunk_bwd_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, do_ptr, states_ptr, dstates_p
     s = tl.load(states_ptr + s_off, mask=mkv, other=0.0)
     ds = tl.load(dstates_ptr + s_off, mask=mkv, other=0.0)
     row0 = i_b * T + i_c * CT
-    g_last = tl.load(gc_ptr + ((row0 + CT - 1) * H + i_h) * K + ok, mask=mk, other=0.0)
+    g_last = _row(gc_ptr, row0 + CT - 1, i_h, H, K, ok, mk)
     part = i_v.to(tl.int64) * (tl.num_programs(2) // H) * T * H * K  # dq/dk partial slice
     for i in tl.static_range(CT // CC):
         ri = row0 + i * CC + rc
         pk_i = (ri[:, None] * H + i_h) * K + ok[None, :]
         pv_i = (ri[:, None] * H + i_h) * V + ov[None, :]
-        q_i = tl.load(q_ptr + pk_i, mask=mk[None, :], other=0.0).to(tl.float32) * scale
-        k_i = tl.load(k_ptr + pk_i, mask=mk[None, :], other=0.0).to(tl.float32)
-        g_i = tl.load(gc_ptr + pk_i, mask=mk[None, :], other=0.0)
-        v_i = tl.load(v_ptr + pv_i, mask=mv[None, :], other=0.0)
-        do_i = tl.load(do_ptr + pv_i, mask=mv[None, :], other=0.0)
+        q_i = _tile(q_ptr, ri, i_h, H, K, ok, mk).to(tl.float32) * scale
+        k_i, g_i, v_i = _key_block(k_ptr, v_ptr, gc_ptr, ri, i_h, H, K, V, ok, ov, mk, mv)
+        do_i = _tile(do_ptr, ri, i_h, H, V, ov, mv)
         # through the states: entering (for dq) and leaving (for dk, dv) this chunk
         dq = tl.exp(g_i) * tl.dot(do_i, tl.trans(s.to(dt)), input_precision=PREC)
         k_tail = k_i * tl.exp(g_last[None, :] - g_i)
@@ -169,31 +189,24 @@ def _chunk_bwd_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, do_ptr, states_ptr, dstates_p
                                                      input_precision=PREC)
         dv = tl.dot(k_tail.to(dt), ds.to(dt), input_precision=PREC)
         if i > 0:  # keys in earlier sub-chunks, split at this sub-chunk's first row
-            g_ref = tl.load(gc_ptr + ((row0 + i * CC) * H + i_h) * K + ok, mask=mk, other=0.0)
+            g_ref = _row(gc_ptr, row0 + i * CC, i_h, H, K, ok, mk)
             dq_in = tl.zeros([CC, BK], dtype=tl.float32)
             for j in tl.static_range(i):
-                rj = row0 + j * CC + rc
-                pk_j = (rj[:, None] * H + i_h) * K + ok[None, :]
-                k_j = tl.load(k_ptr + pk_j, mask=mk[None, :], other=0.0).to(tl.float32)
-                g_j = tl.load(gc_ptr + pk_j, mask=mk[None, :], other=0.0)
-                v_j = tl.load(v_ptr + (rj[:, None] * H + i_h) * V + ov[None, :],
-                              mask=mv[None, :], other=0.0)
+                k_j, g_j, v_j = _key_block(k_ptr, v_ptr, gc_ptr, row0 + j * CC + rc, i_h, H, K,
+                                           V, ok, ov, mk, mv)
                 da = tl.dot(do_i, tl.trans(v_j), input_precision=PREC)
                 dq_in += tl.dot(da.to(dt), (k_j * tl.exp(g_ref[None, :] - g_j)).to(dt),
                                 input_precision=PREC)
             dq += tl.exp(g_i - g_ref[None, :]) * dq_in
         if i < CT // CC - 1:  # queries in later sub-chunks, split at this one's last row
-            g_ref2 = tl.load(gc_ptr + ((row0 + i * CC + CC - 1) * H + i_h) * K + ok, mask=mk,
-                             other=0.0)
+            g_ref2 = _row(gc_ptr, row0 + i * CC + CC - 1, i_h, H, K, ok, mk)
             k_r = (k_i * tl.exp(g_ref2[None, :] - g_i)).to(dt)
             dk_in = tl.zeros([CC, BK], dtype=tl.float32)
             for j in tl.static_range(i + 1, CT // CC):
                 rj = row0 + j * CC + rc
-                pk_j = (rj[:, None] * H + i_h) * K + ok[None, :]
-                q_j = tl.load(q_ptr + pk_j, mask=mk[None, :], other=0.0).to(tl.float32) * scale
-                g_j = tl.load(gc_ptr + pk_j, mask=mk[None, :], other=0.0)
-                do_j = tl.load(do_ptr + (rj[:, None] * H + i_h) * V + ov[None, :],
-                               mask=mv[None, :], other=0.0)
+                q_j = _tile(q_ptr, rj, i_h, H, K, ok, mk).to(tl.float32) * scale
+                g_j = _tile(gc_ptr, rj, i_h, H, K, ok, mk)
+                do_j = _tile(do_ptr, rj, i_h, H, V, ov, mv)
                 q_r = (q_j * tl.exp(g_j - g_ref2[None, :])).to(dt)
                 dat = tl.dot(v_i, tl.trans(do_j), input_precision=PREC)
                 dk_in += tl.dot(dat.to(dt), q_r, input_precision=PREC)
@@ -203,11 +216,8 @@ def _chunk_bwd_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, do_ptr, states_ptr, dstates_p
         # the diagonal sub-chunk, one key row (s) at a time
         do_if = do_i.to(tl.float32)
         for jj in range(CC):
-            rs = row0 + i * CC + jj
-            k_s = tl.load(k_ptr + (rs * H + i_h) * K + ok, mask=mk, other=0.0).to(tl.float32)
-            g_s = tl.load(gc_ptr + (rs * H + i_h) * K + ok, mask=mk, other=0.0)
-            v_s = tl.load(v_ptr + (rs * H + i_h) * V + ov, mask=mv, other=0.0).to(tl.float32)
-            e = tl.exp(tl.where(rc[:, None] >= jj, g_i - g_s[None, :], float("-inf")))
+            k_s, v_s, e = _diag_key(k_ptr, v_ptr, gc_ptr, row0 + i * CC + jj, jj, g_i, rc, i_h,
+                                    H, K, V, ok, ov, mk, mv)
             a_col = tl.sum(q_i * k_s[None, :] * e, 1)
             da_col = tl.sum(do_if * v_s[None, :], 1)
             dq += da_col[:, None] * k_s[None, :] * e
@@ -240,10 +250,10 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, s0_ptr, o_ptr, final_ptr, scal
         s += tl.load(s0_ptr + s_off, mask=mkv, other=0.0)
     for t in range(T):
         r = i_b * T + t
-        q_t = tl.load(q_ptr + (r * H + i_h) * K + ok, mask=mk, other=0.0).to(tl.float32)
-        k_t = tl.load(k_ptr + (r * H + i_h) * K + ok, mask=mk, other=0.0).to(tl.float32)
-        g_t = tl.load(g_ptr + (r * H + i_h) * K + ok, mask=mk, other=0.0).to(tl.float32)
-        v_t = tl.load(v_ptr + (r * H + i_h) * V + ov, mask=mv, other=0.0).to(tl.float32)
+        q_t = _row(q_ptr, r, i_h, H, K, ok, mk).to(tl.float32)
+        k_t = _row(k_ptr, r, i_h, H, K, ok, mk).to(tl.float32)
+        g_t = _row(g_ptr, r, i_h, H, K, ok, mk).to(tl.float32)
+        v_t = _row(v_ptr, r, i_h, H, V, ov, mv).to(tl.float32)
         s = s * tl.exp(g_t)[:, None] + k_t[:, None] * v_t[None, :]
         o_t = tl.sum(s * q_t[:, None], 0) * scale
         tl.store(o_ptr + (r * H + i_h) * V + ov, o_t.to(o_ptr.dtype.element_ty), mask=mv)

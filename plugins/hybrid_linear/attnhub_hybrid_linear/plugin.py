@@ -5,7 +5,8 @@ Importing this module imports no kernel: Triton and fla are loaded on first use.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from attnhub.plugin import hookimpl
 

@@ -17,7 +17,7 @@ refuse a state that does not match the context it is given (a stale or skipped s
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from attnhub import probe
 from attnhub.plugin import (
     FLOAT_DTYPES,
     AttentionOutput,
@@ -19,8 +20,6 @@ from attnhub.plugin import (
     Capabilities,
     DeviceInfo,
 )
-
-from attnhub import probe
 
 from .comm import ProcessGroup, RingError
 from .ring import run_ring
@@ -95,11 +94,11 @@ def process_group_reasons(group: ProcessGroup | None = None) -> list[str]:
     if not dist.is_available():
         return ["torch.distributed is not available in this torch build"]
     if not dist.is_initialized():
-        return ["torch.distributed is not initialized: launch with torchrun and call "
-                "torch.distributed.init_process_group() before binding (plan offline with "
-                "--hardware to skip this check)"]
+        return [("torch.distributed is not initialized: launch with torchrun and call "
+                 "torch.distributed.init_process_group() before binding (plan offline with "
+                 "--hardware to skip this check)")]
     size = dist.get_world_size(group)
     if size < 2:
-        return [f"needs a process group of at least 2 ranks; this one has {size} "
-                "(torchrun --nproc-per-node N with N >= 2)"]
+        return [(f"needs a process group of at least 2 ranks; this one has {size} "
+                 "(torchrun --nproc-per-node N with N >= 2)")]
     return []

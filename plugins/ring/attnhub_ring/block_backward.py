@@ -12,7 +12,7 @@ exact for any local backend that returns LSE, deterministic, and independent of 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -37,7 +37,7 @@ def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
 class PendingHop:
     """A posted hop: ``wait()`` returns the received buffer."""
 
-    __slots__ = ("works", "recv")
+    __slots__ = ("recv", "works")
 
     def __init__(self, works: list[dist.Work], recv: torch.Tensor):
         self.works = works

@@ -17,7 +17,7 @@ are dropped, so fully masked work never reaches the local kernel (its rows keep 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -108,7 +108,7 @@ def _plan(layout: ZigzagLayout, rank: int, src: int, causal: bool) -> BlockPlan:
 
 def _rows(ranges: list[tuple[int, int]], device: torch.device) -> Rows:
     """A slice when the ranges are back to back (no copy), else the gathered indices."""
-    if all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:])):
+    if all(a + n == b for (a, n), (b, _) in pairwise(ranges)):
         start = ranges[0][0] if ranges else 0
         return slice(start, start + sum(n for _, n in ranges))
     return torch.cat([torch.arange(a, a + n, device=device) for a, n in ranges])

@@ -76,7 +76,7 @@ class ZigzagLayout:
 
     # -- from what the ranks hold -------------------------------------------------------
     @classmethod
-    def from_local_lens(cls, per_rank: list[list[int]]) -> "ZigzagLayout":
+    def from_local_lens(cls, per_rank: list[list[int]]) -> ZigzagLayout:
         """Rebuild the layout from every rank's per-document local lengths (``W x B``) and
         check that they are a zigzag sharding; raise naming the helper that makes one."""
         world = len(per_rank)

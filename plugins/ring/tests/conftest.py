@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,8 @@ HERE = Path(__file__).parent
 
 
 def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"attnhub_ring_tests_{name}", HERE / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"attnhub_ring_tests_{name}",
+                                                  HERE / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

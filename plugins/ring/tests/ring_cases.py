@@ -4,16 +4,18 @@ against the single-process fp64 and same-precision references, by the FlashAtten
 
 from __future__ import annotations
 
+import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
 
 import torch
+from attnhub_ring import ZigzagLayout, ring_attention
 
 import attnhub
 from attnhub.plugin import AttnParams, reference_attention
 from attnhub.testing import assert_fa_rule, assert_lse
-from attnhub_ring import ZigzagLayout, ring_attention
 
 B, HQ, HKV, D = 2, 4, 2, 16
 
@@ -30,7 +32,8 @@ class Case:
     softcap: float | None = None
     scale: float | None = None
     lse_grad: bool = False  # the loss also uses the returned LSE
-    via_hub: bool = False   # through attnhub.Hub with a policy that binds ring + local
+    via_hub: bool = False   # through attnhub.Hub with a stand-in resolver: ring + local
+    via_policy: bool = False  # through attnhub.Hub with a YAML policy and a BindContext
 
 
 CASES: dict[str, Case] = {
@@ -50,7 +53,24 @@ CASES: dict[str, Case] = {
                              dtype=torch.float32, lse_grad=True),
     "hub_causal": Case(lambda w: [4 * w + 2], causal=True, via_hub=True),
     "hub_varlen": Case(lambda w: [3 * w, w + 1], causal=True, thd=True, via_hub=True),
+    "policy_yaml": Case(lambda w: [5 * w + 1], causal=True, via_policy=True),
 }
+
+#: A policy as a deployment would write it: ring for a context-parallel group, the local
+#: kernel from the rest of the policy (resolved at world size 1).
+POLICY = """\
+name: ring-test
+version: 1
+description: ring across the group, torch SDPA inside
+targets: [cpu]
+rules:
+  - name: ring-context-parallel
+    when: {world_size: {ge: 2}, phase: [train, prefill]}
+    use: [ring]
+  - name: cpu
+    when: {hardware: cpu}
+    use: [torch_sdpa]
+"""
 
 
 def check_cases(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
@@ -110,8 +130,8 @@ def _check(name: str, case: Case, rank: int, world: int) -> None:
     ql, kl, vl = (shard(x).requires_grad_() for x in (q, k, v))
     cu_local = torch.tensor([0, *torch.tensor(layout.local_lens(rank)).cumsum(0).tolist()],
                             dtype=torch.int32)
-    if case.via_hub:
-        out, lse = _via_hub(case, ql, kl, vl, cu_local, scale)
+    if case.via_hub or case.via_policy:
+        out, lse = _via_hub(case, ql, kl, vl, cu_local, scale, world)
     else:
         out, lse = ring_attention(ql, kl, vl, local_backend=case.local, causal=case.causal,
                                   scale=scale, softcap=case.softcap,
@@ -149,10 +169,22 @@ class _BindRingResolver:
 
 
 def _via_hub(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             cu_local: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    hub = attnhub.Hub(_BindRingResolver(case.local))
-    kw = dict(layout="thd", cu_seqlens_q=cu_local, cu_seqlens_k=cu_local) if case.thd else {}
-    out, lse = hub.attention(q, k, v, causal=case.causal, scale=scale, return_lse=True, **kw)
+             cu_local: torch.Tensor, scale: float,
+             world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kw: dict = ({"layout": "thd", "cu_seqlens_q": cu_local, "cu_seqlens_k": cu_local}
+                if case.thd else {})
+    if case.via_policy:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "ring.yaml"
+            path.write_text(POLICY)
+            hub = attnhub.Hub(path)
+            kw["context"] = attnhub.BindContext(world_size=world)
+            out, lse = hub.attention(q, k, v, causal=case.causal, scale=scale,
+                                     return_lse=True, **kw)
+    else:
+        hub = attnhub.Hub(_BindRingResolver(case.local))
+        out, lse = hub.attention(q, k, v, causal=case.causal, scale=scale, return_lse=True,
+                                 **kw)
     (runner,) = hub.bound()
     text = runner.decision.explain()
     assert "local kernel inside ring" in text and case.local in text, text

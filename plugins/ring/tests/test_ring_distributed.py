@@ -6,8 +6,9 @@ gradients on each rank's shard), so the suite pays the process start-up twice, n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 

@@ -7,10 +7,11 @@ RDNA), the LDS budget per workgroup and the kind of matrix unit (MFMA on CDNA, w
 Those are per-arch constants, kept here in one table; a live device's own properties
 (``warp_size``, ``shared_memory_per_block``) win over the table when torch reports them.
 
-Sources for the table: AMD CDNA2/CDNA3/CDNA4 and RDNA3/RDNA4 ISA guides and product pages
-(CU counts, 64 KiB LDS per CU on CDNA2/3, 160 KiB on CDNA4, 64 KiB per workgroup on RDNA),
-Triton's AMD backend (``HIPOptions``: wave 32 for gfx10+, 64 before; ``kpack`` deprecated on
-gfx950), AITER's README (CK/ASM kernels are CDNA-only).
+Sources for the table: AMD's published specifications of the flagship parts (CU counts;
+64 KiB LDS per CU on CDNA2/3, 160 KiB on CDNA4, 64 KiB per workgroup on RDNA; the CDNA3 and
+CDNA4 LDS sizes are also what public gfx942/gfx950 kernels budget for), Triton's AMD backend
+(``HIPOptions``: wave 32 for gfx10 and later, 64 before), AITER's README (CK/ASM kernels are
+CDNA-only). No value here was read from a real AMD device.
 """
 
 from __future__ import annotations

@@ -61,8 +61,10 @@ class CKFlashBackend(Backend):
     def __init__(self, library: CKLibrary | None = None) -> None:
         super().__init__()
         self.library = library or select_library()
+        # Instance attributes shadow the class defaults: they describe the installed library.
         self.capabilities = self.library.capabilities  # type: ignore[misc]
-        self.description = f"CK flash attention for AMD Instinct via {self.library.name}"  # type: ignore[misc]
+        self.description = (  # type: ignore[misc]
+            f"CK flash attention for AMD Instinct via {self.library.name}")
 
     def missing_requirements(self) -> list[str]:
         return self.library.missing()

@@ -9,11 +9,14 @@ Where the numbers come from (none were tuned here: no AMD GPU was available):
   (``aiter/ops/triton/configs/MI3x0X-MHA-DEFAULT.json``: BLOCK_M 128, BLOCK_N 64, 4 warps,
   1 stage, waves_per_eu 2; fp32 32x32 with 2 warps) and its backward kernels'
   ``matrix_instr_nonkdim`` 16 with waves_per_eu 1-2.
-* CDNA2 (MI250X): the same shapes; the ROCm Triton flash-attention tutorial used them there.
+* CDNA2 (MI250X): the CDNA3 shapes, not checked against any published MI250X table.
 * RDNA3/RDNA4: wave32 and WMMA, so ``matrix_instr_nonkdim`` stays 0 (it selects MFMA widths)
-  and tiles are halved (BLOCK_M 64, BLOCK_N 32), the shape AITER users stand in for gfx1201.
-Then every config is fitted to the target's LDS (an estimate: the Q tile plus ``num_stages``
-K and V tiles) and its wave size (at most 1024 threads per workgroup).
+  and tiles are halved (BLOCK_M 64, BLOCK_N 32, the size reported for AITER's gfx1151 MHA
+  config, which users stand in for gfx1201).
+Then every config is made legal for the target (MFMA widths it has, at most 1024 threads per
+workgroup) and forward tiles are fitted to its LDS (an estimate: the Q tile plus
+``num_stages`` K and V tiles). Decode configs are triton_portable's ``DecodeConfig``, which
+has no slot for AMD-only launch options: AMD decode runs without ``waves_per_eu``.
 """
 
 from __future__ import annotations
@@ -92,16 +95,25 @@ def lds_estimate(cfg: Config, head_dim: int, head_dim_v: int, dtype: str) -> int
                 + stages * cfg["BLOCK_N"] * (_pow2(head_dim) + _pow2(head_dim_v)))
 
 
-def fit_to_target(cfg: Config, target: RocmTarget, head_dim: int, head_dim_v: int,
-                  dtype: str) -> Config:
-    """``cfg`` made legal for ``target``: MFMA width only where MFMA exists and supports it,
-    no more than 1024 threads, and tiles halved (BLOCK_N first, not below 16) until the LDS
-    estimate fits."""
+def legalize(cfg: Config, target: RocmTarget) -> Config:
+    """``cfg`` with what ``target`` cannot take removed: an MFMA width it lacks (0 lets the
+    compiler choose; WMMA parts must have 0), the CDNA occupancy hint on non-MFMA parts, and
+    warps beyond 1024 threads per workgroup."""
     out = dict(cfg)
     if out.get("matrix_instr_nonkdim", 0) not in target.arch.mfma_nonkdims:
         out["matrix_instr_nonkdim"] = 0
+    if target.arch.matrix_unit != "mfma":
+        out["waves_per_eu"] = 0
     while out["num_warps"] * target.wave_size > 1024 and out["num_warps"] > 1:
         out["num_warps"] //= 2
+    return out
+
+
+def fit_to_target(cfg: Config, target: RocmTarget, head_dim: int, head_dim_v: int,
+                  dtype: str) -> Config:
+    """A forward ``cfg`` made legal for ``target`` (see ``legalize``) with tiles halved
+    (the larger side first, not below 16) until the LDS estimate fits."""
+    out = legalize(cfg, target)
     while lds_estimate(out, head_dim, head_dim_v, dtype) > target.lds_bytes:
         key = "BLOCK_N" if out["BLOCK_N"] >= out["BLOCK_M"] else "BLOCK_M"
         if out[key] <= 16:
@@ -125,12 +137,13 @@ def fwd_config(target: RocmTarget, head_dim: int, dtype: str,
 def bwd_config(target: RocmTarget, head_dim: int, dtype: str,
                head_dim_v: int | None = None) -> Config:
     """Backward tiles: ``{"dkdv": cfg, "dq": cfg, "dq_mode": "separate"}`` (no dq atomics,
-    so the backward is deterministic)."""
+    so the backward is deterministic). Only legalized: the forward's LDS estimate does not
+    model these kernels (their resident K/V or Q/dO tiles live in registers), so the table's
+    shapes, AITER's backward tiles, stand as they are."""
     dv = head_dim_v or head_dim
     fam = "rdna" if _family(target) == "rdna" else "cdna"
     dkdv, dq = _pick(_BWD[fam], max(head_dim, dv))
-    return {"dkdv": fit_to_target(dkdv, target, head_dim, dv, dtype),
-            "dq": fit_to_target(dq, target, head_dim, dv, dtype), "dq_mode": "separate"}
+    return {"dkdv": legalize(dkdv, target), "dq": legalize(dq, target), "dq_mode": "separate"}
 
 
 def decode_config(target: RocmTarget, dtype: str) -> DecodeConfig:

@@ -9,10 +9,11 @@ options go to a launch only on a ROCm GPU, and are stripped, explicitly, everywh
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import torch
+
+from attnhub_triton_portable.backend_dense import interpreter_on
 
 from .configs import AMD_ONLY_OPTIONS, Config
 
@@ -21,7 +22,7 @@ Runtime = Literal["hip", "interpreter", "other"]
 
 def runtime_for(device: torch.device) -> Runtime:
     """``hip`` for a ROCm GPU, ``interpreter`` under ``TRITON_INTERPRET=1`` or on the CPU."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or device.type == "cpu":
+    if interpreter_on() or device.type == "cpu":
         return "interpreter"
     if device.type == "cuda" and getattr(torch.version, "hip", None):
         return "hip"

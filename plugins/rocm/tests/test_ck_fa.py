@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -12,7 +13,13 @@ from attnhub.plugin import AttentionSpec, AttnParams, BackendUnavailableError, M
 from attnhub.plugin import reference_attention
 from attnhub.testing import assert_fa_rule, assert_lse
 from attnhub_rocm.ck_fa import CKFlashBackend, ck_call
-from attnhub_rocm.ck_libraries import AITER, FLASH_ATTN_CK, LIBRARIES, select_library
+from attnhub_rocm.ck_libraries import (
+    AITER,
+    FLASH_ATTN_CK,
+    LIBRARIES,
+    CKLibrary,
+    select_library,
+)
 
 GFX942 = attnhub.simulate("gfx942")
 
@@ -33,12 +40,13 @@ def test_library_selection_env_and_auto(fake_aiter: object) -> None:
 
 
 def test_missing_library_and_triton_switch_are_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
     assert "flash_attn is not installed" in FLASH_ATTN_CK.missing()[0]
     assert "amd-aiter" in AITER.install
 
 
-def test_triton_amd_env_refuses_ck(fake_flash_attn: object, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_amd_env_refuses_ck(fake_flash_attn: object,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     assert FLASH_ATTN_CK.missing() == []
     monkeypatch.setenv("FLASH_ATTENTION_TRITON_AMD_ENABLE", "TRUE")
     assert "Triton backend, not CK" in FLASH_ATTN_CK.missing()[0]
@@ -65,15 +73,15 @@ def test_capabilities_per_arch(arch: str, ok_ck: bool, ok_aiter: bool) -> None:
     ({"layout": "paged", "phase": "decode"}, "layout paged"),
     ({"mask": MaskSpec(score_mod="x")}, "score_mod"),
 ])
-def test_refusals_name_the_reason(lib: object, change: dict, needle: str) -> None:
-    reasons = CKFlashBackend(lib).check(_spec(**change), GFX942)  # type: ignore[arg-type]
+def test_refusals_name_the_reason(lib: CKLibrary, change: dict, needle: str) -> None:
+    reasons = CKFlashBackend(lib).check(_spec(**change), GFX942)
     assert any(needle in r for r in reasons), reasons
 
 
 @pytest.mark.parametrize("lib,needle", [(FLASH_ATTN_CK, "silently ignores"),
                                         (AITER, "no softcap argument")])
-def test_softcap_refused_with_the_trap_named(lib: object, needle: str) -> None:
-    reasons = CKFlashBackend(lib).check(_spec(mask=MaskSpec(causal=True, softcap=True)), GFX942)  # type: ignore[arg-type]
+def test_softcap_refused_with_the_trap_named(lib: CKLibrary, needle: str) -> None:
+    reasons = CKFlashBackend(lib).check(_spec(mask=MaskSpec(causal=True, softcap=True)), GFX942)
     assert any(needle in r and "triton_rocm" in r for r in reasons), reasons
 
 
@@ -86,7 +94,7 @@ def test_different_v_dim_only_where_generated() -> None:
 
 
 def test_real_device_needs_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
     real = attnhub.DeviceInfo(vendor="rocm", arch="gfx942", sm_count=304)
     assert any("not installed" in r for r in CKFlashBackend(FLASH_ATTN_CK).check(_spec(), real))
 

@@ -4,8 +4,6 @@ dry run of an AMD binding (simulated gfx942, kernels in the Triton interpreter).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 
 import attnhub
 from attnhub import AttentionSpec, BindContext, MaskSpec
+from attnhub.cli import main as cli_main  # the `attnhub` console script
 from attnhub.plugin import AttnParams, reference_attention
 from attnhub.testing import assert_fa_rule
 
@@ -53,22 +52,22 @@ def test_a_policy_that_puts_ck_first_still_routes_softcap_to_triton(
     assert "silently ignores" in d.explain()
 
 
-def _cli(*args: str) -> str:
-    res = subprocess.run([sys.executable, "-m", "attnhub", *args], capture_output=True,
-                         text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    return res.stdout
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run the ``attnhub`` console command in-process (a subprocess costs seconds of imports)."""
+    capsys.readouterr()
+    assert cli_main(list(args)) == 0
+    return capsys.readouterr().out
 
 
-def test_cli_plan_and_explain_show_rocm_bindings() -> None:
-    plan = json.loads(_cli("plan", "--hardware", "gfx942", "--json"))
+def test_cli_plan_and_explain_show_rocm_bindings(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = json.loads(_cli(capsys, "plan", "--hardware", "gfx942", "--json"))
     cells = {(c["phase"], c["dtype"], c["mask"]): c["bindings"]["gfx942"]["backend"]
              for c in plan["cells"]}
     assert cells[("prefill", "bf16", "causal")] == "ck_fa"
     assert cells[("train", "bf16", "none")] == "ck_fa"
     assert cells[("decode", "bf16", "causal")] == "triton_rocm"
     assert cells[("prefill", "bf16", "softcap")] == "triton_rocm"
-    text = _cli("explain", "--hardware", "gfx942", "--phase", "prefill", "--dtype", "bf16",
+    text = _cli(capsys, "explain", "--hardware", "gfx942", "--phase", "prefill", "--dtype", "bf16",
                 "--heads", "32:8", "--seqlen", "4096", "--mask", "causal")
     assert "chosen:  ck_fa" in text and "rocm-dense" in text and "gfx942" in text
 

@@ -46,7 +46,8 @@ def _spec(q: torch.Tensor, k: torch.Tensor, params: AttnParams, layout: str = "b
                     softcap=bool(params.softcap), alibi=params.alibi_slopes is not None,
                     document=layout == "thd")
     return AttentionSpec(dtype=dtype_name(q.dtype), head_dim=q.shape[-1], num_q_heads=q.shape[-2],
-                         num_kv_heads=k.shape[-2], layout=layout, mask=mask,  # type: ignore[arg-type]
+                         num_kv_heads=k.shape[-2], layout=layout,  # type: ignore[arg-type]
+                         mask=mask,
                          max_seqlen_q=q.shape[-3], max_seqlen_k=k.shape[-3],
                          return_lse=params.return_lse, **kw)
 

@@ -97,7 +97,8 @@ class FlashAttn2Backend(Backend):
                 params.max_seqlen_k, **flash_kwargs(params, form), **lse_kw)
         else:
             form = flash_form(self.name, params, q.shape[1], k.shape[1])
-            k, v = k[:, :form.keys], v[:, :form.keys]
+            if form.keys < k.shape[1]:
+                k, v = k[:, :form.keys], v[:, :form.keys]
             res = self._fa.flash_attn_func(
                 q, k, v, **flash_kwargs(params, form), **lse_kw)
         if not params.return_lse:

@@ -77,7 +77,8 @@ class TorchFlashBackend(Backend):
                             params.max_seqlen_q or 0, params.max_seqlen_k or 0)
         sq = q.shape[1]
         form = flash_form(self.name, params, sq, k.shape[1])
-        k, v = k[:, :form.keys], v[:, :form.keys]
+        if form.keys < k.shape[1]:
+            k, v = k[:, :form.keys], v[:, :form.keys]
         square_or_full = not form.causal or sq == form.keys
         if form.window == (-1, -1) and square_or_full and not params.return_lse:
             return AttentionOutput(_sdpa_flash(q, k, v, params.scale, form.causal))

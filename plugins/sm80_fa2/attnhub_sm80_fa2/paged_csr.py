@@ -41,11 +41,6 @@ def kv_layout_of(k_cache: torch.Tensor) -> str:
     return "HND" if k_cache.stride(2) > k_cache.stride(1) else "NHD"
 
 
-def native_cache(cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """The cache in the layout FlashInfer is told about (a view, no copy)."""
-    return cache.transpose(1, 2) if layout == "HND" else cache
-
-
 def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     """Identity and in-place version of a tensor: changes whenever torch writes into it.
     The plan cache keeps the tensor alive, so its id cannot be reused while cached."""

@@ -9,7 +9,7 @@ import torch
 from attnhub.plugin import AttnParams, BackendUnavailableError, paged_to_varlen
 from attnhub.plugin import reference_attention as ref_attn
 from attnhub.testing import assert_lse
-from attnhub_sm80_fa2 import decode_choice
+from attnhub_sm80_fa2 import decode_choice, flashinfer_paged
 from attnhub_sm80_fa2.flashinfer_paged import FlashInferDecodeBackend, FlashInferPrefillBackend
 from attnhub_sm80_fa2.paged_csr import block_table_to_csr
 
@@ -63,7 +63,10 @@ def test_hnd_storage_is_detected_from_strides(fake_flashinfer, helpers):
                                atol=2e-5, rtol=1e-5)
 
 
-def test_plan_is_cached_per_batch_layout(fake_flashinfer, helpers):
+def test_plan_is_cached_per_batch_layout(fake_flashinfer, helpers, monkeypatch):
+    choices = []
+    monkeypatch.setattr(flashinfer_paged, "choose_tensor_cores",
+                        lambda *a: choices.append(a) or (False, "test"))
     kc, vc, table, seqlens = helpers.paged(2, [20, 30], 8, 2, 16, extra_pages=8)
     q = torch.randn(2, 1, 4, 16)
     backend = small(FlashInferDecodeBackend)
@@ -73,6 +76,7 @@ def test_plan_is_cached_per_batch_layout(fake_flashinfer, helpers):
         backend.forward(q, kc, vc, spec, p)
     assert fake_flashinfer.names().count("decode.plan") == 1
     assert fake_flashinfer.names().count("decode.run") == 3
+    assert len(choices) == 1  # a cache hit does no planning work at all
     seqlens.add_(1)  # the next step writes new lengths in place: replan
     out, _ = backend.forward(q, kc, vc, spec, p)
     assert fake_flashinfer.names().count("decode.plan") == 2

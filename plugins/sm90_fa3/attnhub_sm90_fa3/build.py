@@ -8,6 +8,7 @@ generated config module (``flash_attn_config``, shipped by the ``fa3-fwd`` wheel
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -43,11 +44,15 @@ class Fa3Build:
     flags: tuple[tuple[str, bool], ...]
     source: str
 
+    @functools.cached_property
+    def _off(self) -> frozenset[str]:
+        """Features switched off, by name (both flag spellings that setup.py uses)."""
+        return frozenset(k.split("_DISABLE_", 1)[1] for k, v in self.flags
+                         if v and "_DISABLE_" in k)
+
     def has(self, feature: str) -> bool:
         """Whether the build kept ``feature`` (e.g. ``BACKWARD``, ``PAGEDKV``, ``HDIM256``)."""
-        f = dict(self.flags)
-        return not (f.get(f"FLASHATTENTION_DISABLE_{feature}", False)
-                    or f.get(f"FLASH_ATTENTION_DISABLE_{feature}", False))
+        return feature not in self._off
 
     @property
     def max_head_dim(self) -> int:

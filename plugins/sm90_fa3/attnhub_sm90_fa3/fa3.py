@@ -73,13 +73,14 @@ class Fa3Runner:
         self.fa = fa
         self.build = build
         self.name = name
+        self.splits = 0 if build.has("SPLIT") else 1  # 0: FA3's split-KV heuristic
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
                  **extra: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out, lse or None); ``extra`` carries FP8 descales."""
         fa = self.fa
-        splits = 0 if self.build.has("SPLIT") else 1
+        splits = self.splits
         if spec.layout == "paged":
             kw = flash_kwargs(params, flash_form(self.name, params, 1, 1))
             res = fa.flash_attn_with_kvcache(
@@ -96,7 +97,8 @@ class Fa3Runner:
                 params.max_seqlen_k, **kw, **lse_kw, **extra)
             return split_outputs(res)
         form = flash_form(self.name, params, q.shape[1], k.shape[1])
-        k, v = k[:, :form.keys], v[:, :form.keys]
+        if form.keys < k.shape[1]:
+            k, v = k[:, :form.keys], v[:, :form.keys]
         kw = flash_kwargs(params, form)
         if spec.phase == "decode" and not spec.needs_grad:
             extra.pop("deterministic", None)

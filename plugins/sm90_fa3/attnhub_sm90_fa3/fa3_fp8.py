@@ -28,11 +28,13 @@ from attnhub.plugin import (
 
 from .build import INSTALL_FA3, Fa3Build, fa3_build, import_interface
 from .fa3 import Fa3Runner, fa3_masks
-from .fp8 import E4M3, RECIPES, Fp8Operands, lse_shift, quantize, quantize_operands
+from .fp8 import E4M3, RECIPES, Fp8Operands, emulate, lse_shift, quantize, quantize_operands
 
 #: Relative L2 error against an fp32 reference that the FP8 path is declared to stay within
-#: on inputs without outliers (``attnhub fp8-check`` measures it per shape).
-FP8_ERROR_BUDGET = 0.05
+#: on inputs without outliers: e4m3 keeps 3 mantissa bits (about 3.6% RMS rounding per
+#: element), and the CPU model of the kernel gives 0.046 on random inputs. ``attnhub
+#: fp8-check`` measures it per shape and device.
+FP8_ERROR_BUDGET = 0.08
 ENV_RECIPE = "ATTNHUB_FP8_RECIPE"
 
 
@@ -54,6 +56,9 @@ class Fa3Fp8Backend(Backend):
     tier = "vendor"
     description = ("FlashAttention-3 FP8 e4m3 forward, per-(batch, KV head) descales, bf16 out; "
                    "bound only behind a passing fp8-check accuracy record")
+
+    #: Quantization recipes a call can pick with ``params.extra["fp8_recipe"]``.
+    recipes: tuple[str, ...] = RECIPES
 
     def __init__(self, recipe: str | None = None) -> None:
         super().__init__()
@@ -78,6 +83,9 @@ class Fa3Fp8Backend(Backend):
         r = top_left_reason(spec)
         if not self.build.has("FP8"):
             r.append(f"this FA3 build was compiled without FP8 ({self.build.source})")
+        if spec.phase == "decode" and spec.kv_dtype == spec.dtype:
+            r.append("decode over a bf16 KV cache would quantize the whole cache every step "
+                     "(H200, 1 x 32k: 0.72 ms against 0.06 ms for fa3); keep the cache in FP8")
         if self.recipe == "smooth_k" and spec.mask.softcap and spec.kv_dtype == spec.dtype:
             r.append(f"recipe smooth_k is not softmax-invariant under softcap; set "
                      f"{ENV_RECIPE}=plain")
@@ -107,9 +115,23 @@ class Fa3Fp8Backend(Backend):
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
         ops = self.operands(q, k, v, params)
         out, lse = self._run(ops.q, ops.k, ops.v, spec, params, **ops.descales())
+        return self._finish(q, ops, out, lse, params)
+
+    @staticmethod
+    def _finish(q: torch.Tensor, ops: Fp8Operands, out: torch.Tensor,
+                lse: torch.Tensor | None, params: AttnParams) -> AttentionOutput:
+        """The LSE, when asked for, moved back by what smoothing took off each row (from the
+        original q, so the correction adds no quantization error)."""
         if not params.return_lse or lse is None:
             return AttentionOutput(out, None)
         lse = natural_lse(lse)
         if ops.k_mean is not None:
             lse = lse + lse_shift(q, ops.k_mean, params.scale)
         return AttentionOutput(out, lse)
+
+    def emulate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        """A model of this backend's numerics on any device (same quantization, the kernel's
+        FP8 arithmetic modelled in fp32): for ``attnhub fp8-check --emulate`` and tests."""
+        ops = self.operands(q, k, v, params)
+        return self._finish(q, ops, *emulate(ops, params), params)

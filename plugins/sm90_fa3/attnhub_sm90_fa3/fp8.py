@@ -97,7 +97,8 @@ def emulate(ops: Fp8Operands, params: AttnParams) -> tuple[torch.Tensor, torch.T
     """A model of FA3's FP8 forward: (bf16 out (B,Sq,Hq,Dv), fp32 LSE (B,Hq,Sq)).
 
     Scores from the dequantized operands in fp32, softcap, mask, then the unnormalised
-    probabilities rounded to e4m3 for the PV product while the row sums stay fp32.
+    probabilities rounded to e4m3 for the PV product while the row sums stay fp32. Like the
+    kernel's, the LSE is that of the smoothed scores: add ``lse_shift`` of the original q.
     """
     q, k, v = (dequantize(ops.q, ops.q_descale), dequantize(ops.k, ops.k_descale),
                dequantize(ops.v, ops.v_descale))
@@ -120,6 +121,4 @@ def emulate(ops: Fp8Operands, params: AttnParams) -> tuple[torch.Tensor, torch.T
     out = torch.matmul(p.to(E4M3).float(), vt) / denom.clamp_min(1e-30)
     lse = (m_safe + torch.log(denom)).squeeze(-1)
     lse = torch.where(denom.squeeze(-1) > 0, lse, torch.full_like(lse, float("-inf")))
-    if ops.k_mean is not None:
-        lse = lse + lse_shift(q, ops.k_mean, params.scale)
     return out.transpose(1, 2).to(torch.bfloat16), lse

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -49,9 +50,9 @@ def pick(key: tuple[Any, ...], candidates: list[Config], device: torch.device,
         first_error: Exception | None = None
         for cfg in candidates:
             try:
-                ms = float(do_bench(lambda: run(cfg), warmup=5, rep=20,
+                ms = float(do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20,
                                     return_mode="median"))
-            except Exception as exc:  # compile/resource failures of one candidate
+            except Exception as exc:  # noqa: BLE001 - one candidate's compile/resource failure
                 TUNING_LOG.append((key, cfg, None, f"{type(exc).__name__}: {exc}"[:300]))
                 first_error = first_error or exc
                 continue

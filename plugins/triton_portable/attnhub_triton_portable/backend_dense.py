@@ -9,7 +9,7 @@ be switched on before the kernels are imported.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -57,7 +57,7 @@ class TritonDenseBackend(Backend):
         returns_lse=True,
         top_left_causal=True,
     )
-    requires = {"triton": "pip install triton (ships with torch on Linux x86-64)"}
+    requires: ClassVar[dict[str, str]] = {"triton": "pip install triton (ships with torch on Linux x86-64)"}
 
     def _device_reasons(self, device: DeviceInfo) -> list[str]:
         if device.vendor == "cpu" and not device.simulated and not interpreter_on():

@@ -51,14 +51,15 @@ def _delta_kernel(O, DO, DELTA, sob, sos, soh, sdb, sds, sdh, slb, slh, CU_Q, se
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo, hi, offs_n,
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo,
+                hi, offs_n,
                 offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix,
                 left, right, cs, ce, TMAX, TMIN, n0, n1,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, PREFIX_LM: tl.constexpr,
                 WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, COLMASK: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """Accumulate dk, dv of key tile ``[n0, n1)`` over query tiles ``[lo, hi)``."""
     j = (n0 + offs_n)[:, None]
     for m0 in tl.range(lo, hi, BLOCK_M):
@@ -68,7 +69,7 @@ def _dkdv_tiles(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo, hi
                                           tl.minimum(m0 + BLOCK_M, seqlen_q))
         if run:
             rows = m0 + offs_r
-            q = tiles.load_rows(None, Qb, m0, seqlen_q, sqs, offs_r, offs_d, HEAD_DIM, False)
+            q = tiles.load_rows(q_desc, Qb, m0, seqlen_q, sqs, offs_r, offs_d, HEAD_DIM, USE_TMA)
             lse = tl.load(LSEb + rows, mask=rows < seqlen_q, other=float("-inf"))
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * tiles.LOG2E)
             qk_t = tiles.mma(k, tl.trans(q), None, DOT_PREC, DOT_UPCAST)
@@ -79,7 +80,8 @@ def _dkdv_tiles(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo, hi
                                    CAUSAL, PREFIX_LM, WIN_LEFT, WIN_RIGHT, COLMASK)
                 s_t = tl.where(ok, s_t, float("-inf"))
             p_t = tl.exp2(s_t - lse2[None, :])
-            do = tiles.load_rows(None, DOb, m0, seqlen_q, sds, offs_r, offs_d, HEAD_DIM, False)
+            do = tiles.load_rows(do_desc, DOb, m0, seqlen_q, sds, offs_r, offs_d, HEAD_DIM,
+                                 USE_TMA)
             dv = tiles.mma(p_t.to(do.dtype), do, dv, DOT_PREC, DOT_UPCAST)
             delta = tl.load(DELTAb + rows, mask=rows < seqlen_q, other=0.0)
             dp_t = tiles.mma(v, tl.trans(do), None, DOT_PREC, DOT_UPCAST)
@@ -107,8 +109,8 @@ def _dkdv_kernel(
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, PREFIX_LM: tl.constexpr, COLMASK: tl.constexpr,
-    VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr, DOT_PREC: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     pid_n = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -129,10 +131,12 @@ def _dkdv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k = tiles.load_rows(None, K + b64 * skb + ks64 * sks + hk * skh, n0, seqlen_k, sks, offs_n,
-                        offs_d, HEAD_DIM, False)
-    v = tiles.load_rows(None, V + b64 * svb + ks64 * svs + hk * svh, n0, seqlen_k, svs, offs_n,
-                        offs_d, HEAD_DIM, False)
+    Kb = K + b64 * skb + ks64 * sks + hk * skh
+    Vb = V + b64 * svb + ks64 * svs + hk * svh
+    k_desc = tiles.make_desc(Kb, seqlen_k, sks, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
+    v_desc = tiles.make_desc(Vb, seqlen_k, svs, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
+    k = tiles.load_rows(k_desc, Kb, n0, seqlen_k, sks, offs_n, offs_d, HEAD_DIM, USE_TMA)
+    v = tiles.load_rows(v_desc, Vb, n0, seqlen_k, svs, offs_n, offs_d, HEAD_DIM, USE_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     prefix = 0
@@ -143,6 +147,8 @@ def _dkdv_kernel(
         h = hk * group + g
         Qb = Q + b64 * sqb + qs64 * sqs + h * sqh
         DOb = DO + b64 * sdb + qs64 * sds + h * sdh
+        q_desc = tiles.make_desc(Qb, seqlen_q, sqs, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
+        do_desc = tiles.make_desc(DOb, seqlen_q, sds, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
         DQb = DQACC + b64 * sdqb + qs64 * sdqs + h * sdqh
         LSEb = LSE + b64 * slb + h * slh + q_start
         DELTAb = DELTA + b64 * slb + h * slh + q_start
@@ -165,35 +171,41 @@ def _dkdv_kernel(
                                                      right, BLOCK_M, CAUSAL, PREFIX_LM,
                                                      WIN_LEFT, WIN_RIGHT, COLMASK)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo, full_lo, offs_n,
+            dk, dv, k, v, q_desc, do_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo, full_lo, offs_n,
             offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
             right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
-            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, DOT_PREC, DOT_UPCAST)
+            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, USE_TMA,
+            DOT_PREC, DOT_UPCAST)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_lo, full_hi, offs_n,
+            dk, dv, k, v, q_desc, do_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_lo, full_hi, offs_n,
             offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
             right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
-            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, DOT_PREC, DOT_UPCAST)
+            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, USE_TMA,
+            DOT_PREC, DOT_UPCAST)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_hi, hi, offs_n,
+            dk, dv, k, v, q_desc, do_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_hi, hi, offs_n,
             offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
             right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
-            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, DOT_PREC, DOT_UPCAST)
-    tiles.store_rows(None, DK + b64 * sdkb + ks64 * sdks + hk * sdkh,
-                     (dk * scale).to(DK.dtype.element_ty), n0, seqlen_k, sdks, offs_n, offs_d,
-                     HEAD_DIM, False)
-    tiles.store_rows(None, DV + b64 * sdvb + ks64 * sdvs + hk * sdvh, dv.to(DV.dtype.element_ty),
-                     n0, seqlen_k, sdvs, offs_n, offs_d, HEAD_DIM, False)
+            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, USE_TMA,
+            DOT_PREC, DOT_UPCAST)
+    DKb = DK + b64 * sdkb + ks64 * sdks + hk * sdkh
+    DVb = DV + b64 * sdvb + ks64 * sdvs + hk * sdvh
+    dk_desc = tiles.make_desc(DKb, seqlen_k, sdks, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
+    dv_desc = tiles.make_desc(DVb, seqlen_k, sdvs, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
+    tiles.store_rows(dk_desc, DKb, (dk * scale).to(DK.dtype.element_ty), n0, seqlen_k, sdks,
+                     offs_n, offs_d, HEAD_DIM, USE_TMA)
+    tiles.store_rows(dv_desc, DVb, dv.to(DV.dtype.element_ty), n0, seqlen_k, sdvs, offs_n,
+                     offs_d, HEAD_DIM, USE_TMA)
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, Kb, Vb, sks, svs, lo, hi, offs_m, offs_n, offs_d,
+def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, Kb, Vb, sks, svs, lo, hi, offs_m, offs_n, offs_d,
               seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right, CMS, CME,
               TMAX, TMIN, m0, m1,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, PREFIX_LM: tl.constexpr, WIN_LEFT: tl.constexpr,
               WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              COLMASK: tl.constexpr, DOT_PREC: tl.constexpr,
+              COLMASK: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
               DOT_UPCAST: tl.constexpr):
     """Accumulate dq of query rows ``[m0, m1)`` over key tiles ``[lo, hi)``."""
     i = offs_m[:, None]
@@ -202,8 +214,8 @@ def _dq_tiles(dq, q, do, lse2, delta, Kb, Vb, sks, svs, lo, hi, offs_m, offs_n, 
         if COLMASK:
             run = tiles.colmask_tile_kept(TMAX, TMIN, n0 // BLOCK_N, m0, m1)
         if run:
-            k = tiles.load_rows(None, Kb, n0, seqlen_k, sks, offs_n, offs_d, HEAD_DIM, False)
-            v = tiles.load_rows(None, Vb, n0, seqlen_k, svs, offs_n, offs_d, HEAD_DIM, False)
+            k = tiles.load_rows(k_desc, Kb, n0, seqlen_k, sks, offs_n, offs_d, HEAD_DIM, USE_TMA)
+            v = tiles.load_rows(v_desc, Vb, n0, seqlen_k, svs, offs_n, offs_d, HEAD_DIM, USE_TMA)
             qk = tiles.mma(q, tl.trans(k), None, DOT_PREC, DOT_UPCAST)
             j = (n0 + offs_n)[None, :]
             s, dfac = tiles.scores(qk, i, j, q_off, scale, softcap, slope, SOFTCAP, ALIBI)
@@ -236,7 +248,8 @@ def _dq_kernel(
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, PREFIX_LM: tl.constexpr, COLMASK: tl.constexpr,
-    VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -259,10 +272,12 @@ def _dq_kernel(
     offs_m = m0 + offs_r
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = tiles.load_rows(None, Q + b64 * sqb + qs64 * sqs + h * sqh, m0, seqlen_q, sqs, offs_r,
-                        offs_d, HEAD_DIM, False)
-    do = tiles.load_rows(None, DO + b64 * sdb + qs64 * sds + h * sdh, m0, seqlen_q, sds, offs_r,
-                         offs_d, HEAD_DIM, False)
+    Qb = Q + b64 * sqb + qs64 * sqs + h * sqh
+    DOb = DO + b64 * sdb + qs64 * sds + h * sdh
+    q_desc = tiles.make_desc(Qb, seqlen_q, sqs, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
+    do_desc = tiles.make_desc(DOb, seqlen_q, sds, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
+    q = tiles.load_rows(q_desc, Qb, m0, seqlen_q, sqs, offs_r, offs_d, HEAD_DIM, USE_TMA)
+    do = tiles.load_rows(do_desc, DOb, m0, seqlen_q, sds, offs_r, offs_d, HEAD_DIM, USE_TMA)
     lse = tl.load(LSE + b64 * slb + h * slh + q_start + offs_m, mask=offs_m < seqlen_q,
                   other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * tiles.LOG2E)
@@ -270,6 +285,8 @@ def _dq_kernel(
                     other=0.0)
     Kb = K + b64 * skb + ks64 * sks + hk * skh
     Vb = V + b64 * svb + ks64 * svs + hk * svh
+    k_desc = tiles.make_desc(Kb, seqlen_k, sks, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
+    v_desc = tiles.make_desc(Vb, seqlen_k, svs, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
     prefix = 0
     if PREFIX_LM:
         prefix = tl.load(PREFIX + b)
@@ -288,21 +305,25 @@ def _dq_kernel(
                                                BLOCK_N, CAUSAL, PREFIX_LM, WIN_LEFT,
                                                WIN_RIGHT, COLMASK)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, Kb, Vb, sks, svs, lo, full_lo, offs_m, offs_n,
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, Kb, Vb, sks, svs, lo, full_lo, offs_m, offs_n,
                    offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right,
                    CMS, CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, True, CAUSAL, PREFIX_LM,
-                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DOT_PREC, DOT_UPCAST)
-    dq = _dq_tiles(dq, q, do, lse2, delta, Kb, Vb, sks, svs, full_lo, full_hi, offs_m, offs_n,
+                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC,
+                   DOT_UPCAST)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, Kb, Vb, sks, svs, full_lo, full_hi, offs_m, offs_n,
                    offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right,
                    CMS, CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, False, CAUSAL, PREFIX_LM,
-                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DOT_PREC, DOT_UPCAST)
-    dq = _dq_tiles(dq, q, do, lse2, delta, Kb, Vb, sks, svs, full_hi, hi, offs_m, offs_n,
+                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC,
+                   DOT_UPCAST)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, Kb, Vb, sks, svs, full_hi, hi, offs_m, offs_n,
                    offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right,
                    CMS, CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, True, CAUSAL, PREFIX_LM,
-                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DOT_PREC, DOT_UPCAST)
-    tiles.store_rows(None, DQ + b64 * sdqb + qs64 * sdqs + h * sdqh,
-                     (dq * scale).to(DQ.dtype.element_ty), m0, seqlen_q, sdqs, offs_r, offs_d,
-                     HEAD_DIM, False)
+                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC,
+                   DOT_UPCAST)
+    DQb = DQ + b64 * sdqb + qs64 * sdqs + h * sdqh
+    dq_desc = tiles.make_desc(DQb, seqlen_q, sdqs, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
+    tiles.store_rows(dq_desc, DQb, (dq * scale).to(DQ.dtype.element_ty), m0, seqlen_q, sdqs,
+                     offs_r, offs_d, HEAD_DIM, USE_TMA)
 
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
@@ -340,7 +361,8 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         *args.bsh_strides(dqacc), *args.lse_strides(lse),
         *common, args.num_kv_heads, args.group, *masks, *args.colmask_tiles(bn),
         HEAD_DIM=args.head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=args.block_d,
-        DQ_ATOMIC=atomic, **args.mask_constants(), **options)
+        DQ_ATOMIC=atomic, USE_TMA=args.tma_ok(consts, dout, dk, dv),
+        **args.mask_constants(), **options)
     if atomic:
         return dqacc.to(q.dtype), dk, dv
     consts, options = launch_options(config["dq"])
@@ -351,5 +373,5 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         *args.bsh_strides(dout), *args.bsh_strides(dq), *args.lse_strides(lse),
         *common, args.num_heads, args.group, *masks, *args.colmask_tiles(bn),
         HEAD_DIM=args.head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=args.block_d,
-        **args.mask_constants(), **options)
+        USE_TMA=args.tma_ok(consts, dout, dq), **args.mask_constants(), **options)
     return dq, dk, dv

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import NamedTuple
 
 import torch
 import triton
@@ -237,6 +238,36 @@ def _check_interpreter(device: torch.device) -> None:
             "run on a GPU")
 
 
+class _Plan(NamedTuple):
+    """Everything about a launch that follows from shapes alone, computed once per shape."""
+
+    cfg: DecodeConfig
+    block_m: int
+    m_blocks: int
+    splits: int
+    block_s: int
+    upcast: bool
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(device: torch.device, dtype: torch.dtype, batch: int, seqlen_q: int, hq: int,
+          hkv: int, longest: int, paged: bool, num_splits: int | None,
+          config: DecodeConfig | None) -> _Plan:
+    arch = device_arch(device)
+    dname = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    cfg = config or decode_config(arch, dname, paged)
+    rows = seqlen_q * (hq // hkv)
+    bm = block_m(rows)
+    m_blocks = triton.cdiv(rows, bm)
+    sms = INTERPRETER_SM_COUNT if arch == "cpu" else _sm_count(device.index or 0)
+    splits = num_splits or choose_splits(batch, hkv, longest, sms, cfg, m_blocks)
+    splits = max(1, min(splits, triton.cdiv(max(longest, 1), cfg.block_n)))
+    # Triton 3.9's interpreter computes bf16 dots wrongly (garbage of order 1e10): the
+    # interpreter path feeds them fp32 copies instead, keeping the bf16 rounding of p.
+    upcast = arch == "cpu" and dtype == torch.bfloat16
+    return _Plan(cfg, bm, m_blocks, splits, max(2, triton.next_power_of_2(splits)), upcast)
+
+
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
     causal: bool = False, alignment: str = "bottom_right",
@@ -252,7 +283,7 @@ def decode_attention(
     with ``block_table`` (B, P) int32 and ``seqlens_k`` (B,) int32. ``max_seqlen_k`` (the
     longest length, when the caller knows it) only sizes the splits; without it the cache
     capacity is used, which never syncs with the device. ``num_splits``/``config`` override
-    the heuristic and the table (benchmarks, tests).
+    the heuristic and the table (benchmarks, tests). No host sync, so CUDA graphs capture it.
     """
     _check_interpreter(q.device)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -264,24 +295,16 @@ def decode_attention(
     if v.shape[-1] != dim:
         raise ValueError(f"decode_attention: value head dim {v.shape[-1]} != {dim}; the "
                          "decode kernel needs equal head dims (use another backend)")
-    out = torch.empty((batch, seqlen_q, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    out = torch.empty((batch, seqlen_q, hq, dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     page = k.shape[1] if paged else 1
     cap_k = block_table.shape[1] * page if paged else k.shape[1]
     longest = min(max_seqlen_k, cap_k) if max_seqlen_k is not None else cap_k
-
-    arch = device_arch(q.device)
-    dname = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
-    cfg = config or decode_config(arch, dname)
-    group = hq // hkv
-    bm = block_m(seqlen_q * group)
-    m_blocks = triton.cdiv(seqlen_q * group, bm)
-    sms = INTERPRETER_SM_COUNT if arch == "cpu" else _sm_count(q.device.index or 0)
-    splits = num_splits or choose_splits(batch, hkv, longest, sms, cfg, m_blocks)
-    splits = max(1, min(splits, max(1, triton.cdiv(longest, cfg.block_n))))
-
+    plan = _plan(q.device, q.dtype, batch, seqlen_q, hq, hkv, longest, paged, num_splits,
+                 config)
+    cfg, splits = plan.cfg, plan.splits
     if splits > 1:
         rows = batch * hq * seqlen_q * splits
         opart = torch.empty((rows, dim), dtype=torch.float32, device=q.device)
@@ -289,16 +312,12 @@ def decode_attention(
     else:
         opart = lpart = lse  # unused by the kernel
     fused = cfg.fused_merge and splits > 1
-    counters = _merge_counters(q.device, batch * hkv * m_blocks) if fused else lse
+    counters = _merge_counters(q.device, batch * hkv * plan.m_blocks) if fused else lse
     slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous() \
         if alibi_slopes is not None else lse
     left, right = window if window is not None else (-1, -1)
     bd = block_d(dim)
-    bs = max(2, triton.next_power_of_2(splits))
-    # Triton 3.9's interpreter computes bf16 dots wrongly (garbage of order 1e10): the
-    # interpreter path feeds them fp32 copies instead, keeping the bf16 rounding of p.
-    upcast = arch == "cpu" and q.dtype == torch.bfloat16
-    _split_kernel[(splits, batch * hkv * m_blocks)](
+    _split_kernel[(splits, batch * hkv * plan.m_blocks)](
         q, k, v, out, lse, opart, lpart, counters,
         block_table if paged else lse, seqlens_k if seqlens_k is not None else lse, slopes,
         q.stride(0), q.stride(1), q.stride(2),
@@ -307,19 +326,19 @@ def decode_attention(
         block_table.stride(0) if paged else 0,
         hq if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         scale, softcap or 1.0, left, right,
-        seqlen_q, k.shape[1], hq, hkv, group, m_blocks, splits,
+        seqlen_q, k.shape[1], hq, hkv, hq // hkv, plan.m_blocks, splits,
         HEAD_DIM=dim, PAGE=page, PAGED=paged, HAS_SEQLENS=seqlens_k is not None,
         BOTTOM_RIGHT=alignment == "bottom_right", CAUSAL=causal,
         WIN_LEFT=left >= 0, WIN_RIGHT=right >= 0, SOFTCAP=bool(softcap),
         ALIBI=alibi_slopes is not None, ONE_SPLIT=splits == 1, FUSED_MERGE=fused,
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_D=bd, BLOCK_S=bs,
-        DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd, BLOCK_S=plan.block_s,
+        DOT_PREC="ieee" if q.dtype == torch.float32 or plan.upcast else "tf32",
+        UPCAST=plan.upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1 and not fused:
         _merge_kernel[(batch * hq * seqlen_q,)](
             opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2),
-            seqlen_q, hq, splits, HEAD_DIM=dim, BLOCK_S=bs, BLOCK_D=bd,
+            seqlen_q, hq, splits, HEAD_DIM=dim, BLOCK_S=plan.block_s, BLOCK_D=bd,
             num_warps=cfg.merge_warps,
         )
     return out, lse

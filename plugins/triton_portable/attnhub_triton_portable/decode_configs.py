@@ -13,6 +13,7 @@ Pure Python: importing this module imports neither Triton nor a GPU library.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -41,18 +42,21 @@ class DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-#: Per architecture family. The sm90 row is the one measured on the H200 (see
+#: Per architecture family. The sm90 row was chosen from sweeps on an H200 (see
 #: docs/benchmarks/triton_decode.md); the others are starting points, not measurements.
 _TABLE: dict[str, DecodeConfig] = {
     # Interpreter: 16-key tiles so that contexts of 20..100 keys cross several tiles and
-    # several splits in the tests; sm_count is small there too (see ``interpreter_sm_count``).
+    # several splits in the tests; sm_count is small there too (``INTERPRETER_SM_COUNT``).
     "cpu": DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=1,
                         overhead_tiles=0.5),
     "sm80": DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2),
-    "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2),
+    # 4 stages of 64-key K and V tiles (128 KB of shared memory): one program per SM.
+    "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=4, ctas_per_sm=1),
     "rocm": DecodeConfig(block_n=64, num_warps=4, num_stages=1, ctas_per_sm=2),
     "generic": DecodeConfig(block_n=32, num_warps=4, num_stages=2, ctas_per_sm=2),
 }
+#: Where a paged cache wants another tile than a contiguous one (none measured so far).
+_PAGED: dict[str, DecodeConfig] = {}
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
 INTERPRETER_SM_COUNT = 4
@@ -71,13 +75,14 @@ def _family(arch: str) -> str:
     return "generic"
 
 
-def decode_config(arch: str, dtype: str = "bf16") -> DecodeConfig:
+def decode_config(arch: str, dtype: str = "bf16", paged: bool = False) -> DecodeConfig:
     """The table's configuration for ``arch`` (``cpu``, ``sm90``, ``gfx942``...).
 
     fp32 tiles take twice the shared memory of 16-bit ones, so the key tile is halved there
     (on GPUs) to keep the same number of programs resident.
     """
-    cfg = _TABLE[_family(arch)]
+    family = _family(arch)
+    cfg = _PAGED.get(family, _TABLE[family]) if paged else _TABLE[family]
     if dtype == "fp32" and arch != "cpu":
         cfg = cfg.with_(block_n=max(16, cfg.block_n // 2))
     return cfg
@@ -92,6 +97,7 @@ def block_m(rows: int) -> int:
     return min(64, max(16, 1 << (max(rows, 1) - 1).bit_length()))
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_splits(batch: int, kv_heads: int, max_seqlen_k: int, sm_count: int,
                   cfg: DecodeConfig, m_blocks: int = 1) -> int:
     """How many key ranges each (sequence, KV head) is cut into.
@@ -100,8 +106,8 @@ def choose_splits(batch: int, kv_heads: int, max_seqlen_k: int, sm_count: int,
     ctas_per_sm`` programs resident at once, the run takes ``ceil(programs / capacity)``
     rounds, each as long as one program's key tiles plus its fixed overhead; the merge adds
     one more overhead when splits > 1. The cheapest split count under that model wins, the
-    smallest on ties (fewer partials to write and merge). Examples on an H200 (132 SMs, 2
-    programs each, 32/8 heads): 1 x 32k context -> 33 splits; 64 x 32k -> 1.
+    smallest on ties (fewer partials to write and merge). Examples on an H200 (132 SMs, one
+    program each, 32/8 heads): 1 x 32k context -> 16 splits; 64 x 32k -> 1.
     """
     tiles = math.ceil(max(max_seqlen_k, 0) / cfg.block_n)
     base = max(1, batch * kv_heads * m_blocks)

@@ -28,7 +28,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, Kb, Vb, stride_ks, stride_vs, l
                CAUSAL: tl.constexpr, PREFIX_LM: tl.constexpr, WIN_LEFT: tl.constexpr,
                WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                COLMASK: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
-               DOT_UPCAST: tl.constexpr,               WARP_SPECIALIZE: tl.constexpr):
+               DOT_UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Online-softmax update over key tiles ``[lo, hi)``; MASKED applies visibility."""
     for n0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         run = True
@@ -38,28 +38,33 @@ def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, Kb, Vb, stride_ks, stride_vs, l
             k = tiles.load_rows(k_desc, Kb, n0, seqlen_k, stride_ks, offs_n, offs_d, HEAD_DIM,
                                 USE_TMA)
             qk = tiles.mma(q, tl.trans(k), None, DOT_PREC, DOT_UPCAST)
-            if SOFTCAP or ALIBI:
+            if MASKED or SOFTCAP or ALIBI:
                 s, _ = tiles.scores(qk, offs_m[:, None], (n0 + offs_n)[None, :], q_off, scale,
                                     softcap, slope, SOFTCAP, ALIBI)
+                m_use = m_i
+                if MASKED:
+                    j = n0 + offs_n
+                    cs = 0
+                    ce = 0
+                    if COLMASK:
+                        cs = tl.load(CMS + j, mask=j < seqlen_k, other=0)[None, :]
+                        ce = tl.load(CME + j, mask=j < seqlen_k, other=0)[None, :]
+                    ok = tiles.visible(offs_m[:, None], j[None, :], seqlen_q, seqlen_k, q_off,
+                                       prefix, left, right, cs, ce, CAUSAL, PREFIX_LM,
+                                       WIN_LEFT, WIN_RIGHT, COLMASK)
+                    s = tl.where(ok, s, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    m_use = m_new
+                p = tl.exp2(s - m_use[:, None])
             else:
-                s = qk * (scale * tiles.LOG2E)
-            if MASKED:
-                j = n0 + offs_n
-                cs = 0
-                ce = 0
-                if COLMASK:
-                    cs = tl.load(CMS + j, mask=j < seqlen_k, other=0)[None, :]
-                    ce = tl.load(CME + j, mask=j < seqlen_k, other=0)[None, :]
-                ok = tiles.visible(offs_m[:, None], j[None, :], seqlen_q, seqlen_k, q_off,
-                                   prefix, left, right, cs, ce, CAUSAL, PREFIX_LM, WIN_LEFT,
-                                   WIN_RIGHT, COLMASK)
-                s = tl.where(ok, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # The hot path: max on raw scores (scale > 0), then one FMA per score.
+                scale2 = scale * tiles.LOG2E
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * scale2)
                 m_use = m_new
-            p = tl.exp2(s - m_use[:, None])
+                p = tl.exp2(qk * scale2 - m_new[:, None])
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
@@ -169,7 +174,7 @@ def flash_fwd(args: DenseArgs, config: dict) -> tuple[torch.Tensor, torch.Tensor
     q, k, v = args.q, args.k, args.v
     out = torch.zeros_like(q) if args.varlen else torch.empty_like(q)
     lse = args.new_lse()
-    use_tma = args.tma_ok(consts)
+    use_tma = args.tma_ok(consts, out)
     grid = (triton.cdiv(args.max_seqlen_q, bm), args.batch * args.num_heads)
     if grid[0] == 0 or grid[1] == 0:
         return out, lse

@@ -23,7 +23,7 @@ from .configs import block_d, split_config
 _INT32_MAX = 2**31 - 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_arch(device: torch.device) -> str:
     """``cpu`` (interpreter), ``sm90``, ``gfx942``...: the key of the tile tables."""
     if device.type != "cuda":
@@ -113,7 +113,7 @@ class DenseArgs:
     # -- construction ----------------------------------------------------------------------
     @classmethod
     def from_params(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    params: AttnParams, layout: str) -> "DenseArgs":
+                    params: AttnParams, layout: str) -> DenseArgs:
         """Check the call against what the kernels implement and pack its arguments."""
         if layout not in ("bshd", "thd"):
             raise InputError(f"triton dense kernels take layout bshd or thd, not {layout!r}")
@@ -141,6 +141,9 @@ class DenseArgs:
             batch = q.shape[0]
             seqlen_q = max_q = q.shape[1]
             seqlen_k = max_k = k.shape[1]
+        if not params.scale > 0:
+            raise InputError(f"triton: softmax scale {params.scale} must be > 0 (the kernels "
+                             "take row maxima on unscaled scores)")
         left, right = params.window if params.window is not None else (-1, -1)
         if params.prefix_lens is not None and not params.causal:
             raise InputError("prefix_lens needs causal=True: prefix-LM is causal after the "
@@ -162,12 +165,12 @@ class DenseArgs:
     # -- what the launches need --------------------------------------------------------------
     def mask_constants(self) -> dict[str, Any]:
         """The kernels' compile-time switches: each mask feature costs nothing when off."""
-        return dict(CAUSAL=self.causal, BOTTOM_RIGHT=self.bottom_right,
-                    WIN_LEFT=self.left >= 0, WIN_RIGHT=self.right >= 0,
-                    SOFTCAP=self.softcap > 0, ALIBI=self.slopes is not None,
-                    PREFIX_LM=self.prefix is not None, COLMASK=self.colmask,
-                    VARLEN=self.varlen, DOT_PREC=self.dot_precision,
-                    DOT_UPCAST=self.q.dtype == torch.bfloat16 and _interpreting())
+        return {"CAUSAL": self.causal, "BOTTOM_RIGHT": self.bottom_right,
+                "WIN_LEFT": self.left >= 0, "WIN_RIGHT": self.right >= 0,
+                "SOFTCAP": self.softcap > 0, "ALIBI": self.slopes is not None,
+                "PREFIX_LM": self.prefix is not None, "COLMASK": self.colmask,
+                "VARLEN": self.varlen, "DOT_PREC": self.dot_precision,
+                "DOT_UPCAST": self.q.dtype == torch.bfloat16 and _interpreting()}
 
     def mask_scalars(self) -> tuple[Any, ...]:
         """(scale, softcap, left, right, slopes, slopes batch stride, prefix lengths)."""

@@ -19,15 +19,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
 def tanh(x):
     """tanh from exp2 (Triton has no portable tanh); a series near 0 avoids cancellation."""
     ax = tl.abs(x)
-    e = tl.exp2(-2.0 * LOG2E * ax)
+    e = tl.exp2(ax * (-2.0 * LOG2E))
     t = (1.0 - e) / (1.0 + e)
     x2 = x * x
     series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333

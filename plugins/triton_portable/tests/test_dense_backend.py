@@ -10,23 +10,28 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
+from attnhub_triton_portable import configs
+from attnhub_triton_portable.backend_dense import CPU_REASON, TritonDenseBackend
+from attnhub_triton_portable.launch import DenseArgs
 
-import attnhub  # noqa: E402
-from attnhub.plugin import AttentionSpec, AttnParams, InputError, MaskSpec  # noqa: E402
-from attnhub.plugin import reference_attention  # noqa: E402
-from attnhub.testing import assert_fa_rule  # noqa: E402
-from attnhub_triton_portable import configs  # noqa: E402
-from attnhub_triton_portable.backend_dense import CPU_REASON, TritonDenseBackend  # noqa: E402
-from attnhub_triton_portable.launch import DenseArgs  # noqa: E402
+import attnhub
+from attnhub.plugin import (
+    AttentionSpec,
+    AttnParams,
+    InputError,
+    MaskSpec,
+    reference_attention,
+)
+from attnhub.testing import assert_fa_rule
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _spec(**kw: object) -> AttentionSpec:
-    base: dict = dict(phase="train", dtype="bf16", head_dim=128, num_q_heads=16,
-                      num_kv_heads=4, layout="bshd", max_seqlen_q=4096, max_seqlen_k=4096,
-                      needs_grad=True)
+    base: dict = {"phase": "train", "dtype": "bf16", "head_dim": 128, "num_q_heads": 16,
+                  "num_kv_heads": 4, "layout": "bshd", "max_seqlen_q": 4096,
+                  "max_seqlen_k": 4096, "needs_grad": True}
     base.update(kw)
     return AttentionSpec(**base)
 
@@ -49,14 +54,14 @@ def test_serves_the_dense_cells_on_sm90_and_gfx942(mask: MaskSpec) -> None:
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(head_dim=320, head_dim_v=320), "head dim 320"),
-    (dict(head_dim_v=64), "value head dim 64"),
-    (dict(mask=MaskSpec(mask_mod="doc")), "mask mask_mod"),
-    (dict(mask=MaskSpec(score_mod="rel")), "mask score_mod"),
-    (dict(layout="paged"), "layout paged"),
-    (dict(dtype="fp8_e4m3"), "dtype fp8_e4m3"),
-    (dict(layout="thd", mask=MaskSpec(column_sparse=True, document=True)), "use the bshd"),
-    (dict(mask=MaskSpec(prefix_lm=True)), "prefix-LM needs causal"),
+    ({"head_dim": 320, "head_dim_v": 320}, "head dim 320"),
+    ({"head_dim_v": 64}, "value head dim 64"),
+    ({"mask": MaskSpec(mask_mod="doc")}, "mask mask_mod"),
+    ({"mask": MaskSpec(score_mod="rel")}, "mask score_mod"),
+    ({"layout": "paged"}, "layout paged"),
+    ({"dtype": "fp8_e4m3"}, "dtype fp8_e4m3"),
+    ({"layout": "thd", "mask": MaskSpec(column_sparse=True, document=True)}, "use the bshd"),
+    ({"mask": MaskSpec(prefix_lm=True)}, "prefix-LM needs causal"),
 ])
 def test_refuses_what_the_kernels_do_not_do(change: dict, reason: str) -> None:
     reasons = TritonDenseBackend().check(_spec(**change), attnhub.simulate("sm90"))

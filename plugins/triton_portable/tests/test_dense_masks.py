@@ -15,12 +15,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
+from attnhub_triton_portable.autograd import flash_attention
+from attnhub_triton_portable.configs import bwd_config
 
-from attnhub.plugin import AttnParams, InputError, reference_attention  # noqa: E402
-from attnhub.testing import assert_fa_rule, assert_lse  # noqa: E402
-from attnhub_triton_portable.autograd import flash_attention  # noqa: E402
-from attnhub_triton_portable.configs import bwd_config  # noqa: E402
+from attnhub.plugin import AttnParams, InputError, reference_attention
+from attnhub.testing import assert_fa_rule, assert_lse
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -169,23 +169,28 @@ def test_atomic_dq_mode_meets_the_rule() -> None:
 
 
 def test_tma_descriptor_path() -> None:
-    """The sm90 path (tensor descriptors) gives the same maths; the interpreter runs it too."""
-    torch.manual_seed(8)
-    q, k, v = _rand(2, 33, 2, 32, dtype=torch.bfloat16), _rand(2, 40, 1, 32, dtype=torch.bfloat16), \
-        _rand(2, 40, 1, 32, dtype=torch.bfloat16)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "USE_TMA": True}
-    if DEV == "cpu":  # the host-side gate only opens TMA on CUDA; call the kernel path directly
-        from attnhub_triton_portable.fwd import flash_fwd
-        from attnhub_triton_portable.launch import DenseArgs
+    """The sm90 path (tensor descriptors for every tile) computes the same as the pointer path;
+    the interpreter runs it too, so it is checked here, forward and backward."""
+    from attnhub_triton_portable.bwd import flash_bwd
+    from attnhub_triton_portable.fwd import flash_fwd
+    from attnhub_triton_portable.launch import DenseArgs
 
-        params = AttnParams(scale=32 ** -0.5, causal=True)
-        args = DenseArgs.from_params(q.detach(), k.detach(), v.detach(), params, "bshd")
-        args.tma_ok = lambda consts, *extra: True  # type: ignore[method-assign]
-        out, lse = flash_fwd(args, cfg)
-        ref64, ref_lse = reference_attention(q.detach(), k.detach(), v.detach(), params)
-        ref_same, _ = reference_attention(q.detach(), k.detach(), v.detach(), params,
-                                          compute_dtype=torch.bfloat16)
-        assert_fa_rule(out, ref64, ref_same)
-        assert_lse(lse, ref_lse, atol=2e-3)
-    else:
-        check_against_reference(q, k, v, AttnParams(scale=32 ** -0.5, causal=True), fwd_cfg=cfg)
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(2, s, h, 32, device=DEV, dtype=torch.bfloat16)
+               for s, h in ((33, 2), (40, 1), (40, 1)))
+    params = AttnParams(scale=32 ** -0.5, causal=True)
+    fwd_cfg = {"BLOCK_M": 16, "BLOCK_N": 16}
+    bwd_cfg = {"dkdv": fwd_cfg, "dq": fwd_cfg, "dq_mode": "separate"}
+    results = []
+    for tma in (False, True):
+        args = DenseArgs.from_params(q, k, v, params, "bshd")
+        args.tma_ok = lambda consts, *extra, tma=tma: tma  # type: ignore[method-assign]
+        out, lse = flash_fwd(args, fwd_cfg)
+        dout = torch.ones_like(out)
+        results.append((out, lse, *flash_bwd(args, out, lse, dout, bwd_cfg)))
+    for a, b in zip(*results):
+        assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=0), float((a - b).abs().max())
+    ref64, ref_lse = reference_attention(q, k, v, params)
+    ref_same, _ = reference_attention(q, k, v, params, compute_dtype=torch.bfloat16)
+    assert_fa_rule(results[1][0], ref64, ref_same)
+    assert_lse(results[1][1], ref_lse, atol=2e-3)

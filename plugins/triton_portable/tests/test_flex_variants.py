@@ -86,7 +86,7 @@ def test_string_name_reaches_the_spec_and_the_kernel(qkv):
     hub = Hub(registry=Registry.load(allow=["triton_portable"]))
     q, k, v = (x * 12 for x in qkv)  # large scores, so that a cap of 30 matters
     out = hub.attention(q, k, v, score_mod="softcap30", backend="reference")
-    assert [s.mask.score_mod for s, _ in hub._runners.values()] == ["softcap30"]
+    assert [r.decision.spec.mask.score_mod for r in hub.bound()] == ["softcap30"]
     ref64, ref_same = _builtin(q, k, v, softcap=30.0)
     assert_fa_rule(out.cpu(), ref64, ref_same)
 

@@ -1,0 +1,256 @@
+"""``attnhub fp8-check``: FP8 attention against an fp32 reference, before a policy trusts it.
+
+For each shape: random bf16 inputs, then the same inputs with a planted outlier at growing
+magnitudes (a query channel scaled by M, the pattern the H200 anchor measured; and a key
+channel offset by +M, the per-channel bias real keys carry), plus captured inputs from a
+``.pt`` file when given. Each FP8 recipe the backend offers (plain per-(batch, KV head)
+scaling, K smoothing) is compared with the fp32 reference next to BF16, reporting relative
+(L2) and max error and, on a GPU, speed. The check passes when the gated recipe's relative
+error stays within the budget on the random inputs, every outlier case up to
+``--gate-magnitude`` and every captured input; the outcome is written to the profile store as
+an accuracy record per spec bucket, which ``requires: {accuracy: ...}`` rules read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ._common import add_hardware, add_json, print_json, table
+
+OUTLIER_KINDS = ("q_channel", "k_bias")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fp8-check", help="FP8 attention vs an fp32 reference (with planted "
+                                         "outliers); records pass/fail in the profile store")
+    p.add_argument("--shape", action="append", default=None, metavar="B,S,HQ,HKV,D",
+                   help="a shape to check (repeatable; default 1,4096,16,16,128)")
+    p.add_argument("--causal", action="store_true", help="causal (bottom-right) mask")
+    p.add_argument("--inputs", default=None, metavar="FILE.pt",
+                   help="captured inputs: a dict (or list of dicts) with q, k, v (B,S,H,D)")
+    p.add_argument("--backend", default="fa3_fp8", help="the FP8 backend (default fa3_fp8)")
+    p.add_argument("--recipe", default=None,
+                   help="the recipe to gate (default: the backend's configured one)")
+    p.add_argument("--magnitudes", default="1,5,20,50",
+                   help="outlier magnitudes to sweep (default 1,5,20,50)")
+    p.add_argument("--channel", type=int, default=7, help="the outlier channel (default 7)")
+    p.add_argument("--gate-magnitude", type=float, default=1.0,
+                   help="outlier cases up to this magnitude must pass too (default 1: none)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="relative L2 error allowed (default: the backend's error budget)")
+    p.add_argument("--emulate", action="store_true",
+                   help="model the FP8 kernel's numerics where it cannot run (CPU)")
+    p.add_argument("--time", action="store_true", help="also time each path (GPU)")
+    p.add_argument("--store", default=None, metavar="PATH",
+                   help="profile store (default ATTNHUB_PROFILE or ~/.cache/attnhub)")
+    p.add_argument("--no-record", action="store_true", help="do not write accuracy records")
+    p.add_argument("--seed", type=int, default=0)
+    add_hardware(p)
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Case:
+    """One set of inputs (random, an outlier at a magnitude, or captured)."""
+
+    label: str
+    kind: str
+    magnitude: float
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    causal: bool
+    errors: dict[str, dict[str, float]] = field(default_factory=dict)
+    ms: dict[str, float] = field(default_factory=dict)
+
+
+def rel_max_error(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """Relative L2 error (the headline number) and max absolute error."""
+    diff = out.double() - ref.double()
+    return {"rel": float(diff.norm() / ref.double().norm().clamp_min(1e-30)),
+            "max": float(diff.abs().max())}
+
+
+def plant(q: torch.Tensor, k: torch.Tensor, kind: str, magnitude: float,
+          channel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A query channel scaled by M, or a key channel offset by +M (both heads-wide)."""
+    q, k = q.clone(), k.clone()
+    if kind == "q_channel":
+        q[..., channel] *= magnitude
+    else:
+        k[..., channel] += magnitude
+    return q, k
+
+
+def synthetic_cases(shape: tuple[int, ...], causal: bool, magnitudes: list[float],
+                    channel: int, device: torch.device, seed: int) -> list[Case]:
+    b, s, hq, hkv, d = shape
+    g = torch.Generator(device).manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, generator=g, device=device).to(torch.bfloat16)
+               for h in (hq, hkv, hkv))
+    label = f"b={b} s={s} h={hq}:{hkv} d={d}"
+    cases = [Case(label, "random", 1.0, q, k, v, causal)]
+    for kind in OUTLIER_KINDS:
+        for m in magnitudes:
+            if m != 1.0:
+                qo, ko = plant(q, k, kind, m, channel % d)
+                cases.append(Case(label, kind, m, qo, ko, v, causal))
+    return cases
+
+
+def captured_cases(path: str, device: torch.device) -> list[Case]:
+    data = torch.load(path, map_location=device, weights_only=True)
+    items = data if isinstance(data, list) else [data]
+    cases = []
+    for i, item in enumerate(items):
+        try:
+            q, k, v = (item[n].to(torch.bfloat16) for n in ("q", "k", "v"))
+        except (KeyError, TypeError):
+            raise SystemExit(f"attnhub fp8-check: {path}[{i}] needs keys q, k, v "
+                             "(B, S, H, D tensors)") from None
+        cases.append(Case(f"{path}[{i}] {tuple(q.shape)}", "captured", 1.0, q, k, v,
+                          bool(item.get("causal", False))))
+    return cases
+
+
+def _spec(case: Case) -> Any:
+    from ..core.spec import AttentionSpec, MaskSpec
+
+    b, s, hq, d = case.q.shape
+    return AttentionSpec(phase="prefill", dtype="bf16", head_dim=d, num_q_heads=hq,
+                         num_kv_heads=case.k.shape[2], mask=MaskSpec(causal=case.causal),
+                         max_seqlen_q=s, max_seqlen_k=case.k.shape[1], batch=b)
+
+
+def evaluate(case: Case, fp8: Any, bf16: Any, recipes: tuple[str, ...], emulate: bool,
+             timed: bool) -> None:
+    """Fill ``case.errors`` (and ``case.ms``): bf16 and each FP8 recipe vs fp32."""
+    from ..core.reference import reference_attention
+    from ..core.spec import AttnParams
+
+    spec = _spec(case)
+    base = AttnParams(scale=1.0 / math.sqrt(case.q.shape[-1]), causal=case.causal,
+                      max_seqlen_q=case.q.shape[1], max_seqlen_k=case.k.shape[1])
+    ref, _ = reference_attention(case.q, case.k, case.v, base, compute_dtype=torch.float32)
+    runs: dict[str, Any] = {"bf16": lambda: bf16.forward(case.q, case.k, case.v, spec, base)}
+    for r in recipes:
+        p = replace(base, extra={"fp8_recipe": r})
+        call = fp8.emulate if emulate else fp8.forward
+        runs[f"fp8 {r}"] = (lambda call=call, p=p: call(case.q, case.k, case.v, spec, p))
+    for name, fn in runs.items():
+        case.errors[name] = rel_max_error(fn().out, ref)
+        if timed and case.q.is_cuda:
+            from ..timing import median_ms
+
+            case.ms[name] = median_ms(fn, case.q.device, warmup=3, repeats=10)
+
+
+def _bf16_backend(hub: Any, spec: Any) -> Any:
+    for name in ("fa3", "torch_sdpa"):
+        if name in hub.registry.backends and not hub.registry.get(name).check(spec, hub.device):
+            b = hub.registry.get(name)
+            b.load()
+            return b
+    raise SystemExit("attnhub fp8-check: no BF16 backend for the baseline")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..core.registry import Registry
+    from ..hub import Hub
+
+    hub = Hub(hardware=args.hardware, registry=Registry.load())
+    fp8 = hub.registry.get(args.backend)
+    device = torch.device(hub.device.torch_device)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in (args.shape or ["1,4096,16,16,128"])]
+    if any(len(s) != 5 for s in shapes):
+        raise SystemExit("attnhub fp8-check: --shape takes B,S,HQ,HKV,D")
+    mags = [float(m) for m in args.magnitudes.split(",")]
+    cases = [c for i, s in enumerate(shapes)
+             for c in synthetic_cases(s, args.causal, mags, args.channel, device, args.seed + i)]
+    if args.inputs:
+        cases += captured_cases(args.inputs, device)
+    why = fp8.check(_spec(cases[0]), hub.device)
+    if why and not args.emulate:
+        raise SystemExit(f"attnhub fp8-check: {args.backend} cannot run here: "
+                         f"{'; '.join(why)} (use --emulate to model its numerics)")
+    if args.emulate and not hasattr(fp8, "emulate"):
+        raise SystemExit(f"attnhub fp8-check: {args.backend} has no emulation")
+    if not args.emulate:
+        fp8.load()
+    recipes = tuple(getattr(fp8, "recipes", ("default",)))
+    gated = args.recipe or getattr(fp8, "recipe", recipes[0])
+    budget = args.budget if args.budget is not None else fp8.capabilities.error_budget
+    bf16 = _bf16_backend(hub, _spec(cases[0]))
+    for c in cases:
+        evaluate(c, fp8, bf16, recipes, args.emulate, args.time)
+    verdicts = _verdicts(cases, f"fp8 {gated}", budget, args.gate_magnitude)
+    if not args.no_record:
+        _record(args, hub.device, cases, verdicts, args.backend, gated, budget)
+    return _report(args, hub, cases, verdicts, gated, budget)
+
+
+def _gates(case: Case, gate_magnitude: float) -> bool:
+    return case.kind in ("random", "captured") or case.magnitude <= gate_magnitude
+
+
+def _verdicts(cases: list[Case], path: str, budget: float,
+              gate_magnitude: float) -> dict[str, dict[str, Any]]:
+    """Per shape label: passed, and the metrics the accuracy record carries."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in cases:
+        v = out.setdefault(c.label, {"passed": True, "metrics": {}, "case": c})
+        m = v["metrics"]
+        err = c.errors[path]
+        tag = "" if c.kind in ("random", "captured") else f"_{c.kind}_x{c.magnitude:g}"
+        m[f"rel_error{tag}"] = max(m.get(f"rel_error{tag}", 0.0), err["rel"])
+        m[f"max_error{tag}"] = max(m.get(f"max_error{tag}", 0.0), err["max"])
+        if c.kind == "random":
+            m["bf16_rel_error"] = c.errors["bf16"]["rel"]
+        if _gates(c, gate_magnitude):
+            v["passed"] = v["passed"] and err["rel"] <= budget
+    return out
+
+
+def _record(args: argparse.Namespace, device: Any, cases: list[Case],
+            verdicts: dict[str, dict[str, Any]], backend: str, recipe: str,
+            budget: float) -> None:
+    from ..policy.profile import ProfileStore
+
+    store = ProfileStore(args.store)
+    ref = "fp32" + (" (FP8 emulated)" if args.emulate else "") + f", recipe {recipe}"
+    for v in verdicts.values():
+        metrics = dict(v["metrics"], budget=budget)
+        store.record_accuracy(device, _spec(v["case"]), backend, v["passed"], metrics,
+                              reference=ref)
+
+
+def _report(args: argparse.Namespace, hub: Any, cases: list[Case],
+            verdicts: dict[str, dict[str, Any]], gated: str, budget: float) -> int:
+    passed = all(v["passed"] for v in verdicts.values())
+    if args.json:
+        print_json({
+            "device": hub.device.describe(), "backend": args.backend, "recipe": gated,
+            "budget": budget, "emulated": args.emulate, "passed": passed,
+            "shapes": {k: {"passed": v["passed"], "metrics": v["metrics"]}
+                       for k, v in verdicts.items()},
+            "cases": [{"shape": c.label, "kind": c.kind, "magnitude": c.magnitude,
+                       "errors": c.errors, "ms": c.ms} for c in cases]})
+        return 0 if passed else 1
+    paths = list(cases[0].errors)
+    rows = [(c.label, c.kind, f"{c.magnitude:g}",
+             *(f"{c.errors[p]['rel']:.4f} / {c.errors[p]['max']:.3f}"
+               + (f" ({c.ms[p]:.3f} ms)" if p in c.ms else "") for p in paths))
+            for c in cases]
+    print(f"{args.backend} on {hub.device.describe()}"
+          f"{' (emulated)' if args.emulate else ''}: relative L2 / max error vs fp32")
+    print(table(rows, ("shape", "inputs", "M", *paths)))
+    for label, v in verdicts.items():
+        print(f"{label}: {'PASS' if v['passed'] else 'FAIL'} (fp8 {gated}, relative error "
+              f"{v['metrics']['rel_error']:.4f}, budget {budget})")
+    return 0 if passed else 1

@@ -1,0 +1,112 @@
+"""On a CUDA GPU: fa2, fa2_torch and the FlashInfer backends against the fp64 reference.
+
+The FlashAttention rule (2x the bf16 reference's error for outputs, 3x for gradients, plus a
+rounding floor) on a mask/shape grid; paged results against the same keys gathered into a
+contiguous cache. FlashInfer cases stay at head dim 128 in bf16 without window or softcap:
+every other variant is a separate JIT compile (~90 s each on the H200).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnhub
+from attnhub.plugin import AttnParams, paged_to_varlen, reference_attention
+from attnhub.testing import assert_fa_rule, assert_lse
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GRID = [  # b, sq, sk, hq, hkv, d, causal, alignment, window
+    (2, 128, 128, 8, 2, 128, True, "bottom_right", None),
+    (1, 64, 200, 8, 8, 64, True, "bottom_right", None),
+    (1, 200, 64, 8, 2, 128, True, "bottom_right", None),
+    (1, 96, 160, 4, 4, 128, True, "top_left", None),
+    (2, 77, 77, 8, 4, 128, False, "bottom_right", None),
+    (1, 128, 256, 8, 2, 128, True, "bottom_right", (32, 0)),
+    (3, 1, 300, 8, 2, 128, True, "bottom_right", None),
+]
+
+
+@pytest.fixture(scope="module")
+def hub():
+    return attnhub.Hub()
+
+
+def rnd(*shape, seed=0, grad=False):
+    g = torch.Generator("cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(grad)
+
+
+def call(hub, name, q, k, v, **kw):
+    try:
+        return hub.attention(q, k, v, backend=name, **kw)
+    except attnhub.BackendUnavailableError as exc:
+        pytest.skip(f"{name} declines: {'; '.join(exc.reasons)}")
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa2_torch"])
+@pytest.mark.parametrize("case", GRID, ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[7]}")
+def test_forward_fa_rule(hub, name, case):
+    b, sq, sk, hq, hkv, d, causal, align, window = case
+    q, k, v = rnd(b, sq, hq, d), rnd(b, sk, hkv, d, seed=1), rnd(b, sk, hkv, d, seed=2)
+    p = AttnParams(scale=1 / math.sqrt(d), causal=causal, alignment=align, window=window)
+    out, lse = call(hub, name, q, k, v, causal=causal, causal_alignment=align, window=window,
+                    return_lse=True)
+    ref64, ref_lse = reference_attention(q, k, v, p)
+    assert_fa_rule(out, ref64, reference_attention(q, k, v, p, compute_dtype=torch.bfloat16)[0])
+    assert_lse(lse, ref_lse, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa2_torch"])
+def test_varlen_and_backward(hub, name):
+    cu = torch.tensor([0, 50, 178, 200], device="cuda", dtype=torch.int32)
+    q, k, v = (rnd(200, h, 128, seed=i, grad=True) for i, h in enumerate((8, 2, 2)))
+    p = AttnParams(scale=1 / math.sqrt(128), causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    out = call(hub, name, q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = reference_attention(q, k, v, p, layout="thd")[0]
+    ref_bf = reference_attention(q, k, v, p, layout="thd", compute_dtype=torch.bfloat16)[0]
+    assert_fa_rule(out, ref, ref_bf)
+    for what, g, r64, rbf in zip("qkv", grads, torch.autograd.grad(ref, (q, k, v), dout.double()),
+                                 torch.autograd.grad(ref_bf, (q, k, v), dout)):
+        assert_fa_rule(g, r64, rbf, mult=3.0, what=f"d{what}")
+
+
+def paged_cache(lens, page, hkv, d, hnd=False, seed=0):
+    need = [-(-n // page) for n in lens]
+    total = sum(need) + 2
+    kc, vc = rnd(total, page, hkv, d, seed=seed), rnd(total, page, hkv, d, seed=seed + 1)
+    if hnd:  # (pages, H, page, D) storage, passed as its (pages, page, H, D) view
+        kc, vc = kc.transpose(1, 2).contiguous().transpose(1, 2), \
+            vc.transpose(1, 2).contiguous().transpose(1, 2)
+    perm = torch.randperm(total, device="cuda").to(torch.int32)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32, device="cuda")
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    return kc, vc, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("name,sq", [("flashinfer_decode", 1), ("flashinfer_prefill", 1),
+                                     ("flashinfer_prefill", 17), ("fa2", 1)])
+@pytest.mark.parametrize("page,hnd,tc", [(16, False, "0"), (16, True, "1"), (1, False, "0"),
+                                         (256, False, "0")])
+def test_paged_against_gathered_reference(hub, monkeypatch, name, sq, page, hnd, tc):
+    monkeypatch.setenv("ATTNHUB_FLASHINFER_TENSOR_CORES", tc)
+    lens = [700, 33, 258]
+    kc, vc, table, seqlens = paged_cache(lens, page, 8, 128, hnd=hnd)
+    q = rnd(3, sq, 32, 128, seed=5)
+    out, lse = call(hub, name, q, kc, vc, layout="paged", block_table=table, seqlens_k=seqlens,
+                    causal=True, return_lse=True)
+    qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, seqlens)
+    p = AttnParams(scale=1 / math.sqrt(128), causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    ref, ref_lse = reference_attention(qv, kv, vv, p, layout="thd")
+    ref_bf = reference_attention(qv, kv, vv, p, layout="thd", compute_dtype=torch.bfloat16)[0]
+    assert_fa_rule(out.reshape(qv.shape), ref, ref_bf)
+    assert_lse(lse, ref_lse.view(32, 3, sq).transpose(0, 1), atol=2e-2)

@@ -1,0 +1,96 @@
+"""``attnhub policy check``: shadowed rules, contradictions, gates, unserved cells."""
+
+from __future__ import annotations
+
+from attnhub.core.capabilities import Capabilities
+from attnhub.policy import load_policy
+from attnhub.policy.lint import covers, lint_policy
+from attnhub.policy.schema import When
+
+
+def findings(policy, registry, hardware=("cpu",)):
+    return [(f.level, f.path, f.message) for f in lint_policy(policy, registry, hardware)]
+
+
+def test_covers_is_conservative():
+    w = When.model_validate
+    assert covers(w({}), w({"phase": "train"}))
+    assert covers(w({"hardware": "cuda"}), w({"hardware": ["sm80", "sm90"], "dtype": "bf16"}))
+    assert covers(w({"seqlen": {"ge": 1024}}), w({"seqlen": {"ge": 4096, "lt": 8192}}))
+    assert covers(w({"mask": ["none", "causal"]}), w({"mask": "causal"}))
+    assert not covers(w({"hardware": "sm90"}), w({"hardware": "cuda"}))
+    assert not covers(w({"phase": "train"}), w({}))
+    assert not covers(w({"seqlen": {"gt": 1024}}), w({"seqlen": {"ge": 1024}}))
+    assert not covers(w({"profile": {"attention_share": {"lt": 0.2}}}), w({"phase": "decode"}))
+
+
+def test_shadowed_thresholds_and_clean(write, make_registry):
+    p = load_policy(write("p.yaml", """
+        name: t
+        targets: [cpu]
+        rules:
+          - {name: any-cpu, when: {hardware: cpu}, use: [torch_sdpa, reference]}
+          - {name: cpu-decode, when: {hardware: cpu, phase: decode}, use: [reference]}
+          - {name: long, when: {seqlen: {ge: 5000}}, use: [torch_sdpa]}
+        """))
+    got = findings(p, make_registry())
+    assert got == [
+        ("warning", "rules[1] (cpu-decode)",
+         f"can never match: earlier rule 'any-cpu' ({p.rules[0].location}) matches every call "
+         "this one does; expected it before that rule or narrower conditions there"),
+        ("warning", "rules[2].when.seqlen (long)",
+         "bound 5000 is not a power of two, but seqlen is compared after bucketing to the next "
+         "power of two; expected a power of two (e.g. 4096, 8192)")]
+
+
+def test_contradictions_and_gates(write, make_registry, fake):
+    reg = make_registry(
+        fake("nodet", caps=Capabilities(deterministic_forward=False)),
+        fake("f8", caps=Capabilities(dtypes=frozenset({"bf16"}),
+                                     kv_dtypes=frozenset({"fp8_e4m3"}))),
+        fake("approx", "approximate", Capabilities(exact=False, error_budget=0.1)))
+    p = load_policy(write("p.yaml", """
+        name: t
+        targets: [cpu]
+        rules:
+          - {name: det, when: {deterministic: true}, use: [nodet, torch_sdpa]}
+          - {name: fp8, when: {dtype: fp8_e4m3}, use: [torch_sdpa]}
+          - name: kv8
+            when: {kv_dtype: fp8_e4m3}
+            use: [f8]
+            requires: {accuracy: {backends: [f9]}}
+          - {name: approx, use: [approx, torch_sdpa, reference]}
+        """))
+    got = findings(p, reg)
+    errors = [(path, msg.split(";")[0]) for level, path, msg in got if level == "error"]
+    assert errors == [
+        ("rules[0].use[0] (det)", "rule routes deterministic requests to nodet, whose forward "
+                                  "is not deterministic"),
+        ("rules[1].use[0] (fp8)", "rule routes FP8 (fp8_e4m3) to torch_sdpa, which supports "
+                                  "bf16, fp16, fp32"),
+        ("rules[2].requires.accuracy.backends[0] (kv8)", "'f9' is not a candidate of this rule, "
+                                                         "expected one of: f8"),
+        ("rules[3].use[0] (approx)", "approx is approximate (error budget 0.1), expected it only "
+                                     "in a rule with a layer selector (when.layer) or with "
+                                     "`requires: {accuracy: ...}` for it")]
+    warnings = [path for level, path, _ in got if level == "warning"]
+    assert warnings == ["rules[2].use[0] (kv8)"]  # FP8 without a gate for it
+
+
+def test_unserved_cells_and_missing_plugins(write, make_registry):
+    p = load_policy(write("p.yaml", """
+        name: t
+        rules:
+          - {name: gpu-only, when: {hardware: cuda}, use: [fa3]}
+          - {name: sdpa, use: [torch_sdpa]}
+        """))
+    got = lint_policy(p, make_registry(), ("cpu", "sm90"))
+    by_level = {(f.level, f.path) for f in got}
+    # fa3 is first-party but not installed in this registry: a warning, not an error
+    assert ("warning", "rules[0].use[0] (gpu-only)") in by_level
+    (cells_missing,) = [f for f in got if "have no installed backend" in f.message]
+    assert cells_missing.message.startswith("on sm90, 90 cell(s)")
+    # torch_sdpa cannot do softcap/score_mod: those cpu cells are unserved -> error
+    (unserved,) = [f for f in got if f.level == "error"]
+    assert unserved.path == "rules[1] (sdpa)" and unserved.message.startswith("on cpu, 18 cell(s)")
+    assert "torch_sdpa: mask softcap not supported" in unserved.message

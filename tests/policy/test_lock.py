@@ -1,0 +1,83 @@
+"""Lockfiles: bindings frozen with versions; drift found when resolution changes."""
+
+from __future__ import annotations
+
+import json
+
+from attnhub.cli import main
+from attnhub.core.capabilities import Capabilities
+from attnhub.core.decision import BindContext
+from attnhub.core.device import simulate
+from attnhub.core.spec import AttentionSpec, MaskSpec
+from attnhub.policy import load_policy
+from attnhub.policy.lock import (build_lock, check_lock, read_lock, spec_from_json,
+                                 spec_to_json, write_lock)
+
+POLICY = """
+    name: locked
+    rules:
+      - {name: decode, when: {phase: decode}, use: [newkernel, torch_sdpa]}
+      - {name: rest, use: [torch_sdpa, reference]}
+    """
+
+
+def _pairs(policy, registry):
+    dev = simulate("sm90")
+    specs = [AttentionSpec(phase=p, mask=MaskSpec(causal=True), max_seqlen_q=1 if p == "decode"
+                           else 2048, max_seqlen_k=2048).bucketed()
+             for p in ("prefill", "decode")]
+    return [(dev, policy.resolve(s, dev, registry, BindContext(model="m"))) for s in specs]
+
+
+def test_spec_round_trip():
+    spec = AttentionSpec(phase="decode", dtype="fp16", kv_dtype="bf16", layout="paged",
+                         mask=MaskSpec(causal=True, window=(128, 0), softcap=True),
+                         max_seqlen_q=4, max_seqlen_k=999).bucketed()
+    assert spec_from_json(json.loads(json.dumps(spec_to_json(spec)))) == spec
+
+
+def test_drift_after_a_backend_appears(write, tmp_path, make_registry, fake):
+    policy = load_policy(write("p.yaml", POLICY))
+    before = make_registry()
+    lock_path = tmp_path / "attnhub.lock"
+    write_lock(lock_path, build_lock(policy, before, _pairs(policy, before)))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
+    lock = read_lock(lock_path)
+    assert [b["backend"] for b in lock["bindings"]] == ["torch_sdpa", "torch_sdpa"]
+    assert check_lock(lock, policy, before).drifted is False
+
+    # "a library upgrade": a new plugin now serves decode, so the decode binding changes
+    after = make_registry(fake("newkernel", "serving", Capabilities(phases=frozenset({"decode"}))))
+    drift = check_lock(lock, policy, after)
+    assert drift.drifted and len(drift.changed) == 1
+    assert "decode" in drift.changed[0] and "[model=m]" in drift.changed[0]
+    assert "backend 'torch_sdpa' -> 'newkernel'" in drift.changed[0]
+    assert "fallbacks [] -> ['torch_sdpa']" in drift.changed[0]
+
+
+def test_version_and_policy_changes_are_reported(write, tmp_path, make_registry):
+    path = write("p.yaml", POLICY)
+    policy, reg = load_policy(path), make_registry()
+    lock = build_lock(policy, reg, _pairs(policy, reg))
+    drift = check_lock(lock, policy, reg, versions={**lock["versions"], "torch": "9.9"})
+    assert not drift.drifted and any("torch" in v and "9.9" in v for v in drift.versions)
+    path.write_text(path.read_text().replace("[torch_sdpa, reference]", "[reference]"))
+    drift = check_lock(lock, load_policy(path), reg)
+    assert drift.policy and len(drift.changed) == 1 and "'rest'" not in drift.changed[0]
+    assert "backend 'torch_sdpa' -> 'reference'" in drift.changed[0]
+
+
+def test_cli_lock_and_check_exit_codes(write, tmp_path, capsys):
+    path = write("p.yaml", POLICY)
+    out = tmp_path / "a.lock"
+    assert main(["lock", "--policy", str(path), "--hardware", "cpu", "-o", str(out)]) == 0
+    assert main(["lock", "--check", str(out)]) == 0
+    assert "unchanged" in capsys.readouterr().out
+    path.write_text(path.read_text().replace("[torch_sdpa, reference]", "[reference]"))
+    assert main(["lock", "--check", str(out), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["drifted"] and report["changed"] and report["policy"]
+    bad = tmp_path / "bad.lock"
+    bad.write_text("{}")
+    assert main(["lock", "--check", str(bad)]) == 1
+    assert "not an attnhub lockfile" in capsys.readouterr().err
