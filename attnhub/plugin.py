@@ -6,7 +6,7 @@ third-party distribution would.
 
 from __future__ import annotations
 
-from .core.backend import TIERS, AttentionOutput, Backend
+from .core.backend import TIERS, AttentionOutput, Backend, module_available
 from .core.capabilities import ALL_MASKS, FLOAT_DTYPES, HALF_DTYPES, Capabilities
 from .core.device import DeviceInfo
 from .core.flash_conventions import flash_form, flash_kwargs, natural_lse, top_left_reason
@@ -49,6 +49,7 @@ __all__ = [
     "flash_kwargs",
     "dtype_name",
     "hookimpl",
+    "module_available",
     "natural_lse",
     "paged_to_varlen",
     "query_offset",

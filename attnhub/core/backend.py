@@ -22,6 +22,19 @@ TIERS: tuple[str, ...] = ("reference", "portable", "vendor", "serving", "variant
                           "distributed")
 
 
+def module_available(name: str) -> bool:
+    """Whether top-level module ``name`` can be imported, found without importing it (a module
+    already in ``sys.modules`` counts, also one a test put there without a spec)."""
+    import sys
+
+    if name in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 class AttentionOutput(NamedTuple):
     """``out`` in the query layout; ``lse`` (B, Hq, Sq) or (Hq, total_q) natural-log, or None."""
 

@@ -70,9 +70,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * \
-            self.weight
+        return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int,
@@ -114,9 +112,9 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         b, s, _ = x.shape
         qkv = self.qkv(self.norm1(x)).view(b, s, c.num_q_heads + 2 * c.num_kv_heads, c.head_dim)
-        q, k, v = qkv.split([c.num_q_heads, c.num_kv_heads, c.num_kv_heads], dim=2)
-        q, k = rotary(q, rope), rotary(k, rope)
-        a = self.attn(q, k, v.contiguous(), cache)
+        qk = rotary(qkv[:, :, : c.num_q_heads + c.num_kv_heads], rope)  # one pass for q and k
+        q, k = qk.split([c.num_q_heads, c.num_kv_heads], dim=2)
+        a = self.attn(q, k, qkv[:, :, c.num_q_heads + c.num_kv_heads:].contiguous(), cache)
         x = x + self.out(a.reshape(b, s, -1))
         g, u = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(g) * u)

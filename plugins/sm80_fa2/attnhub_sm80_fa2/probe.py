@@ -18,16 +18,6 @@ from pathlib import Path
 import torch
 
 
-def module_present(name: str) -> bool:
-    """True when ``name`` (top level) can be imported; never imports it."""
-    if name in sys.modules:
-        return True
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def package_dir(package: str) -> Path | None:
     """Directory of an installed top-level package, found without importing it."""
     mod = sys.modules.get(package)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from attnhub.plugin import module_available
+
 #: Interface module -> its build-config module, in order of preference.
 INTERFACES: tuple[tuple[str, str], ...] = (
     ("flash_attn_interface", "flash_attn_config"),  # upstream hopper/ build
@@ -23,16 +25,6 @@ INTERFACES: tuple[tuple[str, str], ...] = (
 )
 HEAD_DIM_BUCKETS: tuple[int, ...] = (64, 96, 128, 192, 256)
 INSTALL_FA3 = "pip install 'attnhub-sm90-fa3[fa3]'"
-
-
-def module_present(name: str) -> bool:
-    """True when ``name`` can be imported; never imports it."""
-    if name in sys.modules:
-        return True
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 @dataclass(frozen=True)
@@ -70,7 +62,7 @@ class Fa3Build:
 
 def _config_flags(config_module: str) -> dict[str, bool] | None:
     """``CONFIG['build_flags']`` of a config module, or None when there is none."""
-    if not module_present(config_module):
+    if not module_available(config_module):
         return None
     mod = importlib.import_module(config_module)
     config: Any = getattr(mod, "CONFIG", None)
@@ -81,7 +73,7 @@ def _config_flags(config_module: str) -> dict[str, bool] | None:
 def fa3_build() -> Fa3Build:
     """Probe the installed FA3: first interface found, with its build flags."""
     for interface, config in INTERFACES:
-        if not module_present(interface):
+        if not module_available(interface):
             continue
         flags = _config_flags(config)
         if flags is None:
