@@ -9,8 +9,9 @@ different policy file (a different hub) rebinds the same model without code chan
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn

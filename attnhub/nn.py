@@ -10,8 +10,8 @@ hub's dict lookup, never a policy resolution.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -115,8 +115,8 @@ class Attention(nn.Module):
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cache: CacheStep | None) -> torch.Tensor:
         hub = self.hub or default_hub()
-        kw = dict(window=self.window, softcap=self.softcap, scale=self.scale,
-                  context=self.context, backend=self.backend_override)
+        kw = {"window": self.window, "softcap": self.softcap, "scale": self.scale,
+              "context": self.context, "backend": self.backend_override}
         if cache is not None:
             if self.layer_idx is None:
                 raise ValueError("Attention with a KV cache needs layer_idx (the cache layer); "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +28,7 @@ class Stopwatch:
         self.device = device
         self.seconds = 0.0
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         synchronize(self.device)
         self._t0 = time.perf_counter()
         return self

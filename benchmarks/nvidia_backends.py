@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -201,8 +200,9 @@ def run_tests(r: Run, which: str) -> dict[str, Any]:
 
 # -- FP8 at 16k -------------------------------------------------------------------------------
 def fp8_section(r: Run) -> dict[str, Any]:
-    from attnhub.plugin import AttnParams, reference_attention
     from attnhub_sm90_fa3.fp8 import quantize, quantize_operands
+
+    from attnhub.plugin import AttnParams, reference_attention
 
     s = 256 if r.args.smoke else 16384
     h, d, rows = 16, 128, (64 if r.args.smoke else 1024)
@@ -339,7 +339,6 @@ def _policy_pick(r: Run, cell: Cell) -> str:
 # -- FlashInfer decode: tensor cores or not ---------------------------------------------------
 def decode_tc_section(r: Run) -> dict[str, Any]:
     import flashinfer
-
     from attnhub_sm80_fa2.paged_csr import block_table_to_csr
 
     shapes = [(1, 32768), (16, 8192), (64, 4096)] if not r.args.smoke else [(1, 64)]
@@ -365,13 +364,11 @@ def decode_tc_section(r: Run) -> dict[str, Any]:
                 min(row["tensor_cores_us"], row["cuda_cores_us"]) * 1e-6) / 1e12
             rows.append(row)
             print(row, flush=True)
-            del k, v, kp, vp
     return {"rows": rows}
 
 
 # -- wrapper vs raw library at 4k -------------------------------------------------------------
 def overhead_section(r: Run) -> dict[str, Any]:
-    import attnhub
     from attnhub.plugin import AttnParams
 
     out = []
@@ -438,7 +435,6 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, which: str) -> torc
 def warm_flashinfer(kind: str) -> None:
     """Compile FlashInfer's bf16 d=128 module for ``kind`` by running it once."""
     import flashinfer
-
     from attnhub_sm80_fa2.paged_csr import block_table_to_csr
 
     ws = torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda")

@@ -10,11 +10,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from attnhub import AttnParams, Hub  # noqa: E402
-from attnhub.core.reference import reference_attention  # noqa: E402
-from attnhub.integrations import transformers as hf  # noqa: E402
-from attnhub.policy import load_policy  # noqa: E402
-from attnhub.testing import assert_fa_rule  # noqa: E402
+from attnhub import AttnParams, Hub
+from attnhub.core.reference import reference_attention
+from attnhub.integrations import transformers as hf
+from attnhub.policy import load_policy
+from attnhub.testing import assert_fa_rule
 
 VOCAB = 96
 
@@ -79,7 +79,7 @@ def test_logits_match_eager_by_the_flashattention_rule(hub: Hub, make, dtype) ->
 def test_generate_with_kv_cache_matches_eager(hub: Hub, make) -> None:  # type: ignore[no-untyped-def]
     ours, eager = _pair(make())
     ids, mask = _batch()
-    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
     phases = {r.decision.spec.phase for r in hub.bound()
               if r.decision.context.model == ours.config.model_type}
@@ -141,6 +141,6 @@ def test_bind_resolves_a_transformers_model_up_front(hub: Hub) -> None:
     assert {(r.layer, r.phase) for r in table} == {(i, p) for i in (0, 1)
                                                     for p in ("prefill", "decode")}
     assert not table.unbound() and len(calls) == len(table)
-    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
     assert len(calls) == len(table), "generate() resolved the policy on the call path"

@@ -58,7 +58,7 @@ def measure_shares(model: Any, prompts: Any, *, page_size: int, repeats: int,
     dec: list[tuple[float, float]] = []
     tok = logits.argmax(-1)
     for i in range(warmup + repeats):
-        step, attn, logits = timed(lambda: model.decode(cache, seqs, tok))
+        step, attn, logits = timed(lambda t=tok: model.decode(cache, seqs, t))
         tok = logits.argmax(-1)
         if i >= warmup:
             dec.append((step, attn))

@@ -13,8 +13,8 @@ sequences exactly as they were.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ class CacheStep:
     ``context_lens`` are the host-side lengths before the step (0 for a fresh prefill).
     """
 
-    cache: "PagedKVCache"
+    cache: PagedKVCache
     seq_ids: tuple[int, ...]
     new_tokens: int
     slots: torch.Tensor
@@ -306,7 +306,7 @@ class PagedKVCache:
     def for_sequences(cls, *, num_layers: int, batch: int, max_len: int, page_size: int,
                       num_kv_heads: int, head_dim: int, spare: int = 0,
                       dtype: torch.dtype = torch.float32,
-                      device: str | torch.device = "cpu") -> "PagedKVCache":
+                      device: str | torch.device = "cpu") -> PagedKVCache:
         """A cache with just enough pages for ``batch`` sequences of ``max_len`` tokens, plus
         ``spare`` pages (forks append into copies of shared pages)."""
         pages = batch * -(-max_len // page_size) + spare

@@ -13,7 +13,8 @@ sequence (a step of ``generate()`` with a cache) is ``decode``, anything else ``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -171,7 +172,7 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 
 def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
                max_len: int, dtype: torch.dtype,
-               phases: Sequence[str] = ("prefill", "decode")) -> "BindingTable":
+               phases: Sequence[str] = ("prefill", "decode")) -> BindingTable:
     """``attnhub.bind`` for a transformers model: route its layers through ``hub`` and
     resolve each for each phase at the shapes given (no padding; transformers' contiguous
     cache, so decode is ``bshd`` with one query)."""

@@ -10,8 +10,8 @@ projects q/k/v and never looks at which backend serves a layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import torch
 from torch import nn

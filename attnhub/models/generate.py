@@ -9,8 +9,9 @@ state.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -166,7 +167,7 @@ def compare_decode(model: Decoder, hub: Hub, table: BindingTable, cache: PagedKV
                 try:
                     decode(model, cache, seqs, first, warmup)
                     d = decode(model, cache, seqs, first, steps, progress=progress)
-                except Exception as exc:  # one backend failing must not hide the others
+                except Exception as exc:  # noqa: BLE001  one failing must not hide the others
                     errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     continue
             runs[name].append(d.seconds)

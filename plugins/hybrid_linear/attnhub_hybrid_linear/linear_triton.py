@@ -347,10 +347,27 @@ class _ChunkGLA(torch.autograd.Function):
             V=vd, CT=BT, CC=BC, BK=bk, BV=bv, PREC=_prec(vp))
         dq = dq.sum(0) * scale
         dk = dk.sum(0)
-        dg_local = qp.float() * dq - kp.float() * dk
-        dg = dg_local[:, :t].flip(1).cumsum(1).flip(1)
-        return (dq[:, :t].to(qp.dtype), dk[:, :t].to(kp.dtype), dv[:, :t], dg, None, None,
-                None)
+        dg = _decay_grad(qp.float() * dq - kp.float() * dk, states, dstates)
+        return (dq[:, :t].to(qp.dtype), dk[:, :t].to(kp.dtype), dv[:, :t], dg[:, :t], None,
+                None, None)
+
+
+def _decay_grad(z: torch.Tensor, states: torch.Tensor, dstates: torch.Tensor) -> torch.Tensor:
+    """dg from z = q*dq - k*dk (B, T, H, K), chunk by chunk.
+
+    dg_u = sum_{t >= u} z_t, but summing z over the whole sequence lets the rounding of
+    dq/dk accumulate through terms that cancel exactly (measured: 1.3e-2 relative RMSE in bf16
+    at 1k tokens). Everything past chunk c instead sums to sum_v S_{c+1} * dS_{c+1}: the
+    gradient of scaling the state that leaves chunk c. So: a reverse cumulative sum inside
+    each chunk plus that per-chunk term (zero after the last chunk: states get no gradient).
+    """
+    b, tp, h, kd = z.shape
+    nt = tp // BT
+    dg = z.view(b, nt, BT, h, kd).flip(2).cumsum(2).flip(2)
+    if nt > 1:
+        later = torch.einsum("bnhkv,bnhkv->bnhk", states[:, 1:], dstates[:, :-1])
+        dg[:, :-1] += later.unsqueeze(2)
+    return dg.view(b, tp, h, kd)
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
-import attnhub
-from attnhub.plugin import AttentionSpec, MaskSpec
 from attnhub_sm80_fa2.fa2 import FlashAttn2Backend
 from attnhub_sm80_fa2.fa2_torch import TorchFlashBackend, torch_flash_capabilities
 from attnhub_sm80_fa2.flashinfer_paged import FlashInferDecodeBackend, FlashInferPrefillBackend
+
+import attnhub
+from attnhub.plugin import AttentionSpec, MaskSpec
 
 SM80 = attnhub.simulate("sm80")
 

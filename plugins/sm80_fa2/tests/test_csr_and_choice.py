@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attnhub_sm80_fa2 import decode_choice
+from attnhub_sm80_fa2.paged_csr import block_table_to_csr, kv_layout_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnhub.plugin import paged_to_varlen
-from attnhub_sm80_fa2 import decode_choice
-from attnhub_sm80_fa2.paged_csr import block_table_to_csr, kv_layout_of
 
 
 @settings(max_examples=25, deadline=None)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attnhub_sm80_fa2 import fa2_torch
+from attnhub_sm80_fa2.fa2 import FlashAttn2Backend
+from attnhub_sm80_fa2.fa2_torch import TorchFlashBackend
 
 from attnhub.plugin import AttnParams, BackendUnavailableError, paged_to_varlen
 from attnhub.plugin import reference_attention as ref_attn
 from attnhub.testing import assert_lse, flash_reference
-from attnhub_sm80_fa2 import fa2_torch
-from attnhub_sm80_fa2.fa2 import FlashAttn2Backend
-from attnhub_sm80_fa2.fa2_torch import TorchFlashBackend
 
 
 def qkv(b: int, sq: int, sk: int, hq: int = 4, hkv: int = 2, d: int = 16, seed: int = 0):

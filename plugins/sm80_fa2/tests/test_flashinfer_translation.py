@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attnhub_sm80_fa2 import decode_choice, flashinfer_paged
+from attnhub_sm80_fa2.flashinfer_paged import FlashInferDecodeBackend, FlashInferPrefillBackend
+from attnhub_sm80_fa2.paged_csr import block_table_to_csr
 
 from attnhub.plugin import AttnParams, BackendUnavailableError, paged_to_varlen
 from attnhub.plugin import reference_attention as ref_attn
 from attnhub.testing import assert_lse
-from attnhub_sm80_fa2 import decode_choice, flashinfer_paged
-from attnhub_sm80_fa2.flashinfer_paged import FlashInferDecodeBackend, FlashInferPrefillBackend
-from attnhub_sm80_fa2.paged_csr import block_table_to_csr
 
 
 def small(backend_cls):

@@ -11,11 +11,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-import attnhub
 from attnhub_sm80_fa2 import probe
 from attnhub_sm80_fa2.fa2 import FlashAttn2Backend
 from attnhub_sm80_fa2.flashinfer_paged import FlashInferDecodeBackend, FlashInferPrefillBackend
+
+import attnhub
 
 BOMB = "raise RuntimeError('kernel library imported during probing')\n"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import sys
 from dataclasses import dataclass
 from types import ModuleType

@@ -9,7 +9,6 @@ only where ``attnhub fp8-check`` has stored a passing accuracy record.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -18,7 +17,6 @@ from attnhub.plugin import (
     AttentionOutput,
     AttentionSpec,
     AttnParams,
-    Backend,
     Capabilities,
     DeviceInfo,
     InputError,
@@ -26,8 +24,8 @@ from attnhub.plugin import (
     top_left_reason,
 )
 
-from .build import INSTALL_FA3, Fa3Build, fa3_build, import_interface
-from .fa3 import Fa3Runner, fa3_masks
+from .build import Fa3Build
+from .fa3 import Fa3Backend, fa3_masks
 from .fp8 import E4M3, RECIPES, Fp8Operands, emulate, lse_shift, quantize, quantize_operands
 
 #: Relative L2 error against an fp32 reference that the FP8 path is declared to stay within
@@ -49,8 +47,9 @@ def fa3_fp8_capabilities(build: Fa3Build) -> Capabilities:
     )
 
 
-class Fa3Fp8Backend(Backend):
-    """FA3 FP8 forward with per-(batch, KV head) descales behind an accuracy record."""
+class Fa3Fp8Backend(Fa3Backend):
+    """FA3 FP8 forward with per-(batch, KV head) descales behind an accuracy record (the same
+    build probe, requirements and kernel loading as ``fa3``)."""
 
     name = "fa3_fp8"
     tier = "vendor"
@@ -66,18 +65,9 @@ class Fa3Fp8Backend(Backend):
         if self.recipe not in RECIPES:
             raise ValueError(f"{ENV_RECIPE}={self.recipe!r}: use one of {', '.join(RECIPES)}")
 
-    @functools.cached_property
-    def build(self) -> Fa3Build:
-        return fa3_build()
-
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
         return fa3_fp8_capabilities(self.build)
-
-    def missing_requirements(self) -> list[str]:
-        if self.build.module is None:
-            return [f"FlashAttention-3 is not installed ({INSTALL_FA3})"]
-        return []
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         r = top_left_reason(spec)
@@ -90,9 +80,6 @@ class Fa3Fp8Backend(Backend):
             r.append(f"recipe smooth_k is not softmax-invariant under softcap; set "
                      f"{ENV_RECIPE}=plain")
         return r
-
-    def _load(self) -> None:
-        self._run = Fa3Runner(import_interface(self.build), self.build, self.name)
 
     def operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  params: AttnParams) -> Fp8Operands:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import sys
 
 import pytest
-
-import attnhub
-from attnhub.plugin import AttentionSpec, MaskSpec
 from attnhub_sm90_fa3.build import fa3_build, import_interface
 from attnhub_sm90_fa3.cudnn import CudnnBackend
 from attnhub_sm90_fa3.fa3 import Fa3Backend
 from attnhub_sm90_fa3.fa3_fp8 import Fa3Fp8Backend
+
+import attnhub
+from attnhub.plugin import AttentionSpec, MaskSpec
 
 SM90 = attnhub.simulate("sm90")
 

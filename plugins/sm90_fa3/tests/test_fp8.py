@@ -7,11 +7,6 @@ import json
 
 import pytest
 import torch
-
-import attnhub
-from attnhub.cli import main as cli
-from attnhub.plugin import AttnParams, reference_attention
-from attnhub.policy.profile import ProfileStore
 from attnhub_sm90_fa3.fa3_fp8 import ENV_RECIPE, Fa3Fp8Backend
 from attnhub_sm90_fa3.fp8 import (
     E4M3,
@@ -22,6 +17,11 @@ from attnhub_sm90_fa3.fp8 import (
     quantize,
     quantize_operands,
 )
+
+import attnhub
+from attnhub.cli import main as cli
+from attnhub.plugin import AttnParams, reference_attention
+from attnhub.policy.profile import ProfileStore
 
 
 def bf16(*shape, seed=0):

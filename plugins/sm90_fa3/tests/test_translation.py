@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from attnhub.plugin import AttnParams, BackendUnavailableError, InputError, paged_to_varlen
-from attnhub.plugin import reference_attention as ref_attn
-from attnhub.testing import assert_lse, flash_reference
 from attnhub_sm90_fa3 import cudnn
 from attnhub_sm90_fa3.cudnn import CudnnBackend
 from attnhub_sm90_fa3.fa3 import Fa3Backend
 from attnhub_sm90_fa3.fa3_fp8 import Fa3Fp8Backend
 from attnhub_sm90_fa3.fp8 import E4M3, quantize
+
+from attnhub.plugin import AttnParams, BackendUnavailableError, InputError, paged_to_varlen
+from attnhub.plugin import reference_attention as ref_attn
+from attnhub.testing import assert_lse, flash_reference
 
 
 def qkv(b, sq, sk, hq=4, hkv=2, d=16, seed=0, dtype=torch.float32):
