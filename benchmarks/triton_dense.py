@@ -70,6 +70,11 @@ def _compile_task(task: tuple[str, bool, dict]) -> tuple[str, float, str | None]
         from attnhub_triton_portable.bwd import flash_bwd
         from attnhub_triton_portable.launch import DenseArgs
 
+        if kind == "case":
+            _, layout, (q, k, v), params, _ = _cases()[cfg["index"]]
+            out, _ = flash_attention(q, k, v, params, layout)
+            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+            return f"correctness case {cfg['index']}", time.time() - t0, None
         q, k, v = _qkv(1, 256)
         if kind == "fwd":
             flash_attention(q, k, v, _params(causal), fwd_cfg=cfg)
@@ -163,13 +168,11 @@ def tflops(batch: int, seqlen: int, causal: bool, ms: float, bwd: bool = False) 
 
 
 # -- correctness ---------------------------------------------------------------------------------
-def correctness(run: Run) -> None:
-    """bf16 kernels vs an fp32 reference on shapes that exercise GQA, partial tiles, head-dim
-    padding, varlen with an empty document, window+softcap+ALiBi, column-sparse, top-left."""
-    from attnhub_triton_portable.autograd import flash_attention
-
-    from attnhub.plugin import AttnParams, reference_attention
-    from attnhub.testing import fa_rule_error
+def _cases() -> list[tuple[str, str, tuple[Any, ...], Any, Any]]:
+    """(name, layout, tensors q/k/v, params, params for the fp32 oracle) of the GPU checks:
+    GQA, partial tiles, head-dim padding, varlen with an empty document, window + softcap +
+    ALiBi, column-sparse ranges, top-left causal."""
+    from attnhub.plugin import AttnParams
 
     torch.manual_seed(0)
     s1, s2 = (40, 24) if SMOKE else (1000, 777)
@@ -177,41 +180,47 @@ def correctness(run: Run) -> None:
     cu_k = torch.tensor([0, s2 // 2, s2 // 2, s2 + 5], dtype=torch.int32, device=DEV)
     cols = s1 // 2
     start = torch.randint(0, s1, (2, 1, cols), device=DEV, dtype=torch.int32)
-    cases = [
-        (f"bshd GQA 8:2 causal S={s1} d=128", "bshd", (2, s1, 8, 2, 128, s1),
+    slopes = torch.rand(4, device=DEV) * 0.1
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device=DEV, dtype=DT, requires_grad=True)
+
+    return [
+        (f"bshd GQA 8:2 causal S={s1} d=128", "bshd",
+         (rand(2, s1, 8, 128), rand(2, s1, 2, 128), rand(2, s1, 2, 128)),
          AttnParams(scale=128 ** -0.5, causal=True, deterministic=True), None),
-        (f"thd docs [{s2 // 3},0,{s2 - s2 // 3}] window(256,0)+softcap 30+ALiBi d=96",
-         "thd", (s2, 4, 2, 96, s2 + 5),
-         AttnParams(scale=96 ** -0.5, window=(256, 0), softcap=30.0,
-                    alibi_slopes=torch.rand(4, device=DEV) * 0.1, cu_seqlens_q=cu_q,
-                    cu_seqlens_k=cu_k, max_seqlen_q=s2 - s2 // 3, max_seqlen_k=s2 + 5 - s2 // 2),
-         AttnParams(scale=96 ** -0.5, window=(256, 0), softcap=30.0, cu_seqlens_q=cu_q[[0, 1, 3]],
-                    cu_seqlens_k=cu_k[[0, 1, 3]])),
+        (f"thd docs [{s2 // 3},0,{s2 - s2 // 3}] window(256,0)+softcap 30+ALiBi d=96", "thd",
+         (rand(s2, 4, 96), rand(s2 + 5, 2, 96), rand(s2 + 5, 2, 96)),
+         AttnParams(scale=96 ** -0.5, window=(256, 0), softcap=30.0, alibi_slopes=slopes,
+                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=s2 - s2 // 3,
+                    max_seqlen_k=s2 + 5 - s2 // 2),
+         # the oracle cannot take an empty key sequence; the empty document adds nothing
+         AttnParams(scale=96 ** -0.5, window=(256, 0), softcap=30.0, alibi_slopes=slopes,
+                    cu_seqlens_q=cu_q[[0, 1, 3]], cu_seqlens_k=cu_k[[0, 1, 3]])),
         (f"bshd column-sparse + top-left causal Sq={s1} Sk={cols} d=64", "bshd",
-         (2, s1, 4, 1, 64, cols),
+         (rand(2, s1, 4, 64), rand(2, cols, 1, 64), rand(2, cols, 1, 64)),
          AttnParams(scale=0.125, causal=True, alignment="top_left", colmask_start=start), None),
     ]
-    for name, layout, shape, params, ref_params in cases:
+
+
+def correctness(run: Run) -> None:
+    """Each case: out/LSE/grads of the bf16 kernels vs an fp32 reference (FlashAttention rule
+    against the bf16 reference's own error), and grads bitwise equal over two runs."""
+    from attnhub_triton_portable.autograd import flash_attention
+
+    from attnhub.plugin import reference_attention
+    from attnhub.testing import fa_rule_error
+
+    for name, layout, (q, k, v), params, ref_params in _cases():
+        ref_params = ref_params or params
         try:
-            if layout == "bshd":
-                b, sq, hq, hkv, d, sk = shape
-                qs, ks = (b, sq, hq, d), (b, sk, hkv, d)
-            else:
-                t, hq, hkv, d, tk = shape
-                qs, ks = (t, hq, d), (tk, hkv, d)
-            if ref_params is None:
-                ref_params = params
-            elif params.alibi_slopes is not None:
-                ref_params.alibi_slopes = params.alibi_slopes
-            q = torch.randn(qs, device=DEV, dtype=DT, requires_grad=True)
-            k, v = (torch.randn(ks, device=DEV, dtype=DT, requires_grad=True) for _ in range(2))
             out, lse = flash_attention(q, k, v, params, layout)
             dout = torch.randn_like(out)
             grads = torch.autograd.grad(out, (q, k, v), dout)
             again = torch.autograd.grad(flash_attention(q, k, v, params, layout)[0], (q, k, v),
                                         dout)
             bitwise = all(torch.equal(a, b) for a, b in zip(grads, again))
-            nrows = int(cu_q[-1]) if layout == "thd" else out.shape[0]
+            nrows = int(params.cu_seqlens_q[-1]) if layout == "thd" else out.shape[0]
             worst = []
             for dtype in (torch.float32, DT):
                 leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
@@ -250,6 +259,7 @@ def precompile(run: Run, workers: int) -> None:
     tasks = [("fwd", c, cfg) for c in (False, True) for cfg in fwd_candidates(arch, D, "bf16", c)]
     tasks += [("bwd", c, cfg) for c in (False, True)
               for cfg in bwd_candidates(arch, D, "bf16", c, deterministic=False)]
+    tasks += [("case", False, {"index": i}) for i in range(3)]
     if SMOKE:
         tasks = tasks[:2]
     t = time.time()

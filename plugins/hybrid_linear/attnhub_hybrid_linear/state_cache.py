@@ -45,6 +45,7 @@ class RecurrentStateCache:
         self._pos = [[0] * len(ids) for _ in range(max_seqs)]
         self._free: list[int] = list(range(max_seqs - 1, -1, -1))
         self._slot: dict[int, int] = {}
+        self._index: tuple[tuple[int, ...], torch.Tensor] = ((), torch.empty(0))
 
     # -- sequences --------------------------------------------------------------------------
     @property
@@ -96,8 +97,8 @@ class RecurrentStateCache:
         """A copy of the states (B, H, K, V) and their positions, in ``seq_ids`` order."""
         slots = self._slots(seq_ids, "read")
         row = self._layer_row(layer)
-        idx = torch.tensor(slots, device=self.device)
-        return self._pool[:, row].index_select(0, idx), [self._pos[s][row] for s in slots]
+        return (self._pool[:, row].index_select(0, self._slot_index(slots)),
+                [self._pos[s][row] for s in slots])
 
     def write(self, seq_ids: Sequence[int], layer: int, states: torch.Tensor,
               advance: int | Sequence[int]) -> None:
@@ -112,8 +113,7 @@ class RecurrentStateCache:
         if len(steps) != len(slots):
             raise InputError(f"RecurrentStateCache.write: {len(slots)} sequences but "
                              f"{len(steps)} token counts")
-        idx = torch.tensor(slots, device=self.device)
-        self._pool[:, row].index_copy_(0, idx, states.to(self._pool.dtype))
+        self._pool[:, row].index_copy_(0, self._slot_index(slots), states.to(self._pool.dtype))
         for s, n in zip(slots, steps):
             self._pos[s][row] += int(n)
 
@@ -125,6 +125,14 @@ class RecurrentStateCache:
         assert set(owned) | set(self._free) == set(range(self.max_seqs)), "a slot is lost"
 
     # -- helpers ----------------------------------------------------------------------------
+    def _slot_index(self, slots: list[int]) -> torch.Tensor:
+        """The slots as a device tensor, kept for the next call: every layer of a decode step
+        reads and writes the same batch, and a host-to-device copy per call would stall."""
+        key = tuple(slots)
+        if self._index[0] != key:
+            self._index = (key, torch.tensor(slots, device=self.device))
+        return self._index[1]
+
     def _take(self, what: str) -> int:
         if not self._free:
             raise CacheFullError(

@@ -45,20 +45,22 @@ def launch_options(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return consts, options
 
 
-_tma_allocator_set = False
+def _torch_scratch(size: int, alignment: int, stream: Any) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def _ensure_tma_allocator() -> None:
-    """Device-side TMA descriptors need a scratch allocator; set one backed by torch once."""
-    global _tma_allocator_set
-    if not _tma_allocator_set:
-        import triton
+    """Device-side TMA descriptors need Triton's scratch allocator. Triton keeps it in a
+    ContextVar, i.e. per thread, and autograd runs the backward on a thread of its own: so
+    check on every launch and set a torch-backed one where none is set (never replacing a
+    caller's)."""
+    import triton
+    from triton.runtime import _allocation
 
-        def alloc(size: int, alignment: int, stream: Any) -> torch.Tensor:
-            return torch.empty(size, device="cuda", dtype=torch.int8)
-
-        triton.set_allocator(alloc)
-        _tma_allocator_set = True
+    holder = getattr(_allocation, "_allocator", None)
+    current = holder.get() if hasattr(holder, "get") else None
+    if current is None or type(current).__name__ == "NullAllocator":
+        triton.set_allocator(_torch_scratch)
 
 
 @dataclass
