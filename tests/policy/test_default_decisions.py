@@ -102,9 +102,13 @@ def test_ring_resolves_a_local_kernel_at_world_size_one(default, full_registry):
         assert d.inner.spec.return_lse  # blocks are merged by LSE
         assert "local kernel inside ring" in d.explain()
         assert d.to_json()["inner"]["backend"] == d.inner.backend
+    # Sharded inputs go to ring whatever the shard length (a local kernel would attend
+    # within the shard only); one device never does.
     short = default.resolve(spec.with_(max_seqlen_q=1024, max_seqlen_k=1024), dev,
                             full_registry, BindContext(world_size=8))
-    assert short.rule != "ring-long-context" and short.inner is None
+    assert short.rule == "ring-long-context"
+    single = default.resolve(spec, dev, full_registry, BindContext(world_size=1))
+    assert single.rule != "ring-long-context" and single.inner is None
 
 
 def test_fp8_only_behind_a_passing_accuracy_record(default, full_registry, store):
