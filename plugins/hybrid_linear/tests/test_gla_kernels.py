@@ -41,7 +41,7 @@ def test_chunked_and_recurrent_forms_agree(kernels: ModuleType, strong: bool) ->
 
 
 def test_fp16_inputs_stay_close(kernels: ModuleType) -> None:
-    q, k, v, g, h0 = _inputs(1, 40, 1, 16, 16, dtype=torch.float16)
+    q, k, v, g, _ = _inputs(1, 40, 1, 16, 16, dtype=torch.float16)
     ref, _ = linear_torch.recurrent(q.double(), k.double(), v.double(), g.double(), 0.25)
     o_c, _ = kernels.chunked(q, k, v, g, 0.25)
     o_r, _ = kernels.recurrent(q, k, v, g, 0.25)

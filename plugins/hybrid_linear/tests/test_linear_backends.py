@@ -16,6 +16,7 @@ import attnhub
 from attnhub.plugin import InputError
 
 B, S, HQ, HKV, D = 2, 37, 4, 2, 8
+SCALE = 1 / math.sqrt(D)
 TOL = 5e-3
 
 
@@ -28,7 +29,7 @@ def _qkv(s: int = S):
     return torch.randn(B, s, HQ, D), torch.randn(B, s, HKV, D), torch.randn(B, s, HKV, D)
 
 
-def _oracle(q, k, v, g, scale=1 / math.sqrt(D)):  # type: ignore[no-untyped-def]
+def _oracle(q, k, v, g, scale=SCALE):  # type: ignore[no-untyped-def]
     """fp64 token-by-token GLA with k, v, g expanded to the query heads."""
     k, v = (x.repeat_interleave(HQ // x.shape[2], dim=2) for x in (k, v))
     if g.shape[2] != HQ:
