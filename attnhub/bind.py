@@ -4,13 +4,16 @@
 its model and layer index, and asks the hub's policy for a decision per (layer, phase, spec
 bucket) of the shapes the model will run. The decisions are cached in the hub, so the call
 path afterwards is a lookup; the returned ``BindingTable`` says what was chosen and why. A
-different policy file (a different hub) rebinds the same model without code changes.
+different policy file (a different hub) rebinds the same model without code changes. A layer
+whose prefill and decode bind one backend that keeps per-sequence state is marked stateful
+(``Attention.state_backend``; ``+state`` in the table): it decodes from a state kept beside
+the KV cache (see ``attnhub.core.seqstate``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,6 +37,8 @@ class Binding:
     phase: str
     decision: Decision
     decode_layout: str | None = None
+    #: True when the layer keeps per-sequence state for this backend (O(1) decode).
+    sequence_state: bool = False
 
     @property
     def backend(self) -> str | None:
@@ -44,7 +49,8 @@ class Binding:
         return {"layer": self.layer, "module": self.module, "phase": self.phase,
                 "layer_kind": self.decision.context.layer_kind, "backend": self.backend,
                 "rule": self.decision.rule, "rule_location": self.decision.rule_location,
-                "decode_layout": self.decode_layout, "spec": d["spec"],
+                "decode_layout": self.decode_layout, "sequence_state": self.sequence_state,
+                "spec": d["spec"],
                 "rejected": d["rejected"], "decision": d}
 
 
@@ -106,8 +112,9 @@ class BindingTable:
             rej = "; ".join(f"{x.backend}: {x.reasons[0]}" + (" (+more)" if len(x.reasons) > 1
                                                               else "")
                             for x in r.decision.rejected) or "-"
-            rows.append((layers, r.decision.context.layer_kind, r.phase, shape,
-                         r.backend or "NONE", _rule(r.decision), rej))
+            backend = (r.backend or "NONE") + (" +state" if r.sequence_state else "")
+            rows.append((layers, r.decision.context.layer_kind, r.phase, shape, backend,
+                         _rule(r.decision), rej))
         head = f"model {self.model} | policy {self.policy} | device {self.device}\n"
         return head + table(rows, ("layers", "kind", "phase", "spec bucket", "backend", "rule",
                                    "rejected candidates"))
@@ -119,6 +126,7 @@ PHASE_ORDER = {"train": 0, "prefill": 1, "decode": 2}
 def _same(a: Binding, b: Binding) -> bool:
     da, db = a.decision, b.decision
     return (a.phase == b.phase and da.spec == db.spec and da.backend == db.backend
+            and a.sequence_state == b.sequence_state
             and da.rule == db.rule and da.rejected == db.rejected
             and da.context.layer_kind == db.context.layer_kind)
 
@@ -182,10 +190,25 @@ def bind(model: nn.Module, hub: Hub | None = None, *, batch: int = 1, prompt_len
     for i, (path, layer) in enumerate(layers):
         layer.set_context(name, layer.layer_idx if layer.layer_idx is not None else i)
         layer.hub = hub
+        mine: list[Binding] = []
         for phase in phases:
-            rows += _bind_phase(hub, layer, path, phase, batch, prompt_len, max_len, dtype,
+            mine += _bind_phase(hub, layer, path, phase, batch, prompt_len, max_len, dtype,
                                 page_size)
+        layer.state_backend = _state_backend(hub, mine)
+        rows += [replace(r, sequence_state=True) for r in mine] if layer.state_backend else mine
     return BindingTable(name, getattr(hub.resolver, "name", "?"), hub.device.describe(), rows)
+
+
+def _state_backend(hub: Hub, rows: list[Binding]) -> str | None:
+    """The backend that keeps this layer's per-sequence state, or None: only when prefill
+    and every decode bucket bind the same backend and it keeps state, since the state must
+    see every token of a sequence, in order, through that one backend."""
+    cached = [r for r in rows if r.phase in PHASES]
+    names = {r.backend for r in cached}
+    if len(names) != 1 or {r.phase for r in cached} != set(PHASES):
+        return None
+    name = names.pop()
+    return name if name and hub.registry.get(name).keeps_sequence_state else None
 
 
 def _is_transformers_attnhub(model: nn.Module) -> bool:

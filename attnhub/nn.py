@@ -4,12 +4,16 @@ Model code projects q/k/v (and applies rotary embeddings); this module stores th
 the paged KV cache and runs attention through a hub, with the layer's bind context (model
 name, layer index, layer kind) so that a policy can bind each layer and phase differently.
 ``attnhub.bind`` resolves every layer for every phase at start-up; the call path is then the
-hub's dict lookup, never a policy resolution.
+hub's dict lookup, never a policy resolution. A layer that ``bind`` marks stateful (bound to
+a backend that keeps per-sequence state, such as a linear layer's recurrent state) passes the
+state store its KV cache holds for it (``attach_sequence_states``) in ``extra``, so that its
+decode costs O(1) per token instead of recomputing the context.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -17,7 +21,8 @@ import torch
 from torch import nn
 
 from .core.decision import BindContext
-from .core.kvcache import CacheStep
+from .core.kvcache import CacheStep, PagedKVCache
+from .core.seqstate import StateGeometry
 from .core.spec import AttentionSpec, MaskSpec, dtype_name
 from .hub import Hub, default_hub
 
@@ -74,6 +79,10 @@ class Attention(nn.Module):
         self.decode_layout = "paged"
         #: Force a backend for this layer (reference checks, decode comparisons).
         self.backend_override: str | None = None
+        #: The stateful backend every cached call of this layer is bound to (``bind`` sets
+        #: it): such calls pass the layer's state store from the KV cache in ``extra``.
+        self.state_backend: str | None = None
+        self._warned_no_state = False
 
     def extra_repr(self) -> str:
         c = self.context
@@ -122,6 +131,7 @@ class Attention(nn.Module):
                 raise ValueError("Attention with a KV cache needs layer_idx (the cache layer); "
                                  "pass layer_idx= or bind the model first")
             cache.write(self.layer_idx, k, v)
+            kw["extra"] = self._state_extra(cache)
         if cache is None or cache.fresh:
             return hub.attention(q, k, v, causal=self._causal_for(q.shape[1]), **kw)
         phase = "decode" if cache.new_tokens == 1 else "prefill"
@@ -133,6 +143,21 @@ class Attention(nn.Module):
             q, cache.cache.k_cache(self.layer_idx), cache.cache.v_cache(self.layer_idx),
             layout="paged", block_table=cache.block_table, seqlens_k=cache.seqlens,
             causal=causal, phase=phase, **kw)
+
+    def _state_extra(self, cache: CacheStep) -> dict | None:
+        """The state store entries for ``extra`` when this layer runs its stateful backend."""
+        name = self.state_backend
+        if name is None or self.backend_override not in (None, name):
+            return None
+        extra = cache.cache.states.extra(self.layer_idx, cache.seq_ids)  # type: ignore[arg-type]
+        if extra is None and not self._warned_no_state:
+            self._warned_no_state = True
+            warnings.warn(f"layer {self.layer_idx} is bound to {name}, which keeps per-sequence "
+                          "state, but its KV cache has no state store for it: every step "
+                          "recomputes the context (correct, O(context)); build the cache with "
+                          "attach_sequence_states(model, cache, max_seqs) (Decoder.new_cache "
+                          "does)", stacklevel=2)
+        return extra
 
 
 def call_spec(phase: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -154,6 +179,24 @@ def call_spec(phase: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
 def attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
     """Every ``Attention`` in ``model`` with its module path, in module order."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
+
+
+def attach_sequence_states(model: nn.Module, cache: PagedKVCache, max_seqs: int) -> int:
+    """Attach to ``cache`` a state store for the layers of ``model`` bound to a stateful
+    backend (one store per backend and layer shape, made by that backend), for up to
+    ``max_seqs`` live sequences; returns how many stores were attached."""
+    groups: dict[tuple, tuple[Attention, list[int]]] = {}
+    for _, m in attention_layers(model):
+        if m.state_backend is not None and m.layer_idx is not None:
+            key = (id(m.hub), m.state_backend, m.num_q_heads, m.num_kv_heads, m.head_dim,
+                   m.head_dim_v)
+            groups.setdefault(key, (m, []))[1].append(m.layer_idx)
+    for m, layers in groups.values():
+        backend = (m.hub or default_hub()).registry.get(m.state_backend)  # type: ignore[arg-type]
+        geometry = StateGeometry(tuple(layers), m.num_q_heads, m.num_kv_heads, m.head_dim,
+                                 m.head_dim_v, max_seqs, cache.device, cache.dtype)
+        cache.attach_state(layers, backend.new_sequence_store(geometry))
+    return len(groups)
 
 
 @contextlib.contextmanager

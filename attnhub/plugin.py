@@ -20,6 +20,7 @@ from .core.masking import (
 )
 from .core.paged import paged_to_varlen
 from .core.reference import reference_attention
+from .core.seqstate import LAYER_KEY, SEQ_IDS_KEY, STATE_KEY, SequenceStore, StateGeometry
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, dtype_name, torch_dtype
 from .errors import AttnhubError, BackendUnavailableError, CacheFullError, InputError
 from .hookspecs import hookimpl
@@ -40,7 +41,12 @@ __all__ = [
     "Capabilities",
     "DeviceInfo",
     "InputError",
+    "LAYER_KEY",
     "MaskSpec",
+    "SEQ_IDS_KEY",
+    "STATE_KEY",
+    "SequenceStore",
+    "StateGeometry",
     "alibi_bias",
     "allowed_mask",
     "bottom_right_form",

@@ -28,8 +28,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +42,9 @@ if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 DEV = "cpu" if SMOKE else "cuda"
 
-import triton  # noqa: E402
-
-from attnhub_triton_portable.decode import decode_attention  # noqa: E402
-from attnhub_triton_portable.decode_configs import (  # noqa: E402
+import triton
+from attnhub_triton_portable.decode import decode_attention
+from attnhub_triton_portable.decode_configs import (
     DecodeConfig,
     choose_splits,
     decode_config,
@@ -124,7 +124,7 @@ class Case:
 
     def __init__(self, batch: int, ctx: int, seed: int = 0):
         g = torch.Generator(device=DEV).manual_seed(batch * 7 + ctx + 1000 * seed)
-        mk = lambda *s: torch.randn(*s, device=DEV, generator=g,  # noqa: E731
+        mk = lambda *s: torch.randn(*s, device=DEV, generator=g,
                                     dtype=torch.bfloat16)
         self.batch, self.ctx = batch, ctx
         self.q, self.k, self.v = mk(batch, 1, HQ, D), mk(batch, ctx, HKV, D), mk(batch, ctx, HKV, D)
@@ -249,7 +249,7 @@ def run_sweep(cases: list[Case], sms: int, deadline: float) -> list[dict[str, An
 
 def time_flex(flex: Callable[..., Any], case: Case) -> dict[str, Any]:
     qt, kt, vt = (x.transpose(1, 2) for x in (case.q, case.k, case.v))
-    fn = lambda: flex(qt, kt, vt, scale=SCALE, enable_gqa=True)  # noqa: E731
+    fn = lambda: flex(qt, kt, vt, scale=SCALE, enable_gqa=True)
     try:
         out = fn().transpose(1, 2)
     except Exception as exc:  # Inductor failures are a result here (the README saw one)
@@ -275,6 +275,36 @@ def host_overheads(fa3: Callable[..., Any] | None) -> dict[str, float]:
     return res
 
 
+def measure_shape(batch: int, ctx: int, arch: str, sms: int,
+                  fa3: Callable[..., Any] | None) -> dict[str, Any]:
+    """One row: ours (table config, contiguous and paged, two-pass and fused merge), SDPA and
+    FA3, each timed and checked; plus bit-for-bit checks between our variants."""
+    cases = copies_of(batch, ctx)
+    c = cases[0]
+    ref, sdpa_out = c.reference(), c.sdpa()()
+    cfg_c, cfg_p = decode_config(arch), decode_config(arch, paged=True)
+    fused_c, fused_p = cfg_c.with_(fused_merge=True), cfg_p.with_(fused_merge=True)
+    row: dict[str, Any] = {"batch": batch, "ctx": ctx, "kv_MB": kv_bytes(batch, ctx) / 1e6,
+                           "splits": choose_splits(batch, HKV, ctx, sms, cfg_c),
+                           "splits_paged": choose_splits(batch, HKV, ctx, sms, cfg_p)}
+    row["ours"] = timed(cases, lambda x: x.ours(False), ref, sdpa_out, eager=True)
+    row["ours_paged16"] = timed(cases, lambda x: x.ours(True), ref, sdpa_out, eager=True)
+    row["ours_fused"] = timed(cases, lambda x: x.ours(False, config=fused_c), ref, sdpa_out)
+    row["ours_paged16_fused"] = timed(cases, lambda x: x.ours(True, config=fused_p), ref,
+                                      sdpa_out)
+    two_pass, paged = c.ours(False)()[0], c.ours(True)()[0]
+    fused = [c.ours(False, config=fused_c)()[0] for _ in range(3)]
+    row["paged_equal_contiguous"] = bool(torch.equal(paged, two_pass))
+    row["fused_repeat_equal"] = all(torch.equal(f, fused[0]) for f in fused)
+    row["fused_vs_two_pass_max_diff"] = float((fused[0].float() - two_pass.float()).abs().max())
+    row["sdpa"] = peer(lambda: timed(cases, lambda x: x.sdpa(), ref, sdpa_out, eager=True))
+    if fa3 is not None:
+        row["fa3"] = peer(lambda: timed(cases, lambda x: x.fa3(fa3), ref, sdpa_out,
+                                        eager=True))
+    _add_tbps(row)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
@@ -292,8 +322,9 @@ def main() -> None:
         props = torch.cuda.get_device_properties(0)
         name, sms, arch = props.name, props.multi_processor_count, \
             f"sm{props.major}{props.minor}"
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                           capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        check=False).stdout.strip()
     meta: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "gpu": name, "sm_count": sms,
         "commit": commit or "unknown", "torch": torch.__version__, "triton": triton.__version__,
@@ -305,32 +336,9 @@ def main() -> None:
     print(meta["ceilings"], meta["host_us"], flush=True)
     rows, sweep = [], []
     for batch, ctx in SHAPES:
-        cases = copies_of(batch, ctx)
-        c = cases[0]
-        ref, sdpa_out = c.reference(), c.sdpa()()
-        cfg_c, cfg_p = decode_config(arch), decode_config(arch, paged=True)
-        row: dict[str, Any] = {"batch": batch, "ctx": ctx, "kv_MB": kv_bytes(batch, ctx) / 1e6,
-                               "splits": choose_splits(batch, HKV, ctx, sms, cfg_c),
-                               "splits_paged": choose_splits(batch, HKV, ctx, sms, cfg_p)}
-        row["ours"] = timed(cases, lambda x: x.ours(False), ref, sdpa_out, eager=True)
-        row["ours_paged16"] = timed(cases, lambda x: x.ours(True), ref, sdpa_out, eager=True)
-        fused_c, fused_p = cfg_c.with_(fused_merge=True), cfg_p.with_(fused_merge=True)
-        row["ours_fused"] = timed(cases, lambda x: x.ours(False, config=fused_c), ref, sdpa_out)
-        row["ours_paged16_fused"] = timed(cases, lambda x: x.ours(True, config=fused_p), ref,
-                                          sdpa_out)
-        two_pass, paged = c.ours(False)()[0], c.ours(True)()[0]
-        fused = [c.ours(False, config=fused_c)()[0] for _ in range(3)]
-        row["paged_equal_contiguous"] = bool(torch.equal(paged, two_pass))
-        row["fused_repeat_equal"] = all(torch.equal(f, fused[0]) for f in fused)
-        row["fused_vs_two_pass_max_diff"] = float((fused[0].float() - two_pass.float()).abs().max())
-        row["sdpa"] = peer(lambda: timed(cases, lambda x: x.sdpa(), ref, sdpa_out, eager=True))
-        if fa3 is not None:
-            row["fa3"] = peer(lambda: timed(cases, lambda x: x.fa3(fa3), ref, sdpa_out,
-                                            eager=True))
-        _add_tbps(row)
+        row = measure_shape(batch, ctx, arch, sms, fa3)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        del cases, c
         if not SMOKE:
             torch.cuda.empty_cache()
     for batch, ctx in sorted(SHAPES, key=lambda s: s[0]) if args.sweep else []:
@@ -370,20 +378,21 @@ def write(result: dict[str, Any], out: Path) -> None:
     lines = [
         "# Split-KV decode (`triton_decode`) on one GPU",
         "",
-        f"Date {result['date']}, {result['gpu']} ({result['sm_count']} SMs), commit "
-        f"{result['commit']}, torch {result['torch']}, triton {result['triton']}. "
-        "One query token, 32 query / 8 KV heads, d=128, bf16. TB/s = KV bytes read / time "
-        "per call. GPU time: CUDA-graph replay, cycling over cache copies so that L2 holds "
-        "no call's KV; eager: `do_bench` (L2 flushed), which includes host launch work when "
-        "that is longer than the kernels. Every cell passed the FlashAttention rule against "
-        "an fp32 reference (2x SDPA's bf16 error) unless marked. Ceilings on this GPU: read "
-        f"(sum) {c['read_sum_TBps']:.2f} TB/s, copy {c['copy_rw_TBps']:.2f} TB/s (read+write).",
+        (f"Date {result['date']}, {result['gpu']} ({result['sm_count']} SMs), commit "
+         f"{result['commit']}, torch {result['torch']}, triton {result['triton']}. "
+         "One query token, 32 query / 8 KV heads, d=128, bf16. TB/s = KV bytes read / time "
+         "per call. GPU time: CUDA-graph replay, cycling over cache copies so that L2 holds "
+         "no call's KV; eager: `do_bench` (L2 flushed), which includes host launch work when "
+         "that is longer than the kernels. Every cell passed the FlashAttention rule against "
+         "an fp32 reference (2x SDPA's bf16 error) unless marked. Ceilings on this GPU: read "
+         f"(sum) {c['read_sum_TBps']:.2f} TB/s, copy {c['copy_rw_TBps']:.2f} TB/s "
+         "(read+write)."),
         f"Configs: contiguous {result['config']}; paged {result['config_paged']}.",
         "",
         "GPU time (CUDA graphs), TB/s (us per call):",
         "",
-        "| batch x context | KV MB | splits | ours contiguous | ours paged 16 | ours fused "
-        "merge | ours paged fused | SDPA (GQA) | FA3 kvcache |",
+        ("| batch x context | KV MB | splits | ours contiguous | ours paged 16 | ours fused "
+         "merge | ours paged fused | SDPA (GQA) | FA3 kvcache |"),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:

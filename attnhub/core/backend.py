@@ -16,6 +16,7 @@ import torch
 
 from .capabilities import Capabilities
 from .device import DeviceInfo
+from .seqstate import SequenceStore, StateGeometry
 from .spec import AttentionSpec, AttnParams
 
 TIERS: tuple[str, ...] = ("reference", "portable", "vendor", "serving", "variant", "approximate",
@@ -59,6 +60,10 @@ class Backend(ABC):
 
     #: Set by the registry: the plugin (entry-point name) that registered this backend.
     plugin: str = "?"
+    #: True for a backend that keeps per-sequence state between calls (a linear layer's
+    #: recurrent state, for O(1) decode): it implements ``new_sequence_store``, and a bound
+    #: model keeps that store beside its KV cache (see ``attnhub.core.seqstate``).
+    keeps_sequence_state: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._loaded = False
@@ -103,6 +108,12 @@ class Backend(ABC):
 
     def _load(self) -> None:
         """Import the kernel library; called once by ``load``."""
+
+    def new_sequence_store(self, geometry: StateGeometry) -> SequenceStore:
+        """A store for the per-sequence state of ``geometry.layers`` (only when
+        ``keeps_sequence_state``); calls then find it in ``params.extra``."""
+        raise NotImplementedError(f"{self.name} keeps no per-sequence state "
+                                  "(keeps_sequence_state is False)")
 
     @abstractmethod
     def forward(

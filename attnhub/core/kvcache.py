@@ -8,7 +8,9 @@ Pages are reference-counted so that ``fork`` shares a prefix without copying. A 
 ever written while exactly one sequence owns it: appending to a sequence whose partially
 filled last page is shared copies that page first (copy-on-write). Every mutation is planned
 and checked before anything changes, so a full cache raises ``CacheFullError`` and leaves all
-sequences exactly as they were.
+sequences exactly as they were. Layers bound to a stateful backend (a linear layer's
+recurrent state) keep their per-sequence state beside the pages (``attach_state``, see
+``core.seqstate``): allocated, forked and freed with each sequence.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CacheFullError, InputError
+from .seqstate import SequenceStates, SequenceStore
 
 
 @dataclass
@@ -93,6 +96,8 @@ class PagedKVCache:
         self._refs: list[int] = [0] * num_pages
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
+        #: Per-sequence state of layers bound to stateful backends (``attach_state``).
+        self.states = SequenceStates()
 
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -124,17 +129,30 @@ class PagedKVCache:
         return self._refs[page]
 
     # -- sequences --------------------------------------------------------------------------
+    def attach_state(self, layers: Iterable[int], store: SequenceStore) -> None:
+        """Keep ``store`` (the per-sequence state of ``layers``, see ``core.seqstate``) beside
+        the pages: allocate, fork and free then do the same to it. Only on an empty cache,
+        since sequences already live would have no state."""
+        if self._seqs:
+            raise InputError(f"attach_state: the cache already holds sequences "
+                             f"{sorted(self._seqs)}; attach state stores before allocating")
+        self.states.attach(layers, store)
+
     def allocate(self) -> int:
         """A new, empty sequence; pages are taken only when tokens are appended."""
         sid = self._next_id
+        self.states.allocate(sid)  # first: a full state store raises with nothing changed
         self._next_id += 1
         self._seqs[sid] = _Seq([], 0)
         return sid
 
     def fork(self, seq_id: int) -> int:
-        """A new sequence sharing ``seq_id``'s tokens (no copy; pages are reference-counted)."""
+        """A new sequence sharing ``seq_id``'s tokens (no copy; pages are reference-counted)
+        and starting from a copy of its state (never shared)."""
         src = self._seq(seq_id)
-        sid = self.allocate()
+        sid = self._next_id
+        self.states.fork(seq_id, sid)
+        self._next_id += 1
         self._seqs[sid] = _Seq(list(src.pages), src.length)
         for p in src.pages:
             self._refs[p] += 1
@@ -142,7 +160,8 @@ class PagedKVCache:
 
     def free(self, seq_id: int) -> None:
         """Release a finished sequence; pages no other sequence holds return to the free list."""
-        seq = self._seqs.pop(self._check_id(seq_id))
+        self.states.free(self._check_id(seq_id))
+        seq = self._seqs.pop(seq_id)
         for p in reversed(seq.pages):
             self._refs[p] -= 1
             if self._refs[p] == 0:

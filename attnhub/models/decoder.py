@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..core.kvcache import CacheStep, PagedKVCache
-from ..nn import Attention
+from ..nn import Attention, attach_sequence_states
 
 LAYER_KINDS = ("softmax", "sliding", "linear")
 
@@ -174,13 +174,21 @@ class Decoder(nn.Module):
         return self.head(self.norm(x)).float()
 
     def new_cache(self, batch: int, max_len: int, *, page_size: int = 16,
-                  spare_pages: int = 0) -> PagedKVCache:
-        """A paged cache sized for ``batch`` sequences of up to ``max_len`` tokens."""
+                  spare_pages: int = 0, max_seqs: int | None = None,
+                  sequence_state: bool = True) -> PagedKVCache:
+        """A paged cache sized for ``batch`` sequences of up to ``max_len`` tokens, with the
+        per-sequence state of the layers bound to stateful backends (linear layers) for up
+        to ``max_seqs`` live sequences (default ``2 * batch``: the prompts and one decode fork
+        each, as ``generate.decode`` runs). ``sequence_state=False``: no state, those layers
+        recompute their context every step (slower; a check of the state path)."""
         c = self.cfg
-        return PagedKVCache.for_sequences(
+        cache = PagedKVCache.for_sequences(
             num_layers=c.num_layers, batch=batch, max_len=max_len, page_size=page_size,
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, spare=spare_pages,
             dtype=self.dtype, device=self.device)
+        if sequence_state:
+            attach_sequence_states(self, cache, max_seqs or 2 * batch)
+        return cache
 
     @torch.no_grad()
     def prefill(self, cache: PagedKVCache, ids: torch.Tensor) -> tuple[list[int], torch.Tensor]:

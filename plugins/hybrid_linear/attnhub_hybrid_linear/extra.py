@@ -25,14 +25,15 @@ from typing import Any
 
 import torch
 
-from attnhub.plugin import InputError
+from attnhub.plugin import LAYER_KEY, SEQ_IDS_KEY, STATE_KEY, InputError
 
 from .state_cache import RecurrentStateCache
 
 GATE = "gla_gate"
-STATE = "recurrent_state"
-SEQ_IDS = "seq_ids"
-LAYER = "layer"
+# the core's keys: attnhub.nn.Attention passes a bound layer's state store under them
+STATE = STATE_KEY
+SEQ_IDS = SEQ_IDS_KEY
+LAYER = LAYER_KEY
 GLOBAL = "longformer_global"
 LSH_BUCKETS = "lsh_buckets"
 LSH_ROUNDS = "lsh_rounds"

@@ -35,11 +35,13 @@ from attnhub.plugin import (
     Capabilities,
     DeviceInfo,
     InputError,
+    StateGeometry,
 )
 
 from . import extra as X
 from . import linear_ops
 from .layouts import Doc, serve
+from .state_cache import RecurrentStateCache
 
 #: Decode calls with at most this many new tokens per sequence use the recurrent form.
 RECURRENT_MAX = 16
@@ -96,6 +98,15 @@ class _LinearFamily(Backend):
 
     tier = "approximate"
     capabilities: ClassVar[Capabilities] = LINEAR_CAPABILITIES
+    keeps_sequence_state = True
+
+    def new_sequence_store(self, geometry: StateGeometry) -> RecurrentStateCache:
+        """One fp32 (Hq, K, V) state per sequence and layer: a model bound to this backend
+        keeps it beside its KV cache and passes it in ``extra``, so decode reads only the
+        new tokens."""
+        g = geometry
+        return RecurrentStateCache(layers=g.layers, num_heads=g.num_q_heads, key_dim=g.head_dim,
+                                   value_dim=g.head_dim_v, max_seqs=g.max_seqs, device=g.device)
 
     def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any], doc: Doc | None,
              context: int) -> torch.Tensor:

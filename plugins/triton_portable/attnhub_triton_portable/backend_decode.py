@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -16,6 +15,8 @@ from attnhub.plugin import (
     DeviceInfo,
     InputError,
 )
+
+from .backend_dense import CPU_REASON, interpreter_on
 
 _MASKS = frozenset({"none", "causal", "sliding_window", "softcap", "alibi"})
 
@@ -42,16 +43,15 @@ class TritonDecodeBackend(Backend):
         top_left_causal=True,
         max_query_len_decode=16,
     )
-    requires = {"triton": "pip install triton (ships with torch on Linux x86-64)"}
+    requires: ClassVar[dict[str, str]] = {
+        "triton": "pip install triton (ships with torch on Linux x86-64)"}
+
+    def available(self, device: DeviceInfo) -> list[str]:
+        return super().available(device) + _cpu_reasons(device)
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         """What the data cannot say: on the CPU the kernel only runs in Triton's interpreter."""
-        if device.vendor == "cpu" and not device.simulated and \
-                os.environ.get("TRITON_INTERPRET", "0") != "1":
-            return ["on the CPU Triton kernels run only in the interpreter: set "
-                    "TRITON_INTERPRET=1 before attnhub_triton_portable.decode is imported "
-                    "(tests do); otherwise use torch_sdpa or reference"]
-        return []
+        return _cpu_reasons(device)
 
     def _load(self) -> None:
         from . import decode
@@ -70,6 +70,12 @@ class TritonDecodeBackend(Backend):
             max_seqlen_k=params.max_seqlen_k if paged else None,
         )
         return AttentionOutput(out, lse)
+
+
+def _cpu_reasons(device: DeviceInfo) -> list[str]:
+    if device.vendor == "cpu" and not device.simulated and not interpreter_on():
+        return [CPU_REASON]
+    return []
 
 
 def _refuse_unserved(params: AttnParams, layout: str) -> None:

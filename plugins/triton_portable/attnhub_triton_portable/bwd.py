@@ -51,8 +51,8 @@ def _delta_kernel(O, DO, DELTA, sob, sos, soh, sdb, sds, sdh, slb, slh, CU_Q, se
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo,
-                hi, offs_n,
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds,
+                sdqs, lo, hi, offs_n,
                 offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix,
                 left, right, cs, ce, TMAX, TMIN, n0, n1,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -90,10 +90,13 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, 
                 ds_t = ds_t * dfac
             dk = tiles.mma(ds_t.to(q.dtype), q, dk, DOT_PREC, DOT_UPCAST)
             if DQ_ATOMIC:
-                dq = tiles.mma(tl.trans(ds_t.to(k.dtype)), k, None, DOT_PREC, DOT_UPCAST)
-                ptrs = DQb + rows[:, None].to(tl.int64) * sdqs + offs_d[None, :]
-                tl.atomic_add(ptrs, dq * scale,
-                              mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+                dq = tiles.mma(tl.trans(ds_t.to(k.dtype)), k, None, DOT_PREC, DOT_UPCAST) * scale
+                if USE_TMA:  # one bulk reduce-add of the tile in L2 (FlashAttention-3's way)
+                    dq_desc.atomic_add([m0, 0], dq)
+                else:
+                    ptrs = DQb + rows[:, None].to(tl.int64) * sdqs + offs_d[None, :]
+                    tl.atomic_add(ptrs, dq,
+                                  mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
     return dk, dv
 
 
@@ -116,15 +119,12 @@ def _dkdv_kernel(
     bh = tl.program_id(1)
     b = bh // num_kv_heads
     hk = bh % num_kv_heads
-    q_start, seqlen_q = tiles.doc_bounds(b, CU_Q, seqlen_q_arg, VARLEN)
-    k_start, seqlen_k = tiles.doc_bounds(b, CU_K, seqlen_k_arg, VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k, q_off = tiles.sequence(
+        b, CU_Q, CU_K, seqlen_q_arg, seqlen_k_arg, VARLEN, BOTTOM_RIGHT)
     n0 = pid_n * BLOCK_N
     if n0 >= seqlen_k:
         return
     n1 = tl.minimum(n0 + BLOCK_N, seqlen_k)
-    q_off = seqlen_k * 0
-    if BOTTOM_RIGHT:
-        q_off = seqlen_k - seqlen_q
     b64 = b.to(tl.int64)
     qs64 = q_start.to(tl.int64)
     ks64 = k_start.to(tl.int64)
@@ -139,9 +139,6 @@ def _dkdv_kernel(
     v = tiles.load_rows(v_desc, Vb, n0, seqlen_k, svs, offs_n, offs_d, HEAD_DIM, USE_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    prefix = 0
-    if PREFIX_LM:
-        prefix = tl.load(PREFIX + b)
     j = n0 + offs_n
     for g in range(group):
         h = hk * group + g
@@ -150,40 +147,38 @@ def _dkdv_kernel(
         q_desc = tiles.make_desc(Qb, seqlen_q, sqs, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
         do_desc = tiles.make_desc(DOb, seqlen_q, sds, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
         DQb = DQACC + b64 * sdqb + qs64 * sdqs + h * sdqh
+        dq_desc = None
+        if DQ_ATOMIC:
+            dq_desc = tiles.make_desc(DQb, seqlen_q, sdqs, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
         LSEb = LSE + b64 * slb + h * slh + q_start
         DELTAb = DELTA + b64 * slb + h * slh + q_start
-        slope = 0.0
-        if ALIBI:
-            slope = tl.load(SLOPES + b * s_slope_b + h)
+        prefix, slope = tiles.head_scalars(PREFIX, SLOPES, s_slope_b, b, h, PREFIX_LM, ALIBI)
         cs = 0
         ce = 0
         TMAXh = TMAX
         TMINh = TMIN
         if COLMASK:
-            ch = h // cm_div
-            cs = tl.load(CM_START + b64 * scmb + ch * scmh + j, mask=j < seqlen_k,
-                         other=0)[:, None]
-            ce = tl.load(CM_END + b64 * scmb + ch * scmh + j, mask=j < seqlen_k,
-                         other=0)[:, None]
-            TMAXh = TMAX + b64 * stmb + ch * stmh
-            TMINh = TMIN + b64 * stmb + ch * stmh
+            CMS, CME, TMAXh, TMINh = tiles.colmask_head(CM_START, CM_END, TMAX, TMIN, b64, h,
+                                                        cm_div, scmb, scmh, stmb, stmh)
+            cs = tl.load(CMS + j, mask=j < seqlen_k, other=0)[:, None]
+            ce = tl.load(CME + j, mask=j < seqlen_k, other=0)[:, None]
         lo, full_lo, full_hi, hi = tiles.query_range(n0, n1, seqlen_q, q_off, prefix, left,
                                                      right, BLOCK_M, CAUSAL, PREFIX_LM,
                                                      WIN_LEFT, WIN_RIGHT, COLMASK)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_desc, do_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo, full_lo, offs_n,
+            dk, dv, k, v, q_desc, do_desc, dq_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo, full_lo, offs_n,
             offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
             right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
             PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, USE_TMA,
             DOT_PREC, DOT_UPCAST)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_desc, do_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_lo, full_hi, offs_n,
+            dk, dv, k, v, q_desc, do_desc, dq_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_lo, full_hi, offs_n,
             offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
             right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
             PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, USE_TMA,
             DOT_PREC, DOT_UPCAST)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_desc, do_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_hi, hi, offs_n,
+            dk, dv, k, v, q_desc, do_desc, dq_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_hi, hi, offs_n,
             offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
             right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
             PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, USE_TMA,
@@ -256,15 +251,12 @@ def _dq_kernel(
     b = bh // num_heads
     h = bh % num_heads
     hk = h // group
-    q_start, seqlen_q = tiles.doc_bounds(b, CU_Q, seqlen_q_arg, VARLEN)
-    k_start, seqlen_k = tiles.doc_bounds(b, CU_K, seqlen_k_arg, VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k, q_off = tiles.sequence(
+        b, CU_Q, CU_K, seqlen_q_arg, seqlen_k_arg, VARLEN, BOTTOM_RIGHT)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
     m1 = tl.minimum(m0 + BLOCK_M, seqlen_q)
-    q_off = seqlen_k * 0
-    if BOTTOM_RIGHT:
-        q_off = seqlen_k - seqlen_q
     b64 = b.to(tl.int64)
     qs64 = q_start.to(tl.int64)
     ks64 = k_start.to(tl.int64)
@@ -287,20 +279,12 @@ def _dq_kernel(
     Vb = V + b64 * svb + ks64 * svs + hk * svh
     k_desc = tiles.make_desc(Kb, seqlen_k, sks, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
     v_desc = tiles.make_desc(Vb, seqlen_k, svs, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
-    prefix = 0
-    if PREFIX_LM:
-        prefix = tl.load(PREFIX + b)
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(SLOPES + b * s_slope_b + h)
+    prefix, slope = tiles.head_scalars(PREFIX, SLOPES, s_slope_b, b, h, PREFIX_LM, ALIBI)
     CMS = CM_START
     CME = CM_END
     if COLMASK:
-        ch = h // cm_div
-        CMS = CM_START + b64 * scmb + ch * scmh
-        CME = CM_END + b64 * scmb + ch * scmh
-        TMAX = TMAX + b64 * stmb + ch * stmh
-        TMIN = TMIN + b64 * stmb + ch * stmh
+        CMS, CME, TMAX, TMIN = tiles.colmask_head(CM_START, CM_END, TMAX, TMIN, b64, h, cm_div,
+                                                  scmb, scmh, stmb, stmh)
     lo, full_lo, full_hi, hi = tiles.key_range(m0, m1, seqlen_k, q_off, prefix, left, right,
                                                BLOCK_N, CAUSAL, PREFIX_LM, WIN_LEFT,
                                                WIN_RIGHT, COLMASK)

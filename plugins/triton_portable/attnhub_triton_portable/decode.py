@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from . import tiles
 from .configs import block_d
@@ -177,7 +178,7 @@ def _split_kernel(
             done = tl.atomic_add(Counters + pid, 1, sem="acq_rel")
             if done == num_splits - 1:
                 n_rows = tl.minimum(seqlen_q * group - mb * BLOCK_M, BLOCK_M)
-                for r in range(0, n_rows):
+                for r in range(n_rows):
                     row = mb * BLOCK_M + r
                     tr = row // group
                     hr = h * group + row % group
@@ -200,7 +201,7 @@ def _merge_kernel(OP, LP, Out, Lse, sob, sos, soh, seqlen_q, num_q_heads, num_sp
                Lse, row, HEAD_DIM, BLOCK_S, BLOCK_D, "")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -231,10 +232,11 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_interpreter(device: torch.device) -> None:
-    if device.type == "cpu" and not triton.knobs.runtime.interpret:
+    """CPU tensors need the kernels built for the interpreter (imported with it on)."""
+    if device.type == "cpu" and not isinstance(_split_kernel, InterpretedFunction):
         raise RuntimeError(
-            "attnhub_triton_portable.decode: tensors are on the CPU but Triton is not in "
-            "interpreter mode; set TRITON_INTERPRET=1 before this module is imported, or "
+            "attnhub_triton_portable.decode: tensors are on the CPU but the kernels were "
+            "compiled for a GPU; set TRITON_INTERPRET=1 before this module is imported, or "
             "run on a GPU")
 
 

@@ -3,10 +3,11 @@
 Decode reads the whole KV cache once and does little arithmetic on it, so the kernel is
 bound by memory bandwidth: what matters is that enough bytes are in flight on every SM for
 the whole run. The configuration fixes the key tile (``block_n``), the pipeline depth
-(``num_stages``) and how many programs stay resident on one SM (``ctas_per_sm``, which
-follows from the shared memory the pipeline takes); ``choose_splits`` then cuts each
-sequence into as many key ranges as it takes to fill the machine once, no more, because
-every extra split costs a partial write and a share of the merge.
+(``num_stages``) and how many programs one SM should be given (``ctas_per_sm``: what fits
+in shared memory for a contiguous cache, more for a paged one, whose programs stall on
+block-table loads); ``choose_splits`` then cuts each sequence into as many key ranges as it
+takes to fill that once, no more, because every extra split costs a partial write and a
+share of the merge.
 
 Pure Python: importing this module imports neither Triton nor a GPU library.
 """
@@ -22,11 +23,14 @@ from dataclasses import dataclass, replace
 class DecodeConfig:
     """One launch configuration of the decode kernels.
 
-    ``ctas_per_sm`` is the number of programs one SM holds at once with this tile and
-    pipeline (a property of the config, used by ``choose_splits``); ``overhead_tiles`` is the
-    fixed cost of one program (query load, partial write, its share of the merge) counted in
-    key tiles. ``fused_merge`` lets the last split of a (sequence, KV head) merge the partials
-    itself instead of a second launch.
+    ``ctas_per_sm`` is how many programs per SM one round of the grid should hold (used by
+    ``choose_splits``): what fits at once for a contiguous cache, more where programs stall
+    on dependent loads (paged caches) so that the SM can switch between them.
+    ``overhead_tiles`` is the fixed cost of one program (query load, partial write, its share
+    of the merge) counted in key tiles. ``fused_merge`` lets the last split of a (sequence,
+    KV head) merge the partials itself instead of a second launch: one launch less on the
+    host, but on the H200 the serial merge in that last program cost more GPU time than the
+    second launch (1 x 32k: 41.0 vs 36.0 us), so it is off by default.
     """
 
     block_n: int = 64
@@ -38,25 +42,30 @@ class DecodeConfig:
     max_splits: int = 128
     merge_warps: int = 4
 
-    def with_(self, **changes: object) -> "DecodeConfig":
+    def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-#: Per architecture family. The sm90 row was chosen from sweeps on an H200 (see
-#: docs/benchmarks/triton_decode.md); the others are starting points, not measurements.
+#: Per architecture family. The sm90 rows come from the sweep on an H200 in
+#: docs/benchmarks/triton_decode.md; the other rows are starting points, not measurements.
 _TABLE: dict[str, DecodeConfig] = {
     # Interpreter: 16-key tiles so that contexts of 20..100 keys cross several tiles and
     # several splits in the tests; sm_count is small there too (``INTERPRETER_SM_COUNT``).
     "cpu": DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=1,
                         overhead_tiles=0.5),
     "sm80": DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2),
-    # 4 stages of 64-key K and V tiles (128 KB of shared memory): one program per SM.
+    # 4 stages of 64-key K and V tiles (128 KB of shared memory): one program per SM keeps
+    # enough bytes in flight (1 x 32k: 16 splits, 3.7 TB/s; 33 splits: 3.4).
     "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=4, ctas_per_sm=1),
     "rocm": DecodeConfig(block_n=64, num_warps=4, num_stages=1, ctas_per_sm=2),
     "generic": DecodeConfig(block_n=32, num_warps=4, num_stages=2, ctas_per_sm=2),
 }
-#: Where a paged cache wants another tile than a contiguous one (none measured so far).
-_PAGED: dict[str, DecodeConfig] = {}
+#: Paged caches: each key's address waits on a block-table load, so a program stalls more
+#: and it takes about four programs per SM to hide it (H200, page 16: 1 x 32k went from
+#: 1.9 TB/s at 16 splits to 3.3 at 66; 16 x 8k from 2.2 at 1 split to 4.0 at 4).
+_PAGED: dict[str, DecodeConfig] = {
+    "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=4, ctas_per_sm=4),
+}
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
 INTERPRETER_SM_COUNT = 4
@@ -103,11 +112,11 @@ def choose_splits(batch: int, kv_heads: int, max_seqlen_k: int, sm_count: int,
     """How many key ranges each (sequence, KV head) is cut into.
 
     Programs = batch x kv_heads x m_blocks x splits. With ``capacity = sm_count x
-    ctas_per_sm`` programs resident at once, the run takes ``ceil(programs / capacity)``
+    ctas_per_sm`` programs per round, the run takes ``ceil(programs / capacity)``
     rounds, each as long as one program's key tiles plus its fixed overhead; the merge adds
     one more overhead when splits > 1. The cheapest split count under that model wins, the
-    smallest on ties (fewer partials to write and merge). Examples on an H200 (132 SMs, one
-    program each, 32/8 heads): 1 x 32k context -> 16 splits; 64 x 32k -> 1.
+    smallest on ties (fewer partials to write and merge). Examples on an H200 (132 SMs, 32/8
+    heads): 1 x 32k context -> 16 splits contiguous, 64 paged; 64 x 32k -> 1 either way.
     """
     tiles = math.ceil(max(max_seqlen_k, 0) / cfg.block_n)
     base = max(1, batch * kv_heads * m_blocks)

@@ -26,8 +26,9 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.nn.attention import flex_attention as _fa
@@ -244,8 +245,8 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
         return out, lse
     m = mods.get(params, batch, hq, hkv, sq, sk, packed, q.device)
     fn = compiled_flex() if compiled else _fa.flex_attention
-    kwargs: dict[str, Any] = dict(score_mod=m.score_mod, block_mask=m.block_mask,
-                                  scale=params.scale, enable_gqa=hq != hkv)
+    kwargs: dict[str, Any] = {"score_mod": m.score_mod, "block_mask": m.block_mask,
+                              "scale": params.scale, "enable_gqa": hq != hkv}
     if want_lse:
         kwargs["return_aux"] = _fa.AuxRequest(lse=True)
     with warnings.catch_warnings():

@@ -95,15 +95,12 @@ def _fwd_kernel(
     b = bh // num_heads
     h = bh % num_heads
     hk = h // group
-    q_start, seqlen_q = tiles.doc_bounds(b, CU_Q, seqlen_q_arg, VARLEN)
-    k_start, seqlen_k = tiles.doc_bounds(b, CU_K, seqlen_k_arg, VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k, q_off = tiles.sequence(
+        b, CU_Q, CU_K, seqlen_q_arg, seqlen_k_arg, VARLEN, BOTTOM_RIGHT)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
     m1 = tl.minimum(m0 + BLOCK_M, seqlen_q)
-    q_off = seqlen_k * 0
-    if BOTTOM_RIGHT:
-        q_off = seqlen_k - seqlen_q
     b64 = b.to(tl.int64)
     Qb = Q + b64 * sqb + q_start.to(tl.int64) * sqs + h * sqh
     Kb = K + b64 * skb + k_start.to(tl.int64) * sks + hk * skh
@@ -117,21 +114,12 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = tiles.load_rows(q_desc, Qb, m0, seqlen_q, sqs, offs_r, offs_d, HEAD_DIM, USE_TMA)
-
-    prefix = 0
-    if PREFIX_LM:
-        prefix = tl.load(PREFIX + b)
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(SLOPES + b * s_slope_b + h)
+    prefix, slope = tiles.head_scalars(PREFIX, SLOPES, s_slope_b, b, h, PREFIX_LM, ALIBI)
     CMS = CM_START
     CME = CM_END
     if COLMASK:
-        ch = h // cm_div
-        CMS = CM_START + b64 * scmb + ch * scmh
-        CME = CM_END + b64 * scmb + ch * scmh
-        TMAX = TMAX + b64 * stmb + ch * stmh
-        TMIN = TMIN + b64 * stmb + ch * stmh
+        CMS, CME, TMAX, TMIN = tiles.colmask_head(CM_START, CM_END, TMAX, TMIN, b64, h, cm_div,
+                                                  scmb, scmh, stmb, stmh)
     lo, full_lo, full_hi, hi = tiles.key_range(m0, m1, seqlen_k, q_off, prefix, left, right,
                                                BLOCK_N, CAUSAL, PREFIX_LM, WIN_LEFT,
                                                WIN_RIGHT, COLMASK)

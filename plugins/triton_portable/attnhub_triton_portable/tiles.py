@@ -59,6 +59,41 @@ def doc_bounds(b, CU, seqlen, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def sequence(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN: tl.constexpr,
+             BOTTOM_RIGHT: tl.constexpr):
+    """(first query row, Sq, first key row, Sk, q_off) of sequence ``b``; ``q_off`` is the key
+    position of query 0 (``Sk - Sq`` bottom-right, 0 top-left)."""
+    q_start, sq = doc_bounds(b, CU_Q, seqlen_q, VARLEN)
+    k_start, sk = doc_bounds(b, CU_K, seqlen_k, VARLEN)
+    q_off = sk * 0
+    if BOTTOM_RIGHT:
+        q_off = sk - sq
+    return q_start, sq, k_start, sk, q_off
+
+
+@triton.jit
+def head_scalars(PREFIX, SLOPES, s_slope_b, b, h, PREFIX_LM: tl.constexpr,
+                 ALIBI: tl.constexpr):
+    """(prefix length, ALiBi slope) of sequence ``b`` and query head ``h`` (0 when unused)."""
+    prefix = b * 0
+    if PREFIX_LM:
+        prefix = tl.load(PREFIX + b)
+    slope = b * 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + b * s_slope_b + h)
+    return prefix, slope
+
+
+@triton.jit
+def colmask_head(CM_START, CM_END, TMAX, TMIN, b64, h, cm_div, scmb, scmh, stmb, stmh):
+    """Column-sparse start/end rows and per-tile bounds, offset to sequence ``b64`` and the
+    mask head of query head ``h`` (mask heads are 1, Hkv or Hq: ``h // cm_div``)."""
+    ch = h // cm_div
+    return (CM_START + b64 * scmb + ch * scmh, CM_END + b64 * scmb + ch * scmh,
+            TMAX + b64 * stmb + ch * stmh, TMIN + b64 * stmb + ch * stmh)
+
+
+@triton.jit
 def key_range(m0, m1, seqlen_k, q_off, prefix, left, right, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, PREFIX_LM: tl.constexpr, WIN_LEFT: tl.constexpr,
               WIN_RIGHT: tl.constexpr, ALL_MASKED: tl.constexpr):

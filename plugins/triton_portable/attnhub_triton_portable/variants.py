@@ -31,7 +31,7 @@ Sq != Sk, prefer the built-in arguments (``causal=True, window=...``, ``alibi_sl
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

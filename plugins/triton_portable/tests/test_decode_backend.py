@@ -11,14 +11,15 @@ import torch
 if not torch.cuda.is_available():  # Triton reads this when a kernel is decorated (import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from attnhub import AttentionSpec, Hub, InputError, MaskSpec, simulate  # noqa: E402
-from attnhub.plugin import AttnParams, paged_to_varlen, reference_attention  # noqa: E402
-from attnhub.testing import assert_fa_rule, assert_lse  # noqa: E402
-from attnhub_triton_portable.backend_decode import TritonDecodeBackend  # noqa: E402
-from attnhub_triton_portable.decode_configs import (  # noqa: E402
+from attnhub_triton_portable.backend_decode import TritonDecodeBackend
+from attnhub_triton_portable.decode_configs import (
     choose_splits,
     decode_config,
 )
+
+from attnhub import AttentionSpec, Hub, InputError, MaskSpec, simulate
+from attnhub.plugin import AttnParams, paged_to_varlen, reference_attention
+from attnhub.testing import assert_fa_rule, assert_lse
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -38,8 +39,8 @@ def test_paged_call_through_hub_matches_reference(hub: Hub):
     vc = torch.randn(20, page, hkv, d, generator=g).to(DEV, torch.bfloat16)
     table = torch.randperm(20, generator=g)[:18].view(b, 6).to(DEV, torch.int32)
     seqlens = torch.tensor([29, 0, 17], dtype=torch.int32, device=DEV)
-    kw = dict(layout="paged", block_table=table, seqlens_k=seqlens, causal=True,
-              return_lse=True)
+    kw = {"layout": "paged", "block_table": table, "seqlens_k": seqlens, "causal": True,
+              "return_lse": True}
     out, lse = hub.attention(q, kc, vc, backend="triton_decode", **kw)
     qv, kv, vv, cu_q, cu_k = paged_to_varlen(q.cpu(), kc.cpu(), vc.cpu(), table.cpu(),
                                              seqlens.cpu())
@@ -62,18 +63,18 @@ def test_bshd_with_seqlens_is_refused(hub: Hub):
 
 
 def _spec(**kw) -> AttentionSpec:
-    base = dict(phase="decode", dtype="bf16", head_dim=128, num_q_heads=32, num_kv_heads=8,
-                layout="paged", max_seqlen_q=1, max_seqlen_k=32768, batch=1)
+    base = {"phase": "decode", "dtype": "bf16", "head_dim": 128, "num_q_heads": 32, "num_kv_heads": 8,
+                "layout": "paged", "max_seqlen_q": 1, "max_seqlen_k": 32768, "batch": 1}
     return AttentionSpec(**{**base, **kw})
 
 
 @pytest.mark.parametrize("change,expected", [
-    (dict(phase="prefill"), "phase prefill"),
-    (dict(max_seqlen_q=32), "32 query tokens"),
-    (dict(needs_grad=True, phase="decode"), "no backward"),
-    (dict(mask=MaskSpec(prefix_lm=True, causal=True)), "prefix_lm"),
-    (dict(head_dim=512), "head dim 512"),
-    (dict(layout="thd"), "layout thd"),
+    ({"phase": "prefill"}, "phase prefill"),
+    ({"max_seqlen_q": 32}, "32 query tokens"),
+    ({"needs_grad": True, "phase": "decode"}, "no backward"),
+    ({"mask": MaskSpec(prefix_lm=True, causal=True)}, "prefix_lm"),
+    ({"head_dim": 512}, "head dim 512"),
+    ({"layout": "thd"}, "layout thd"),
 ])
 def test_refusals_name_the_reason(change, expected):
     reasons = TritonDecodeBackend().check(_spec(**change), simulate("sm90"))
@@ -95,12 +96,13 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
     assert any("TRITON_INTERPRET=1" in r for r in reasons), reasons
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("batch,ctx", [(1, 32768), (1, 131072), (16, 8192), (64, 4096),
                                        (64, 32768), (3, 1000)])
-def test_choose_splits_fills_the_machine_once(batch, ctx):
-    """Splits fill the resident slots once when batch x heads cannot, and stay at 1 when it
-    already fills them; never more splits than key tiles."""
-    cfg = decode_config("sm90")
+def test_choose_splits_fills_the_machine_once(batch, ctx, paged):
+    """Splits fill one round of programs when batch x heads cannot, and stay at 1 when it
+    already does; never more splits than key tiles."""
+    cfg = decode_config("sm90", paged=paged)
     sms, heads = 132, 8
     s = choose_splits(batch, heads, ctx, sms, cfg)
     capacity = sms * cfg.ctas_per_sm
@@ -111,6 +113,13 @@ def test_choose_splits_fills_the_machine_once(batch, ctx):
     else:
         assert batch * heads * s <= capacity  # one round of programs
         assert batch * heads * s * 2 > capacity  # and at least half the slots busy
+
+
+def test_paged_caches_get_more_programs():
+    """A paged program waits on its block table: the table asks for 4 programs per SM."""
+    contiguous, paged = decode_config("sm90"), decode_config("sm90", paged=True)
+    assert paged.ctas_per_sm > contiguous.ctas_per_sm
+    assert choose_splits(1, 8, 32768, 132, paged) > choose_splits(1, 8, 32768, 132, contiguous)
 
 
 def test_choose_splits_small_cases():

@@ -13,10 +13,11 @@ import torch
 if not torch.cuda.is_available():  # Triton reads this when a kernel is decorated (import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from attnhub.plugin import AttnParams, reference_attention  # noqa: E402
-from attnhub.testing import assert_fa_rule, assert_lse  # noqa: E402
-from attnhub_triton_portable.decode import decode_attention  # noqa: E402
-from attnhub_triton_portable.decode_configs import decode_config  # noqa: E402
+from attnhub_triton_portable.decode import decode_attention
+from attnhub_triton_portable.decode_configs import decode_config
+
+from attnhub.plugin import AttnParams, reference_attention
+from attnhub.testing import assert_fa_rule, assert_lse
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ARCH = "sm90" if DEV == "cuda" else "cpu"
@@ -25,7 +26,7 @@ ARCH = "sm90" if DEV == "cuda" else "cpu"
 def _qkv(b: int, sq: int, hq: int, hkv: int, sk: int, d: int, dtype: torch.dtype,
          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g).to(dtype=dtype, device=DEV)  # noqa: E731
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype=dtype, device=DEV)
     return mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
 
 

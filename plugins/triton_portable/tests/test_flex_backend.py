@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attnhub_triton_portable.backend_flex import FlexBackend
 
 from attnhub import AttentionSpec, MaskSpec, simulate
 from attnhub.plugin import AttnParams, DeviceInfo, reference_attention
 from attnhub.testing import assert_fa_rule, assert_lse
-from attnhub_triton_portable.backend_flex import FlexBackend
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attnhub_triton_portable import variants
+from attnhub_triton_portable.backend_flex import FlexBackend
 
 from attnhub import AttentionSpec, Hub, MaskSpec
 from attnhub.core.registry import Registry
 from attnhub.plugin import AttnParams, reference_attention
 from attnhub.testing import assert_fa_rule
-from attnhub_triton_portable import variants
-from attnhub_triton_portable.backend_flex import FlexBackend
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 B, S, HQ, HKV, D = 2, 23, 8, 2, 16
@@ -44,10 +44,10 @@ def _builtin(q, k, v, **kinds) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("variant,builtin", [
-    (variants.softcap(0.5), dict(softcap=0.5)),
-    (variants.alibi(HQ), dict(alibi_slopes=variants.alibi_slopes(HQ))),
-    (variants.sliding_window(5), dict(causal=True, window=(5, 0))),
-    (variants.prefix_lm(7), dict(causal=True, prefix_lens=torch.tensor([7] * B))),
+    (variants.softcap(0.5), {"softcap": 0.5}),
+    (variants.alibi(HQ), {"alibi_slopes": variants.alibi_slopes(HQ)}),
+    (variants.sliding_window(5), {"causal": True, "window": (5, 0)}),
+    (variants.prefix_lm(7), {"causal": True, "prefix_lens": torch.tensor([7] * B)}),
 ])
 def test_variant_equals_builtin(eager, qkv, variant, builtin):
     key = "score_mod" if variant.__code__.co_argcount == 5 else "mask_mod"
