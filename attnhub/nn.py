@@ -16,6 +16,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -88,7 +89,8 @@ class Attention(nn.Module):
         c = self.context
         return (f"heads={self.num_q_heads}:{self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"causal={self.causal}, kind={c.layer_kind}, layer={c.layer}, "
-                f"decode={self.decode_layout}")
+                f"decode={self.decode_layout}"
+                + (f", state={self.state_backend}" if self.state_backend else ""))
 
     def set_context(self, model: str | None, layer: int) -> None:
         """Name the model and layer this op sits in (``bind`` calls this)."""
@@ -144,7 +146,7 @@ class Attention(nn.Module):
             layout="paged", block_table=cache.block_table, seqlens_k=cache.seqlens,
             causal=causal, phase=phase, **kw)
 
-    def _state_extra(self, cache: CacheStep) -> dict | None:
+    def _state_extra(self, cache: CacheStep) -> dict[str, Any] | None:
         """The state store entries for ``extra`` when this layer runs its stateful backend."""
         name = self.state_backend
         if name is None or self.backend_override not in (None, name):

@@ -4,6 +4,7 @@ step from the cache, with a per-step work that no longer grows with the context.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def test_hybrid_decode_with_state_equals_recompute_at_constant_work(tokens_proce
     # state: one new token per sequence and GLA layer, at any context length;
     # recompute: the whole context again, growing with every step
     assert work == [BATCH * len(GLA_LAYERS)] * STEPS
-    assert all(b > a for a, b in zip(ref_work, ref_work[1:])) and ref_work[0] > work[0]
+    assert all(b > a for a, b in itertools.pairwise(ref_work)) and ref_work[0] > work[0]
 
 
 def test_binding_without_prefill_keeps_no_state() -> None:

@@ -79,7 +79,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: A
     """Attention with the dense Triton kernels: ``(out, lse)``, differentiable in q, k, v.
 
     ``layout`` is ``bshd`` (q (B,Sq,Hq,D), lse (B,Hq,Sq)) or ``thd`` (q (Tq,Hq,D) with
-    ``params.cu_seqlens_q/k``, lse (Hq,Tq)). ``fwd_cfg``/``bwd_cfg`` override the tile
+    ``params.cu_seqlens_q/k``, lse (Hq,Tq)); ``params.max_seqlen_q/k`` size the launch grid,
+    so, as in FlashAttention, they must be at least the longest sequence (read from
+    cu_seqlens, with a host sync, when absent). ``fwd_cfg``/``bwd_cfg`` override the tile
     tables (see :mod:`.configs` for their form).
     """
     if params.deterministic and bwd_cfg is not None and bwd_cfg.get("dq_mode") == "atomic":

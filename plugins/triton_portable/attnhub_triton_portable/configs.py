@@ -6,9 +6,12 @@ pass it to the kernels: upper-case keys are kernel constants (``BLOCK_M``, ``BLO
 ``num_stages``, AMD's ``waves_per_eu`` / ``matrix_instr_nonkdim``). The backward config holds
 one such dict per kernel: ``{"dkdv": {...}, "dq": {...}, "dq_mode": "separate"|"atomic"}``.
 
-The NVIDIA entries were measured on an H200 (sm90, see docs/benchmarks/triton_dense.md); the
-sm80 and AMD entries follow the shapes the FlashAttention-2 Triton kernels use on those parts
-and are starting points that have not been tuned on the hardware here.
+Measured: the sm90 rows for head dims 65..128 in 16-bit dtypes (H200, bf16, d=128; see
+docs/benchmarks/triton_dense.md), where 64x64 forward tiles on one warpgroup beat 128x128 on
+two because two CTAs per SM interleave softmax and MMAs. The other rows (sm80, d<=64, d=256,
+AMD) follow the shapes FlashAttention-2-style Triton kernels use on those parts and are
+untuned starting points. ``WARP_SPECIALIZE`` is passed to ``tl.range``; Triton produces no
+warp-specialised code from it on sm90, so no sm90 entry sets it.
 """
 
 from __future__ import annotations

@@ -17,8 +17,6 @@ import triton.language as tl
 from . import tiles
 from .launch import DenseArgs, launch_options
 
-_NEG_INF = float("-inf")
-
 
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, Kb, Vb, stride_ks, stride_vs, lo, hi,
