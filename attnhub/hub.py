@@ -27,6 +27,9 @@ from .errors import BackendUnavailableError, InputError, NoBackendError
 
 log = logging.getLogger("attnhub")
 
+#: Exact-shape bindings kept for the hot path before the table is cleared.
+_EXACT_CACHE_LIMIT = 4096
+
 
 class Resolver(Protocol):
     """What the hub needs from a policy: a decision per spec and context."""
@@ -73,6 +76,7 @@ class Hub:
         self._policy_arg = policy
         self._resolver: Resolver | None = policy if _is_resolver(policy) else None
         self._runners: dict[tuple, tuple[AttentionSpec, Runner]] = {}
+        self._exact: dict[tuple, tuple] = {}
         self._decisions: dict[tuple[AttentionSpec, BindContext], Decision] = {}
         self._lock = threading.Lock()
         self.forced_backend = os.environ.get("ATTNHUB_BACKEND") or None
@@ -156,6 +160,38 @@ class Hub:
         score_mod: Any = None, mask_mod: Any = None, deterministic: bool = False,
         context: BindContext | None = None, extra: dict[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        needs_grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad)
+        fast_key = None
+        if layout == "bshd" or layout == "bhsd":
+            # Hot path: every check below depends only on what this key holds, so a call
+            # with the same shapes, dtypes, devices and flags reuses the checked binding.
+            fast_key = (layout, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+                        q.device, k.device, v.device, causal, causal_alignment, window,
+                        softcap is not None, alibi_slopes is not None, prefix_lens is not None,
+                        colmask_start is not None, cu_seqlens_q is not None, score_mod,
+                        mask_mod, phase, return_lse, backend, context, deterministic,
+                        needs_grad)
+            try:
+                hit = self._exact.get(fast_key)
+            except TypeError:  # an unhashable argument (a list window): take the slow path
+                hit, fast_key = None, None
+            if hit is not None:
+                spec, run, window, score_mod, mask_mod, default_scale = hit
+                if layout == "bhsd":
+                    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                params = AttnParams(
+                    scale=default_scale if scale is None else scale, causal=causal,
+                    alignment=causal_alignment, window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes, prefix_lens=prefix_lens,
+                    colmask_start=colmask_start, colmask_end=colmask_end,
+                    max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], score_mod=score_mod,
+                    mask_mod=mask_mod, deterministic=deterministic, return_lse=return_lse,
+                    extra=dict(extra) if extra else {})
+                out, lse = run(q, k, v, spec, params)
+                if layout == "bhsd":
+                    out = out.transpose(1, 2)
+                return (out, lse) if return_lse else out
         check_qkv(q, k, v, layout)
         if causal_alignment not in ("bottom_right", "top_left"):
             raise InputError(f"causal_alignment={causal_alignment!r}; use 'bottom_right' "
@@ -166,8 +202,10 @@ class Hub:
             layout = "bshd"
         if isinstance(window, int):
             window = (window, 0 if causal else window)
-        if window is not None and (len(window) != 2 or min(window) < -1):
-            raise InputError(f"window={window!r}; use (left, right) with -1 for unbounded")
+        if window is not None:
+            window = tuple(window)
+            if len(window) != 2 or min(window) < -1:
+                raise InputError(f"window={window!r}; use (left, right) with -1 for unbounded")
         if isinstance(score_mod, str) or isinstance(mask_mod, str):
             score_mod, mask_mod = self._variant(score_mod, mask_mod)
         if layout == "thd":
@@ -187,8 +225,6 @@ class Hub:
                 raise InputError("cu_seqlens given with layout='bshd'; pass layout='thd' and "
                                  "packed (T, H, D) tensors for varlen/document masks")
             batch, max_seqlen_q, max_seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        needs_grad = torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad)
         if phase is None:
             phase = "train" if needs_grad else (
                 "decode" if layout == "paged" or (max_seqlen_q == 1 and max_seqlen_k > 1)
@@ -219,8 +255,14 @@ class Hub:
             with self._lock:
                 self._runners[key] = hit
         spec, run = hit
+        default_scale = 1.0 / math.sqrt(q.shape[-1])
+        if fast_key is not None:
+            with self._lock:
+                if len(self._exact) >= _EXACT_CACHE_LIMIT:
+                    self._exact.clear()  # bounded: many shapes (growing KV) just re-check
+                self._exact[fast_key] = (spec, run, window, score_mod, mask_mod, default_scale)
         params = AttnParams(
-            scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+            scale=scale if scale is not None else default_scale,
             causal=causal, alignment=causal_alignment, window=window, softcap=softcap,
             alibi_slopes=alibi_slopes, prefix_lens=prefix_lens, colmask_start=colmask_start,
             colmask_end=colmask_end, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

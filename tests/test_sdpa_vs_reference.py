@@ -19,6 +19,7 @@ MASKS = {
     "window": {"window": (7, 3)},
     "causal_window": {"causal": True, "window": 5},
     "alibi": {"alibi_slopes": "rand"},
+    "causal_alibi": {"causal": True, "alibi_slopes": "rand"},
     "prefix_lm": {"causal": True, "prefix_lens": "rand"},
     "column_sparse": {"colmask": True},
     "mask_mod": {"mask_mod": lambda b, h, q, k: (q + k) % 3 != 0},

@@ -75,20 +75,24 @@ class TorchSDPABackend(Backend):
         return []
 
     def forward(self, q, k, v, spec, params):  # type: ignore[override]
-        def run(q, k, v, p, layout):
-            if layout == "bshd":
-                return _sdpa_bshd(q, k, v, p)
-            outs, lses = [], []
-            for i, ((qs, qe), (ks, ke)) in enumerate(zip(doc_ranges(p.cu_seqlens_q),
-                                                           doc_ranges(p.cu_seqlens_k))):
-                o, l = _sdpa_bshd(q[qs:qe][None], k[ks:ke][None], v[ks:ke][None],
-                                  _doc_params(p, i, p.alibi_slopes))
-                outs.append(o[0])
-                lses.append(l[0] if l is not None else None)
-            lse = torch.cat(lses, -1) if p.return_lse else None
-            return AttentionOutput(torch.cat(outs, 0), lse)
+        if spec.layout == "bshd":  # the common case, without the layout plumbing
+            return _sdpa_bshd(q, k, v, params)
+        return _serve_layouts(q, k, v, spec, params, self._run)
 
-        return _serve_layouts(q, k, v, spec, params, run)
+    @staticmethod
+    def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams,
+             layout: str) -> AttentionOutput:
+        if layout == "bshd":
+            return _sdpa_bshd(q, k, v, p)
+        outs, lses = [], []
+        for i, ((qs, qe), (ks, ke)) in enumerate(zip(doc_ranges(p.cu_seqlens_q),
+                                                       doc_ranges(p.cu_seqlens_k))):
+            o, l = _sdpa_bshd(q[qs:qe][None], k[ks:ke][None], v[ks:ke][None],
+                              _doc_params(p, i, p.alibi_slopes))
+            outs.append(o[0])
+            lses.append(l[0] if l is not None else None)
+        lse = torch.cat(lses, -1) if p.return_lse else None
+        return AttentionOutput(torch.cat(outs, 0), lse)
 
 
 def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -102,7 +106,8 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return AttentionOutput(out, lse)
     other_masks = (p.window is not None or p.prefix_lens is not None
                    or p.colmask_start is not None or p.mask_mod is not None)
-    simple_causal = p.causal and (sq == sk or p.alignment == "top_left") and sq <= sk
+    simple_causal = (p.causal and (sq == sk or p.alignment == "top_left") and sq <= sk
+                     and p.alibi_slopes is None)  # is_causal cannot be combined with a bias
     if not other_masks and (simple_causal or not p.causal):
         allowed = None  # SDPA's own is_causal (top-left) or no mask at all
     else:
