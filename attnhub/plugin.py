@@ -9,7 +9,15 @@ from __future__ import annotations
 from .core.backend import TIERS, AttentionOutput, Backend, module_available
 from .core.capabilities import ALL_MASKS, FLOAT_DTYPES, HALF_DTYPES, Capabilities
 from .core.device import DeviceInfo
-from .core.flash_conventions import flash_form, flash_kwargs, natural_lse, top_left_reason
+from .core.flash_conventions import (
+    flash_dense_form,
+    flash_form,
+    flash_kwargs,
+    flash_output_kwargs,
+    flash_varlen,
+    natural_lse,
+    top_left_reason,
+)
 from .core.masking import (
     BottomRightForm,
     alibi_bias,
@@ -51,8 +59,11 @@ __all__ = [
     "allowed_mask",
     "bottom_right_form",
     "doc_ranges",
+    "flash_dense_form",
     "flash_form",
     "flash_kwargs",
+    "flash_output_kwargs",
+    "flash_varlen",
     "dtype_name",
     "hookimpl",
     "module_available",

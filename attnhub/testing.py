@@ -7,7 +7,13 @@ rule FlashAttention's own tests use (2x forward, 3x gradients).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+if TYPE_CHECKING:
+    from .core.spec import AttnParams
+    from .hub import Hub
 
 
 def rounding_floor(ref: torch.Tensor) -> float:
@@ -60,3 +66,41 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
                         softcap=softcap or None, alibi_slopes=alibi_slopes)
     out, lse = reference_attention(q, k, v, params, compute_dtype=torch.float32)
     return out.to(q.dtype), lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def fa_references(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttnParams,
+                  layout: str = "bshd") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp64 output, fp64 LSE, same-precision output): the two references the FlashAttention
+    rule compares a backend with. Both outputs keep the autograd graph of q, k, v."""
+    from .core.reference import reference_attention
+
+    ref64, ref_lse = reference_attention(q, k, v, params, layout=layout)
+    ref_same, _ = reference_attention(q, k, v, params, layout=layout, compute_dtype=q.dtype)
+    return ref64, ref_lse, ref_same
+
+
+def assert_grads_fa_rule(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
+                         inputs: tuple[torch.Tensor, ...], mult: float = 3.0) -> None:
+    """Gradients of ``out`` with respect to ``inputs`` (q, k, v) by the FlashAttention rule
+    (3x for gradients), for one random output gradient, against those of the references
+    from :func:`fa_references`."""
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, dout)
+    grads64 = torch.autograd.grad(ref64, inputs, dout.double())
+    grads_same = torch.autograd.grad(ref_same, inputs, dout)
+    for what, g, r64, rs in zip("qkv", grads, grads64, grads_same):
+        assert_fa_rule(g, r64, rs, mult=mult, what=f"d{what}")
+
+
+def attention_or_skip(hub: Hub, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      **kw: Any) -> Any:
+    """``hub.attention`` forced to backend ``name``; when the backend declines the call, the
+    test is skipped with the backend's own reasons (never passed silently)."""
+    import pytest
+
+    from .errors import BackendUnavailableError
+
+    try:
+        return hub.attention(q, k, v, backend=name, **kw)
+    except BackendUnavailableError as exc:
+        pytest.skip(f"{name} declines: {'; '.join(exc.reasons)}")

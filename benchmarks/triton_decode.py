@@ -267,9 +267,17 @@ def _add_tbps(row: dict[str, Any]) -> None:
 
 
 def host_overheads(fa3: Callable[..., Any] | None) -> dict[str, float]:
+    """Host us per call at 1 x 1k; ``*_triton_dispatch``: every launch through Triton's
+    dispatch (``fastlaunch.DIRECT = False``), i.e. without the direct launch path."""
+    from attnhub_triton_portable import fastlaunch
+
     c = Case(1, 1024)
     res = {"ours": host_us(c.ours(False)), "ours_paged16": host_us(c.ours(True)),
            "sdpa": host_us(c.sdpa())}
+    fastlaunch.DIRECT = False
+    res["ours_triton_dispatch"] = host_us(c.ours(False))
+    res["ours_paged16_triton_dispatch"] = host_us(c.ours(True))
+    fastlaunch.DIRECT = True
     if fa3 is not None:
         res["fa3"] = host_us(c.fa3(fa3))
     return res

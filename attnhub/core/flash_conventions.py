@@ -8,6 +8,7 @@ with a reason where it does not, never approximated. Shared by every plugin that
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +41,34 @@ def flash_kwargs(params: AttnParams, form: BottomRightForm) -> dict[str, Any]:
         kw["softcap"] = float(params.softcap)
     if params.alibi_slopes is not None:
         kw["alibi_slopes"] = params.alibi_slopes.to(torch.float32)
+    return kw
+
+
+def flash_dense_form(backend: str, params: AttnParams, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[BottomRightForm, torch.Tensor, torch.Tensor]:
+    """``flash_form`` of a bshd call, with k/v cut to the keys the form keeps (a top-left
+    causal mask with Sq < Sk never reaches the keys past Sq)."""
+    form = flash_form(backend, params, q.shape[1], k.shape[1])
+    if form.keys < k.shape[1]:
+        k, v = k[:, :form.keys], v[:, :form.keys]
+    return form, k, v
+
+
+def flash_varlen(fn: Callable[..., Any], backend: str, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, params: AttnParams, **kw: Any) -> Any:
+    """Call a ``flash_attn_varlen_func`` on packed (thd) sequences. Only bottom-right masks
+    arrive here (``top_left_reason`` refuses the others for thd); ``kw`` is passed on."""
+    return fn(q, k, v, params.cu_seqlens_q, params.cu_seqlens_k, params.max_seqlen_q,
+              params.max_seqlen_k, **flash_kwargs(params, flash_form(backend, params, 1, 1)),
+              **kw)
+
+
+def flash_output_kwargs(params: AttnParams) -> dict[str, Any]:
+    """``return_attn_probs`` (which returns the LSE) and ``deterministic`` for FA's dense and
+    varlen entry points, each only when asked for."""
+    kw: dict[str, Any] = {"return_attn_probs": True} if params.return_lse else {}
+    if params.deterministic:
+        kw["deterministic"] = True
     return kw
 
 

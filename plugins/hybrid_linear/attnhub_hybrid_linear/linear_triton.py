@@ -41,6 +41,18 @@ def _row(ptr, r, i_h, H: tl.constexpr, W: tl.constexpr, cols, m):
 
 
 @triton.jit
+def _head_block(i_v, i_bh, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr):
+    """What program (V-block ``i_v``, batch*head ``i_bh``) covers: (batch as int64, head, key
+    columns, its V-block's value columns, and their in-bounds masks)."""
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = i_bh % H
+    ok = tl.arange(0, BK)
+    ov = i_v * BV + tl.arange(0, BV)
+    return i_b, i_h, ok, ov, ok < K, ov < V
+
+
+@triton.jit
 def _key_block(k_ptr, v_ptr, gc_ptr, rows, i_h, H: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, ok, ov, mk, mv):
     """Keys (fp32), their cumulative decays and values (storage dtype) of one sub-chunk."""
@@ -69,12 +81,7 @@ def _scan_kernel(x_ptr, y_ptr, gc_ptr, s0_ptr, states_ptr, final_ptr, scale, T, 
     """S <- exp(G_last) * S + (X * exp(F))^T Y per chunk; F = G_last - G forward, G reverse."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b = (i_bh // H).to(tl.int64)
-    i_h = i_bh % H
-    ok = tl.arange(0, BK)
-    ov = i_v * BV + tl.arange(0, BV)
-    mk = ok < K
-    mv = ov < V
+    i_b, i_h, ok, ov, mk, mv = _head_block(i_v, i_bh, H, K, V, BK, BV)
     mkv = mk[:, None] & mv[None, :]
     s_off = ok[:, None] * V + ov[None, :]
     s = tl.zeros([BK, BV], dtype=tl.float32)
@@ -111,12 +118,7 @@ def _chunk_out_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, states_ptr, o_ptr, scale, T, 
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2)
-    i_b = (i_bh // H).to(tl.int64)
-    i_h = i_bh % H
-    ok = tl.arange(0, BK)
-    ov = i_v * BV + tl.arange(0, BV)
-    mk = ok < K
-    mv = ov < V
+    i_b, i_h, ok, ov, mk, mv = _head_block(i_v, i_bh, H, K, V, BK, BV)
     rc = tl.arange(0, CC)
     dt = v_ptr.dtype.element_ty
     s = tl.load(states_ptr + ((i_b * NT + i_c) * H + i_h) * K * V + ok[:, None] * V + ov[None, :],
@@ -160,12 +162,7 @@ def _chunk_bwd_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, do_ptr, states_ptr, dstates_p
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2)
-    i_b = (i_bh // H).to(tl.int64)
-    i_h = i_bh % H
-    ok = tl.arange(0, BK)
-    ov = i_v * BV + tl.arange(0, BV)
-    mk = ok < K
-    mv = ov < V
+    i_b, i_h, ok, ov, mk, mv = _head_block(i_v, i_bh, H, K, V, BK, BV)
     rc = tl.arange(0, CC)
     dt = v_ptr.dtype.element_ty
     s_off = ((i_b * NT + i_c) * H + i_h) * K * V + ok[:, None] * V + ov[None, :]
@@ -237,12 +234,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, s0_ptr, o_ptr, final_ptr, scal
     """Token by token for one (V-block, head): the decode step (T = new tokens)."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b = (i_bh // H).to(tl.int64)
-    i_h = i_bh % H
-    ok = tl.arange(0, BK)
-    ov = i_v * BV + tl.arange(0, BV)
-    mk = ok < K
-    mv = ov < V
+    i_b, i_h, ok, ov, mk, mv = _head_block(i_v, i_bh, H, K, V, BK, BV)
     mkv = mk[:, None] & mv[None, :]
     s_off = (i_b * H + i_h) * K * V + ok[:, None] * V + ov[None, :]
     s = tl.zeros([BK, BV], dtype=tl.float32)

@@ -83,7 +83,27 @@ class _BlockSparse(Backend):
         raise NotImplementedError
 
 
-class SlidingWindowBackend(_BlockSparse):
+class _Banded(_BlockSparse):
+    """Window-based backends: refused without a bounding window, computed band by band."""
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        return _window_reasons(spec, self.name)
+
+    def compute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                p: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:
+        if p.window is None:
+            raise InputError(f"{self.name}: no window given; pass window=(left, right)")
+        g = self.global_positions(p, k.shape[1], q.device)
+        return banded_attention(q, k, v, p, global_pos=g,
+                                block=X.int_option(p.extra, X.BLOCK, 128, self.name))
+
+    def global_positions(self, p: AttnParams, sk: int,
+                         device: torch.device) -> torch.Tensor | None:
+        """Key positions every query sees besides its window (None: a pure window)."""
+        return None
+
+
+class SlidingWindowBackend(_Banded):
     """Exact local attention over a window; blocks outside it are never computed."""
 
     name = "sliding_window"
@@ -95,18 +115,8 @@ class SlidingWindowBackend(_BlockSparse):
         layouts=_ALL_LAYOUTS, backward=True, deterministic_backward=True,
     )
 
-    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        return _window_reasons(spec, self.name)
 
-    def compute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                p: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:
-        if p.window is None:
-            raise InputError("sliding_window: no window given; pass window=(left, right)")
-        return banded_attention(q, k, v, p, block=X.int_option(p.extra, X.BLOCK, 128,
-                                                               self.name))
-
-
-class LongformerBackend(_BlockSparse):
+class LongformerBackend(_Banded):
     """Local window plus global tokens (Beltagy et al. 2020, "Longformer")."""
 
     name = "longformer"
@@ -119,16 +129,9 @@ class LongformerBackend(_BlockSparse):
         backward=True, deterministic_backward=False, exact=False, error_budget=LONGFORMER_BUDGET,
     )
 
-    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        return _window_reasons(spec, self.name)
-
-    def compute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                p: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:
-        if p.window is None:
-            raise InputError("longformer: no window given; pass window=(left, right)")
-        g = X.global_positions(p.extra, k.shape[1], q.device, self.name)
-        return banded_attention(q, k, v, p, global_pos=g,
-                                block=X.int_option(p.extra, X.BLOCK, 128, self.name))
+    def global_positions(self, p: AttnParams, sk: int,
+                         device: torch.device) -> torch.Tensor | None:
+        return X.global_positions(p.extra, sk, device, self.name)
 
 
 class LSHBackend(_BlockSparse):

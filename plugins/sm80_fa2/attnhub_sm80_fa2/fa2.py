@@ -20,8 +20,11 @@ from attnhub.plugin import (
     BackendUnavailableError,
     Capabilities,
     DeviceInfo,
+    flash_dense_form,
     flash_form,
     flash_kwargs,
+    flash_output_kwargs,
+    flash_varlen,
     natural_lse,
     top_left_reason,
 )
@@ -87,20 +90,13 @@ class FlashAttn2Backend(Backend):
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
         if spec.layout == "paged":
             return self._paged(q, k, v, params)
-        lse_kw = {"return_attn_probs": True} if params.return_lse else {}
-        if params.deterministic:
-            lse_kw["deterministic"] = True
+        out_kw = flash_output_kwargs(params)
         if spec.layout == "thd":
-            form = flash_form(self.name, params, 1, 1)  # bottom-right only (checked)
-            res = self._fa.flash_attn_varlen_func(
-                q, k, v, params.cu_seqlens_q, params.cu_seqlens_k, params.max_seqlen_q,
-                params.max_seqlen_k, **flash_kwargs(params, form), **lse_kw)
+            res = flash_varlen(self._fa.flash_attn_varlen_func, self.name, q, k, v, params,
+                               **out_kw)
         else:
-            form = flash_form(self.name, params, q.shape[1], k.shape[1])
-            if form.keys < k.shape[1]:
-                k, v = k[:, :form.keys], v[:, :form.keys]
-            res = self._fa.flash_attn_func(
-                q, k, v, **flash_kwargs(params, form), **lse_kw)
+            form, k, v = flash_dense_form(self.name, params, q, k, v)
+            res = self._fa.flash_attn_func(q, k, v, **flash_kwargs(params, form), **out_kw)
         if not params.return_lse:
             return AttentionOutput(res)
         out, lse = res[0], res[1]

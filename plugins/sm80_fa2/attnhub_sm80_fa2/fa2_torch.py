@@ -24,6 +24,7 @@ from attnhub.plugin import (
     BottomRightForm,
     Capabilities,
     DeviceInfo,
+    flash_dense_form,
     flash_form,
     natural_lse,
     top_left_reason,
@@ -76,9 +77,7 @@ class TorchFlashBackend(Backend):
             return self._op(q, k, v, params, form, params.cu_seqlens_q, params.cu_seqlens_k,
                             params.max_seqlen_q or 0, params.max_seqlen_k or 0)
         sq = q.shape[1]
-        form = flash_form(self.name, params, sq, k.shape[1])
-        if form.keys < k.shape[1]:
-            k, v = k[:, :form.keys], v[:, :form.keys]
+        form, k, v = flash_dense_form(self.name, params, q, k, v)
         square_or_full = not form.causal or sq == form.keys
         if form.window == (-1, -1) and square_or_full and not params.return_lse:
             return AttentionOutput(_sdpa_flash(q, k, v, params.scale, form.causal))

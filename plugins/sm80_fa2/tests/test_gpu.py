@@ -14,8 +14,14 @@ import pytest
 import torch
 
 import attnhub
-from attnhub.plugin import AttnParams, paged_to_varlen, reference_attention
-from attnhub.testing import assert_fa_rule, assert_lse
+from attnhub.plugin import AttnParams, paged_to_varlen
+from attnhub.testing import (
+    assert_fa_rule,
+    assert_grads_fa_rule,
+    assert_lse,
+    attention_or_skip,
+    fa_references,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -41,23 +47,16 @@ def rnd(*shape, seed=0, grad=False):
     return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(grad)
 
 
-def call(hub, name, q, k, v, **kw):
-    try:
-        return hub.attention(q, k, v, backend=name, **kw)
-    except attnhub.BackendUnavailableError as exc:
-        pytest.skip(f"{name} declines: {'; '.join(exc.reasons)}")
-
-
 @pytest.mark.parametrize("name", ["fa2", "fa2_torch"])
 @pytest.mark.parametrize("case", GRID, ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[7]}")
 def test_forward_fa_rule(hub, name, case):
     b, sq, sk, hq, hkv, d, causal, align, window = case
     q, k, v = rnd(b, sq, hq, d), rnd(b, sk, hkv, d, seed=1), rnd(b, sk, hkv, d, seed=2)
     p = AttnParams(scale=1 / math.sqrt(d), causal=causal, alignment=align, window=window)
-    out, lse = call(hub, name, q, k, v, causal=causal, causal_alignment=align, window=window,
-                    return_lse=True)
-    ref64, ref_lse = reference_attention(q, k, v, p)
-    assert_fa_rule(out, ref64, reference_attention(q, k, v, p, compute_dtype=torch.bfloat16)[0])
+    out, lse = attention_or_skip(hub, name, q, k, v, causal=causal, causal_alignment=align,
+                                 window=window, return_lse=True)
+    ref64, ref_lse, ref_bf16 = fa_references(q, k, v, p)
+    assert_fa_rule(out, ref64, ref_bf16)
     assert_lse(lse, ref_lse, atol=2e-2)
 
 
@@ -66,15 +65,11 @@ def test_varlen_and_backward(hub, name):
     cu = torch.tensor([0, 50, 178, 200], device="cuda", dtype=torch.int32)
     q, k, v = (rnd(200, h, 128, seed=i, grad=True) for i, h in enumerate((8, 2, 2)))
     p = AttnParams(scale=1 / math.sqrt(128), causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    out = call(hub, name, q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref = reference_attention(q, k, v, p, layout="thd")[0]
-    ref_bf = reference_attention(q, k, v, p, layout="thd", compute_dtype=torch.bfloat16)[0]
+    out = attention_or_skip(hub, name, q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu,
+                            causal=True)
+    ref, _, ref_bf = fa_references(q, k, v, p, layout="thd")
     assert_fa_rule(out, ref, ref_bf)
-    for what, g, r64, rbf in zip("qkv", grads, torch.autograd.grad(ref, (q, k, v), dout.double()),
-                                 torch.autograd.grad(ref_bf, (q, k, v), dout)):
-        assert_fa_rule(g, r64, rbf, mult=3.0, what=f"d{what}")
+    assert_grads_fa_rule(out, ref, ref_bf, (q, k, v))
 
 
 def paged_cache(lens, page, hkv, d, hnd=False, seed=0):
@@ -102,11 +97,10 @@ def test_paged_against_gathered_reference(hub, monkeypatch, name, sq, page, hnd,
     lens = [700, 33, 258]
     kc, vc, table, seqlens = paged_cache(lens, page, 8, 128, hnd=hnd)
     q = rnd(3, sq, 32, 128, seed=5)
-    out, lse = call(hub, name, q, kc, vc, layout="paged", block_table=table, seqlens_k=seqlens,
-                    causal=True, return_lse=True)
+    out, lse = attention_or_skip(hub, name, q, kc, vc, layout="paged", block_table=table,
+                                 seqlens_k=seqlens, causal=True, return_lse=True)
     qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, seqlens)
     p = AttnParams(scale=1 / math.sqrt(128), causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    ref, ref_lse = reference_attention(qv, kv, vv, p, layout="thd")
-    ref_bf = reference_attention(qv, kv, vv, p, layout="thd", compute_dtype=torch.bfloat16)[0]
+    ref, ref_lse, ref_bf = fa_references(qv, kv, vv, p, layout="thd")
     assert_fa_rule(out.reshape(qv.shape), ref, ref_bf)
     assert_lse(lse, ref_lse.view(32, 3, sq).transpose(0, 1), atol=2e-2)

@@ -22,8 +22,11 @@ from attnhub.plugin import (
     Backend,
     Capabilities,
     DeviceInfo,
+    flash_dense_form,
     flash_form,
     flash_kwargs,
+    flash_output_kwargs,
+    flash_varlen,
     natural_lse,
     top_left_reason,
 )
@@ -87,25 +90,17 @@ class Fa3Runner:
                 q, k, v, cache_seqlens=params.seqlens_k, page_table=params.block_table,
                 num_splits=splits, return_softmax_lse=True, **kw, **extra)
             return split_outputs(res)
-        if params.deterministic:
-            extra["deterministic"] = True
-        lse_kw = {"return_attn_probs": True} if params.return_lse else {}
+        out_kw = flash_output_kwargs(params)
         if spec.layout == "thd":
-            kw = flash_kwargs(params, flash_form(self.name, params, 1, 1))
-            res = fa.flash_attn_varlen_func(
-                q, k, v, params.cu_seqlens_q, params.cu_seqlens_k, params.max_seqlen_q,
-                params.max_seqlen_k, **kw, **lse_kw, **extra)
-            return split_outputs(res)
-        form = flash_form(self.name, params, q.shape[1], k.shape[1])
-        if form.keys < k.shape[1]:
-            k, v = k[:, :form.keys], v[:, :form.keys]
+            return split_outputs(flash_varlen(fa.flash_attn_varlen_func, self.name, q, k, v,
+                                              params, **out_kw, **extra))
+        form, k, v = flash_dense_form(self.name, params, q, k, v)
         kw = flash_kwargs(params, form)
         if spec.phase == "decode" and not spec.needs_grad:
-            extra.pop("deterministic", None)
             res = fa.flash_attn_with_kvcache(q, k, v, num_splits=splits,
                                              return_softmax_lse=True, **kw, **extra)
             return split_outputs(res)
-        return split_outputs(fa.flash_attn_func(q, k, v, **kw, **lse_kw, **extra))
+        return split_outputs(fa.flash_attn_func(q, k, v, **kw, **out_kw, **extra))
 
 
 class Fa3Backend(Backend):

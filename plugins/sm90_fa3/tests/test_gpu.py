@@ -15,7 +15,13 @@ import torch
 
 import attnhub
 from attnhub.plugin import AttnParams, reference_attention
-from attnhub.testing import assert_fa_rule, assert_lse
+from attnhub.testing import (
+    assert_fa_rule,
+    assert_grads_fa_rule,
+    assert_lse,
+    attention_or_skip,
+    fa_references,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -43,24 +49,15 @@ def inputs(b, sq, sk, hq, hkv, d, seed=0, grad=False):
     return out
 
 
-def call(hub, name, q, k, v, **kw):
-    """Run ``name`` through the hub, or skip with the backend's own reasons."""
-    try:
-        return hub.attention(q, k, v, backend=name, **kw)
-    except attnhub.BackendUnavailableError as exc:
-        pytest.skip(f"{name} declines: {'; '.join(exc.reasons)}")
-
-
 @pytest.mark.parametrize("name", ["fa3", "cudnn"])
 @pytest.mark.parametrize("case", GRID, ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[7]}")
 def test_forward_fa_rule(hub, name, case):
     b, sq, sk, hq, hkv, d, causal, align, softcap = case
     q, k, v = inputs(b, sq, sk, hq, hkv, d)
     p = AttnParams(scale=1 / math.sqrt(d), causal=causal, alignment=align, softcap=softcap)
-    out, lse = call(hub, name, q, k, v, causal=causal, causal_alignment=align,
-                    softcap=softcap, return_lse=True)
-    ref64, ref_lse = reference_attention(q, k, v, p)
-    ref_bf16, _ = reference_attention(q, k, v, p, compute_dtype=torch.bfloat16)
+    out, lse = attention_or_skip(hub, name, q, k, v, causal=causal, causal_alignment=align,
+                                 softcap=softcap, return_lse=True)
+    ref64, ref_lse, ref_bf16 = fa_references(q, k, v, p)
     assert_fa_rule(out, ref64, ref_bf16, mult=2.0)
     assert_lse(lse, ref_lse, atol=2e-2)
 
@@ -69,14 +66,9 @@ def test_forward_fa_rule(hub, name, case):
 def test_backward_fa_rule(hub, name):
     q, k, v = inputs(2, 128, 128, 8, 8, 128, grad=True)
     p = AttnParams(scale=1 / math.sqrt(128), causal=True)
-    out = call(hub, name, q, k, v, causal=True)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref64 = torch.autograd.grad(reference_attention(q, k, v, p)[0], (q, k, v), dout.double())
-    refbf = torch.autograd.grad(reference_attention(q, k, v, p, compute_dtype=torch.bfloat16)[0],
-                                (q, k, v), dout)
-    for what, g, r64, rbf in zip("qkv", grads, ref64, refbf):
-        assert_fa_rule(g, r64, rbf, mult=3.0, what=f"d{what}")
+    out = attention_or_skip(hub, name, q, k, v, causal=True)
+    ref64, _, ref_bf16 = fa_references(q, k, v, p)
+    assert_grads_fa_rule(out, ref64, ref_bf16, (q, k, v))
 
 
 def test_fa3_paged_matches_contiguous(hub):
@@ -88,10 +80,10 @@ def test_fa3_paged_matches_contiguous(hub):
     kc[perm], vc[perm] = k.reshape(16, page, 2, 128), v.reshape(16, page, 2, 128)
     table = perm.view(2, 8).to(torch.int32)
     seqlens = torch.tensor([512, 300], device="cuda", dtype=torch.int32)
-    out = call(hub, "fa3", q, kc, vc, layout="paged", block_table=table, seqlens_k=seqlens,
-               causal=True)
-    dense0 = call(hub, "fa3", q[:1], k[:1], v[:1], causal=True)
-    dense1 = call(hub, "fa3", q[1:], k[1:, :300], v[1:, :300], causal=True)
+    out = attention_or_skip(hub, "fa3", q, kc, vc, layout="paged", block_table=table,
+                            seqlens_k=seqlens, causal=True)
+    dense0 = attention_or_skip(hub, "fa3", q[:1], k[:1], v[:1], causal=True)
+    dense1 = attention_or_skip(hub, "fa3", q[1:], k[1:, :300], v[1:, :300], causal=True)
     torch.testing.assert_close(out, torch.cat([dense0, dense1]), atol=2e-2, rtol=0)
 
 
@@ -105,7 +97,7 @@ def test_fp8_within_declared_budget_and_smoothing_helps(hub):
     q, k, v = inputs(2, 1024, 1024, 16, 4, 128, seed=3)
     p = AttnParams(scale=1 / math.sqrt(128), causal=True)
     ref, _ = reference_attention(q, k, v, p, compute_dtype=torch.float32)
-    out = call(hub, "fa3_fp8", q, k, v, causal=True)
+    out = attention_or_skip(hub, "fa3_fp8", q, k, v, causal=True)
     assert out.dtype == torch.bfloat16 and rel(out, ref) <= budget, rel(out, ref)
     kb = k.clone()
     kb[..., 7] += 20.0  # a key channel with a large common offset

@@ -79,7 +79,14 @@ def _cpu_reasons(device: DeviceInfo) -> list[str]:
 
 
 def _refuse_unserved(params: AttnParams, layout: str) -> None:
-    """Per-call data the kernel would otherwise ignore: an error, never a silent change."""
+    """Per-call data the kernel would otherwise ignore: an error, never a silent change.
+
+    Runs on every call, so the common case (nothing unserved) is one chain of ``is None``.
+    """
+    if (params.prefix_lens is None and params.colmask_start is None
+            and params.cu_seqlens_q is None and params.score_mod is None
+            and params.mask_mod is None and (layout != "bshd" or params.seqlens_k is None)):
+        return
     unserved: dict[str, Any] = {
         "prefix_lens": params.prefix_lens, "colmask_start": params.colmask_start,
         "cu_seqlens_q": params.cu_seqlens_q, "score_mod": params.score_mod,

@@ -165,24 +165,14 @@ def _dkdv_kernel(
         lo, full_lo, full_hi, hi = tiles.query_range(n0, n1, seqlen_q, q_off, prefix, left,
                                                      right, BLOCK_M, CAUSAL, PREFIX_LM,
                                                      WIN_LEFT, WIN_RIGHT, COLMASK)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_desc, do_desc, dq_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, lo, full_lo, offs_n,
-            offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
-            right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
-            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, USE_TMA,
-            DOT_PREC, DOT_UPCAST)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_desc, do_desc, dq_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_lo, full_hi, offs_n,
-            offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
-            right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
-            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, USE_TMA,
-            DOT_PREC, DOT_UPCAST)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_desc, do_desc, dq_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds, sdqs, full_hi, hi, offs_n,
-            offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left,
-            right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
-            PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, DQ_ATOMIC, USE_TMA,
-            DOT_PREC, DOT_UPCAST)
+        for bnd in tl.static_range(3):  # masked, fully visible, masked query tiles
+            start, end = tiles.band(bnd, lo, full_lo, full_hi, hi)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_desc, do_desc, dq_desc, Qb, DOb, LSEb, DELTAb, DQb, sqs, sds,
+                sdqs, start, end, offs_n, offs_r, offs_d, seqlen_q, seqlen_k, q_off, scale,
+                softcap, slope, prefix, left, right, cs, ce, TMAXh, TMINh, n0, n1, HEAD_DIM,
+                BLOCK_M, BLOCK_N, bnd != 1, CAUSAL, PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP,
+                ALIBI, COLMASK, DQ_ATOMIC, USE_TMA, DOT_PREC, DOT_UPCAST)
     DKb = DK + b64 * sdkb + ks64 * sdks + hk * sdkh
     DVb = DV + b64 * sdvb + ks64 * sdvs + hk * sdvh
     dk_desc = tiles.make_desc(DKb, seqlen_k, sdks, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
@@ -246,14 +236,8 @@ def _dq_kernel(
     VARLEN: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group
-    q_start, seqlen_q, k_start, seqlen_k, q_off = tiles.sequence(
-        b, CU_Q, CU_K, seqlen_q_arg, seqlen_k_arg, VARLEN, BOTTOM_RIGHT)
-    m0 = pid_m * BLOCK_M
+    b, h, hk, q_start, seqlen_q, k_start, seqlen_k, q_off, m0 = tiles.query_program(
+        CU_Q, CU_K, seqlen_q_arg, seqlen_k_arg, num_heads, group, BLOCK_M, VARLEN, BOTTOM_RIGHT)
     if m0 >= seqlen_q:
         return
     m1 = tl.minimum(m0 + BLOCK_M, seqlen_q)
@@ -279,31 +263,18 @@ def _dq_kernel(
     Vb = V + b64 * svb + ks64 * svs + hk * svh
     k_desc = tiles.make_desc(Kb, seqlen_k, sks, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
     v_desc = tiles.make_desc(Vb, seqlen_k, svs, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
-    prefix, slope = tiles.head_scalars(PREFIX, SLOPES, s_slope_b, b, h, PREFIX_LM, ALIBI)
-    CMS = CM_START
-    CME = CM_END
-    if COLMASK:
-        CMS, CME, TMAX, TMIN = tiles.colmask_head(CM_START, CM_END, TMAX, TMIN, b64, h, cm_div,
-                                                  scmb, scmh, stmb, stmh)
-    lo, full_lo, full_hi, hi = tiles.key_range(m0, m1, seqlen_k, q_off, prefix, left, right,
-                                               BLOCK_N, CAUSAL, PREFIX_LM, WIN_LEFT,
-                                               WIN_RIGHT, COLMASK)
+    prefix, slope, CMS, CME, TMAX, TMIN, lo, full_lo, full_hi, hi = tiles.key_plan(
+        PREFIX, SLOPES, s_slope_b, CM_START, CM_END, TMAX, TMIN, b, b64, h, cm_div, scmb, scmh,
+        stmb, stmh, m0, m1, seqlen_k, q_off, left, right, BLOCK_N, CAUSAL, PREFIX_LM, WIN_LEFT,
+        WIN_RIGHT, ALIBI, COLMASK)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, Kb, Vb, sks, svs, lo, full_lo, offs_m, offs_n,
-                   offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right,
-                   CMS, CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, True, CAUSAL, PREFIX_LM,
-                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC,
-                   DOT_UPCAST)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, Kb, Vb, sks, svs, full_lo, full_hi, offs_m, offs_n,
-                   offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right,
-                   CMS, CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, False, CAUSAL, PREFIX_LM,
-                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC,
-                   DOT_UPCAST)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, Kb, Vb, sks, svs, full_hi, hi, offs_m, offs_n,
-                   offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right,
-                   CMS, CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, True, CAUSAL, PREFIX_LM,
-                   WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC,
-                   DOT_UPCAST)
+    for bnd in tl.static_range(3):  # masked, fully visible, masked key tiles
+        start, end = tiles.band(bnd, lo, full_lo, full_hi, hi)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, Kb, Vb, sks, svs, start, end,
+                       offs_m, offs_n, offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope,
+                       prefix, left, right, CMS, CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N,
+                       bnd != 1, CAUSAL, PREFIX_LM, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, COLMASK,
+                       USE_TMA, DOT_PREC, DOT_UPCAST)
     DQb = DQ + b64 * sdqb + qs64 * sdqs + h * sdqh
     dq_desc = tiles.make_desc(DQb, seqlen_q, sdqs, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
     tiles.store_rows(dq_desc, DQb, (dq * scale).to(DQ.dtype.element_ty), m0, seqlen_q, sdqs,

@@ -17,15 +17,14 @@ sequence its own balanced splits. Multi-token queries use the mask semantics of
 from __future__ import annotations
 
 import functools
-import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from . import tiles
+from . import scratch, tiles
 from .configs import block_d
 from .decode_configs import (
     INTERPRETER_SM_COUNT,
@@ -34,6 +33,7 @@ from .decode_configs import (
     choose_splits,
     decode_config,
 )
+from .fastlaunch import Launcher
 from .launch import device_arch
 
 
@@ -206,27 +206,6 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-_counter_lock = threading.Lock()
-_counters: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 tickets for the fused merge, one buffer per (device, stream).
-
-    The kernel returns every ticket it used to 0, so the buffer is allocated once and
-    stays valid across calls and CUDA-graph replays; streams get their own so that calls in
-    flight on two streams never share a ticket.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    with _counter_lock:
-        buf = _counters.get(key)
-        if buf is None or buf.numel() < n:
-            buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-            _counters[key] = buf
-        return buf
-
-
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -270,6 +249,112 @@ def _plan(device: torch.device, dtype: torch.dtype, batch: int, seqlen_q: int, h
     return _Plan(cfg, bm, m_blocks, splits, max(2, triton.next_power_of_2(splits)), upcast)
 
 
+class _Launches(NamedTuple):
+    """The launches of one split count, each with its constant trailing arguments."""
+
+    split: Launcher
+    split_tail: tuple[Any, ...]
+    merge: Launcher | None
+    merge_tail: tuple[Any, ...]
+    partial_rows: int  # rows of partial outputs; 0 with one split (none written)
+    counters: int  # fused-merge tickets; 0 without the fused merge
+
+
+#: Entries kept per cache below before it is cleared (a growing contiguous cache makes a
+#: new shape every step; each is rebuilt on its first call, no more).
+_CACHE_LIMIT = 1024
+
+
+class _Shape:
+    """What all calls with one key share (see ``decode_attention``): the checks, the output
+    shapes, the strides, and per context length the launches of its split count.
+
+    The key fixes every integer the kernels receive except those that follow from the
+    context length (through the split count), so a launch built here is launched again with
+    the same specialization, which is what lets ``Launcher`` skip Triton's dispatch.
+    """
+
+    __slots__ = ("by_longest", "by_splits", "cap_k", "consts", "copy", "device", "dtype",
+                 "empty", "ints", "lse_shape", "out_shape", "plan_args", "plan_opts", "strides")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 alignment: str, window: tuple[int, int] | None, softcap: bool,
+                 slopes: torch.Tensor | None, block_table: torch.Tensor | None,
+                 seqlens_k: torch.Tensor | None, num_splits: int | None,
+                 config: DecodeConfig | None) -> None:
+        _check_interpreter(q.device)
+        paged = block_table is not None
+        if paged and seqlens_k is None:
+            raise ValueError("decode_attention: a paged cache needs seqlens_k (B,) int32")
+        batch, seqlen_q, hq, dim = q.shape
+        if v.shape[-1] != dim:
+            raise ValueError(f"decode_attention: value head dim {v.shape[-1]} != {dim}; the "
+                             "decode kernel needs equal head dims (use another backend)")
+        self.device, self.dtype = q.device, q.dtype
+        self.out_shape = (batch, seqlen_q, hq, dim)
+        self.lse_shape = (batch, hq, seqlen_q)
+        self.empty = batch * seqlen_q * hq * dim == 0
+        self.copy = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
+        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+        hkv = k.shape[2]
+        page = k.shape[1] if paged else 1
+        self.cap_k = block_table.shape[1] * page if paged else k.shape[1]
+        # q, k, v, out (a new tensor: contiguous), block table and ALiBi batch strides
+        self.strides = (
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), seqlen_q * hq * dim, hq * dim, dim,
+            block_table.stride(0) if paged else 0,
+            hq if slopes is not None and slopes.dim() == 2 else 0)
+        left, right = window if window is not None else (-1, -1)
+        self.plan_args = (q.device, q.dtype, batch, seqlen_q, hq, hkv)
+        self.plan_opts = (paged, num_splits, config)
+        # the split kernel's integer arguments after scale and softcap, up to m_blocks
+        self.ints = (left, right, seqlen_q, k.shape[1], hq, hkv, hq // hkv)
+        # its constants from HEAD_DIM to ALIBI
+        self.consts = (dim, page, paged, seqlens_k is not None, alignment == "bottom_right",
+                       causal, left >= 0, right >= 0, softcap, slopes is not None)
+        self.by_longest: dict[int, _Launches] = {}
+        self.by_splits: dict[int, _Launches] = {}
+
+    def launches(self, longest: int) -> _Launches:
+        """The launches for a call whose longest sequence is ``longest`` keys."""
+        if len(self.by_longest) >= _CACHE_LIMIT:
+            self.by_longest.clear()
+        plan = _plan(*self.plan_args, longest, *self.plan_opts)
+        hit = self.by_splits.get(plan.splits)
+        if hit is None:
+            hit = self.by_splits[plan.splits] = self._build(plan)
+        self.by_longest[longest] = hit
+        return hit
+
+    def _build(self, plan: _Plan) -> _Launches:
+        _, dtype, batch, seqlen_q, hq, hkv = self.plan_args
+        cfg, splits, dim = plan.cfg, plan.splits, self.consts[0]
+        fused = cfg.fused_merge and splits > 1
+        bd = block_d(dim)
+        prec = "ieee" if dtype == torch.float32 or plan.upcast else "tf32"
+        split = Launcher(_split_kernel, (splits, batch * hkv * plan.m_blocks),
+                         {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        split_tail = (*self.ints, plan.m_blocks, splits, *self.consts, splits == 1, fused,
+                      plan.block_m, cfg.block_n, bd, plan.block_s, prec, plan.upcast)
+        merge = None
+        if splits > 1 and not fused:
+            merge = Launcher(_merge_kernel, (batch * hq * seqlen_q,),
+                             {"num_warps": cfg.merge_warps})
+        merge_tail = (*self.strides[9:12], seqlen_q, hq, splits, dim, plan.block_s, bd)
+        return _Launches(split, split_tail, merge, merge_tail,
+                         batch * hq * seqlen_q * splits if splits > 1 else 0,
+                         batch * hkv * plan.m_blocks if fused else 0)
+
+
+_shapes: dict[tuple[Any, ...], _Shape] = {}
+
+
+def _aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
+    """Which pointers Triton sees as 16-byte aligned (it specializes kernels on that)."""
+    return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
     causal: bool = False, alignment: str = "bottom_right",
@@ -286,61 +371,55 @@ def decode_attention(
     longest length, when the caller knows it) only sizes the splits; without it the cache
     capacity is used, which never syncs with the device. ``num_splits``/``config`` override
     the heuristic and the table (benchmarks, tests). No host sync, so CUDA graphs capture it.
+
+    Host work per call is kept small for eager decode loops: everything that follows from
+    shapes, strides, dtypes, flags and pointer alignment is computed once per such key
+    (``_Shape``), the kernels are launched through ``Launcher`` (Triton's dispatch skipped
+    once the binary is known), and the partial outputs live in reused per-thread, per-stream
+    scratch (``scratch.partials``); ``out`` and ``lse`` are new tensors on every call.
     """
-    _check_interpreter(q.device)
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    batch, seqlen_q, hq, dim = q.shape
-    hkv = k.shape[2]
-    paged = block_table is not None
-    if paged and seqlens_k is None:
-        raise ValueError("decode_attention: a paged cache needs seqlens_k (B,) int32")
-    if v.shape[-1] != dim:
-        raise ValueError(f"decode_attention: value head dim {v.shape[-1]} != {dim}; the "
-                         "decode kernel needs equal head dims (use another backend)")
-    out = torch.empty((batch, seqlen_q, hq, dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    if window is not None and type(window) is not tuple:
+        window = tuple(window)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()
+    for t in (block_table, seqlens_k, slopes):
+        if t is not None:
+            ptrs |= t.data_ptr()
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+           v.dtype, q.device, causal, alignment, window, bool(softcap), num_splits, config,
+           None if block_table is None else (block_table.shape, block_table.stride(),
+                                             block_table.dtype),
+           None if seqlens_k is None else seqlens_k.dtype,
+           None if slopes is None else slopes.shape,
+           ptrs % 16 == 0 or _aligned(q, k, v, block_table, seqlens_k, slopes))
+    shape = _shapes.get(key)
+    if shape is None:
+        shape = _Shape(q, k, v, causal=causal, alignment=alignment, window=window,
+                       softcap=bool(softcap), slopes=slopes, block_table=block_table,
+                       seqlens_k=seqlens_k, num_splits=num_splits, config=config)
+        if len(_shapes) >= _CACHE_LIMIT:
+            _shapes.clear()
+        _shapes[key] = shape
+    out = torch.empty(shape.out_shape, dtype=shape.dtype, device=shape.device)
+    lse = torch.empty(shape.lse_shape, dtype=torch.float32, device=shape.device)
+    if shape.empty:
         return out, lse
-    page = k.shape[1] if paged else 1
-    cap_k = block_table.shape[1] * page if paged else k.shape[1]
-    longest = min(max_seqlen_k, cap_k) if max_seqlen_k is not None else cap_k
-    plan = _plan(q.device, q.dtype, batch, seqlen_q, hq, hkv, longest, paged, num_splits,
-                 config)
-    cfg, splits = plan.cfg, plan.splits
-    if splits > 1:
-        rows = batch * hq * seqlen_q * splits
-        opart = torch.empty((rows, dim), dtype=torch.float32, device=q.device)
-        lpart = torch.empty((rows,), dtype=torch.float32, device=q.device)
+    if shape.copy:
+        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    longest = shape.cap_k if max_seqlen_k is None else min(max_seqlen_k, shape.cap_k)
+    run = shape.by_longest.get(longest) or shape.launches(longest)
+    if run.partial_rows:
+        opart, lpart = scratch.partials(shape.device, run.partial_rows, shape.out_shape[3])
     else:
         opart = lpart = lse  # unused by the kernel
-    fused = cfg.fused_merge and splits > 1
-    counters = _merge_counters(q.device, batch * hkv * plan.m_blocks) if fused else lse
-    slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous() \
-        if alibi_slopes is not None else lse
-    left, right = window if window is not None else (-1, -1)
-    bd = block_d(dim)
-    _split_kernel[(splits, batch * hkv * plan.m_blocks)](
-        q, k, v, out, lse, opart, lpart, counters,
-        block_table if paged else lse, seqlens_k if seqlens_k is not None else lse, slopes,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        block_table.stride(0) if paged else 0,
-        hq if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-        scale, softcap or 1.0, left, right,
-        seqlen_q, k.shape[1], hq, hkv, hq // hkv, plan.m_blocks, splits,
-        HEAD_DIM=dim, PAGE=page, PAGED=paged, HAS_SEQLENS=seqlens_k is not None,
-        BOTTOM_RIGHT=alignment == "bottom_right", CAUSAL=causal,
-        WIN_LEFT=left >= 0, WIN_RIGHT=right >= 0, SOFTCAP=bool(softcap),
-        ALIBI=alibi_slopes is not None, ONE_SPLIT=splits == 1, FUSED_MERGE=fused,
-        BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd, BLOCK_S=plan.block_s,
-        DOT_PREC="ieee" if q.dtype == torch.float32 or plan.upcast else "tf32",
-        UPCAST=plan.upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if splits > 1 and not fused:
-        _merge_kernel[(batch * hq * seqlen_q,)](
-            opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2),
-            seqlen_q, hq, splits, HEAD_DIM=dim, BLOCK_S=plan.block_s, BLOCK_D=bd,
-            num_warps=cfg.merge_warps,
-        )
+    counters = scratch.zeroed_counters(shape.device, run.counters) if run.counters else lse
+    run.split(q, k, v, out, lse, opart, lpart, counters,
+              lse if block_table is None else block_table,
+              lse if seqlens_k is None else seqlens_k, lse if slopes is None else slopes,
+              *shape.strides, float(scale), float(softcap) if softcap else 1.0,
+              *run.split_tail)
+    if run.merge is not None:
+        run.merge(opart, lpart, out, lse, *run.merge_tail)
     return out, lse

@@ -88,14 +88,8 @@ def _fwd_kernel(
     DOT_UPCAST: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (causal) blocks first
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group
-    q_start, seqlen_q, k_start, seqlen_k, q_off = tiles.sequence(
-        b, CU_Q, CU_K, seqlen_q_arg, seqlen_k_arg, VARLEN, BOTTOM_RIGHT)
-    m0 = pid_m * BLOCK_M
+    b, h, hk, q_start, seqlen_q, k_start, seqlen_k, q_off, m0 = tiles.query_program(
+        CU_Q, CU_K, seqlen_q_arg, seqlen_k_arg, num_heads, group, BLOCK_M, VARLEN, BOTTOM_RIGHT)
     if m0 >= seqlen_q:
         return
     m1 = tl.minimum(m0 + BLOCK_M, seqlen_q)
@@ -112,33 +106,21 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = tiles.load_rows(q_desc, Qb, m0, seqlen_q, sqs, offs_r, offs_d, HEAD_DIM, USE_TMA)
-    prefix, slope = tiles.head_scalars(PREFIX, SLOPES, s_slope_b, b, h, PREFIX_LM, ALIBI)
-    CMS = CM_START
-    CME = CM_END
-    if COLMASK:
-        CMS, CME, TMAX, TMIN = tiles.colmask_head(CM_START, CM_END, TMAX, TMIN, b64, h, cm_div,
-                                                  scmb, scmh, stmb, stmh)
-    lo, full_lo, full_hi, hi = tiles.key_range(m0, m1, seqlen_k, q_off, prefix, left, right,
-                                               BLOCK_N, CAUSAL, PREFIX_LM, WIN_LEFT,
-                                               WIN_RIGHT, COLMASK)
+    prefix, slope, CMS, CME, TMAX, TMIN, lo, full_lo, full_hi, hi = tiles.key_plan(
+        PREFIX, SLOPES, s_slope_b, CM_START, CM_END, TMAX, TMIN, b, b64, h, cm_div, scmb, scmh,
+        stmb, stmh, m0, m1, seqlen_k, q_off, left, right, BLOCK_N, CAUSAL, PREFIX_LM, WIN_LEFT,
+        WIN_RIGHT, ALIBI, COLMASK)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_desc, v_desc, Kb, Vb, sks, svs, lo, full_lo, offs_m, offs_n,
-        offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right, CMS,
-        CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, True, CAUSAL, PREFIX_LM, WIN_LEFT,
-        WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC, DOT_UPCAST, False)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_desc, v_desc, Kb, Vb, sks, svs, full_lo, full_hi, offs_m, offs_n,
-        offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right, CMS,
-        CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, False, CAUSAL, PREFIX_LM, WIN_LEFT,
-        WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC, DOT_UPCAST, WARP_SPECIALIZE)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_desc, v_desc, Kb, Vb, sks, svs, full_hi, hi, offs_m, offs_n,
-        offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right, CMS,
-        CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, True, CAUSAL, PREFIX_LM, WIN_LEFT,
-        WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC, DOT_UPCAST, False)
+    for bnd in tl.static_range(3):  # masked, fully visible (warp-specialized), masked
+        start, end = tiles.band(bnd, lo, full_lo, full_hi, hi)
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_desc, v_desc, Kb, Vb, sks, svs, start, end, offs_m, offs_n,
+            offs_d, seqlen_q, seqlen_k, q_off, scale, softcap, slope, prefix, left, right, CMS,
+            CME, TMAX, TMIN, m0, m1, HEAD_DIM, BLOCK_N, bnd != 1, CAUSAL, PREFIX_LM, WIN_LEFT,
+            WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC, DOT_UPCAST,
+            WARP_SPECIALIZE if bnd == 1 else False)
 
     # Fully masked rows end with l == 0: output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0

@@ -72,6 +72,48 @@ def sequence(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN: tl.constexpr,
 
 
 @triton.jit
+def query_program(CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, group, BLOCK_M: tl.constexpr,
+                  VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """Where a query-tile program works: (b, h, KV head, q_start, Sq, k_start, Sk, q_off, m0).
+
+    Grid: (query tiles, B * Hq). Axis 0 runs reversed so the longest (causal) tiles start
+    first; the caller returns when ``m0 >= Sq`` (a tile past a short varlen sequence)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // group
+    q_start, sq, k_start, sk, q_off = sequence(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN,
+                                               BOTTOM_RIGHT)
+    m0 = pid_m * BLOCK_M
+    return b, h, hk, q_start, sq, k_start, sk, q_off, m0
+
+
+@triton.jit
+def key_plan(PREFIX, SLOPES, s_slope_b, CM_START, CM_END, TMAX, TMIN, b, b64, h, cm_div, scmb,
+             scmh, stmb, stmh, m0, m1, seqlen_k, q_off, left, right, BLOCK_N: tl.constexpr,
+             CAUSAL: tl.constexpr, PREFIX_LM: tl.constexpr, WIN_LEFT: tl.constexpr,
+             WIN_RIGHT: tl.constexpr, ALIBI: tl.constexpr, COLMASK: tl.constexpr):
+    """What query rows ``[m0, m1)`` of head ``h`` need to walk their key tiles: (prefix,
+    slope, this head's column-mask start/end and tile bounds, lo, full_lo, full_hi, hi).
+
+    Without COLMASK the four column-mask values are 0 placeholders (a jit function cannot
+    return the None pointers); the tile loops never read them then."""
+    prefix, slope = head_scalars(PREFIX, SLOPES, s_slope_b, b, h, PREFIX_LM, ALIBI)
+    if COLMASK:
+        cms, cme, tmax, tmin = colmask_head(CM_START, CM_END, TMAX, TMIN, b64, h, cm_div, scmb,
+                                            scmh, stmb, stmh)
+    else:
+        cms = b * 0
+        cme = cms
+        tmax = cms
+        tmin = cms
+    lo, full_lo, full_hi, hi = key_range(m0, m1, seqlen_k, q_off, prefix, left, right, BLOCK_N,
+                                         CAUSAL, PREFIX_LM, WIN_LEFT, WIN_RIGHT, COLMASK)
+    return prefix, slope, cms, cme, tmax, tmin, lo, full_lo, full_hi, hi
+
+
+@triton.jit
 def head_scalars(PREFIX, SLOPES, s_slope_b, b, h, PREFIX_LM: tl.constexpr,
                  ALIBI: tl.constexpr):
     """(prefix length, ALiBi slope) of sequence ``b`` and query head ``h`` (0 when unused)."""
@@ -166,6 +208,20 @@ def _align(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr, ALL_MASKED: tl.constex
         full_hi = (tl.maximum(full_hi, 0) // BLOCK) * BLOCK
         full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def band(BAND: tl.constexpr, lo, full_lo, full_hi, hi):
+    """Tile range of band ``BAND`` of a ``key_range``/``query_range`` split: 0 the masked tiles
+    before the fully visible band, 1 that band, 2 the masked tiles after it. A tile loop runs
+    ``for bnd in tl.static_range(3)`` over them with ``MASKED = bnd != 1``."""
+    if BAND == 0:
+        start, end = lo, full_lo
+    elif BAND == 1:
+        start, end = full_lo, full_hi
+    else:
+        start, end = full_hi, hi
+    return start, end
 
 
 @triton.jit

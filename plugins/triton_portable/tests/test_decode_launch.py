@@ -1,0 +1,252 @@
+"""The decode host path: direct launches only reuse a binary for arguments it was specialized
+for, Triton's own dispatch is kept where it must be (first launch, launch hooks, switch off),
+and reused scratch never leaks into what a call returns.
+
+The launch tests run the compiled (not interpreted) kernels against a stub driver
+(``launch_stub``): no GPU, nothing is computed, every launch is checked against the
+specialization Triton itself would give its arguments. The scratch tests compute, through
+the interpreter on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton reads this when a kernel is decorated (import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from attnhub_triton_portable import decode, fastlaunch, scratch
+from attnhub_triton_portable.launch_stub import stub_triton
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture()
+def stubbed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """decode with compiled kernels launched on a stub sm90 (132 SMs), every launch checked
+    and logged; counts Triton's dispatch (``JITFunction.run``) per kernel."""
+    kernels = [JITFunction(decode._split_kernel.fn), JITFunction(decode._merge_kernel.fn)]
+    dispatched = {fn.__name__: 0 for fn in kernels}
+    for fn in kernels:
+        def counted(*args: Any, _fn: JITFunction = fn, _run: Any = fn.run, **kw: Any) -> Any:
+            dispatched[_fn.__name__] += 1
+            return _run(*args, **kw)
+
+        fn.run = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(decode, "_split_kernel", kernels[0])
+    monkeypatch.setattr(decode, "_merge_kernel", kernels[1])
+    monkeypatch.setattr(decode, "_check_interpreter", lambda device: None)
+    monkeypatch.setattr(decode, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(decode, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(decode, "_shapes", {})
+    decode._plan.cache_clear()  # its plans for CPU tensors would say sm90 after the test
+    try:
+        with stub_triton(kernels, check=True) as stubs:
+            yield {"made": stubs.made, "log": stubs.log, "dispatched": dispatched}
+    finally:
+        decode._plan.cache_clear()
+
+
+def _launches(made: dict[str, list[Any]]) -> int:
+    return sum(k.launches for binaries in made.values() for k in binaries)
+
+
+#: The properties of a call that decide the kernels' arguments and Triton's specialization,
+#: each with the values drawn (strides, a pointer off 16-byte alignment, page sizes and
+#: block-table widths including 1, lengths, masks and their side tensors, splits, configs).
+ASPECTS: dict[str, list[Any]] = {
+    "q": ["plain", "strided", "misaligned"],
+    "paged": [False, True],
+    "page": [1, 5, 16],
+    "width": [1, 3, 16],
+    "max_seqlen": [None, "cap", "third"],
+    "sk": [1, 17, 300],
+    "k": ["plain", "sliced", "every_other"],
+    "v": ["plain", "sliced"],
+    "seqlens": [False, True],
+    "causal": [False, True],
+    "alignment": ["bottom_right", "top_left"],
+    "window": [None, (3, 0), (16, -1), (-1, 2)],
+    "softcap": [None, 5.0, 30],
+    "alibi": [None, "h", "bh"],
+    "num_splits": [None, 1, 2, 7],
+    "fused": [False, True],
+}
+
+
+def _make_call(dims: tuple[Any, ...], a: dict[str, Any]) -> tuple[tuple[torch.Tensor, ...],
+                                                                   dict[str, Any]]:
+    """The decode call of sizes ``dims`` with properties ``a`` (see ``ASPECTS``)."""
+    dtype, b, sq, hkv, group, d = dims
+    hq = hkv * group
+    mk = lambda *s: torch.randn(*s).to(dtype)
+    q = {"plain": lambda: mk(b, sq, hq, d), "strided": lambda: mk(b, sq, hq, d + 3)[..., :d],
+         "misaligned": lambda: mk(b * sq * hq * d + 1)[1:].view(b, sq, hq, d)}[a["q"]]()
+    kw: dict[str, Any] = {"scale": 0.3, "causal": a["causal"], "alignment": a["alignment"],
+                          "window": a["window"], "softcap": a["softcap"],
+                          "num_splits": a["num_splits"]}
+    if a["paged"]:
+        page, width = a["page"], a["width"]
+        k, v = mk(b * width + 2, page, hkv, d), mk(b * width + 2, page, hkv, d)
+        cap = width * page
+        kw.update(block_table=torch.randperm(b * width + 2)[: b * width].view(b, width)
+                  .to(torch.int32),
+                  seqlens_k=torch.randint(0, cap + 1, (b,), dtype=torch.int32),
+                  max_seqlen_k={None: None, "cap": cap, "third": max(1, cap // 3)}[
+                      a["max_seqlen"]])
+    else:
+        sk = a["sk"]
+        k = {"plain": lambda: mk(b, sk, hkv, d), "sliced": lambda: mk(b, sk + 5, hkv, d)[:, :sk],
+             "every_other": lambda: mk(b, sk, hkv, 2 * d)[..., ::2]}[a["k"]]()
+        v = mk(b, sk, hkv, d) if a["v"] == "plain" else mk(b, sk + 3, hkv, d)[:, :sk]
+        if a["seqlens"]:
+            kw["seqlens_k"] = torch.randint(0, sk + 1, (b,), dtype=torch.int32)
+    if a["alibi"] is not None:
+        kw["alibi_slopes"] = torch.rand(hq) if a["alibi"] == "h" else torch.rand(b, hq)
+    if a["fused"]:
+        kw["config"] = decode.decode_config("sm90").with_(fused_merge=True)
+    return (q, k, v), kw
+
+
+def _tokens(log: list[Any], out: torch.Tensor, lse: torch.Tensor) -> list[Any]:
+    """Launches as comparable values: the call's outputs by role, other tensors by dtype,
+    shape, strides and contents (so a stale tensor from an earlier call shows), the rest
+    by type and value."""
+    def token(x: Any) -> Any:
+        if x is out or x is lse:
+            return "out" if x is out else "lse"
+        if isinstance(x, torch.Tensor):
+            return (x.dtype, tuple(x.shape), x.stride(), x.data_ptr() % 16 == 0,
+                    hash(x.contiguous().view(torch.uint8).numpy().tobytes()))
+        return (type(x), x)
+
+    return [(name, grid, [token(a) for a in args]) for name, grid, args in log]
+
+
+def test_cached_launches_equal_fresh_ones(stubbed: dict[str, Any]) -> None:
+    """Random calls, each followed by one variant per property (``ASPECTS``) that differs
+    from it in that property alone: every call launches what a cold cache would launch
+    (grids, arguments, tensors), its repeat launches the same without Triton's dispatch, and
+    every launch gets arguments that Triton specializes exactly as the binary launched (the
+    stub raises otherwise). A cache key that missed a property would let a variant reuse
+    its base's launches and differ from the cold ones."""
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    log, dispatched = stubbed["log"], stubbed["dispatched"]
+
+    def launched(args: tuple[torch.Tensor, ...], kw: dict[str, Any]) -> list[Any]:
+        log.clear()
+        return _tokens(log, *decode.decode_attention(*args, **kw))
+
+    for _ in range(20):
+        dims = (rng.choice([torch.float16, torch.bfloat16, torch.float32]), rng.choice([1, 3]),
+                rng.choice([1, 5]), rng.choice([1, 2]), rng.choice([1, 6]), rng.choice([16, 40]))
+        base = {name: rng.choice(values) for name, values in ASPECTS.items()}
+        variants = [base] + [{**base, name: rng.choice([x for x in values if x != base[name]])}
+                             for name, values in ASPECTS.items()]
+        for aspects in variants:
+            args, kw = _make_call(dims, aspects)
+            cached = launched(args, kw)
+            before = sum(dispatched.values())
+            again = launched(args, kw)
+            assert sum(dispatched.values()) == before, aspects  # the repeat went direct
+            kept = dict(decode._shapes)
+            decode._shapes.clear()
+            fresh = launched(args, kw)
+            decode._shapes.update(kept)
+            assert cached == fresh == again, aspects
+
+
+def test_context_length_picks_its_split_count(stubbed: dict[str, Any]) -> None:
+    """One paged layout, longest context 256 then 64 then 256 keys (sm90: 4 key tiles, then
+    1): the cached launches follow the length, as cold ones do."""
+    q, kc = torch.randn(1, 1, 8, 32), torch.randn(20, 16, 2, 32)
+    table = torch.randperm(20)[:16].view(1, 16).to(torch.int32)
+    lens = torch.tensor([200], dtype=torch.int32)
+    grids = []
+    for longest in (256, 64, 256):
+        stubbed["log"].clear()
+        decode.decode_attention(q, kc, kc, scale=0.2, block_table=table, seqlens_k=lens,
+                                max_seqlen_k=longest)
+        grids.append(stubbed["log"][0][1])
+    assert grids[0] == grids[2] != grids[1]
+    assert grids[0][0] > 1 and grids[1][0] == 1  # splits
+
+
+def test_alignment_and_strides_pick_their_own_binary(stubbed: dict[str, Any]) -> None:
+    """The same shapes with q 16-byte aligned and then not: Triton compiles the kernel
+    twice, and the misaligned call does not reuse the aligned binary (the stub would raise)."""
+    q = torch.randn(1, 1, 8, 32)
+    k, v = torch.randn(1, 64, 2, 32), torch.randn(1, 64, 2, 32)
+    shifted = torch.randn(8 * 32 + 1)[1:].view(1, 1, 8, 32)
+    assert q.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 != 0
+    for query in (q, shifted, q, shifted):
+        decode.decode_attention(query, k, v, scale=0.2)
+    assert len(stubbed["made"]["_split_kernel"]) == 2
+    assert stubbed["dispatched"]["_split_kernel"] == 2  # one per binary, then direct
+
+
+def test_hooks_and_switch_send_launches_through_triton(stubbed: dict[str, Any],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registered launch hook (a profiler) or DIRECT = False: every launch is Triton's."""
+    q, k, v = torch.randn(1, 1, 8, 32), torch.randn(1, 64, 2, 32), torch.randn(1, 64, 2, 32)
+    run = lambda: decode.decode_attention(q, k, v, scale=0.2, num_splits=2)
+    run()
+    count = lambda: sum(stubbed["dispatched"].values())
+    start = count()
+    run()
+    assert count() == start  # direct
+    hook = lambda metadata: None
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        run()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert count() == start + 2
+    monkeypatch.setattr(fastlaunch, "DIRECT", False)
+    run()
+    assert count() == start + 4
+
+
+def test_scratch_is_reused_per_thread_and_aligned() -> None:
+    """Same (rows, dim): the same buffers; another thread: its own; views 16-byte aligned
+    after the buffer grows."""
+    dev = torch.device("cpu")
+    o1, l1 = scratch.partials(dev, 6, 10)
+    o2, l2 = scratch.partials(dev, 6, 10)
+    assert o1.data_ptr() == o2.data_ptr() and l1.data_ptr() == l2.data_ptr()
+    big_o, big_l = scratch.partials(dev, 999, 33)
+    assert big_o.shape == (999, 33) and big_l.shape == (999,)
+    assert big_o.data_ptr() % 16 == 0 and big_l.data_ptr() % 16 == 0
+    assert big_l.data_ptr() >= big_o.data_ptr() + big_o.numel() * 4  # no overlap
+    other: list[int] = []
+    t = threading.Thread(target=lambda: other.append(scratch.partials(dev, 999, 33)[0]
+                                                     .data_ptr()))
+    t.start()
+    t.join()
+    assert other[0] != big_o.data_ptr()
+
+
+def test_outputs_survive_later_calls() -> None:
+    """Interpreter: the outputs of a split call are new tensors, untouched by the next call
+    (which reuses the partials scratch), and equal to a repeat of the same call."""
+    g = torch.Generator().manual_seed(7)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEV)
+    q, k, v = mk(2, 1, 4, 16), mk(2, 40, 2, 16), mk(2, 40, 2, 16)
+    out, lse = decode.decode_attention(q, k, v, scale=0.25, num_splits=3)
+    kept = out.clone(), lse.clone()
+    decode.decode_attention(mk(2, 1, 4, 16), mk(2, 40, 2, 16), mk(2, 40, 2, 16), scale=0.25,
+                            num_splits=3)
+    assert torch.equal(out, kept[0]) and torch.equal(lse, kept[1])
+    again = decode.decode_attention(q, k, v, scale=0.25, num_splits=3)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    assert out.data_ptr() != again[0].data_ptr()
