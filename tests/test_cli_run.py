@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from attnhub import Capabilities, Hub
+from attnhub import Hub
 from attnhub.benchmark import measure
 from attnhub.cli import main
 from attnhub.core.builtin import ReferenceBackend
@@ -74,7 +75,7 @@ class Wrong(ReferenceBackend):
 
     name = "wrong"
     tier = "portable"
-    capabilities = Capabilities(layouts=frozenset({"bshd", "paged"}))
+    capabilities = replace(ReferenceBackend.capabilities, layouts=frozenset({"bshd", "paged"}))
 
     def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
         out = super().forward(q, k, v, spec, params)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,6 @@ import attnhub
 from attnhub import Hub
 from attnhub.bind import decode_buckets
 from attnhub.core.builtin import ReferenceBackend
-from attnhub.core.capabilities import Capabilities
 from attnhub.core.registry import Registry
 from attnhub.hookspecs import hookimpl
 from attnhub.models.decoder import Decoder, DecoderConfig, random_prompts
@@ -127,7 +127,7 @@ class DenseOnly(ReferenceBackend):
 
     name = "dense_only"
     tier = "portable"
-    capabilities = Capabilities(layouts=frozenset({"bshd"}))
+    capabilities = replace(ReferenceBackend.capabilities, layouts=frozenset({"bshd"}))
 
 
 @hookimpl

@@ -43,7 +43,8 @@ class ReferenceBackend(Backend):
     description = "math attention in fp64/fp32 materialising scores; the tests' oracle"
     capabilities = Capabilities(
         dtypes=frozenset({"fp32", "fp16", "bf16"}), max_head_dim=1024, different_v_dim=True,
-        layouts=_ANY_LAYOUT, backward=True, deterministic_backward=True,
+        masks=ALL_MASKS, layouts=_ANY_LAYOUT, backward=True, deterministic_backward=True,
+        deterministic_forward=True, gqa=True, returns_lse=True, top_left_causal=True,
     )
 
     def forward(self, q, k, v, spec, params):  # type: ignore[override]
@@ -66,7 +67,8 @@ class TorchSDPABackend(Backend):
     capabilities = Capabilities(
         dtypes=frozenset({"fp32", "fp16", "bf16"}), max_head_dim=1024, different_v_dim=True,
         masks=ALL_MASKS - {"softcap", "score_mod"}, layouts=_ANY_LAYOUT, backward=True,
-        deterministic_backward=True,
+        deterministic_backward=True, deterministic_forward=True, gqa=True, returns_lse=True,
+        top_left_causal=True,
     )
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:

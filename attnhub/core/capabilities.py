@@ -18,7 +18,12 @@ HALF_DTYPES = frozenset({"fp16", "bf16"})
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What a backend supports. Empty ``archs`` means any arch of the listed vendors.
+    """What a backend supports; the defaults claim no optional feature.
+
+    Left out, a backend serves unmasked (``none``) dense forward attention in bshd/bhsd with
+    equal Q and KV head counts, no LSE, no backward, no top-left causal and no determinism
+    promise: every feature it has must be listed (docs/plugins.md has each field). Empty
+    ``archs`` means any arch of the listed vendors.
 
     ``min_capability``/``max_capability`` bound the CUDA compute capability (inclusive).
     ``head_dims`` is either an explicit set or ``None`` with ``max_head_dim`` and
@@ -36,21 +41,22 @@ class Capabilities:
     max_head_dim: int = 256
     head_dim_multiple: int = 1
     different_v_dim: bool = False
-    masks: frozenset[str] = ALL_MASKS
+    masks: frozenset[str] = frozenset({"none"})
     phases: frozenset[str] = frozenset(PHASES)
     layouts: frozenset[str] = frozenset({"bshd", "bhsd"})
     backward: bool = False
     deterministic_backward: bool = False
-    deterministic_forward: bool = True
-    gqa: bool = True
-    returns_lse: bool = True
-    top_left_causal: bool = True
+    deterministic_forward: bool = False
+    gqa: bool = False
+    returns_lse: bool = False
+    top_left_causal: bool = False
     exact: bool = True
     error_budget: float | None = None
     max_query_len_decode: int | None = None
     page_size_multiple: int = 1
 
     def __post_init__(self) -> None:
+        _check_types(self)
         bad = (set(self.dtypes) | set(self.kv_dtypes or ())) - set(DTYPES)
         bad |= set(self.masks) - ALL_MASKS
         bad |= set(self.phases) - set(PHASES)
@@ -129,6 +135,41 @@ class Capabilities:
         if spec.head_dim_v != spec.head_dim and not self.different_v_dim:
             r.append(f"value head dim {spec.head_dim_v} != {spec.head_dim} not supported")
         return r
+
+
+_SETS = ("vendors", "archs", "dtypes", "masks", "phases", "layouts")
+_BOOLS = ("different_v_dim", "backward", "deterministic_backward", "deterministic_forward",
+          "gqa", "returns_lse", "top_left_causal", "exact")
+
+
+def _check_types(c: Capabilities) -> None:
+    """Declarations are data a host trusts: wrong types fail here, at the plugin's import,
+    not later inside ``backends`` or ``doctor``."""
+    bad: list[str] = []
+    for name in _SETS + ("kv_dtypes", "head_dims"):
+        v = getattr(c, name)
+        if v is None and name in ("kv_dtypes", "head_dims"):
+            continue
+        if isinstance(v, (set, list, tuple)):
+            v = frozenset(v)
+            object.__setattr__(c, name, v)
+        want = int if name == "head_dims" else str
+        if not isinstance(v, frozenset) or not all(isinstance(x, want) for x in v):
+            bad.append(f"{name} must be a set of {want.__name__} (got {v!r})")
+    for name in _BOOLS:
+        if not isinstance(getattr(c, name), bool):
+            bad.append(f"{name} must be True or False (got {getattr(c, name)!r})")
+    for name in ("max_head_dim", "head_dim_multiple", "page_size_multiple"):
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            bad.append(f"{name} must be a positive int (got {v!r})")
+    for name in ("min_capability", "max_capability"):
+        v = getattr(c, name)
+        if v is not None and not (isinstance(v, tuple) and len(v) == 2
+                                  and all(isinstance(x, int) for x in v)):
+            bad.append(f"{name} must be a (major, minor) tuple of ints or None (got {v!r})")
+    if bad:
+        raise TypeError("invalid Capabilities: " + "; ".join(bad))
 
 
 def _fmt(values: object) -> str:

@@ -11,7 +11,8 @@ from typing import Any, Callable
 import pytest
 
 from attnhub.core.backend import AttentionOutput, Backend
-from attnhub.core.capabilities import Capabilities
+from attnhub.core.capabilities import ALL_MASKS
+from attnhub.core.capabilities import Capabilities as _Capabilities
 from attnhub.core.reference import reference_attention
 from attnhub.core.registry import Registry
 from attnhub.hookspecs import hookimpl
@@ -19,9 +20,18 @@ from attnhub.policy import ProfileStore
 from attnhub.policy.lint import FIRST_PARTY
 
 _CUDA = frozenset({"cuda"})
+#: What a stand-in claims unless told otherwise (Capabilities itself claims nothing).
+_CLAIMS = dict(masks=ALL_MASKS, gqa=True, returns_lse=True, top_left_causal=True,
+               deterministic_forward=True)
+
+
+def Capabilities(**kw: Any) -> _Capabilities:  # noqa: N802 - a constructor with defaults
+    return _Capabilities(**{**_CLAIMS, **kw})
+
+
 _ROCM = frozenset({"rocm"})
 #: Stand-in capabilities for first-party names whose plugin is not installed here.
-_STAND_INS: dict[str, tuple[str, Capabilities]] = {
+_STAND_INS: dict[str, tuple[str, _Capabilities]] = {
     "fa2": ("vendor", Capabilities(vendors=_CUDA, min_capability=(8, 0), backward=True)),
     "fa2_torch": ("vendor", Capabilities(vendors=_CUDA, min_capability=(8, 0), backward=True)),
     "fa3": ("vendor", Capabilities(vendors=_CUDA, archs=frozenset({"sm90"}), backward=True)),
@@ -49,7 +59,7 @@ class FakeBackend(Backend):
 
     name = "fake"
 
-    def __init__(self, name: str, tier: str = "portable", caps: Capabilities | None = None,
+    def __init__(self, name: str, tier: str = "portable", caps: _Capabilities | None = None,
                  raises: Exception | None = None):
         super().__init__()
         self.name = name  # type: ignore[misc]

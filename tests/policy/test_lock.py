@@ -47,7 +47,8 @@ def test_drift_after_a_backend_appears(write, tmp_path, make_registry, fake):
     assert check_lock(lock, policy, before).drifted is False
 
     # "a library upgrade": a new plugin now serves decode, so the decode binding changes
-    after = make_registry(fake("newkernel", "serving", Capabilities(phases=frozenset({"decode"}))))
+    after = make_registry(fake("newkernel", "serving", Capabilities(
+        phases=frozenset({"decode"}), masks=frozenset({"causal"}))))
     drift = check_lock(lock, policy, after)
     assert drift.drifted and len(drift.changed) == 1
     assert "decode" in drift.changed[0] and "[model=m]" in drift.changed[0]

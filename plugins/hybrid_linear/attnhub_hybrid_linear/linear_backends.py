@@ -53,7 +53,7 @@ LINEAR_CAPABILITIES = Capabilities(
     dtypes=FLOAT_DTYPES, max_head_dim=128, different_v_dim=True,
     masks=frozenset({"causal", "document"}), layouts=frozenset({"bshd", "thd", "paged"}),
     backward=True, deterministic_backward=True, returns_lse=False, top_left_causal=False,
-    exact=False, error_budget=math.inf,
+    deterministic_forward=True, gqa=True, exact=False, error_budget=math.inf,
 )
 
 

@@ -113,6 +113,7 @@ class SlidingWindowBackend(_Banded):
         dtypes=FLOAT_DTYPES, max_head_dim=512, different_v_dim=True,
         masks=frozenset({"causal", "sliding_window", "softcap", "alibi", "document"}),
         layouts=_ALL_LAYOUTS, backward=True, deterministic_backward=True,
+        deterministic_forward=True, gqa=True, returns_lse=True, top_left_causal=True,
     )
 
 
@@ -127,6 +128,7 @@ class LongformerBackend(_Banded):
         dtypes=FLOAT_DTYPES, max_head_dim=512, different_v_dim=True,
         masks=frozenset({"causal", "sliding_window", "document"}), layouts=_ALL_LAYOUTS,
         backward=True, deterministic_backward=False, exact=False, error_budget=LONGFORMER_BUDGET,
+        deterministic_forward=True, gqa=True, returns_lse=True, top_left_causal=True,
     )
 
     def global_positions(self, p: AttnParams, sk: int,
@@ -145,6 +147,7 @@ class LSHBackend(_BlockSparse):
         dtypes=FLOAT_DTYPES, max_head_dim=512, different_v_dim=True,
         masks=frozenset({"causal", "document"}), layouts=_ALL_LAYOUTS, backward=True,
         deterministic_backward=False, exact=False, error_budget=LSH_BUDGET,
+        deterministic_forward=True, gqa=True, returns_lse=True, top_left_causal=True,
     )
 
     def compute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

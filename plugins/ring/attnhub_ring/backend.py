@@ -42,6 +42,7 @@ class RingBackend(Backend):
         masks=frozenset({"none", "causal", "softcap", "document"}),
         phases=frozenset({"train", "prefill"}), layouts=frozenset({"bshd", "bhsd", "thd"}),
         backward=True, deterministic_backward=True, gqa=True, returns_lse=True,
+        deterministic_forward=True, top_left_causal=True,
     )
 
     def __init__(self, local_backend: Backend | None = None,

@@ -52,7 +52,7 @@ def _capabilities(archs: frozenset[str], different_v: bool) -> Capabilities:
         vendors=frozenset({"rocm"}), archs=archs, dtypes=frozenset({"fp16", "bf16"}),
         max_head_dim=256, different_v_dim=different_v, masks=CK_MASKS,
         layouts=frozenset({"bshd", "bhsd", "thd"}), backward=True, deterministic_backward=True,
-        top_left_causal=False,
+        deterministic_forward=True, gqa=True, returns_lse=True, top_left_causal=False,
     )
 
 

@@ -54,7 +54,8 @@ def fa2_capabilities(build: FlashAttnBuild) -> Capabilities:
         vendors=frozenset({"cuda"}), min_capability=(8, 0), dtypes=HALF_DTYPES,
         max_head_dim=256, head_dim_multiple=8, masks=frozenset(masks),
         layouts=frozenset(layouts), backward=True, deterministic_backward=build.deterministic,
-        page_size_multiple=FA2_PAGE_MULTIPLE,
+        page_size_multiple=FA2_PAGE_MULTIPLE, deterministic_forward=True, gqa=True,
+        returns_lse=True, top_left_causal=True,
     )
 
 

@@ -41,7 +41,8 @@ def torch_flash_capabilities(schema: frozenset[str]) -> Capabilities:
     return Capabilities(
         vendors=frozenset({"cuda"}), min_capability=(8, 0), dtypes=HALF_DTYPES,
         max_head_dim=256, head_dim_multiple=8, masks=frozenset(masks),
-        layouts=frozenset({"bshd", "bhsd", "thd"}), backward=True,
+        layouts=frozenset({"bshd", "bhsd", "thd"}), backward=True, deterministic_forward=True,
+        gqa=True, returns_lse=True, top_left_causal=True,
     )
 
 

@@ -54,7 +54,7 @@ def flashinfer_capabilities(build: FlashInferBuild, phases: frozenset[str],
         vendors=frozenset({"cuda"}), min_capability=(8, 0), dtypes=HALF_DTYPES,
         head_dims=frozenset({64, 128, 256}), masks=frozenset(masks), phases=phases,
         layouts=frozenset({"paged"}), top_left_causal=False, returns_lse=build.lse,
-        max_query_len_decode=max_query_len_decode,
+        max_query_len_decode=max_query_len_decode, deterministic_forward=True, gqa=True,
     )
 
 

@@ -31,7 +31,8 @@ from attnhub.plugin import (
 CUDNN_CAPABILITIES = Capabilities(
     vendors=frozenset({"cuda"}), min_capability=(8, 0), dtypes=HALF_DTYPES, max_head_dim=128,
     head_dim_multiple=8, masks=frozenset({"causal"}), layouts=frozenset({"bshd", "bhsd"}),
-    phases=frozenset({"train", "prefill"}), backward=True,
+    phases=frozenset({"train", "prefill"}), backward=True, deterministic_forward=True,
+    gqa=True, returns_lse=True, top_left_causal=True,
 )
 
 

@@ -59,6 +59,7 @@ def fa3_capabilities(build: Fa3Build) -> Capabilities:
         max_head_dim=build.max_head_dim, head_dim_multiple=8, masks=fa3_masks(build),
         layouts=frozenset(layouts), backward=backward, deterministic_backward=backward,
         phases=frozenset({"train", "prefill", "decode"} if backward else {"prefill", "decode"}),
+        deterministic_forward=True, gqa=True, returns_lse=True, top_left_causal=True,
     )
 
 

@@ -43,7 +43,8 @@ def fa3_fp8_capabilities(build: Fa3Build) -> Capabilities:
         kv_dtypes=frozenset({"fp8_e4m3"}), max_head_dim=build.max_head_dim,
         head_dim_multiple=8, masks=fa3_masks(build) - {"document"},
         layouts=frozenset({"bshd", "bhsd"}), phases=frozenset({"prefill", "decode"}),
-        exact=False, error_budget=FP8_ERROR_BUDGET,
+        exact=False, error_budget=FP8_ERROR_BUDGET, deterministic_forward=True, gqa=True,
+        returns_lse=True, top_left_causal=True,
     )
 
 

@@ -38,6 +38,7 @@ class TritonDecodeBackend(Backend):
         phases=frozenset({"decode"}),
         layouts=frozenset({"bshd", "paged"}),
         backward=False,
+        deterministic_forward=True,
         gqa=True,
         returns_lse=True,
         top_left_causal=True,

@@ -53,6 +53,7 @@ class TritonDenseBackend(Backend):
         layouts=frozenset({"bshd", "bhsd", "thd"}),
         backward=True,
         deterministic_backward=True,
+        deterministic_forward=True,
         gqa=True,
         returns_lse=True,
         top_left_causal=True,

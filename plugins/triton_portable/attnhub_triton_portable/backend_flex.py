@@ -44,6 +44,7 @@ class FlexBackend(Backend):
         layouts=frozenset({"bshd", "thd"}),
         backward=True,
         deterministic_backward=False,
+        deterministic_forward=True,
         gqa=True,
         returns_lse=True,
         top_left_causal=True,
