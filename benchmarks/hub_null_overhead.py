@@ -1,0 +1,110 @@
+"""Host cost of the hub's call path over the bound backend, with a null backend on the CPU.
+
+The null backend returns preallocated tensors of the right shape, so the time measured is the
+hub's own per-call work: argument checks, the exact-shape lookup, the output contract. Prints
+the median per call of ``hub.attention`` minus that of calling the backend's ``forward``
+directly (the goal of issue 15 is <= 5 us), for a plain call, a call with side tensors
+(ALiBi slopes, softcap, scale) and a paged decode call.
+
+    python benchmarks/hub_null_overhead.py [--calls 20000] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+import attnhub
+from attnhub import AttentionOutput, AttnParams, Backend, Capabilities
+from attnhub.core.capabilities import ALL_MASKS
+from attnhub.core.registry import Registry
+from attnhub.hookspecs import hookimpl
+
+
+class NullBackend(Backend):
+    """Serves anything, computes nothing: returns a preallocated output of the right shape."""
+
+    name = "null"
+    tier = "portable"
+    capabilities = Capabilities(dtypes=frozenset({"fp32", "fp16", "bf16"}), max_head_dim=1024,
+                                layouts=frozenset({"bshd", "thd", "paged"}),
+                                different_v_dim=True, gqa=True, masks=ALL_MASKS)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outs: dict[tuple, torch.Tensor] = {}
+
+    def forward(self, q, k, v, spec, params):  # type: ignore[override]
+        shape = (*q.shape[:-1], v.shape[-1])
+        out = self.outs.get(shape)
+        if out is None:
+            out = self.outs[shape] = q.new_zeros(shape)
+        return AttentionOutput(out, None)
+
+
+def median_us(fn, calls: int) -> float:
+    for _ in range(500):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    reg = Registry.load(entry_points=False, modules=[])
+    null = NullBackend()
+
+    class NullPlugin:
+        @hookimpl
+        def attnhub_register_backends(self, register) -> None:  # type: ignore[no-untyped-def]
+            register(null)
+
+    reg.add_plugin(NullPlugin(), "null")
+    hub = attnhub.Hub(registry=reg, hardware="cpu")
+    q = torch.randn(1, 1, 32, 128)
+    k = torch.randn(1, 128, 8, 128)
+    v = torch.randn_like(k)
+    slopes = torch.rand(32)
+    pages = torch.randn(16, 16, 8, 128)
+    bt = torch.arange(16, dtype=torch.int32).view(2, 8)
+    sl = torch.tensor([100, 60], dtype=torch.int32)
+    qp = torch.randn(2, 1, 32, 128)
+    spec = hub.runner_for(attnhub.AttentionSpec(dtype="fp32", num_q_heads=32, num_kv_heads=8),
+                          backend="null").decision.spec
+    params = AttnParams(scale=1 / math.sqrt(128))
+    res = {}
+    direct = median_us(lambda: null.forward(q, k, v, spec, params), args.calls)
+    cases = {
+        "plain": lambda: hub.attention(q, k, v, backend="null"),
+        "side_tensors": lambda: hub.attention(q, k, v, backend="null", alibi_slopes=slopes,
+                                              softcap=30.0, scale=0.1, causal=True),
+        "paged_decode": lambda: hub.attention(qp, pages, pages, layout="paged",
+                                              block_table=bt, seqlens_k=sl, backend="null"),
+    }
+    for name, fn in cases.items():
+        res[name + "_us"] = median_us(fn, args.calls)
+        res[name + "_added_us"] = res[name + "_us"] - direct
+    res["direct_null_forward_us"] = direct
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return
+    print(f"null backend forward called directly: {direct:.2f} us")
+    for name in cases:
+        print(f"  {name:13s} hub.attention {res[name + '_us']:.2f} us "
+              f"(+{res[name + '_added_us']:.2f} us hub overhead)")
+
+
+if __name__ == "__main__":
+    main()
