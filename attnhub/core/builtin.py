@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..hookspecs import hookimpl
 from .backend import AttentionOutput, Backend
@@ -45,6 +46,7 @@ class ReferenceBackend(Backend):
         dtypes=frozenset({"fp32", "fp16", "bf16"}), max_head_dim=1024, different_v_dim=True,
         masks=ALL_MASKS, layouts=_ANY_LAYOUT, backward=True, deterministic_backward=True,
         deterministic_forward=True, gqa=True, returns_lse=True, top_left_causal=True,
+        lse_second_pass=True,
     )
 
     def forward(self, q, k, v, spec, params):  # type: ignore[override]
@@ -58,8 +60,9 @@ class ReferenceBackend(Backend):
 
 
 class TorchSDPABackend(Backend):
-    """torch's scaled_dot_product_attention with explicit masks/biases for every mask kind
-    it can express; bottom-right causal built as an explicit mask when Sq != Sk."""
+    """torch's scaled_dot_product_attention. Causal masks without a materialised tensor where
+    SDPA has a native form (no mask for one bottom-right query, ``is_causal``,
+    ``causal_lower_right``); explicit masks/biases for the other kinds it can express."""
 
     name = "torch_sdpa"
     tier = "portable"
@@ -68,7 +71,7 @@ class TorchSDPABackend(Backend):
         dtypes=frozenset({"fp32", "fp16", "bf16"}), max_head_dim=1024, different_v_dim=True,
         masks=ALL_MASKS - {"softcap", "score_mod"}, layouts=_ANY_LAYOUT, backward=True,
         deterministic_backward=True, deterministic_forward=True, gqa=True, returns_lse=True,
-        top_left_causal=True,
+        top_left_causal=True, lse_second_pass=True,
     )
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
@@ -106,44 +109,89 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = q.new_zeros(b, sq, hq, v.shape[-1])
         lse = torch.full((b, hq, sq), float("-inf"), device=q.device) if p.return_lse else None
         return AttentionOutput(out, lse)
-    other_masks = (p.window is not None or p.prefix_lens is not None
-                   or p.colmask_start is not None or p.mask_mod is not None)
-    simple_causal = (p.causal and (sq == sk or p.alignment == "top_left") and sq <= sk
-                     and p.alibi_slopes is None)  # is_causal cannot be combined with a bias
-    if not other_masks and (simple_causal or not p.causal):
-        allowed = None  # SDPA's own is_causal (top-left) or no mask at all
-    else:
-        allowed = allowed_mask(p, b, hq, sq, sk, q.device, kv_heads=hkv)
-    bias = None
-    if p.alibi_slopes is not None:
-        bias = alibi_bias(p.alibi_slopes, sq, sk, p.alignment, q.device)
+    native = _native_causal(p, sq, sk)
+    if native is not None and not (p.return_lse and q.device.type == "cpu"):
+        is_causal, bias_obj = native
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal,
+                                             scale=p.scale, enable_gqa=hq != hkv)
+        lse = _lse(qt, kt, p, _causal_allowed(p, sq, sk, q.device), None, None) \
+            if p.return_lse else None
+        return AttentionOutput(out.transpose(1, 2), lse)
+    allowed = allowed_mask(p, b, hq, sq, sk, q.device, kv_heads=hkv)
+    bias = alibi_bias(p.alibi_slopes, sq, sk, p.alignment, q.device) \
+        if p.alibi_slopes is not None else None
     row_ok = None
-    mask = None
+    mask = bias
     if allowed is not None:
         row_ok = allowed.any(dim=-1, keepdim=True)
         allowed = allowed | ~row_ok  # fully masked rows attend everywhere, then are zeroed
         mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
-    elif bias is not None:
-        mask = bias
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(q.dtype)
-    out = F.scaled_dot_product_attention(
-        qt, kt, vt, attn_mask=mask, is_causal=allowed is None and p.causal and mask is None,
-        scale=p.scale, enable_gqa=hq != hkv,
-    )
+    if p.return_lse and q.device.type == "cpu" and (bias is None or q.dtype == torch.float32):
+        out, lse = _cpu_flash_with_lse(qt, kt, vt, mask, p.scale)
+        if row_ok is not None:
+            lse = lse.masked_fill(~row_ok.squeeze(-1), float("-inf"))
+    else:
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=p.scale,
+                                             enable_gqa=hq != hkv)
+        lse = _lse(qt, kt, p, allowed, row_ok, bias) if p.return_lse else None
     if row_ok is not None:
         out = out * row_ok
-    lse = _lse(qt, kt, p, allowed, row_ok, bias) if p.return_lse else None
     return AttentionOutput(out.transpose(1, 2), lse)
+
+
+def _native_causal(p: AttnParams, sq: int, sk: int) -> tuple[bool, object] | None:
+    """``(is_causal, attn_mask)`` for SDPA when the mask needs no materialised tensor, else
+    None. No mask at all: not causal, or one bottom-right query (it sees every key, the decode
+    step of every KV-cache generate loop). SDPA's own ``is_causal`` (top-left): Sq == Sk or a
+    top-left mask. ``causal_lower_right``: bottom-right with 1 < Sq < Sk (chunked prefill,
+    speculative decode), which SDPA runs with flash/mem-efficient kernels on a GPU. Sq > Sk
+    bottom-right has rows that see no key (0 out, -inf LSE) and keeps the explicit mask."""
+    if (p.window is not None or p.prefix_lens is not None or p.colmask_start is not None
+            or p.mask_mod is not None or p.alibi_slopes is not None):
+        return None
+    if not p.causal or (sq == 1 and p.alignment == "bottom_right"):
+        return False, None
+    if sq == sk or (p.alignment == "top_left" and sq <= sk):
+        return True, None
+    if sq < sk:
+        return False, causal_lower_right(sq, sk)
+    return None
+
+
+def _causal_allowed(p: AttnParams, sq: int, sk: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """The (1, 1, Sq, Sk) causal mask for the LSE pass, None when every key is visible."""
+    if not p.causal or (sq == 1 and p.alignment == "bottom_right"):
+        return None
+    return allowed_mask(p, 1, 1, sq, sk, device)
+
+
+def _cpu_flash_with_lse(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
+                        mask: torch.Tensor | None,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and natural-log LSE in one pass: the CPU flash kernel SDPA runs returns both
+    (GQA native); it takes an additive mask of the query's dtype, not a boolean one, so a
+    float bias (ALiBi) takes this path only in fp32, where the cast loses nothing."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=qt.dtype, device=qt.device).masked_fill(
+            ~mask, float("-inf"))
+    elif mask is not None:
+        mask = mask.to(qt.dtype)
+    if mask is not None:
+        mask = mask.expand(qt.shape[0], qt.shape[1], qt.shape[2], kt.shape[2])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qt, kt, vt, 0.0, False, attn_mask=mask, scale=scale)
+    return out, lse
 
 
 def _lse(qt: torch.Tensor, kt: torch.Tensor, p: AttnParams, allowed: torch.Tensor | None,
          row_ok: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """LSE by a second pass over the scores (SDPA does not return it), in query chunks."""
+    """LSE by a second pass over the scores, in query chunks: on a GPU SDPA's fused kernels
+    do not return it (on the CPU ``_cpu_flash_with_lse`` gets it in the same pass)."""
     sq, sk = qt.shape[2], kt.shape[2]
     kt = kt.float().repeat_interleave(qt.shape[1] // kt.shape[1], dim=1)
-    if allowed is None and p.causal:
-        allowed = allowed_mask(p, 1, 1, sq, sk, qt.device)
     chunks = []
     for s0 in range(0, sq, 1024):
         s = torch.matmul(qt[:, :, s0:s0 + 1024].float(), kt.transpose(-1, -2)) * p.scale
