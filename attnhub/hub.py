@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .core.backend import AttentionOutput, Backend
-from .core.decision import BindContext, Decision
+from .core.backend import AttentionOutput, Backend, safe_check
+from .core.decision import BindContext, Decision, report_missing
 from .core.device import DeviceInfo, probe
 from .core.registry import Registry
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
@@ -108,7 +108,7 @@ class Hub:
         backend = backend or self.forced_backend
         if backend is not None:
             b = self.registry.get(backend)
-            reasons = b.check(spec, self.device)
+            reasons = safe_check(b, spec, self.device)
             if reasons:
                 raise BackendUnavailableError(backend, reasons)
             d = Decision(spec=spec, device=self.device.describe(), backend=backend,
@@ -116,6 +116,8 @@ class Hub:
                          notes=("backend forced by argument or ATTNHUB_BACKEND",))
             return Runner(d, [b], self)
         d = self.decide(spec, ctx)
+        if d.missing:  # a rule names an uninstalled backend: warned once, counted
+            report_missing(d, self.fallback_counts, self._warned)
         if d.backend is None:
             raise NoBackendError(
                 "no backend can serve this call:\n" + d.explain(), decision=d)

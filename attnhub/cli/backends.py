@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.backend import safe_available
 from ..core.device import probe
 from ..core.registry import Registry
 from ._common import add_hardware, add_json, print_json, table
@@ -20,7 +21,7 @@ def backend_rows(reg: Registry, hardware: str | None) -> list[dict]:
     dev = probe(hardware)
     out = []
     for name, b in reg.backends.items():
-        reasons = b.available(dev)
+        reasons = safe_available(b, dev)
         c = b.capabilities
         out.append({"name": name, "plugin": b.plugin, "tier": b.tier, "available": not reasons,
                     "reasons": reasons, "exact": c.exact, "backward": c.backward,

@@ -36,6 +36,30 @@ def module_available(name: str) -> bool:
         return False
 
 
+def raised_reason(backend: object, what: str, exc: Exception) -> str:
+    """A rejection reason for plugin code that raised, naming the backend and the plugin."""
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return (f"{what}() of backend {getattr(backend, 'name', '?')!r} raised {text} (a bug in "
+            f"plugin {getattr(backend, 'plugin', '?')!r}; report it to its authors)")
+
+
+def safe_check(backend: "Backend", spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+    """``backend.check`` for hosts: a subclass that overrides ``check`` and raises gives a
+    reason instead of an exception."""
+    try:
+        return list(backend.check(spec, device))
+    except Exception as exc:
+        return [raised_reason(backend, "check", exc)]
+
+
+def safe_available(backend: "Backend", device: DeviceInfo) -> list[str]:
+    """``backend.available`` for hosts, as :func:`safe_check`."""
+    try:
+        return list(backend.available(device))
+    except Exception as exc:
+        return [raised_reason(backend, "available", exc)]
+
+
 class AttentionOutput(NamedTuple):
     """``out`` in the query layout; ``lse`` (B, Hq, Sq) or (Hq, total_q) natural-log, or None."""
 
@@ -83,18 +107,30 @@ class Backend(ABC):
         return []
 
     def check(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        """Every reason this backend cannot serve ``spec`` on ``device``; empty means it can."""
-        reasons = self.capabilities.check(spec, device)
-        if not device.simulated:
-            reasons += self.missing_requirements()
-        return reasons + self.extra_checks(spec, device)
+        """Every reason this backend cannot serve ``spec`` on ``device``; empty means it can.
+
+        A plugin's own code raising here (``extra_checks``, a capabilities property) becomes
+        a rejection reason naming the plugin: a buggy check never reaches the host."""
+        try:
+            reasons = self.capabilities.check(spec, device)
+            if not device.simulated:
+                reasons += self.missing_requirements()
+            return reasons + list(self.extra_checks(spec, device))
+        except Exception as exc:
+            return [self._raised("check", exc)]
 
     def available(self, device: DeviceInfo) -> list[str]:
         """Reasons the backend cannot run on this device at all (any spec)."""
-        reasons = self.capabilities._check_device(device)
-        if not device.simulated:
-            reasons += self.missing_requirements()
-        return reasons
+        try:
+            reasons = self.capabilities._check_device(device)
+            if not device.simulated:
+                reasons += self.missing_requirements()
+            return reasons
+        except Exception as exc:
+            return [self._raised("available", exc)]
+
+    def _raised(self, what: str, exc: Exception) -> str:
+        return raised_reason(self, what, exc)
 
     # -- doing ----------------------------------------------------------------------------
     def load(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +48,9 @@ class Decision:
     notes: tuple[str, ...] = ()
     #: For a distributed backend (ring): the decision for the local kernel it wraps.
     inner: "Decision | None" = None
+    #: Candidates of the matched rule that no installed plugin registers: the call is served
+    #: by a later candidate, so hubs warn once per (rule, backend) and count it.
+    missing: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         c = self.context
@@ -63,6 +68,7 @@ class Decision:
             "context": {"model": c.model, "layer": c.layer, "layer_kind": c.layer_kind,
                         "world_size": c.world_size},
             "notes": list(self.notes),
+            "missing": list(self.missing),
             "inner": self.inner.to_json() if self.inner is not None else None,
         }
 
@@ -82,3 +88,19 @@ class Decision:
             lines.append("local kernel inside " + (self.backend or "?") + ":")
             lines += ["  " + line for line in self.inner.explain().splitlines()]
         return "\n".join(lines)
+
+
+def report_missing(d: Decision, counts: Counter[tuple[str, str]],
+                   warned: set[tuple[str, str]]) -> None:
+    """A rule named a backend that is not installed and a later candidate serves: warn once
+    per (rule, backend) and count it as a fallback ``(missing, served_by)`` at bind time."""
+    for name in d.missing:
+        served = d.backend or "nothing"
+        counts[(name, served)] += 1
+        key = (f"rule:{d.rule}", name)
+        if key not in warned:
+            warned.add(key)
+            logging.getLogger("attnhub").warning(
+                "attnhub: rule %s (%s) names backend %s, which is not installed; %s serves "
+                "instead (install its plugin or remove it from the rule)", d.rule,
+                d.rule_location, name, served)

@@ -2,8 +2,15 @@
 
 Plugins come from entry points in group ``attnhub.backends`` (how pip-installed plugins are
 found) and from ``ATTNHUB_PLUGIN_MODULES`` (comma-separated module names, for source trees on
-``PYTHONPATH`` without installed metadata). Each plugin is imported and asked to register in
-its own try/except: a broken plugin is recorded and shown, never fatal to the host.
+``PYTHONPATH`` without installed metadata). ``ATTNHUB_PLUGINS`` keeps only the plugins named
+(``a,b``) or drops some (``-a,-b``). Each plugin is imported and asked to register in its own
+guard: a plugin that raises anything but ``KeyboardInterrupt`` (``SystemExit`` included) is
+recorded and shown, never fatal to the host.
+
+A backend name belongs to one provider. When two plugins register the same name neither gets
+it (a plugin loaded first must not be able to take over another's name) unless the
+deployment picks the provider with ``ATTNHUB_PROVIDERS=name=plugin,...``; a core name can be
+taken by a plugin only that way.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ from typing import Any, Callable
 import pluggy
 
 from .. import hookspecs
-from ..errors import UnknownBackendError
+from ..errors import PluginError, UnknownBackendError
 from .backend import TIERS, Backend
+from .capabilities import Capabilities
 
 log = logging.getLogger("attnhub")
 
 ENTRY_POINT_GROUP = "attnhub.backends"
 CORE_PLUGIN = "core"
+PROVIDERS_ENV = "ATTNHUB_PROVIDERS"
 
 
 @dataclass
@@ -65,37 +74,49 @@ class Variant:
 class Registry:
     """Backends and variants by name, with a record of every plugin's load."""
 
-    def __init__(self) -> None:
+    def __init__(self, providers: dict[str, str] | None = None) -> None:
         self.pm = pluggy.PluginManager("attnhub")
         self.pm.add_hookspecs(hookspecs)
         self.backends: dict[str, Backend] = {}
         self.variants: dict[str, Variant] = {}
         self.plugins: dict[str, PluginRecord] = {}
+        #: Backend name -> the plugin the deployment picked to serve it (ATTNHUB_PROVIDERS).
+        self.providers: dict[str, str] = dict(providers or {})
+        #: Backend name -> every plugin that registered it, when two did and none was picked.
+        self.conflicts: dict[str, list[str]] = {}
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
     def load(cls, *, allow: list[str] | None = None, modules: list[str] | None = None,
-             entry_points: bool = True) -> "Registry":
+             entry_points: bool = True, deny: list[str] | None = None,
+             providers: dict[str, str] | None = None) -> "Registry":
         """The core backends plus plugins from entry points and ``ATTNHUB_PLUGIN_MODULES``.
 
-        ``allow`` (default: ``ATTNHUB_PLUGINS``, comma-separated; unset means all, empty means
-        only the core) keeps only the plugins named.
+        ``allow``/``deny`` default to ``ATTNHUB_PLUGINS`` (comma-separated; unset means all,
+        empty means only the core, ``-name`` entries deny that plugin and keep the rest).
+        ``providers`` (default ``ATTNHUB_PROVIDERS``, ``backend=plugin,...``) picks who serves
+        a backend name that more than one plugin registers.
         """
-        reg = cls()
+        if allow is None and deny is None and "ATTNHUB_PLUGINS" in os.environ:
+            allow, deny = parse_plugin_filter(os.environ["ATTNHUB_PLUGINS"])
+        if providers is None:
+            providers = parse_providers(os.environ.get(PROVIDERS_ENV, ""))
+        reg = cls(providers)
         from . import builtin
 
         core = reg.add_plugin(builtin, CORE_PLUGIN)
         core.distribution = "attnhub"
         core.version = _version("attnhub")
-        if allow is None and "ATTNHUB_PLUGINS" in os.environ:
-            allow = [a.strip() for a in os.environ["ATTNHUB_PLUGINS"].split(",") if a.strip()]
+        denied = set(deny or ())
+        if allow is not None:
+            allow = [a for a in allow if a not in denied]
         if modules is None:
             env = os.environ.get("ATTNHUB_PLUGIN_MODULES", "")
             modules = [m.strip() for m in env.split(",") if m.strip()]
         seen_modules: set[str] = set()
         if entry_points:
             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-                if allow is not None and ep.name not in allow:
+                if (allow is not None and ep.name not in allow) or ep.name in denied:
                     continue
                 dist = getattr(ep, "dist", None)
                 seen_modules.add(ep.value.split(":")[0])
@@ -103,9 +124,10 @@ class Registry:
                               dist.name if dist else None, dist.version if dist else None)
         for mod in modules:
             name = mod.rsplit(".", 1)[0].split(".")[0].removeprefix("attnhub_")
-            if mod in seen_modules or (allow is not None and name not in allow):
+            if mod in seen_modules or (allow is not None and name not in allow) or name in denied:
                 continue
-            reg._load_one(name, mod, lambda m=mod: importlib.import_module(m), None, None)
+            dist, version = _module_distribution(mod)
+            reg._load_one(name, mod, lambda m=mod: importlib.import_module(m), dist, version)
         return reg
 
     def _load_one(self, name: str, module: str, loader: Callable[[], Any],
@@ -119,8 +141,10 @@ class Registry:
         self.plugins[name] = rec
         try:
             obj = loader()
-        except Exception as exc:  # a broken plugin must not take the host down
-            rec.errors.append(f"import failed: {type(exc).__name__}: {exc}")
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit too: a plugin must not take the host down
+            rec.errors.append(f"import failed: {_exc_text(exc)}")
             log.debug("plugin %s failed to import:\n%s", name, traceback.format_exc())
             return rec
         self._register_from(obj, rec)
@@ -136,8 +160,10 @@ class Registry:
     def _register_from(self, obj: object, rec: PluginRecord) -> None:
         try:
             self.pm.register(obj, name=rec.name)
-        except Exception as exc:
-            rec.errors.append(f"invalid plugin: {type(exc).__name__}: {exc}")
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            rec.errors.append(f"invalid plugin: {_exc_text(exc)}")
             return
         for impl in self.pm.hook.attnhub_register_backends.get_hookimpls():
             if impl.plugin_name == rec.name:
@@ -150,15 +176,14 @@ class Registry:
     def _call(rec: PluginRecord, fn: Callable[[], None]) -> None:
         try:
             fn()
-        except Exception as exc:
-            rec.errors.append(f"registration raised {type(exc).__name__}: {exc}")
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            rec.errors.append(f"registration raised {_exc_text(exc)}")
 
     def _backend_adder(self, rec: PluginRecord) -> Callable[[Any], None]:
         def register(backend: Any) -> None:
-            problem = _invalid_backend(backend)
-            if problem is None and backend.name in self.backends:
-                other = self.backends[backend.name].plugin
-                problem = f"backend name {backend.name!r} is already registered by {other!r}"
+            problem = _invalid_backend(backend) or self._name_problem(backend.name, rec)
             if problem:
                 rec.errors.append(problem)
                 return
@@ -167,6 +192,38 @@ class Registry:
             rec.backends.append(backend.name)
 
         return register
+
+    def _name_problem(self, name: str, rec: PluginRecord) -> str | None:
+        """Why ``rec`` may not serve backend ``name`` (None: it may). A name claimed twice
+        without a pick is taken from both, so load order never decides who serves it."""
+        pick = self.providers.get(name)
+        if pick is not None and pick != rec.name:
+            return (f"backend name {name!r} is not registered from {rec.name!r}: the deployment "
+                    f"picks plugin {pick!r} for it ({PROVIDERS_ENV})")
+        if name in self.conflicts:
+            self.conflicts[name].append(rec.name)
+            return self._conflict_text(name)
+        other = self.backends.get(name)
+        if other is None or pick == rec.name:
+            if other is not None:
+                self.plugins[other.plugin].backends.remove(name)
+            return None
+        if other.plugin == rec.name:
+            return f"backend name {name!r} is registered twice by this plugin"
+        if other.plugin == CORE_PLUGIN:
+            return (f"backend name {name!r} is already registered by 'core' (attnhub's own); "
+                    f"rename the backend, or set {PROVIDERS_ENV}={name}={rec.name} to replace it")
+        del self.backends[name]
+        self.plugins[other.plugin].backends.remove(name)
+        self.conflicts[name] = [other.plugin, rec.name]
+        self.plugins[other.plugin].errors.append(self._conflict_text(name))
+        return self._conflict_text(name)
+
+    def _conflict_text(self, name: str) -> str:
+        who = ", ".join(f"{p!r} ({self.provider_text(p)})" for p in self.conflicts[name])
+        return (f"backend name {name!r} is registered by more than one plugin: {who}; neither "
+                f"serves it. Pick one with {PROVIDERS_ENV}={name}=<plugin>, or remove the "
+                "other plugin (ATTNHUB_PLUGINS=-<plugin>)")
 
     def _variant_adder(self, rec: PluginRecord) -> Callable[..., None]:
         def register(name: str, score_mod: Callable[..., Any] | None = None,
@@ -199,6 +256,28 @@ class Registry:
     def names(self) -> list[str]:
         return list(self.backends)
 
+    def provider(self, backend: str) -> dict[str, str | None] | None:
+        """Who serves ``backend``: plugin, distribution and version (None if nobody)."""
+        b = self.backends.get(backend)
+        if b is None:
+            return None
+        rec = self.plugins.get(b.plugin)
+        return {"plugin": b.plugin, "distribution": rec.distribution if rec else None,
+                "version": rec.version if rec else None}
+
+    def provider_text(self, plugin: str) -> str:
+        rec = self.plugins.get(plugin)
+        if rec is None or rec.distribution is None:
+            return f"module {rec.module}" if rec else "?"
+        return f"{rec.distribution} {rec.version or '?'}"
+
+    def missing_reason(self, name: str) -> str:
+        """Why no backend ``name`` is registered, for decision records."""
+        if name in self.conflicts:
+            return self._conflict_text(name)
+        return (f"unknown backend (no installed plugin registers it); known: "
+                f"{', '.join(sorted(self.backends))}")
+
     def errors(self) -> list[tuple[str, str]]:
         return [(r.name, e) for r in self.plugins.values() for e in r.errors]
 
@@ -210,6 +289,45 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def parse_plugin_filter(text: str) -> tuple[list[str] | None, list[str]]:
+    """``ATTNHUB_PLUGINS``: ``"a,b"`` -> allow a and b; ``"-c"`` -> all but c; ``""`` ->
+    only the core. Returns (allow or None for all, deny)."""
+    items = [a.strip() for a in text.split(",") if a.strip()]
+    deny = [a[1:].strip() for a in items if a.startswith("-")]
+    allow = [a for a in items if not a.startswith("-")]
+    return (allow if allow or not deny else None), deny
+
+
+def parse_providers(text: str) -> dict[str, str]:
+    """``ATTNHUB_PROVIDERS="flex=triton_portable,fa2=sm80_fa2"`` -> {backend: plugin}."""
+    out: dict[str, str] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        name, sep, plugin = item.partition("=")
+        if not sep or not name.strip() or not plugin.strip():
+            raise PluginError(f"{PROVIDERS_ENV}: {item!r} is not backend=plugin (e.g. "
+                              "flex=triton_portable)")
+        out[name.strip()] = plugin.strip()
+    return out
+
+
+def _exc_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300] if str(exc) else \
+        type(exc).__name__
+
+
+def _module_distribution(module: str) -> tuple[str | None, str | None]:
+    """The installed distribution that ships top-level ``module`` (editable installs
+    included), so plugins named by module still record a provider and version."""
+    top = module.split(".")[0]
+    try:
+        dists = importlib.metadata.packages_distributions().get(top) or []
+    except Exception:  # broken metadata of some other package
+        return None, None
+    return (dists[0], _version(dists[0])) if dists else (None, None)
+
+
 def _invalid_backend(obj: Any) -> str | None:
     if not isinstance(obj, Backend):
         return f"registered {type(obj).__name__!r}, which is not an attnhub Backend subclass"
@@ -218,4 +336,11 @@ def _invalid_backend(obj: Any) -> str | None:
         return f"backend {type(obj).__name__} has an invalid name {name!r} (use an identifier)"
     if obj.tier not in TIERS:
         return f"backend {name!r} has unknown tier {obj.tier!r} (use one of {', '.join(TIERS)})"
+    try:
+        caps = obj.capabilities
+    except Exception as exc:
+        return f"backend {name!r}: reading its capabilities raised {_exc_text(exc)}"
+    if not isinstance(caps, Capabilities):
+        return (f"backend {name!r} declares capabilities as {type(caps).__name__}, expected an "
+                "attnhub.plugin.Capabilities instance (see docs/plugins.md)")
     return None

@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..core.backend import Backend
+from ..core.backend import Backend, safe_check
 from ..core.decision import BindContext, Decision, Rejection
 from ..core.device import DeviceInfo
 from ..core.registry import Registry
@@ -36,6 +36,7 @@ class _Outcome:
     on_failure: str = "next"
     fallbacks: list[str] = field(default_factory=list)
     inner: Decision | None = None
+    missing: list[str] = field(default_factory=list)
 
 
 class Policy:
@@ -121,7 +122,8 @@ class Policy:
                     rule_location=lr.location, policy=self.name, candidates=tuple(out.order),
                     rejected=tuple(out.rejected), fallbacks=tuple(out.fallbacks),
                     on_failure=out.on_failure, context=ctx, notes=tuple(skipped + out.notes),
-                    inner=out.inner if _distributed(chosen, registry) else None)
+                    inner=out.inner if _distributed(chosen, registry) else None,
+                    missing=tuple(out.missing))
         reason = (f"no rule of policy {self.name!r} matches {spec.describe()} on {device.arch} "
                   f"(context {_ctx(ctx)}); rules are tried in file order and the first match "
                   "wins: add a rule for this case (a last rule without `when` catches all)")
@@ -159,6 +161,10 @@ class Policy:
         if out.viable:
             out.fallbacks = _fallbacks(out.viable[0], out.viable[1:], registry, out.on_failure,
                                        notes)
+        for name in out.missing:
+            served = f"{out.viable[0]} serves instead" if out.viable else "nothing serves it"
+            notes.append(f"rule {lr.rule.name!r} names {name}, which is not installed "
+                         f"here; {served} (see `attnhub plugins`)")
         return out
 
     def _order(self, use: Any, spec: AttentionSpec, device: DeviceInfo,
@@ -183,9 +189,9 @@ class Policy:
                  out: _Outcome) -> list[str]:
         backend = registry.backends.get(name)
         if backend is None:
-            return [f"unknown backend (no installed plugin registers it); known: "
-                    f"{', '.join(sorted(registry.backends))}"]
-        reasons = list(backend.check(spec, device))
+            out.missing.append(name)
+            return [registry.missing_reason(name)]
+        reasons = safe_check(backend, spec, device)
         caps = backend.capabilities
         gated = accuracy_gated(lr, name)
         if not caps.exact and not (m.has_layer_selector or gated):
@@ -194,6 +200,10 @@ class Policy:
                            f"requires an accuracy record for it; {lr.rule.name!r} has neither")
         if gated:
             reasons += self._accuracy_reasons(name, lr, spec, device)
+        if local and caps.lse_second_pass:
+            reasons.append("computes the LSE by a second pass over materialised fp32 scores, "
+                           "not in the kernel (lse_second_pass); a distributed backend merges "
+                           "every block by its LSE and needs a kernel that returns it natively")
         if _distributed(name, registry) and not reasons:
             reasons += self._local_kernel(backend, spec, device, registry, ctx, local, out)
         return reasons
