@@ -1,0 +1,116 @@
+"""The lockfile's schema, so that a hand-edited lock fails with ``file:line:col`` and the fix.
+
+JSON is YAML, so the located YAML reader gives every value a position; pydantic (strict: a
+string is not a number here) checks the shape and types.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, \
+    ValidationError
+
+from ..core.spec import DTYPES, LAYOUTS, PHASES
+from .located import Located, pydantic_problems, read_yaml
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class LockPolicy(_Model):
+    name: StrictStr
+    files: list[StrictStr]
+    digest: StrictStr
+
+
+class LockProvider(_Model):
+    plugin: StrictStr
+    distribution: StrictStr | None
+    version: StrictStr | None
+
+
+class LockMask(_Model):
+    causal: StrictBool = False
+    alignment: Literal["bottom_right", "top_left"] = "bottom_right"
+    window: list[StrictInt] | None = Field(None, min_length=2, max_length=2)
+    alibi: StrictBool = False
+    softcap: StrictBool = False
+    prefix_lm: StrictBool = False
+    document: StrictBool = False
+    column_sparse: StrictBool = False
+    score_mod: StrictStr | None = None
+    mask_mod: StrictStr | None = None
+
+
+class LockSpec(_Model):
+    phase: Literal[PHASES]  # type: ignore[valid-type]
+    dtype: Literal[DTYPES]  # type: ignore[valid-type]
+    kv_dtype: Literal[DTYPES]  # type: ignore[valid-type]
+    head_dim: StrictInt = Field(ge=1)
+    head_dim_v: StrictInt = Field(ge=1)
+    num_q_heads: StrictInt = Field(ge=1)
+    num_kv_heads: StrictInt = Field(ge=1)
+    layout: Literal[LAYOUTS]  # type: ignore[valid-type]
+    mask: LockMask
+    max_seqlen_q: StrictInt = Field(ge=0)
+    max_seqlen_k: StrictInt = Field(ge=0)
+    batch: StrictInt = Field(ge=0)
+    needs_grad: StrictBool
+    deterministic: StrictBool
+    return_lse: StrictBool
+    page_size: StrictInt = Field(0, ge=0)
+
+
+class LockContext(_Model):
+    model: StrictStr | None
+    layer: StrictInt | None
+    layer_kind: StrictStr
+    world_size: StrictInt = Field(ge=1)
+
+
+class LockBinding(_Model):
+    hardware: StrictStr
+    simulated: StrictBool
+    spec: LockSpec
+    context: LockContext
+    backend: StrictStr | None
+    rule: StrictStr | None
+    fallbacks: list[StrictStr]
+    inner: StrictStr | None
+
+
+class LockFile(_Model):
+    schema_: StrictStr = Field(alias="schema")
+    policy: LockPolicy
+    versions: dict[StrictStr, StrictStr]
+    plugins: dict[StrictStr, StrictStr]
+    providers: dict[StrictStr, LockProvider]
+    bindings: list[LockBinding]
+
+
+def validate_lock(data: Any, text: str, file: str) -> list[str]:
+    """Every located problem of a parsed lock document (empty: it is valid)."""
+    from .lock import SCHEMA
+
+    if not isinstance(data, dict):
+        return [f"{file}:1:1 (document): got {type(data).__name__}, expected the JSON object "
+                f"`attnhub lock` writes; regenerate it with `attnhub lock -o {file}`"]
+    if data.get("schema") != SCHEMA:
+        return [f"{_located(data, text, file).where(('schema',))} schema: got {data.get('schema')!r}, expected "
+                f"{SCHEMA!r} (written by another attnhub version, or not a lockfile); "
+                f"regenerate it with `attnhub lock -o {file}`"]
+    try:
+        LockFile.model_validate(data)
+    except ValidationError as exc:
+        doc = _located(data, text, file)
+        return [f"{p}; fix the value or regenerate the lock with `attnhub lock -o {file}`"
+                for p in pydantic_problems(exc.errors(), doc, LockFile)]
+    return []
+
+
+def _located(data: Any, text: str, file: str) -> Located:
+    """Positions for the error messages (read only when something is wrong)."""
+    doc, problems = read_yaml(text, file)
+    return doc if not problems and doc.data is not None else Located(file, data)
