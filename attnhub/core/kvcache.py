@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CacheFullError, InputError
+from .kvquant import PageScales, is_fp8
 from .seqstate import SequenceStates, SequenceStore
 
 
@@ -98,6 +99,9 @@ class PagedKVCache:
         self._next_id = 0
         #: Per-sequence state of layers bound to stateful backends (``attach_state``).
         self.states = SequenceStates()
+        #: FP8 (e4m3) cache: per (layer, page, KV head) descales (``core.kvquant``).
+        self.scales = (PageScales(num_layers, num_pages, num_kv_heads, dtype, self.device)
+                       if is_fp8(dtype) else None)
 
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -198,6 +202,8 @@ class PagedKVCache:
             for _ in range(n):
                 p = self._free.pop()
                 self._refs[p] = 1
+                if self.scales is not None:
+                    self.scales.reset_page(p)
                 seq.pages.append(p)
         return self._slots(seqs, counts)
 
@@ -220,6 +226,8 @@ class PagedKVCache:
         new = self._free.pop()
         self._k[:, new] = self._k[:, old]
         self._v[:, new] = self._v[:, old]
+        if self.scales is not None:
+            self.scales.copy_page(old, new)
         self._refs[old] -= 1
         self._refs[new] = 1
         seq.pages[-1] = new
@@ -239,6 +247,9 @@ class PagedKVCache:
         if k.shape[0] != slots.numel() or v.shape[0] != slots.numel():
             raise InputError(f"write: {slots.numel()} slots but k has {k.shape[0]} and v has "
                              f"{v.shape[0]} tokens")
+        if self.scales is not None:  # FP8: quantized per page, descales grown as needed
+            self.scales.write(self._k[layer], self._v[layer], layer, slots, k, v)
+            return
         self._k[layer].view(-1, *self._k.shape[3:]).index_copy_(0, slots, k.to(self.dtype))
         self._v[layer].view(-1, *self._v.shape[3:]).index_copy_(0, slots, v.to(self.dtype))
 

@@ -64,28 +64,53 @@ def _merge_row(OP, LP, prow, num_splits, Out, out_off, Lse, lse_off,
 
 
 @triton.jit
+def _page_ids(table, n, hi, num_pages, PAGE: tl.constexpr, LOAD: tl.constexpr):
+    """Page id (int64) of each key ``n`` (< ``hi``) from a block-table row, clamped to
+    [0, num_pages); keys at or past ``hi`` get page 0 (their loads are masked anyway)."""
+    if LOAD:
+        page = tl.load(table + n // PAGE, mask=n < hi, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+    else:
+        page = (n * 0).to(tl.int64)
+    return page
+
+
+@triton.jit
 def _split_kernel(
-    Q, K, V, Out, Lse, OP, LP, Counters, BlockTable, SeqLens, Slopes,
+    Q, K, V, Out, Lse, OP, LP, Counters, BlockTable, SeqLens, Slopes, KScale, VScale,
     sqb, sqs, sqh, skp, sks, skh, svp, svs, svh, sob, sos, soh, sbt, s_slope_b,
+    sksr, sksh, svsr, svsh,
     scale, softcap, left, right,
-    seqlen_q, seqlen_k, num_q_heads, num_kv_heads, group, m_blocks, num_splits,
+    seqlen_q, seqlen_k, n_seqlens, table_rows, num_pages,
+    num_q_heads, num_kv_heads, group, m_blocks, num_splits,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, CAUSAL: tl.constexpr,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, ONE_SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    ALIBI: tl.constexpr, KV_FP8: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Pass 1: one (split, sequence x KV head x row block) per program."""
+    """Pass 1: one (split, sequence x KV head x row block) per program.
+
+    ``seqlen_k`` is the cache's capacity per sequence (keys of a contiguous cache, table
+    width x PAGE of a paged one). Lengths and page ids are clamped in here, whatever the
+    tables hold: a length to [0, capacity] (0 for a sequence past the end of ``SeqLens`` or
+    of the block table), a page id to [0, num_pages). A bad table gives a wrong answer for
+    its sequence, never a read outside the cache (the hub rejects such tables before).
+    """
     split = tl.program_id(0)
     pid = tl.program_id(1)
     mb = pid % m_blocks
     b = pid // (m_blocks * num_kv_heads)
     h = (pid // m_blocks) % num_kv_heads
     if HAS_SEQLENS:
-        seq_len = tl.load(SeqLens + b)
+        seq_len = tl.load(SeqLens + b, mask=b < n_seqlens, other=0)
     else:
         seq_len = seqlen_k + b * 0
+    if PAGED:
+        seq_len = tl.where(b < table_rows, seq_len, 0)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), seqlen_k)
     q_off = b * 0
     if BOTTOM_RIGHT:
         q_off = seq_len - seqlen_q
@@ -124,21 +149,41 @@ def _split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_head = K + h.to(tl.int64) * skh
     v_head = V + h.to(tl.int64) * svh
+    table = BlockTable + b64 * sbt
+    ks_seq = 1.0
+    vs_seq = 1.0
+    if KV_FP8 and not PAGED:  # one scale per (sequence, KV head)
+        ks_seq = tl.load(KScale + b64 * sksr + h * sksh)
+        vs_seq = tl.load(VScale + b64 * svsr + h * svsh)
+    pages_next = _page_ids(table, lo + tl.arange(0, BLOCK_N), hi, num_pages, PAGE,
+                           PAGED and PREFETCH)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < hi
         if PAGED:
-            page = tl.load(BlockTable + b64 * sbt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            if PREFETCH:  # this tile's ids came a tile early; fetch the next tile's now
+                page = pages_next
+                pages_next = _page_ids(table, n + BLOCK_N, hi, num_pages, PAGE, True)
+            else:
+                page = _page_ids(table, n, hi, num_pages, PAGE, True)
             k_rows = page * skp + (n % PAGE) * sks
             v_rows = page * svp + (n % PAGE) * svs
+            if KV_FP8:  # one scale per (page, KV head), per key of the tile
+                k_sc = tl.load(KScale + page * sksr + h * sksh, mask=n_ok, other=0.0)
+                v_sc = tl.load(VScale + page * svsr + h * svsh, mask=n_ok, other=0.0)
         else:
             k_rows = b64 * skp + n.to(tl.int64) * sks
             v_rows = b64 * svp + n.to(tl.int64) * svs
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        if UPCAST or KV_FP8:
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if KV_FP8:
+            if PAGED:
+                qk = qk * k_sc[None, :]
+            else:
+                qk = qk * ks_seq
         s, _ = tiles.scores(qk, t[:, None], n[None, :], q_off, scale, softcap, slope,
                             SOFTCAP, ALIBI)
         ok = tiles.visible(t[:, None], n[None, :], seqlen_q, hi, q_off, 0, left, right, 0, 0,
@@ -150,7 +195,14 @@ def _split_kernel(
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        pv = p.to(v.dtype)
+        pw = p
+        if KV_FP8:  # V's scale goes on p (BLOCK_M x BLOCK_N) rather than on v (BLOCK_N x D)
+            if PAGED:
+                pw = p * v_sc[None, :]
+            else:
+                pw = p * vs_seq
+            v = v.to(Out.dtype.element_ty)
+        pv = pw.to(v.dtype)
         if UPCAST:  # same rounding of p as on the GPU, then an fp32 dot
             pv = pv.to(tl.float32)
             v = v.to(tl.float32)
@@ -280,16 +332,14 @@ class _Shape:
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  alignment: str, window: tuple[int, int] | None, softcap: bool,
                  slopes: torch.Tensor | None, block_table: torch.Tensor | None,
-                 seqlens_k: torch.Tensor | None, num_splits: int | None,
-                 config: DecodeConfig | None) -> None:
+                 seqlens_k: torch.Tensor | None, descales: tuple[torch.Tensor, ...] | None,
+                 num_splits: int | None, config: DecodeConfig | None) -> None:
         _check_interpreter(q.device)
         paged = block_table is not None
         if paged and seqlens_k is None:
             raise ValueError("decode_attention: a paged cache needs seqlens_k (B,) int32")
         batch, seqlen_q, hq, dim = q.shape
-        if v.shape[-1] != dim:
-            raise ValueError(f"decode_attention: value head dim {v.shape[-1]} != {dim}; the "
-                             "decode kernel needs equal head dims (use another backend)")
+        _check_shapes(q, k, v, paged, slopes, block_table, seqlens_k)
         self.device, self.dtype = q.device, q.dtype
         self.out_shape = (batch, seqlen_q, hq, dim)
         self.lse_shape = (batch, hq, seqlen_q)
@@ -299,20 +349,28 @@ class _Shape:
         hkv = k.shape[2]
         page = k.shape[1] if paged else 1
         self.cap_k = block_table.shape[1] * page if paged else k.shape[1]
-        # q, k, v, out (a new tensor: contiguous), block table and ALiBi batch strides
+        scale_strides = (0, 0, 0, 0) if descales is None else (
+            *descales[0].stride(), *descales[1].stride())
+        # q, k, v, out (a new tensor: contiguous), block table and ALiBi batch strides, then
+        # the (row, head) strides of the K and V descales
         self.strides = (
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), seqlen_q * hq * dim, hq * dim, dim,
             block_table.stride(0) if paged else 0,
-            hq if slopes is not None and slopes.dim() == 2 else 0)
+            hq if slopes is not None and slopes.dim() == 2 else 0, *scale_strides)
         left, right = window if window is not None else (-1, -1)
         self.plan_args = (q.device, q.dtype, batch, seqlen_q, hq, hkv)
         self.plan_opts = (paged, num_splits, config)
-        # the split kernel's integer arguments after scale and softcap, up to m_blocks
-        self.ints = (left, right, seqlen_q, k.shape[1], hq, hkv, hq // hkv)
-        # its constants from HEAD_DIM to ALIBI
+        # the split kernel's integer arguments after scale and softcap, up to m_blocks: the
+        # capacity and table sizes are what the kernel clamps lengths and page ids to
+        self.ints = (left, right, seqlen_q, self.cap_k,
+                     seqlens_k.numel() if seqlens_k is not None else 0,
+                     block_table.shape[0] if paged else 0, k.shape[0] if paged else 0,
+                     hq, hkv, hq // hkv)
+        # its constants from HEAD_DIM to KV_FP8
         self.consts = (dim, page, paged, seqlens_k is not None, alignment == "bottom_right",
-                       causal, left >= 0, right >= 0, softcap, slopes is not None)
+                       causal, left >= 0, right >= 0, softcap, slopes is not None,
+                       descales is not None)
         self.by_longest: dict[int, _Launches] = {}
         self.by_splits: dict[int, _Launches] = {}
 
@@ -336,7 +394,8 @@ class _Shape:
         split = Launcher(_split_kernel, (splits, batch * hkv * plan.m_blocks),
                          {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         split_tail = (*self.ints, plan.m_blocks, splits, *self.consts, splits == 1, fused,
-                      plan.block_m, cfg.block_n, bd, plan.block_s, prec, plan.upcast)
+                      cfg.prefetch_pages, plan.block_m, cfg.block_n, bd, plan.block_s, prec,
+                      plan.upcast)
         merge = None
         if splits > 1 and not fused:
             merge = Launcher(_merge_kernel, (batch * hq * seqlen_q,),
@@ -350,9 +409,73 @@ class _Shape:
 _shapes: dict[tuple[Any, ...], _Shape] = {}
 
 
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool,
+                  slopes: torch.Tensor | None, block_table: torch.Tensor | None,
+                  seqlens_k: torch.Tensor | None) -> None:
+    """Shape agreement the kernel's addressing relies on (once per shape key): the kernel
+    trusts these sizes, and clamps only what tensors' values can hold (lengths, page ids)."""
+    batch, _, hq, dim = q.shape
+    if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"decode_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must "
+                         "be 4-D and agree in all but the head dim")
+    if v.shape[-1] != dim or k.shape[-1] != dim:
+        raise ValueError(f"decode_attention: k/v head dims {k.shape[-1]}/{v.shape[-1]} != "
+                         f"{dim}; the decode kernel needs equal head dims (use another backend)")
+    if k.shape[2] == 0 or hq % k.shape[2]:
+        raise ValueError(f"decode_attention: {hq} query heads are not a multiple of "
+                         f"{k.shape[2]} KV heads")
+    if not paged and k.shape[0] != batch:
+        raise ValueError(f"decode_attention: q has batch {batch}, k/v {k.shape[0]}")
+    for name, t in (("block_table", block_table), ("seqlens_k", seqlens_k)):
+        if t is not None and (t.dtype != torch.int32 or t.dim() != (2 if name[0] == "b" else 1)
+                              or t.device != q.device):
+            raise ValueError(f"decode_attention: {name} must be a {2 if name[0] == 'b' else 1}"
+                             f"-D int32 tensor on {q.device}, got {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
+    if slopes is not None and tuple(slopes.shape) not in ((hq,), (batch, hq)):
+        raise ValueError(f"decode_attention: alibi_slopes {tuple(slopes.shape)} must be "
+                         f"({hq},) or ({batch}, {hq})")
+
+
+#: KV dtypes read through per-(page or sequence, KV head) descales (Triton: float8e4nv).
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+
+
+def _descales(k: torch.Tensor, paged: bool, batch: int, k_descale: torch.Tensor | None,
+              v_descale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The descales of an FP8 cache broadcast to (rows, Hkv) fp32 (rows: pages when paged,
+    sequences otherwise); None for a 16/32-bit cache. Broadcast rows/heads get stride 0."""
+    fp8 = k.dtype in FP8_KV_DTYPES
+    if not fp8:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError(f"decode_attention: k_descale/v_descale given for a {k.dtype} "
+                             "cache; descales belong to an FP8 (e4m3) cache only")
+        return None
+    if k_descale is None or v_descale is None:
+        raise ValueError(f"decode_attention: an {k.dtype} cache needs k_descale and v_descale "
+                         f"(float32, broadcastable to ({'num_pages' if paged else 'B'}, Hkv))")
+    rows = k.shape[0] if paged else batch
+    out = []
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if x.device != k.device:
+            raise ValueError(f"decode_attention: {name} is on {x.device}, the cache on "
+                             f"{k.device}")
+        try:
+            out.append(torch.broadcast_to(x.float(), (rows, k.shape[2])))
+        except RuntimeError:
+            raise ValueError(f"decode_attention: {name} {tuple(x.shape)} does not broadcast "
+                             f"to ({rows}, {k.shape[2]}) = ({'num_pages' if paged else 'B'}, "
+                             "Hkv)") from None
+    return out[0], out[1]
+
+
 def _aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
     """Which pointers Triton sees as 16-byte aligned (it specializes kernels on that)."""
     return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _meta(t: torch.Tensor | None) -> Any:
+    return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
 def decode_attention(
@@ -361,6 +484,7 @@ def decode_attention(
     window: tuple[int, int] | None = None, softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
     seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None,
+    k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
     num_splits: int | None = None, config: DecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention; returns (out like q, LSE (B, Hq, Sq) fp32, natural log).
@@ -371,6 +495,15 @@ def decode_attention(
     longest length, when the caller knows it) only sizes the splits; without it the cache
     capacity is used, which never syncs with the device. ``num_splits``/``config`` override
     the heuristic and the table (benchmarks, tests). No host sync, so CUDA graphs capture it.
+
+    FP8 cache: k/v ``torch.float8_e4m3fn`` with ``k_descale``/``v_descale`` float32 such
+    that a key is ``k * k_descale``: per (page, KV head) (num_pages, Hkv) for a paged cache,
+    per (sequence, KV head) (B, Hkv) for a contiguous one, or anything that broadcasts to
+    that (per head (Hkv,), one scalar). q stays 16-bit; the tiles are widened to q's dtype
+    in registers and the descales are applied to the scores and to p (not to the tiles).
+
+    Lengths and page ids are clamped inside the kernel (see ``_split_kernel``): whatever
+    ``seqlens_k``/``block_table`` hold, nothing outside k/v is read.
 
     Host work per call is kept small for eager decode loops: everything that follows from
     shapes, strides, dtypes, flags and pointer alignment is computed once per such key
@@ -383,22 +516,27 @@ def decode_attention(
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+    descales = None
+    if k_descale is not None or v_descale is not None or k.dtype in FP8_KV_DTYPES:
+        descales = _descales(k, block_table is not None, q.shape[0], k_descale, v_descale)
     ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()
     for t in (block_table, seqlens_k, slopes):
         if t is not None:
             ptrs |= t.data_ptr()
+    if descales is not None:
+        ptrs |= descales[0].data_ptr() | descales[1].data_ptr()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
            v.dtype, q.device, causal, alignment, window, bool(softcap), num_splits, config,
-           None if block_table is None else (block_table.shape, block_table.stride(),
-                                             block_table.dtype),
-           None if seqlens_k is None else seqlens_k.dtype,
-           None if slopes is None else slopes.shape,
-           ptrs % 16 == 0 or _aligned(q, k, v, block_table, seqlens_k, slopes))
+           _meta(block_table), _meta(seqlens_k), None if slopes is None else slopes.shape,
+           None if descales is None else (descales[0].stride(), descales[1].stride()),
+           ptrs % 16 == 0 or _aligned(q, k, v, block_table, seqlens_k, slopes,
+                                      *(descales or ())))
     shape = _shapes.get(key)
     if shape is None:
         shape = _Shape(q, k, v, causal=causal, alignment=alignment, window=window,
                        softcap=bool(softcap), slopes=slopes, block_table=block_table,
-                       seqlens_k=seqlens_k, num_splits=num_splits, config=config)
+                       seqlens_k=seqlens_k, descales=descales, num_splits=num_splits,
+                       config=config)
         if len(_shapes) >= _CACHE_LIMIT:
             _shapes.clear()
         _shapes[key] = shape
@@ -415,10 +553,11 @@ def decode_attention(
     else:
         opart = lpart = lse  # unused by the kernel
     counters = scratch.zeroed_counters(shape.device, run.counters) if run.counters else lse
+    ks, vs = descales if descales is not None else (lse, lse)
     run.split(q, k, v, out, lse, opart, lpart, counters,
               lse if block_table is None else block_table,
               lse if seqlens_k is None else seqlens_k, lse if slopes is None else slopes,
-              *shape.strides, float(scale), float(softcap) if softcap else 1.0,
+              ks, vs, *shape.strides, float(scale), float(softcap) if softcap else 1.0,
               *run.split_tail)
     if run.merge is not None:
         run.merge(opart, lpart, out, lse, *run.merge_tail)

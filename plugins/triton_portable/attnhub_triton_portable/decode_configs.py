@@ -30,7 +30,9 @@ class DecodeConfig:
     of the merge) counted in key tiles. ``fused_merge`` lets the last split of a (sequence,
     KV head) merge the partials itself instead of a second launch: one launch less on the
     host, but on the H200 the serial merge in that last program cost more GPU time than the
-    second launch (1 x 32k: 41.0 vs 36.0 us), so it is off by default.
+    second launch (1 x 32k: 41.0 vs 36.0 us), so it is off by default. ``prefetch_pages``
+    (paged caches) loads the next key tile's page ids one loop iteration early, so that a
+    tile's K/V addresses never wait on a block-table load in the same iteration.
     """
 
     block_n: int = 64
@@ -41,6 +43,7 @@ class DecodeConfig:
     fused_merge: bool = False
     max_splits: int = 128
     merge_warps: int = 4
+    prefetch_pages: bool = False
 
     def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
