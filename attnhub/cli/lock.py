@@ -1,8 +1,10 @@
-"""``attnhub lock``: freeze the resolved bindings; ``--check`` lists drift (exit 1)."""
+"""``attnhub lock``: freeze the resolved bindings; ``--check`` lists drift (exit 1) or a
+malformed lockfile, located (exit 3)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..core.decision import BindContext
@@ -10,7 +12,8 @@ from ..core.registry import Registry
 from ..errors import AttnhubError
 from ..policy import load_policy
 from ..policy.cells import cells
-from ..policy.lock import build_lock, check_lock, read_lock, write_lock
+from ..policy.lock import (EXIT_BAD_LOCK, LockfileError, build_lock, check_lock, read_lock,
+                           write_lock)
 from ._common import add_json, print_json
 from ._policy_common import add_policy, devices, load
 
@@ -24,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model name of the bind context (rules may match on it)")
     p.add_argument("-o", "--output", metavar="FILE", help="lockfile to write")
     p.add_argument("--check", metavar="FILE", help="resolve a lockfile's bindings again and "
-                                                   "print what changed (exit 1 on drift)")
+                                                   "print what changed (exit 1 on drift, 3 "
+                                                   "for a malformed lockfile)")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -52,7 +56,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    lock = read_lock(args.check)
+    try:
+        lock = read_lock(args.check)
+    except LockfileError as exc:
+        if args.json:
+            print_json({"error": "bad-lockfile", "problems": exc.problems})
+        for line in exc.problems:
+            print(f"attnhub lock: error: {line}", file=sys.stderr)
+        return EXIT_BAD_LOCK
     policy_ref = args.policy or _locked_policy(lock, Path(args.check))
     policy, registry = load_policy(policy_ref), Registry.load()
     drift = check_lock(lock, policy, registry)

@@ -5,12 +5,18 @@ anyone touching the policy. ``attnhub lock`` writes every binding (spec, context
 backend, rule, fallbacks, local kernel) plus library and plugin versions; ``attnhub lock
 --check`` resolves the same bindings again and lists each one that changed.
 
-Format ``attnhub.lock/1`` (JSON, written atomically)::
+Format ``attnhub.lock/2`` (JSON, written atomically)::
 
-    {"schema": "attnhub.lock/1", "policy": {"name", "files", "digest"},
+    {"schema": "attnhub.lock/2", "policy": {"name", "files", "digest"},
      "versions": {lib: version}, "plugins": {name: version},
+     "providers": {backend: {"plugin", "distribution", "version"}},
      "bindings": [{"hardware", "simulated", "spec": {...}, "context": {...},
                    "backend", "rule", "fallbacks", "inner"}]}
+
+``providers`` names who served every bound backend (chosen, fallback or local kernel): a
+different plugin or distribution serving the same name is drift, as a changed binding is. A
+hand-edited lock with a missing key or a value of the wrong type is a :class:`LockfileError`
+located at ``file:line:col`` (``attnhub lock --check`` exits 3 for it, 1 for drift).
 """
 
 from __future__ import annotations
@@ -29,7 +35,13 @@ from ..errors import PolicyError
 from .profile import write_json_atomic
 from .resolver import Policy
 
-SCHEMA = "attnhub.lock/1"
+SCHEMA = "attnhub.lock/2"
+#: ``attnhub lock --check`` exit status for an unreadable or malformed lockfile (drift is 1).
+EXIT_BAD_LOCK = 3
+
+
+class LockfileError(PolicyError):
+    """The lockfile cannot be read or does not match the schema; each problem is located."""
 
 
 def spec_to_json(spec: AttentionSpec) -> dict[str, Any]:
@@ -61,12 +73,19 @@ def binding(device: DeviceInfo, d: Decision) -> dict[str, Any]:
 def build_lock(policy: Policy, registry: Registry,
                decisions: Iterable[tuple[DeviceInfo, Decision]]) -> dict[str, Any]:
     """A lock document from (device, decision) pairs (e.g. ``Hub.decide`` results)."""
+    bindings = [binding(dev, d) for dev, d in decisions]
     return {"schema": SCHEMA,
             "policy": {"name": policy.name, "files": list(policy.data.files),
                        "digest": policy.digest()},
             "versions": dict(library_versions()),
             "plugins": {n: r.version or "" for n, r in sorted(registry.plugins.items())},
-            "bindings": [binding(dev, d) for dev, d in decisions]}
+            "providers": {n: registry.provider(n) for n in sorted(_bound_names(bindings))
+                          if registry.provider(n) is not None},
+            "bindings": bindings}
+
+
+def _bound_names(bindings: list[dict[str, Any]]) -> set[str]:
+    return {n for b in bindings for n in (b["backend"], b["inner"], *b["fallbacks"]) if n}
 
 
 def write_lock(path: str | Path, lock: dict[str, Any]) -> None:
@@ -74,14 +93,26 @@ def write_lock(path: str | Path, lock: dict[str, Any]) -> None:
 
 
 def read_lock(path: str | Path) -> dict[str, Any]:
+    """The lock document, checked against the schema; :class:`LockfileError` otherwise."""
+    from .lock_schema import validate_lock
+
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise PolicyError([f"{path}: cannot read the lockfile ({exc}); expected a file written "
-                           "by `attnhub lock`"]) from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise PolicyError([f"{path}: not an attnhub lockfile (expected \"schema\": "
-                           f"\"{SCHEMA}\"); regenerate it with `attnhub lock -o {path}`"])
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text)
+    except OSError as exc:
+        raise LockfileError([f"{path}: cannot read the lockfile ({exc.strerror}); expected a "
+                             "file written by `attnhub lock -o FILE`"]) from None
+    except UnicodeDecodeError as exc:
+        raise LockfileError([f"{path}: byte {exc.start} is not UTF-8; expected a file "
+                             f"written by `attnhub lock`; regenerate it with `attnhub lock -o "
+                             f"{path}`"]) from None
+    except json.JSONDecodeError as exc:
+        raise LockfileError([f"{path}:{exc.lineno}:{exc.colno} (json): {exc.msg}; expected "
+                             f"the JSON `attnhub lock` writes; regenerate it with `attnhub lock "
+                             f"-o {path}`"]) from None
+    problems = validate_lock(data, text, str(path))
+    if problems:
+        raise LockfileError(problems)
     return data
 
 
@@ -110,6 +141,7 @@ def check_lock(lock: dict[str, Any], policy: Policy, registry: Registry,
     drift.versions = _diff_maps(lock.get("versions", {}), now, "version")
     drift.versions += _diff_maps(lock.get("plugins", {}), {
         n: r.version or "" for n, r in registry.plugins.items()}, "plugin")
+    drift.changed += _provider_drift(lock.get("providers", {}), registry)
     locked_policy = lock.get("policy", {})
     if locked_policy.get("digest") != policy.digest():
         drift.policy.append(f"policy {locked_policy.get('name')} files changed since the lock "
@@ -133,6 +165,24 @@ def check_lock(lock: dict[str, Any], policy: Policy, registry: Registry,
             where = f"{b['hardware']} {spec.describe()}" + _ctx_text(ctx)
             drift.changed.append(f"{where}: {'; '.join(diffs)}")
     return drift
+
+
+def _provider_drift(locked: dict[str, Any], registry: Registry) -> list[str]:
+    """A bound backend name now served by another plugin or distribution (or by nobody)."""
+    out = []
+    for name, was in sorted(locked.items()):
+        now = registry.provider(name)
+        if now is None or (now["plugin"], now["distribution"]) != (was.get("plugin"),
+                                                                   was.get("distribution")):
+            out.append(f"backend {name}: provider {_who(was)} -> "
+                       f"{_who(now) if now else registry.missing_reason(name)}")
+    return out
+
+
+def _who(p: dict[str, Any]) -> str:
+    dist = f"{p.get('distribution')} {p.get('version') or '?'}" if p.get("distribution") \
+        else "no distribution"
+    return f"plugin {p.get('plugin')!r} ({dist})"
 
 
 def _ctx_text(ctx: BindContext) -> str:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from attnhub.cli import main
 from attnhub.core.capabilities import Capabilities
@@ -10,8 +13,8 @@ from attnhub.core.decision import BindContext
 from attnhub.core.device import simulate
 from attnhub.core.spec import AttentionSpec, MaskSpec
 from attnhub.policy import load_policy
-from attnhub.policy.lock import (build_lock, check_lock, read_lock, spec_from_json,
-                                 spec_to_json, write_lock)
+from attnhub.policy.lock import (EXIT_BAD_LOCK, LockfileError, build_lock, check_lock,
+                                 read_lock, spec_from_json, spec_to_json, write_lock)
 
 POLICY = """
     name: locked
@@ -80,5 +83,60 @@ def test_cli_lock_and_check_exit_codes(write, tmp_path, capsys):
     assert report["drifted"] and report["changed"] and report["policy"]
     bad = tmp_path / "bad.lock"
     bad.write_text("{}")
-    assert main(["lock", "--check", str(bad)]) == 1
-    assert "not an attnhub lockfile" in capsys.readouterr().err
+    assert main(["lock", "--check", str(bad)]) == EXIT_BAD_LOCK
+    assert "bad.lock:1:1 schema: got None, expected 'attnhub.lock/2'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, where, what", [
+    (lambda d: d["bindings"][1]["spec"].__setitem__("head_dim", "128"),
+     "bindings[1].spec.head_dim", "got '128', expected a valid integer"),
+    (lambda d: d["bindings"][0].pop("rule"), "bindings[0].rule", "required key is missing"),
+    (lambda d: d["bindings"][0]["context"].__setitem__("world_size", 0),
+     "bindings[0].context.world_size", "greater than or equal to 1"),
+    (lambda d: d.pop("providers"), "providers", "required key is missing"),
+    (lambda d: d["bindings"][0].__setitem__("fallbacks", "reference"),
+     "bindings[0].fallbacks", "expected a valid list"),
+    (lambda d: d["bindings"][1]["spec"].__setitem__("phase", "serve"),
+     "bindings[1].spec.phase", "expected 'train', 'prefill' or 'decode'"),
+])
+def test_hand_edited_lock_is_a_located_error_not_drift(write, tmp_path, capsys, edit, where,
+                                                        what):
+    out = tmp_path / "a.lock"
+    assert main(["lock", "--policy", str(write("p.yaml", POLICY)), "--hardware", "cpu",
+                 "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    edit(doc)
+    out.write_text(json.dumps(doc, indent=1))
+    assert main(["lock", "--check", str(out)]) == EXIT_BAD_LOCK
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if where in x)
+    assert what in line and "attnhub lock -o" in line, err
+    assert re.search(rf"a\.lock:\d+:\d+ {re.escape(where)}:", line), line
+    with pytest.raises(LockfileError):
+        read_lock(out)
+
+
+def test_broken_json_lock_is_located(tmp_path, capsys):
+    bad = tmp_path / "x.lock"
+    bad.write_text('{"schema": "attnhub.lock/2",\n  "bindings": [,]}')
+    assert main(["lock", "--check", str(bad)]) == EXIT_BAD_LOCK
+    assert "x.lock:2:16 (json)" in capsys.readouterr().err
+    bad.write_bytes(b"\xff\xfe{}")
+    assert main(["lock", "--check", str(bad)]) == EXIT_BAD_LOCK
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+def test_provider_change_is_drift(write, tmp_path, make_registry, fake):
+    """The same backend name served by another plugin (a name takeover) is drift."""
+    policy = load_policy(write("p.yaml", POLICY.replace("[torch_sdpa, reference]",
+                                                        "[mykernel, reference]")))
+    caps = Capabilities(masks=frozenset({"causal"}), phases=frozenset({"prefill", "decode"}))
+    before = make_registry(fake("mykernel", "portable", caps))
+    lock = build_lock(policy, before, _pairs(policy, before))
+    assert lock["providers"]["mykernel"]["plugin"] == before.get("mykernel").plugin
+    assert check_lock(lock, policy, before).drifted is False
+    after = make_registry(fake("mykernel", "portable", caps), base=make_registry())
+    after.plugins[after.get("mykernel").plugin].distribution = "evil-kernels"
+    drift = check_lock(lock, policy, after)
+    assert drift.drifted
+    assert any("backend mykernel: provider" in c and "evil-kernels" in c for c in drift.changed)
