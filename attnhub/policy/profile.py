@@ -16,19 +16,31 @@ flash-attn) and, for per-shape data, by the *bucket key* of the (bucketed) spec.
                      "metrics": {name: float}, "reference": str, "updated": iso8601}}}}}}
 
 ``model`` and ``phase`` may be ``*`` (any); an accuracy label ``*`` covers every bucket of
-that device. Writes go to a temporary file then ``os.replace`` (readers never see half a
-file); before writing, a store re-reads the file if another process changed it, so records of
-concurrent writers are merged (the last write of the *same* entry wins).
+that device. A writer holds an exclusive lock on the sidecar ``.<name>.lock`` (``fcntl.flock``;
+``msvcrt.locking`` on Windows) while it re-reads the file from disk, applies its change and
+writes a temporary file that ``os.replace`` puts in place: readers never see half a file and
+no record of a concurrent writer, thread or process, is lost (the last write of the *same*
+entry wins). A file of the right schema with entries of the wrong type is a ``PolicyError``
+naming the entry.
+
+Shipped profile packs (``attnhub/profiles/*.json``, package data; ``ATTNHUB_PROFILE_PACKS``
+names another folder, or ``off``) have the same schema plus a ``pack`` header (when, which
+command, which commit). ``ranking`` orders a ``fastest`` rule's candidates from the user's
+store first, then a pack measured on this device name with these library versions, then the
+list order, and says which it used; a pack for this device name measured with other versions
+is stale: ignored, with the differing versions in the note.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,11 +100,30 @@ class AccuracyRecord:
     key: str = ""
 
 
-class ProfileStore:
-    """Read and record measurements; every public method takes a ``DeviceInfo``."""
+@dataclass(frozen=True)
+class Ranking:
+    """A ``fastest`` rule's candidates in the order to try, with seconds where measured,
+    where the figures came from (``store``, ``pack``, ``list order``) and a readable note."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None):
+    ranked: list[tuple[str, float | None]]
+    source: str
+    note: str
+
+    @property
+    def order(self) -> list[str]:
+        return [b for b, _ in self.ranked]
+
+
+class ProfileStore:
+    """Read and record measurements; every public method takes a ``DeviceInfo``.
+
+    ``packs``: the folder of shipped profile packs (default ``ATTNHUB_PROFILE_PACKS``, else
+    ``attnhub/profiles``; ``"off"`` for none)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *,
+                 packs: str | os.PathLike[str] | None = None):
         self.path = Path(path).expanduser() if path is not None else default_profile_path()
+        self.packs = packs_dir(packs)
         self.revision = 0  # bumped on every change this process sees (policy cache key)
         self._data: dict[str, Any] | None = None
         self._stamp: tuple[int, int] | None = None
@@ -134,11 +165,26 @@ class ProfileStore:
 
     def fastest(self, device: DeviceInfo, spec: AttentionSpec,
                 backends: list[str]) -> list[tuple[str, float | None]]:
-        """``backends`` ordered by measured time; unmeasured ones follow in the given order."""
-        section = self._get(device, "speed", bucket_key(spec))
-        timed = [(b, float(section[b]["seconds"]) if b in section else None) for b in backends]
-        measured = sorted((t for t in timed if t[1] is not None), key=lambda t: t[1] or 0.0)
-        return measured + [t for t in timed if t[1] is None]
+        """``backends`` ordered by measured time in this store; unmeasured ones follow in
+        the given order (``ranking`` also consults the shipped packs)."""
+        return _ranked(self._get(device, "speed", bucket_key(spec)), backends)
+
+    def ranking(self, device: DeviceInfo, spec: AttentionSpec, backends: list[str]) -> Ranking:
+        """The order a ``fastest`` rule tries ``backends`` in: measured in this store, else
+        in a shipped pack for this device and these versions, else as listed; with a note."""
+        key = bucket_key(spec)
+        ranked = _ranked(self._get(device, "speed", key), backends)
+        if ranked and ranked[0][1] is not None:
+            return Ranking(ranked, "store", _timed(ranked) + f" (user store {self.path})")
+        pack = shipped_pack(device, self.packs)
+        if pack.speed is not None:
+            ranked = _ranked(pack.speed.get(key, {}), backends)
+            if ranked and ranked[0][1] is not None:
+                return Ranking(ranked, "pack", _timed(ranked) + f" (shipped profile pack "
+                               f"{pack.path.name}, measured {pack.measured})")
+        why = f"nothing measured for this bucket on {device_key(device)} in {self.path}"
+        return Ranking([(b, None) for b in backends], "list order",
+                       f"{why}; {pack.note}; using list order (record with attnhub bench)")
 
     def attention_share(self, device: DeviceInfo, model: str | None, phase: str) -> float | None:
         """Most specific record first: (model, phase), (model, *), (*, phase), (*, *)."""
@@ -180,11 +226,13 @@ class ProfileStore:
         return self._data
 
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
-        with self._lock:
-            data = self._read()
+        """Read-modify-write under the cross-process lock, always from the file on disk (a
+        cached copy could miss a write made within the file clock's resolution)."""
+        with self._lock, file_lock(self.path):
+            data = _load(self.path)
             change(data)
             write_json_atomic(self.path, data)
-            self._stamp = _stamp(self.path)
+            self._data, self._stamp = data, _stamp(self.path)
             self.revision += 1
 
 
@@ -224,7 +272,170 @@ def _load(path: Path) -> dict[str, Any]:
         raise PolicyError([f"{path}: not an attnhub profile store (expected \"schema\": "
                            f"\"{SCHEMA}\" and a \"devices\" mapping); move it away or point "
                            "ATTNHUB_PROFILE elsewhere"])
+    problems = list(_type_problems(data["devices"]))
+    if problems:
+        raise PolicyError([f"{path}: {where}: {what}; fix or delete that entry (or the file)"
+                           for where, what in problems[:20]])
     return data
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+#: Per section: field -> (check, what it must be). Entries are section[key][backend] except
+#: attention_share, whose entries are section[key].
+_FIELDS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "speed": {"seconds": (lambda x: _is_num(x) and x > 0, "a positive number of seconds"),
+              "samples": (lambda x: isinstance(x, int) and not isinstance(x, bool),
+                          "an integer")},
+    "accuracy": {"passed": (lambda x: isinstance(x, bool), "true or false"),
+                 "metrics": (lambda x: isinstance(x, dict) and all(
+                     _is_num(v) for v in x.values()), "a mapping of names to numbers")},
+    "attention_share": {"share": (lambda x: _is_num(x) and 0 <= x <= 1,
+                                  "a fraction between 0 and 1")},
+}
+_REQUIRED = {"speed": ("seconds",), "accuracy": ("passed",), "attention_share": ("share",)}
+
+
+def _type_problems(devices: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(location, problem) for every entry whose type the readers would trip on."""
+    for dkey, entry in devices.items():
+        at = f"devices[{dkey!r}]"
+        if not isinstance(entry, dict):
+            yield at, f"expected a mapping, got {type(entry).__name__}"
+            continue
+        for section, fields_ in _FIELDS.items():
+            sec = entry.get(section, {})
+            if not isinstance(sec, dict):
+                yield f"{at}.{section}", f"expected a mapping, got {type(sec).__name__}"
+                continue
+            for key, val in sec.items():
+                recs = {None: val} if section == "attention_share" else val
+                if not isinstance(recs, dict):
+                    yield f"{at}.{section}[{key!r}]", "expected a mapping of backends"
+                    continue
+                for backend, rec in recs.items():
+                    where = f"{at}.{section}[{key!r}]" + (
+                        f"[{backend!r}]" if backend is not None else "")
+                    if not isinstance(rec, dict):
+                        yield where, f"expected a mapping, got {type(rec).__name__}"
+                        continue
+                    for name in _REQUIRED[section]:
+                        if name not in rec:
+                            yield f"{where}", f"missing {name!r}"
+                    for name, (ok, what) in fields_.items():
+                        if name in rec and not ok(rec[name]):
+                            yield f"{where}.{name}", f"expected {what}, got {rec[name]!r}"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock across processes on the sidecar ``.<name>.lock`` (held until the
+    block ends; released by the OS if the process dies)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.with_name(f".{path.name}.lock")
+    with open(lock, "a+b") as f:
+        if os.name == "nt":  # pragma: no cover - exercised on Windows only
+            import msvcrt
+
+            f.seek(0)
+            msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)
+            try:
+                yield
+            finally:
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+# -- shipped profile packs ------------------------------------------------------------------
+PACKS_ENV = "ATTNHUB_PROFILE_PACKS"
+
+
+def packs_dir(packs: str | os.PathLike[str] | None = None) -> Path | None:
+    """The folder of shipped packs: the argument, else ``ATTNHUB_PROFILE_PACKS``, else the
+    package's ``attnhub/profiles``; None when switched off (``off``, ``none``, empty)."""
+    raw = os.fspath(packs) if packs is not None else os.environ.get(PACKS_ENV)
+    if raw is None:
+        return Path(__file__).resolve().parent.parent / "profiles"
+    return None if raw.strip().lower() in ("", "off", "none", "0") else Path(raw).expanduser()
+
+
+@dataclass(frozen=True)
+class PackMatch:
+    """The shipped pack's speed section for a device (None: none usable), and why."""
+
+    speed: dict[str, Any] | None
+    note: str
+    path: Path = Path()
+    measured: str = ""
+
+
+def shipped_pack(device: DeviceInfo, folder: Path | None) -> PackMatch:
+    """The pack entry measured on this device name and arch with these library versions;
+    else a note saying whether packs are off, missing for this device, or stale."""
+    if folder is None:
+        return PackMatch(None, f"shipped profile packs switched off ({PACKS_ENV})")
+    return _shipped_pack(device_key(device), device.name or device.arch, device.arch,
+                         tuple(sorted(device.versions)), folder, _folder_stamp(folder))
+
+
+def _folder_stamp(folder: Path) -> tuple[tuple[str, int], ...]:
+    try:
+        return tuple(sorted((p.name, p.stat().st_mtime_ns) for p in folder.glob("*.json")))
+    except OSError:
+        return ()
+
+
+@functools.lru_cache(maxsize=64)
+def _shipped_pack(key: str, name: str, arch: str, versions: tuple[tuple[str, str], ...],
+                  folder: Path, stamp: tuple[tuple[str, int], ...]) -> PackMatch:
+    stale: list[str] = []
+    for fname, _ in stamp:
+        path = folder / fname
+        data = _load(path)
+        measured = str(data.get("pack", {}).get("measured", "date unknown")) \
+            if isinstance(data.get("pack"), dict) else "date unknown"
+        for dkey, entry in data["devices"].items():
+            dev = entry.get("device", {}) if isinstance(entry, dict) else {}
+            if dkey == key:
+                return PackMatch(entry.get("speed", {}), f"shipped pack {fname} matches",
+                                 path, measured)
+            if dev.get("name") == name and dev.get("arch") == arch:
+                stale.append(f"{fname} is stale for this machine ("
+                             + _version_diff(dict(dev.get("versions", {})), dict(versions))
+                             + "); ignored: re-measure with attnhub bench --regret")
+    if stale:
+        return PackMatch(None, "; ".join(stale))
+    return PackMatch(None, f"no shipped profile pack for {name} ({arch}) in {folder}")
+
+
+def _version_diff(pack: dict[str, str], here: dict[str, str]) -> str:
+    libs = sorted((set(pack) | set(here)) - _NOT_IN_KEY)
+    diff = [f"{lib} {pack.get(lib, 'absent')} in the pack, {here.get(lib, 'absent')} here"
+            for lib in libs if pack.get(lib) != here.get(lib)]
+    return ", ".join(diff) or "same versions, other device key"
+
+
+def _ranked(section: dict[str, Any], backends: list[str]) -> list[tuple[str, float | None]]:
+    timed = [(b, float(section[b]["seconds"]) if b in section else None) for b in backends]
+    measured = sorted((t for t in timed if t[1] is not None), key=lambda t: t[1] or 0.0)
+    return measured + [t for t in timed if t[1] is None]
+
+
+def _timed(ranked: list[tuple[str, float | None]]) -> str:
+    timed = "measured " + ", ".join(f"{b} {s * 1e6:.1f} us" for b, s in ranked if s is not None)
+    rest = [b for b, s in ranked if s is None]
+    return timed + (f"; unmeasured {', '.join(rest)} kept in list order after them"
+                    if rest else "")
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -172,17 +172,9 @@ class Policy:
         """Candidates in the order to try: as written, or by measured speed."""
         if use.fastest is None:
             return list(use.order)
-        ranked = self.profile.fastest(device, spec, list(use.fastest))
-        timed = [f"{b} {s * 1e6:.1f} us" for b, s in ranked if s is not None]
-        if not timed:
-            notes.append(f"fastest: nothing measured for this bucket on {device_key(device)} in "
-                         f"{self.profile.path}; using list order (record with attnhub bench)")
-        else:
-            rest = [b for b, s in ranked if s is None]
-            notes.append("fastest: measured " + ", ".join(timed)
-                         + (f"; unmeasured {', '.join(rest)} kept in list order after them"
-                            if rest else ""))
-        return [b for b, _ in ranked]
+        ranking = self.profile.ranking(device, spec, list(use.fastest))  # store, pack, list
+        notes.append(f"fastest ({ranking.source}): {ranking.note}")
+        return ranking.order
 
     def _reasons(self, name: str, lr: LoadedRule, m: Matcher, spec: AttentionSpec,
                  device: DeviceInfo, registry: Registry, ctx: BindContext, local: bool,
