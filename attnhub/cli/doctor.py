@@ -1,4 +1,5 @@
-"""``attnhub doctor``: the device, library versions, usable backends and how to unlock more."""
+"""``attnhub doctor``: the device, library versions, usable backends and how to unlock more,
+plugin errors, and policy rules that name a backend no installed plugin registers."""
 
 from __future__ import annotations
 
@@ -6,15 +7,31 @@ import argparse
 
 from ..core.device import probe
 from ..core.registry import Registry
+from ..errors import PolicyError
 from ._common import add_hardware, add_json, print_json
+from ._policy_common import add_policy
 from .backends import backend_rows
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="device, versions, usable backends, what to install")
     add_hardware(p)
+    add_policy(p)
     add_json(p)
     p.set_defaults(func=run)
+
+
+def policy_gaps(reg: Registry, policy_ref: str | None) -> list[str]:
+    """Each (rule, backend) of the policy whose backend is not registered here: at run time
+    the next candidate serves those calls (warned once, counted in ``Hub.fallback_counts``)."""
+    from ..policy import load_policy
+
+    try:
+        policy = load_policy(policy_ref)
+    except PolicyError as exc:
+        return [f"policy does not load: {exc.problems[0]}"]
+    return [f"rule {lr.rule.name} ({lr.location}) names {name}: {reg.missing_reason(name)}"
+            for lr in policy.rules for name in lr.rule.use.names if name not in reg.backends]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         "usable": [r["name"] for r in rows if r["available"]],
         "unusable": {r["name"]: r["reasons"] for r in rows if not r["available"]},
         "plugin_errors": [f"{p}: {e}" for p, e in reg.errors()],
+        "policy_missing_backends": policy_gaps(reg, args.policy),
     }
     if args.json:
         print_json(report)
@@ -40,4 +58,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name}: {'; '.join(reasons)}")
     for e in report["plugin_errors"]:
         print(f"  plugin error: {e}")
+    for e in report["policy_missing_backends"]:
+        print(f"  policy: {e}")
     return 0

@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  tried {t['rule']} ({t['location']}): {state}")
     if ran is not None:
         counts = ", ".join(f"{a} -> {b} x{n}" for a, b, n in ran["fallbacks"]) or "none"
-        print(f"run:     {ran['backend']} on {ran['device']}; run-time fallbacks: {counts}")
+        why = f" ({ran['why']})" if ran["why"] else ""
+        print(f"run:     {ran['backend']} ran on {ran['device']}{why}; fallbacks: {counts}")
     return 0 if decision.backend else 1
 
 
@@ -139,5 +140,30 @@ def _run_once(policy: Any, registry: Any, spec: AttentionSpec, ctx: BindContext,
                       softcap=30.0 if m.softcap else None, phase=spec.phase, context=ctx,
                       deterministic=spec.deterministic, causal_alignment=m.alignment)
     bound = hub.bound()[-1].decision
-    return {"backend": bound.backend, "device": hub.device.describe(),
+    ran = ran_backend(bound.backend, hub.fallback_counts)
+    why = []
+    if bound.rule == "forced":
+        why.append(f"forced by ATTNHUB_BACKEND={hub.forced_backend}" if hub.forced_backend
+                   else "forced")
+    if bound.backend != (policy_choice := policy.resolve(spec, hub.device, registry,
+                                                         ctx).backend):
+        why.append(f"the policy chose {policy_choice}")
+    if ran != bound.backend:
+        why.append(f"{bound.backend} failed at run time and {ran} served as its fallback")
+    return {"backend": ran, "bound": bound.backend, "policy_choice": policy_choice,
+            "forced": bound.rule == "forced", "why": "; ".join(why),
+            "device": hub.device.describe(),
             "fallbacks": [[a, b, n] for (a, b), n in sorted(hub.fallback_counts.items())]}
+
+
+def ran_backend(bound: str | None, counts: Any) -> str | None:
+    """The backend that produced the output of one call: the bound one, or the end of the
+    run-time fallback chain it started (``Hub.fallback_counts``)."""
+    ran, seen = bound, set()
+    while ran is not None and ran not in seen:
+        seen.add(ran)
+        nxt = [b for (a, b), n in counts.items() if a == ran and n]
+        if not nxt:
+            break
+        ran = nxt[0]
+    return ran
