@@ -6,6 +6,7 @@ Importing it imports torch.distributed only; no kernel and no GPU is touched unt
 from .backend import RingBackend, process_group_reasons
 from .comm import RingError
 from .functional import ring_attention
+from .local_cpu import TorchFlashCPUBackend
 from .merge import merge_partial
 from .sharding import (
     ZigzagLayout,
@@ -18,6 +19,7 @@ from .sharding import (
 __all__ = [
     "RingBackend",
     "RingError",
+    "TorchFlashCPUBackend",
     "ZigzagLayout",
     "merge_partial",
     "process_group_reasons",

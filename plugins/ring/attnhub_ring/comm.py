@@ -60,13 +60,16 @@ class Ring:
         self._next = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self._prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
 
-    def hop(self, send: torch.Tensor, recv_numel: int, tag: int = 0) -> PendingHop:
+    def hop(self, send: torch.Tensor, recv_numel: int, tag: int = 0,
+            into: torch.Tensor | None = None) -> PendingHop:
         """Post: send ``send`` to the next rank, receive ``recv_numel`` elements from the
-        previous. Empty messages are skipped on both sides (both know the sizes); ``tag``
-        keeps two hops in flight at once (K/V and dK/dV in the backward) apart."""
+        previous (into the front of ``into`` when given: the ring's second buffer). Empty
+        messages are skipped on both sides (both know the sizes); ``tag`` keeps two hops in
+        flight at once (K/V and dK/dV in the backward) apart."""
         if self.world == 1:
             return PendingHop([], send)
-        recv = torch.empty(recv_numel, dtype=send.dtype, device=send.device)
+        recv = (into[:recv_numel] if into is not None
+                else torch.empty(recv_numel, dtype=send.dtype, device=send.device))
         ops = []
         if send.numel():
             ops.append(dist.P2POp(dist.isend, send, self._next, self.group, tag))

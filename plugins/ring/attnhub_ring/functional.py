@@ -11,7 +11,7 @@ from attnhub.plugin import AttentionSpec, AttnParams, Backend, MaskSpec, dtype_n
 
 from .backend import check_local
 from .comm import ProcessGroup
-from .ring import run_ring
+from .ring import Transport, run_ring
 
 
 def ring_attention(
@@ -19,7 +19,7 @@ def ring_attention(
     causal: bool = False, scale: float | None = None, softcap: float | None = None,
     cu_seqlens: torch.Tensor | None = None, group: ProcessGroup | None = None,
     global_seqlens: list[int] | None = None, return_lse: bool = False,
-    deterministic: bool = False,
+    deterministic: bool = False, transport: Transport | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's zigzag shard against the whole sequence.
 
@@ -27,6 +27,10 @@ def ring_attention(
     (T_local, H, D) with its local ``cu_seqlens`` from :func:`zigzag_shard_varlen`.
     ``local_backend`` is a backend object or a registered name (``"torch_sdpa"``).
     ``global_seqlens`` (the unsharded lengths) saves one all-gather and host sync per call.
+    ``transport`` replaces the process group: :class:`attnhub_ring.simulate.SimulatedRing`
+    plays one rank of a ring on a single device (for measuring, see simulate.py). Any
+    backend that returns the LSE is accepted here; a policy binds only one that returns it
+    natively (not ``lse_second_pass``).
     """
     if isinstance(local_backend, str):
         local_backend = attnhub.default_hub().registry.get(local_backend)
@@ -46,5 +50,5 @@ def ring_attention(
         deterministic=deterministic, return_lse=return_lse)
     local = check_local(local_backend, spec)
     local.load()
-    out, lse = run_ring(q, k, v, local, spec, params, group, global_seqlens)
+    out, lse = run_ring(q, k, v, local, spec, params, group, global_seqlens, transport)
     return (out, lse) if return_lse else out

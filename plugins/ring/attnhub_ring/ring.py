@@ -10,15 +10,17 @@ contribution until it arrives back at the rank that owns the block (``W`` hops).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Protocol
 
 import torch
 
 from attnhub.plugin import AttentionSpec, AttnParams, Backend, MaskSpec
 
 from .block_backward import block_backward
-from .comm import ProcessGroup, Ring, RingError, resolve_group
+from .comm import PendingHop, ProcessGroup, Ring, RingError, resolve_group
+from .flash_ops import flash_backward, flash_backward_segments, fused_backward_reasons
 from .merge import merge_partial
 from .plan import BlockPlan, Rows, block_plans
 from .sharding import ZigzagLayout
@@ -26,11 +28,25 @@ from .sharding import ZigzagLayout
 _KV_TAG, _DKV_TAG = 0, 1
 
 
-@dataclass(frozen=True)
-class RingCall:
-    """Everything one call needs besides the tensors: ring, plans, shapes, the local kernel."""
+class Transport(Protocol):
+    """What the ring needs of its ranks: :class:`~attnhub_ring.comm.Ring`, or a simulated
+    one (``attnhub_ring.simulate``) that plays every rank on one device."""
 
-    ring: Ring
+    rank: int
+    world: int
+
+    def hop(self, send: torch.Tensor, recv_numel: int, tag: int = 0,
+            into: torch.Tensor | None = None) -> PendingHop: ...
+
+    def gather_lengths(self, lens: list[int], device: torch.device) -> list[list[int]]: ...
+
+
+@dataclass
+class RingCall:
+    """Everything one call needs besides the tensors: ring, plans, shapes, the local kernel,
+    and each step's block spec/params (built once per call, not per step)."""
+
+    ring: Transport
     local: Backend
     spec: AttentionSpec
     params: AttnParams
@@ -38,6 +54,7 @@ class RingCall:
     plans: tuple[BlockPlan, ...]
     thd: bool
     kv_shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per rank: (k, v) shape
+    _blocks: dict[int, tuple[AttentionSpec, AttnParams]] = field(default_factory=dict)
 
     @property
     def axis(self) -> int:
@@ -52,20 +69,72 @@ class RingCall:
         """Views of K and V (or dK and dV) of ``rank``'s block in a packed buffer."""
         ks, vs = self.kv_shapes[rank]
         nk = _prod(ks)
-        return buf[:nk].view(ks), buf[nk:].view(vs)
+        return buf[:nk].view(ks), buf[nk:nk + _prod(vs)].view(vs)
 
     def next_source(self, step: int) -> int:
         """The rank whose block arrives for step ``step + 1``."""
         return (self.ring.rank - step - 1) % self.ring.world
 
+    def kv_buffers(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two buffers of the largest packed block: this rank's K/V packed into the first;
+        hops receive into the other one, alternating."""
+        n = max(self.numel(r) for r in range(self.ring.world))
+        first = torch.empty(n, dtype=k.dtype, device=k.device)
+        mine = self.numel(self.ring.rank)
+        nk = k.numel()
+        first[:nk].view(k.shape).copy_(k)
+        first[nk:mine].view(v.shape).copy_(v)
+        second = torch.empty(n if self.ring.world > 1 else 0, dtype=k.dtype, device=k.device)
+        return first, second
+
+    def block_call(self, step: int, device: torch.device) -> tuple[AttentionSpec, AttnParams]:
+        """The local kernel's spec and params for step ``step``'s block (cached per call)."""
+        hit = self._blocks.get(step)
+        if hit is None:
+            hit = self._blocks[step] = self._make_block_call(self.plans[step], device)
+        return hit
+
+    def _make_block_call(self, plan: BlockPlan,
+                         device: torch.device) -> tuple[AttentionSpec, AttnParams]:
+        p, spec = self.params, self.spec
+        cu_q, cu_k = plan.cu_seqlens(device) if self.thd else (None, None)
+        bspec = spec.with_(
+            mask=MaskSpec(causal=plan.causal, alignment=spec.mask.alignment,
+                          softcap=spec.mask.softcap, document=self.thd),
+            max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k, needs_grad=False,
+            return_lse=True, batch=len(plan.segments) if self.thd else spec.batch)
+        bparams = AttnParams(scale=p.scale, causal=plan.causal, alignment=p.alignment,
+                             softcap=p.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k,
+                             deterministic=p.deterministic, return_lse=True)
+        return bspec, bparams
+
+
+@lru_cache(maxsize=256)
+def _geometry(world: int, rank: int, doc_lens: tuple[int, ...], causal: bool, thd: bool,
+              k_tail: tuple[int, ...], v_tail: tuple[int, ...]
+              ) -> tuple[tuple[BlockPlan, ...], tuple[tuple[tuple[int, ...], ...], ...]]:
+    """Plans and per-rank K/V block shapes of one call geometry: pure Python work, cached so
+    a training step's repeated calls (every layer, every step) pay it once."""
+    layout = ZigzagLayout(world, doc_lens)
+
+    def shape(r: int, tail: tuple[int, ...]) -> tuple[int, ...]:
+        n = sum(layout.local_lens(r))
+        return (n, *tail) if thd else (tail[0], n, *tail[1:])
+
+    kv_shapes = tuple((shape(r, k_tail), shape(r, v_tail)) for r in range(world))
+    return tuple(block_plans(layout, rank, causal)), kv_shapes
+
 
 def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend,
              spec: AttentionSpec, params: AttnParams, group: ProcessGroup | None = None,
-             global_seqlens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             global_seqlens: list[int] | None = None,
+             transport: Transport | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of this rank's zigzag shard. Returns ``out`` (q's dtype) and the LSE in
-    the contract layout ((B,Hq,S) or (Hq,T), fp32); both carry autograd."""
+    the contract layout ((B,Hq,S) or (Hq,T), fp32); both carry autograd. ``transport``
+    replaces the process group (a simulated ring on one device)."""
     _check_call(q, k, v, spec, params)
-    ring = Ring(resolve_group(group))
+    ring = transport if transport is not None else Ring(resolve_group(group))
     thd = spec.layout == "thd"
     local_lens = torch.diff(params.cu_seqlens_q).tolist() if thd else [q.shape[1]]
     if global_seqlens is not None:
@@ -77,11 +146,11 @@ def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend,
                 "shard inputs with attnhub_ring.zigzag_shard / zigzag_shard_varlen")
     else:
         layout = ZigzagLayout.from_local_lens(ring.gather_lengths(local_lens, q.device))
-    kv_shapes = tuple(
-        (_block_shape(k, layout, r, thd), _block_shape(v, layout, r, thd))
-        for r in range(ring.world))
-    call = RingCall(ring, local, spec, params, layout,
-                    tuple(block_plans(layout, ring.rank, params.causal)), thd, kv_shapes)
+    k_tail = tuple(k.shape[1:]) if thd else (k.shape[0], *k.shape[2:])
+    v_tail = tuple(v.shape[1:]) if thd else (v.shape[0], *v.shape[2:])
+    plans, kv_shapes = _geometry(ring.world, ring.rank, layout.doc_lens, bool(params.causal),
+                                 thd, k_tail, v_tail)
+    call = RingCall(ring, local, spec, params, layout, plans, thd, kv_shapes)
     out, lse = _RingAttention.apply(q, k, v, call)
     return out, (lse.t() if thd else lse.transpose(1, 2))
 
@@ -113,11 +182,6 @@ def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
         raise RingError(f"ring: layout {spec.layout!r} not supported (bshd, thd)")
 
 
-def _block_shape(x: torch.Tensor, layout: ZigzagLayout, rank: int, thd: bool) -> tuple[int, ...]:
-    n = sum(layout.local_lens(rank))
-    return (n, *x.shape[1:]) if thd else (x.shape[0], n, *x.shape[2:])
-
-
 class _RingAttention(torch.autograd.Function):
     """(q, k, v) -> (out, lse token-major); the backward also takes the LSE's gradient."""
 
@@ -127,53 +191,63 @@ class _RingAttention(torch.autograd.Function):
         out, lse = _forward(call, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
+        ctx.set_materialize_grads(False)  # dlse stays None unless the loss uses the LSE
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
         dq, dk, dv = _backward(ctx.call, q, k, v, out, lse, dout, dlse)
         return dq, dk, dv, None
 
 
 def _forward(call: RingCall, q: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Post the next hop, run the local kernel on the block in hand, merge, wait: the hop
+    hides under the block's compute. Two K/V buffers alternate (double buffering); nothing
+    here waits on the device (no host sync) for bshd."""
     axis, dev = call.axis, q.device
-    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=dev)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=dev)
-    kv = torch.cat([k.reshape(-1), v.reshape(-1)])
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=dev)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=dev)
+    bufs = call.kv_buffers(k, v)
+    kv = bufs[0][:call.numel(call.ring.rank)]
     last = len(call.plans) - 1
+    first = True  # the first block that reaches a row writes it; later ones merge
     for step, plan in enumerate(call.plans):
-        hop = call.ring.hop(kv, call.numel(call.next_source(step)), _KV_TAG) if step < last \
-            else None
+        hop = call.ring.hop(kv, call.numel(call.next_source(step)), _KV_TAG,
+                            into=bufs[(step + 1) % 2]) if step < last else None
         if not plan.empty:
             rows = plan.q_rows(dev)
-            o_b, l_b = _local_block(call, q, *call.unpack(kv, plan.source), plan)
-            o, l = merge_partial(_take(out, rows, axis), _take(lse, rows, axis), o_b, l_b)
-            _put(out, rows, axis, o)
-            _put(lse, rows, axis, l)
+            o_b, l_b = _local_block(call, q, *call.unpack(kv, plan.source), plan, step)
+            if first and _covers(rows, q.shape[axis]):
+                out.copy_(o_b)
+                lse.copy_(l_b)
+            else:
+                if first:  # rows the block skips have seen nothing yet: (0, -inf)
+                    out.zero_()
+                    lse.fill_(float("-inf"))
+                o, l = merge_partial(_take(out, rows, axis), _take(lse, rows, axis), o_b, l_b)
+                _put(out, rows, axis, o)
+                _put(lse, rows, axis, l)
+            first = False
         if hop is not None:
             kv = hop.wait()
+    if first:  # no block reached this rank (it holds no visible pair)
+        out.zero_()
+        lse.fill_(float("-inf"))
     return out.to(q.dtype), lse
 
 
 def _local_block(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 plan: BlockPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                 plan: BlockPlan, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The local kernel on one block: out (rows, H, Dv) and token-major LSE (rows, H)."""
-    axis, dev, p, spec = call.axis, q.device, call.params, call.spec
+    axis, dev = call.axis, q.device
     qb = _take(q, plan.q_rows(dev), axis)
     kb, vb = _take(k, plan.k_rows(dev), axis), _take(v, plan.k_rows(dev), axis)
-    cu_q, cu_k = plan.cu_seqlens(dev) if call.thd else (None, None)
-    bspec = spec.with_(
-        mask=MaskSpec(causal=plan.causal, alignment=spec.mask.alignment,
-                      softcap=spec.mask.softcap, document=call.thd),
-        max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k, needs_grad=False, return_lse=True,
-        batch=len(plan.segments) if call.thd else q.shape[0])
-    bparams = AttnParams(scale=p.scale, causal=plan.causal, alignment=p.alignment,
-                         softcap=p.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                         max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k,
-                         deterministic=p.deterministic, return_lse=True)
+    bspec, bparams = call.block_call(step, dev)
     res = call.local.forward(qb, kb, vb, bspec, bparams)
     if res.lse is None:
         raise RingError(f"ring: local backend {call.local.name!r} returned no LSE; the ring "
@@ -184,21 +258,37 @@ def _local_block(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               dlse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K/V go round again (double-buffered, posted before each block's compute); each
+    block's dK/dV accumulator follows one hop behind, its hop posted as soon as the block is
+    done, so it travels under the next block's compute."""
     dev = q.device
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:  # d lse_i / d s_ij = P_ij: the LSE's gradient enters through delta
-        delta = delta - dlse.float()
+    lse_grad = dlse is not None and bool(dlse.ne(0).any())  # one sync, only if LSE was used
+    fused = not fused_backward_reasons(q, v, call.params.softcap, call.params.deterministic,
+                                       lse_grad)
+    delta = None
+    if not fused:
+        delta = (dout.float() * out.float()).sum(-1)
+        if dlse is not None:  # d lse_i / d s_ij = P_ij: the LSE's gradient enters via delta
+            delta = delta - dlse.float()
+    lse_k = _kernel_lse(lse, call.thd) if fused else lse
     dq = torch.zeros(q.shape, dtype=torch.float32, device=dev)
-    kv = torch.cat([k.reshape(-1), v.reshape(-1)])
+    bufs = call.kv_buffers(k, v)
+    kv = bufs[0][:call.numel(call.ring.rank)]
     dkv_hop = None
     last = len(call.plans) - 1
     for step, plan in enumerate(call.plans):
         nxt = call.next_source(step)
-        kv_hop = call.ring.hop(kv, call.numel(nxt), _KV_TAG) if step < last else None
+        kv_hop = call.ring.hop(kv, call.numel(nxt), _KV_TAG,
+                               into=bufs[(step + 1) % 2]) if step < last else None
         dkv = torch.zeros(call.numel(plan.source), dtype=torch.float32, device=dev)
         if not plan.empty:
-            _block_grads(call, plan, q, *call.unpack(kv, plan.source), dout, lse, delta, dq,
-                         *call.unpack(dkv, plan.source))
+            dk_b, dv_b = call.unpack(dkv, plan.source)
+            k_b, v_b = call.unpack(kv, plan.source)
+            if fused:
+                _fused_block_grads(call, plan, q, k_b, v_b, dout, out, lse_k, dq, dk_b, dv_b)
+            else:
+                assert delta is not None
+                _block_grads(call, plan, q, k_b, v_b, dout, lse, delta, dq, dk_b, dv_b)
         if dkv_hop is not None:  # earlier ranks' share of this block's dK/dV, one hop behind
             dkv = dkv_hop.wait().add_(dkv)
         dkv_hop = call.ring.hop(dkv, call.numel(nxt), _DKV_TAG)
@@ -209,11 +299,39 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _kernel_lse(lse: torch.Tensor, thd: bool) -> torch.Tensor:
+    """Token-major LSE (B,S,H) / (T,H) in the kernels' head-major layout (B,H,S) / (H,T)."""
+    return (lse.t() if thd else lse.transpose(1, 2)).contiguous()
+
+
+def _fused_block_grads(call: RingCall, plan: BlockPlan, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
+                       lse_k: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                       dv: torch.Tensor) -> None:
+    """One block's gradients by torch's flash backward, given the merged out and global LSE
+    (head-major ``lse_k``); added into the fp32 ``dq`` and the travelling ``dk``/``dv``."""
+    axis, dev = call.axis, q.device
+    qr, kr = plan.q_rows(dev), plan.k_rows(dev)
+    qb, dob, ob = (_take(x, qr, axis) for x in (q, dout, out))
+    kb, vb = _take(k, kr, axis), _take(v, kr, axis)
+    lb = _take(lse_k, qr, axis + 1)
+    scale, causal = call.params.scale, plan.causal
+    if call.thd:
+        g = flash_backward_segments(dob, qb, kb, vb, ob, lb, causal, scale,
+                                    tuple(s.q_len for s in plan.segments),
+                                    tuple(s.k_len for s in plan.segments))
+    else:
+        g = flash_backward(dob, qb, kb, vb, ob, lb, causal, scale)
+    _add(dq, qr, axis, g[0])
+    _add(dk, kr, axis, g[1])
+    _add(dv, kr, axis, g[2])
+
+
 def _block_grads(call: RingCall, plan: BlockPlan, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
                  dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """Add one block's gradients into ``dq`` (this rank's queries) and ``dk``/``dv`` (the
-    block's travelling accumulators)."""
+    block's travelling accumulators), by the exact fp32 math backward."""
     axis, dev, thd = call.axis, q.device, call.thd
     qr, kr = plan.q_rows(dev), plan.k_rows(dev)
 
@@ -252,12 +370,17 @@ def _add(x: torch.Tensor, rows: Rows, axis: int, val: torch.Tensor) -> None:
     if isinstance(rows, slice):
         x[_index(rows, axis)] += val
     else:
-        x.index_add_(axis, rows, val)
+        x.index_add_(axis, rows, val.to(x.dtype))
 
 
 def _batched(x: torch.Tensor, thd: bool) -> torch.Tensor:
     """thd rows get a batch axis of one so the block backward sees (B, rows, ...)."""
     return x.unsqueeze(0) if thd else x
+
+
+def _covers(rows: Rows, n: int) -> bool:
+    """Do ``rows`` cover every local row (the block writes them all)?"""
+    return isinstance(rows, slice) and rows.start == 0 and rows.stop == n
 
 
 def _prod(shape: tuple[int, ...]) -> int:

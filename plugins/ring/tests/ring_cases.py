@@ -28,7 +28,7 @@ class Case:
     causal: bool
     dtype: torch.dtype = torch.bfloat16
     thd: bool = False
-    local: str = "torch_sdpa"
+    local: str = "torch_flash_cpu"
     softcap: float | None = None
     scale: float | None = None
     lse_grad: bool = False  # the loss also uses the returned LSE
@@ -61,7 +61,7 @@ CASES: dict[str, Case] = {
 POLICY = """\
 name: ring-test
 version: 1
-description: ring across the group, torch SDPA inside
+description: ring across the group, a kernel that returns its LSE inside
 targets: [cpu]
 rules:
   - name: ring-context-parallel
@@ -69,7 +69,7 @@ rules:
     use: [ring]
   - name: cpu
     when: {hardware: cpu}
-    use: [torch_sdpa]
+    use: [torch_sdpa, torch_flash_cpu]
 """
 
 
@@ -188,4 +188,7 @@ def _via_hub(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (runner,) = hub.bound()
     text = runner.decision.explain()
     assert "local kernel inside ring" in text and case.local in text, text
+    if case.via_policy:  # SDPA's LSE is a second pass: refused inside ring, with the reason
+        assert runner.decision.inner is not None and runner.decision.inner.backend == case.local
+        assert "second pass" in text, text
     return out, lse

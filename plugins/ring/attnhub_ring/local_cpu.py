@@ -1,0 +1,112 @@
+"""``torch_flash_cpu``: torch's CPU FlashAttention kernel as a backend that returns its LSE.
+
+The ring merges every block by its LSE, so its local kernel must return it from the kernel
+itself (torch SDPA computes it by a second, materialising pass: ``lse_second_pass``). On GPUs
+FA3, cuDNN, FA2 and our Triton kernels do; on the CPU this op does, so a CPU ring (tests, gloo)
+resolves its local kernel through the policy like a GPU one. Masks: none and square causal
+(plus documents, one call per document); GQA native; forward and backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnhub.plugin import (
+    FLOAT_DTYPES,
+    AttentionOutput,
+    AttentionSpec,
+    AttnParams,
+    Backend,
+    BackendUnavailableError,
+    Capabilities,
+    DeviceInfo,
+    InputError,
+    doc_ranges,
+)
+
+from .flash_ops import flash_backward, flash_forward_cpu
+
+NAME = "torch_flash_cpu"
+
+
+def _square_reason(causal: bool, alignment: str, sq: int, sk: int) -> str | None:
+    if causal and sq != sk and alignment == "bottom_right":
+        return (f"bottom-right causal with Sq={sq} != Sk={sk} (the CPU flash kernel's causal "
+                "is top-left; square blocks only)")
+    return None
+
+
+class _FlashCPU(torch.autograd.Function):
+    """bshd (q, k, v) -> (out, lse (B,Hq,S)); the backward is the kernel's own."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = flash_forward_cpu(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, ...]:
+        if dlse is not None and bool(dlse.ne(0).any()):
+            raise InputError(f"{NAME}: a gradient through the returned LSE is not supported "
+                             "(the flash backward takes dO only); use the reference backend")
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            return None, None, None, None, None
+        dq, dk, dv = flash_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+class TorchFlashCPUBackend(Backend):
+    """aten::_scaled_dot_product_flash_attention_for_cpu, called for its LSE."""
+
+    name = NAME
+    tier = "portable"
+    description = ("torch's CPU FlashAttention kernel called directly: LSE from the kernel, "
+                   "GQA, forward and backward; none/square-causal/document masks")
+    capabilities = Capabilities(
+        vendors=frozenset({"cpu"}), dtypes=FLOAT_DTYPES, max_head_dim=1024,
+        masks=frozenset({"none", "causal", "document"}),
+        layouts=frozenset({"bshd", "bhsd", "thd"}), phases=frozenset({"train", "prefill"}),
+        backward=True, deterministic_backward=True, deterministic_forward=True, gqa=True,
+        returns_lse=True, top_left_causal=True,
+    )
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        # buckets are powers of two: different buckets mean Sq != Sk for every call in them
+        reason = _square_reason(spec.mask.causal, spec.mask.alignment, spec.max_seqlen_q,
+                                spec.max_seqlen_k)
+        return [reason] if reason else []
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        if spec.layout != "thd":
+            out, lse = self._dense(q, k, v, params)
+            return AttentionOutput(out, lse if params.return_lse else None)
+        outs, lses = [], []
+        for (qs, qe), (ks, ke) in zip(doc_ranges(params.cu_seqlens_q),
+                                      doc_ranges(params.cu_seqlens_k)):
+            o, l = self._dense(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], params)
+            outs.append(o[0])
+            lses.append(l[0])
+        out = torch.cat(outs) if outs else q.new_zeros(*q.shape[:-1], v.shape[-1])
+        lse = torch.cat(lses, -1) if lses else q.new_zeros(q.shape[1], 0, dtype=torch.float32)
+        return AttentionOutput(out, lse if params.return_lse else None)
+
+    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               params: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:
+        b, sq, hq, _ = q.shape
+        sk = k.shape[1]
+        reason = _square_reason(params.causal, params.alignment, sq, sk)
+        if reason:
+            raise BackendUnavailableError(self.name, [reason])
+        if sq == 0 or sk == 0:
+            return (q.new_zeros(b, sq, hq, v.shape[-1]),
+                    torch.full((b, hq, sq), float("-inf"), device=q.device))
+        return _FlashCPU.apply(q, k, v, params.causal, params.scale)
