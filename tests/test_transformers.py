@@ -107,7 +107,7 @@ def test_padding_becomes_column_ranges_with_the_same_meaning() -> None:
     keep = torch.ones(b, sk, dtype=torch.bool)
     keep[1, :2] = False
     mask = ((torch.arange(sk).view(1, sk) <= rows) & keep.view(b, 1, 1, sk)).view(b, 1, sq, sk)
-    args = hf._mask_args(mask, True, None, b, sq, sk)
+    args = hf.mask_args(mask, True, None, b, sq, sk)
     assert args["causal"] and "mask_mod" not in args
     from attnhub.core.masking import allowed_mask
 

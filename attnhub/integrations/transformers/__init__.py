@@ -4,11 +4,16 @@ the policy.
 ``register()`` adds an attention function to transformers' ``AttentionInterface`` and, since a
 name without a mask function gets no mask at all (``masking_utils`` then returns None), the
 boolean ``sdpa_mask`` under the same name. Each call turns the mask transformers built back
-into attnhub's mask vocabulary: plain causal, sliding window and key padding (column-sparse
-ranges) when the mask is exactly that, a dense ``mask_mod`` otherwise, so the policy sees
-what the mask really is. The phase comes from the call: one new query over a longer key
-sequence (a step of ``generate()`` with a cache) is ``decode``, anything else ``prefill``
-(``train`` when gradients flow). The bind context names the model and the layer index.
+into attnhub's mask vocabulary (``masks.mask_args``): plain causal, sliding window and key
+padding (column-sparse ranges) when the mask is exactly that, a dense ``mask_mod`` otherwise,
+so the policy sees what the mask really is. The phase comes from the call: one new query over
+a longer key sequence (a step of ``generate()`` with a cache) is ``decode``, anything else
+``prefill`` (``train`` when gradients flow). The bind context names the model and the layer.
+
+A model class whose attention does not go through ``AttentionInterface`` (transformers marks
+those with ``_supports_attention_backend = False``: Bloom, Falcon, ...) would ignore the name
+or misuse the mask; building one with ``attn_implementation="attnhub"`` raises ``InputError``.
+See docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -18,15 +23,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.decision import BindContext
-from ..errors import InputError
-from ..hub import Hub, default_hub
+from ...core.decision import BindContext
+from ...errors import InputError
+from ...hub import Hub, default_hub
+from .masks import DenseMask, mask_args
 
 if TYPE_CHECKING:
-    from ..bind import BindingTable
+    from ...bind import BindingTable
+
+__all__ = ["NAME", "DenseMask", "attention_forward", "attention_modules", "bind_model",
+           "check_model_class", "mask_args", "register"]
 
 NAME = "attnhub"
 _hub: Hub | None = None
+_names: set[str] = set()
 
 
 def register(hub: Hub | None = None, name: str = NAME) -> str:
@@ -42,7 +52,41 @@ def register(hub: Hub | None = None, name: str = NAME) -> str:
     _hub = hub
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
+    _names.add(name)
+    _guard_model_classes()
     return name
+
+
+def check_model_class(cls: type, name: str = NAME) -> None:
+    """Raise ``InputError`` unless transformers routes ``cls``'s attention through
+    ``AttentionInterface`` (its ``_supports_attention_backend`` flag)."""
+    if getattr(cls, "_supports_attention_backend", False):
+        return
+    raise InputError(
+        f"{cls.__name__} cannot use attn_implementation={name!r}: its attention does not go "
+        "through transformers' AttentionInterface (_supports_attention_backend is False), so "
+        "attnhub would be bypassed or its mask misused (Bloom and Falcon add ALiBi inside "
+        "their own attention). Use attn_implementation='sdpa' or 'eager' for this model, or "
+        "a model class that supports attention backends")
+
+
+def _guard_model_classes() -> None:
+    """Check the model class when transformers resolves ``attn_implementation`` (at build
+    and in ``set_attn_implementation``), before any layer exists."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_attnhub_guard", False):
+        return
+
+    def get_correct_attn_implementation(self: Any, requested_attention: str | None,
+                                        is_init_check: bool = False) -> str:
+        if requested_attention in _names:
+            check_model_class(type(self), requested_attention)
+        return original(self, requested_attention, is_init_check)
+
+    get_correct_attn_implementation._attnhub_guard = True  # type: ignore[attr-defined]
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -61,7 +105,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # transformers drops the mask only for a prefill into an empty static cache, whose
         # keys past the queries are unused slots: keep the keys the queries can see
         k, v, sk = k[:, :sq], v[:, :sq], sq
-    mask = _mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk)
+    mask = mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk, module)
     # phase left to the hub: one query over a longer cache is decode, else prefill or train
     hub = getattr(module, "_attnhub_hub", None) or _hub or default_hub()
     out = hub.attention(q, k, v, scale=scaling, softcap=softcap, context=_context(module),
@@ -97,71 +141,6 @@ def _context(module: torch.nn.Module) -> BindContext:
     return ctx
 
 
-class DenseMask:
-    """A boolean (B, 1, Sq, Sk) mask as a FlexAttention-style ``mask_mod``.
-
-    Used only for masks that are not causal + window + key padding. Instances compare equal
-    so that the hub binds one runner for them, not one per call; the mask data travels per
-    call.
-    """
-
-    __name__ = "dense_mask"
-
-    def __init__(self, allowed: torch.Tensor):
-        self.allowed = allowed
-
-    def __call__(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
-                 kv_idx: torch.Tensor) -> torch.Tensor:
-        return self.allowed[b, 0, q_idx, kv_idx]
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, DenseMask)
-
-    def __hash__(self) -> int:
-        return hash(DenseMask)
-
-
-_last: tuple[Any, ...] = ()  # (mask, causal, window, result): one forward reuses it per layer
-
-
-def _mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] | None,
-               batch: int, sq: int, sk: int) -> dict[str, Any]:
-    """attnhub mask arguments equal to transformers' mask for this call."""
-    global _last
-    if mask is None:
-        return {"causal": causal, "window": window}
-    if _last and _last[0] is mask and _last[1:3] == (causal, window):
-        return _last[3]
-    allowed = _as_bool(mask).expand(batch, 1, sq, sk)
-    keep = allowed[:, 0].any(dim=1)  # key columns some query sees; the rest are padding
-    structured = keep.view(batch, 1, 1, sk)
-    rows = torch.arange(sq, device=mask.device).view(sq, 1) + (sk - sq)
-    cols = torch.arange(sk, device=mask.device).view(1, sk)
-    if causal:
-        structured = structured & (cols <= rows)
-    if window is not None:
-        structured = structured & (cols >= rows - window[0])
-    if torch.equal(structured, allowed):
-        out: dict[str, Any] = {"causal": causal, "window": window}
-        if not bool(keep.all()):  # key padding: mask every query row of a padded column
-            pad = (~keep).to(torch.int32).view(batch, 1, sk)
-            out.update(colmask_start=torch.zeros_like(pad), colmask_end=pad * sq)
-    else:
-        out = {"mask_mod": DenseMask(allowed)}
-    _last = (mask, causal, window, out)
-    return out
-
-
-def _as_bool(mask: torch.Tensor) -> torch.Tensor:
-    if mask.dtype == torch.bool:
-        return mask
-    lo = torch.finfo(mask.dtype).min / 2
-    if not bool(((mask == 0) | (mask <= lo)).all()):
-        raise InputError("attnhub takes boolean (or 0 / -inf additive) attention masks; this "
-                         "float mask carries a bias, which needs the eager implementation")
-    return mask == 0
-
-
 def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The attention modules of a transformers model built with ``attn_implementation=
     "attnhub"`` (those with a layer index and a causal flag), in module order."""
@@ -176,8 +155,8 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
     """``attnhub.bind`` for a transformers model: route its layers through ``hub`` and
     resolve each for each phase at the shapes given (no padding; transformers' contiguous
     cache, so decode is ``bshd`` with one query)."""
-    from ..bind import Binding, BindingTable, decode_buckets, model_name
-    from ..nn import call_spec
+    from ...bind import Binding, BindingTable, decode_buckets, model_name
+    from ...nn import call_spec
 
     rows = []
     for path, m in attention_modules(model):

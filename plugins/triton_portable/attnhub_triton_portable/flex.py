@@ -14,9 +14,19 @@ with the semantics of ``attnhub.core.masking`` / ``reference_attention``:
   reference shows them: batch 0 and positions inside the document.
 
 Building a BlockMask evaluates the mask over every (query block, key block), so it is built
-once per (mask data, shape) and kept in a small LRU cache. Tensors in the key are identified
-by object and version counter (``t._version``), held by weak reference: an in-place change or
-a new tensor builds a new mask, and nothing on the hot path copies data to the host.
+once per (mask data, shape) and kept in a small LRU cache. A cache entry must prove that the
+mask data is the same: tensors in the key are identified by object (held by weak reference),
+version counter (``t._version``, moved by in-place ops) and data pointer, plus their content
+when they are small CPU tensors (an edit through ``.data`` does not move the version). GPU
+tensors are never read back on the hot path: change them in place through ordinary ops, or
+pass new ones. A ``mask_mod``/``score_mod`` is keyed by the callable object itself.
+
+Compiling: ``torch.compile(flex_attention, dynamic=False)`` compiles once per static shape
+(Inductor's CPU flex template failed on the second shape under dynamic shapes). Past dynamo's
+recompile limit a compiled function silently runs uncompiled, which for flex means the whole
+score matrix in memory at 10-100x the time; here the limit is raised for flex's calls to
+``RECOMPILE_LIMIT`` shapes, and past it the call raises, so the hub's rule falls back loudly
+(counted and warned) instead.
 """
 
 from __future__ import annotations
@@ -38,6 +48,13 @@ from attnhub.plugin import AttnParams, query_offset
 Mod = Callable[..., torch.Tensor]
 
 _CACHE_SIZE = 32
+
+#: Compiled shapes (and callables) per process before a flex call raises instead of running
+#: uncompiled; dynamo's own default is 8.
+RECOMPILE_LIMIT = 64
+
+#: CPU tensors up to this many elements are also keyed by their content.
+_HASHED_NUMEL = 4096
 
 
 @dataclass(frozen=True)
@@ -168,8 +185,15 @@ def build_score_mod(params: AttnParams, pos: _Positions, device: torch.device) -
     return score_mod
 
 
-def _token(t: torch.Tensor | None) -> tuple[int, int] | None:
-    return None if t is None else (id(t), t._version)
+def _token(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """Proof of a tensor's content: identity, version, storage, and bytes when cheap."""
+    if t is None:
+        return None
+    content = None
+    if t.device.type == "cpu" and t.numel() <= _HASHED_NUMEL:
+        content = hash(t.detach().contiguous().numpy().tobytes()) if t.dtype != torch.bfloat16 \
+            else hash(tuple(t.reshape(-1).tolist()))
+    return (id(t), t._version, t.data_ptr(), content)
 
 
 class ModCache:
@@ -220,9 +244,31 @@ def _build(params: AttnParams, batch: int, hq: int, hkv: int, sq: int, sk: int,
 
 @functools.lru_cache(maxsize=1)
 def compiled_flex() -> Callable[..., Any]:
-    """``torch.compile(flex_attention)``, made once per process (Inductor compiles per shape
-    and per callable's code; new closures over new tensors reuse the compiled kernel)."""
-    return torch.compile(_fa.flex_attention)
+    """``torch.compile(flex_attention, dynamic=False)``, made once per process: Inductor
+    compiles per static shape and per callable's code; new closures over new tensors reuse
+    the compiled kernel."""
+    return torch.compile(_fa.flex_attention, dynamic=False)
+
+
+class FlexRecompileLimit(RuntimeError):
+    """flex has compiled ``RECOMPILE_LIMIT`` variants in this process; running uncompiled
+    would materialise the scores, so the call fails and the policy's fallback serves it."""
+
+
+def _run_compiled(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    limit = RECOMPILE_LIMIT
+    patch = torch._dynamo.config.patch(
+        recompile_limit=limit, fail_on_recompile_limit_hit=True,
+        accumulated_recompile_limit=max(limit * 4, 256))
+    try:
+        with patch:
+            return fn(*args, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+        raise FlexRecompileLimit(
+            f"flex: torch.compile(flex_attention) reached {limit} compiled variants in this "
+            "process (one per static shape and callable); running uncompiled would "
+            "materialise the score matrix, so this call is refused (raise "
+            "attnhub_triton_portable.flex.RECOMPILE_LIMIT, or bucket sequence lengths)") from exc
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttnParams,
@@ -249,10 +295,12 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
                               "scale": params.scale, "enable_gqa": hq != hkv}
     if want_lse:
         kwargs["return_aux"] = _fa.AuxRequest(lse=True)
-    with warnings.catch_warnings():
-        if not compiled:  # the eager path warns on every call that it is unfused
+    if compiled:
+        res = _run_compiled(fn, qt, kt, vt, **kwargs)
+    else:
+        with warnings.catch_warnings():  # the eager path warns on every call that it is unfused
             warnings.simplefilter("ignore", UserWarning)
-        res = fn(qt, kt, vt, **kwargs)
+            res = fn(qt, kt, vt, **kwargs)
     out, lse = (res[0], res[1].lse) if want_lse else (res, None)
     if packed:
         return out[0].transpose(0, 1), (lse[0] if lse is not None else None)

@@ -1,0 +1,170 @@
+"""transformers' 4-D attention masks turned back into attnhub's mask vocabulary.
+
+transformers hands an attention function one mask tensor per call: boolean from ``sdpa_mask``,
+or whatever a user passed as a custom 4-D mask (bool, int 0/1, or float 0 / large negative).
+``mask_args`` says what that tensor means in attnhub's terms, so the policy sees the real mask
+kind and any backend can serve it:
+
+* causal and/or the layer's sliding window, exactly: ``causal`` / ``window``;
+* the same plus key padding (columns no query sees): ``colmask_start`` / ``colmask_end``
+  ranges covering every query row of a padded column (column-sparse kind);
+* anything else (packed documents, prefix-LM, custom block masks): a ``DenseMask``
+  ``mask_mod`` that reads the tensor itself.
+
+Caching is keyed on proof of content, never on identity alone: the translation of a mask is
+memoised on the mask tensor (so the layers of one forward pay for it once) together with its
+version counter and data pointer, and is recomputed when either changed or when a layer asks
+a second time (the next forward: the only way to see an edit through ``.data``, which does
+not bump the version). A ``DenseMask`` equals another only while both read the same live
+tensor at the same version, so no cache can hand one call another call's mask.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ...errors import InputError
+
+#: Additive values at or below this are "masked": exp(-1e4) is 0 even in float64, so adding
+#: them to any finite score removes the key exactly as a boolean False does.
+MASKED_BELOW = -1.0e4
+
+_MEMO_ATTR = "_attnhub_mask_memo"
+
+
+class DenseMask:
+    """A boolean (B|1, H|1, Sq|1, Sk) mask as a FlexAttention-style ``mask_mod``.
+
+    Equality is identity: each translation of a mask builds a new instance, so a cache keyed
+    on a ``DenseMask`` (the hub's bindings, flex's BlockMasks) can never serve another mask.
+    It holds the tensor by weak reference, because those caches keep ``mask_mod`` objects in
+    their keys and must not pin one mask per call in memory; the caller keeps the tensor
+    alive while it calls (transformers keeps its mask for the whole forward). Build a new
+    instance after changing the tensor.
+    """
+
+    __name__ = "dense_mask"
+
+    def __init__(self, allowed: torch.Tensor):
+        if allowed.dtype != torch.bool or allowed.dim() != 4:
+            raise InputError(f"DenseMask takes a boolean 4-D (B, H, Sq, Sk) mask, got "
+                             f"{allowed.dtype} of shape {tuple(allowed.shape)}")
+        self._ref = weakref.ref(allowed)
+        self.shape = tuple(allowed.shape)
+        self._bcast = tuple(n > 1 for n in allowed.shape[:3])
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        t = self._ref()
+        if t is None:
+            raise InputError("this DenseMask's mask tensor was freed: a DenseMask reads the "
+                             "caller's tensor and must be built per call from a live mask")
+        return t
+
+    def __call__(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                 kv_idx: torch.Tensor) -> torch.Tensor:
+        t = self.allowed
+        bb, hb, qb = self._bcast
+        return t[b if bb else b * 0, h if hb else h * 0, q_idx if qb else q_idx * 0, kv_idx]
+
+    def __repr__(self) -> str:
+        return f"DenseMask(shape={self.shape}, alive={self._ref() is not None})"
+
+
+def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] | None,
+              batch: int, sq: int, sk: int, caller: object = None) -> dict[str, Any]:
+    """attnhub mask arguments with the same meaning as transformers' ``mask`` for this call.
+
+    ``caller`` (the attention module) marks forward passes: one module asking twice about
+    the same mask tensor means a new forward, so the translation is recomputed from the data.
+    """
+    if mask is None:
+        return {"causal": causal, "window": window}
+    if not isinstance(mask, torch.Tensor):
+        raise InputError(f"attention_mask of type {type(mask).__name__}: attnhub takes the "
+                         "tensor masks transformers builds for it (a BlockMask belongs to "
+                         "attn_implementation='flex_attention')")
+    _check_shape(mask, batch, sq, sk)
+    key = (causal, window, batch, sq, sk)
+    proof = (mask._version, mask.data_ptr())
+    memo = getattr(mask, _MEMO_ATTR, None)
+    if memo is None or memo["proof"] != proof:
+        memo = {"proof": proof}
+        try:
+            setattr(mask, _MEMO_ATTR, memo)
+        except (AttributeError, RuntimeError):  # a tensor subclass without a __dict__
+            _fallback_owner[:] = [memo]
+    entry = memo.get(key)
+    if entry is not None and id(caller) not in entry[0]:
+        entry[0].add(id(caller))  # another layer of the same forward
+        return entry[1]
+    allowed, owned = as_bool(mask)
+    out = _translate(allowed, causal, window, batch, sq, sk)
+    # the memo owns a converted copy, so it lives exactly as long as the caller's mask
+    memo[key] = ({id(caller)}, out, owned)
+    return out
+
+
+_fallback_owner: list[Any] = []
+
+
+def _check_shape(mask: torch.Tensor, batch: int, sq: int, sk: int) -> None:
+    ok = (mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[2] in (1, sq)
+          and mask.shape[3] == sk)
+    if not ok:
+        raise InputError(f"attention_mask of shape {tuple(mask.shape)} does not fit this call "
+                         f"(batch {batch}, {sq} queries, {sk} keys): pass a 4-D (B|1, 1|H, "
+                         f"Sq|1, {sk}) mask, or a 2-D (B, Sk) padding mask and let transformers "
+                         "build the 4-D one")
+
+
+def as_bool(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(boolean mask, the converted copy or None when ``mask`` is already boolean).
+
+    int masks must hold 0/1 (1 = attend); float masks 0 (attend) and values <= -1e4 or -inf
+    (masked): both are boolean in meaning. Anything else is an additive bias: refused.
+    """
+    if mask.dtype == torch.bool:
+        return mask, None
+    if not (mask.dtype.is_floating_point or mask.dtype.is_complex):
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise InputError("an integer attention_mask must hold only 0 (masked) and 1 "
+                             "(attend); pass a boolean mask (True = attend) instead")
+        out = mask != 0
+        return out, out
+    if mask.dtype.is_complex or not bool(((mask == 0) | (mask <= MASKED_BELOW)).all()):
+        raise InputError(
+            "attention_mask carries an additive bias (values other than 0 and <= -1e4/-inf, "
+            "e.g. ALiBi or relative-position terms); attnhub takes masks, not biases: pass a "
+            "boolean mask (True = attend), give ALiBi as alibi_slopes / a score_mod through "
+            "attnhub.attention, or use attn_implementation='eager' or 'sdpa' for this model")
+    out = mask == 0
+    return out, out
+
+
+def _translate(allowed: torch.Tensor, causal: bool, window: tuple[int, int] | None,
+               batch: int, sq: int, sk: int) -> dict[str, Any]:
+    """The narrowest attnhub form of a boolean mask: structured if exactly so, else dense."""
+    full = allowed.expand(batch, allowed.shape[1], sq, sk)
+    if allowed.shape[1] == 1:
+        keep = full[:, 0].any(dim=1)  # (B, Sk): key columns some query sees
+        rows = torch.arange(sq, device=allowed.device).view(sq, 1) + (sk - sq)
+        cols = torch.arange(sk, device=allowed.device).view(1, sk)
+        # the mask is authoritative (sdpa ignores is_causal when given one): try the
+        # layer's own form first, then plain padding
+        for c, w in ((causal, window), (False, None)) if (causal or window) else ((False, None),):
+            shape = keep.view(batch, 1, 1, sk)
+            if c:
+                shape = shape & (cols <= rows)
+            if w is not None:
+                shape = shape & (cols >= rows - w[0])
+            if torch.equal(shape.expand(batch, 1, sq, sk), full):
+                out: dict[str, Any] = {"causal": c, "window": w}
+                if not bool(keep.all()):  # key padding: every query row of a padded column
+                    pad = (~keep).to(torch.int32).view(batch, 1, sk)
+                    out.update(colmask_start=torch.zeros_like(pad), colmask_end=pad * sq)
+                return out
+    return {"mask_mod": DenseMask(allowed)}
