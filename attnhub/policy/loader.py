@@ -13,6 +13,7 @@ rule it should sit next to.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -102,6 +103,20 @@ def load_data(path: str | os.PathLike[str]) -> PolicyData:
     return merged
 
 
+def _packaged_hint(path: Path) -> str:
+    """`` (did you mean 'default'?)`` when ``path`` is a misspelt packaged policy."""
+    try:
+        pdir = policies_dir()
+    except PolicyError:
+        return ""
+    if path.parent.resolve() != pdir.resolve() or path.suffix != ".yaml":
+        return ""
+    names = sorted(p.stem for p in pdir.glob("*.yaml"))
+    hint = difflib.get_close_matches(path.stem, names, n=1)
+    return (f"; packaged policies: {', '.join(names)}"
+            + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+
+
 def _display(p: Path) -> str:
     try:
         return str(p.resolve().relative_to(Path.cwd().resolve()))
@@ -118,11 +133,19 @@ def _read_chain(path: Path, problems: list[str], seen: list[Path],
         problems.append(f"{ref}: extends forms a cycle ({cycle}), expected a chain that ends")
         return []
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
+        text = raw.decode("utf-8")
     except OSError as exc:
         where = f"{ref}: " if ref else ""
         problems.append(f"{where}cannot read policy {file} ({exc.strerror}), expected a "
-                        "readable YAML file (or a packaged name such as `default`)")
+                        f"readable YAML file (or a packaged name such as `default`)"
+                        f"{_packaged_hint(path)}")
+        return []
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        problems.append(f"{file}:{line}:{col} (encoding): byte 0x{raw[exc.start]:02x} is not "
+                        "UTF-8, expected a UTF-8 text file (re-save it as UTF-8)")
         return []
     doc, mine = read_yaml(text, file)
     pf = _validate(doc, mine)
@@ -194,30 +217,50 @@ def _merge(chain: list[tuple[PolicyFile, Located]], problems: list[str]) -> Poli
 
 def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
              problems: list[str]) -> list[LoadedRule]:
-    names = lambda rs: [r.rule.name for r in rs]  # noqa: E731
-    rules = list(base)
+    """Apply one file's ``remove``, replacements, placements and new rules to ``base``.
+
+    Rules sit in a list indexed by name; removals leave holes (None) compacted once at the
+    end, so a file of thousands of rules merges in linear time."""
+    rules: list[LoadedRule | None] = list(base)
+    index = {r.rule.name: i for i, r in enumerate(base)}
+
+    def alive() -> list[str]:
+        return [r.rule.name for r in rules if r is not None]
+
+    def drop(name: str) -> None:
+        rules[index.pop(name)] = None
+
     for i, name in enumerate(pf.remove):
-        if name not in names(rules):
-            problems.append(_unknown_ref(doc, ("remove", i), name, names(rules)))
+        if name not in index:
+            problems.append(_unknown_ref(doc, ("remove", i), name, alive()))
         else:
-            rules.pop(names(rules).index(name))
+            drop(name)
     top: list[LoadedRule] = []
+    placed: dict[int, tuple[list[LoadedRule], list[LoadedRule]]] = {}
     for i, r in enumerate(pf.rules):
         lr = LoadedRule(r, doc, ("rules", i))
         target = r.before or r.after
         if target is not None:
-            if r.name in names(rules):
-                rules.pop(names(rules).index(r.name))
-            if target not in names(rules):
+            if r.name in index:
+                drop(r.name)
+            if target not in index:
                 problems.append(_unknown_ref(doc, ("rules", i, "before" if r.before else "after"),
-                                             target, names(rules)))
+                                             target, alive()))
                 continue
-            rules.insert(names(rules).index(target) + (r.after is not None), lr)
-        elif r.name in names(rules):
-            rules[names(rules).index(r.name)] = lr
+            before, after = placed.setdefault(index[target], ([], []))
+            (after if r.after is not None else before).append(lr)
+        elif r.name in index:
+            rules[index[r.name]] = lr
         else:
             top.append(lr)
-    return top + rules
+    out = list(top)
+    for j, r in enumerate(rules):
+        before, after = placed.get(j, ([], []))
+        out += before
+        if r is not None:
+            out.append(r)
+        out += reversed(after)
+    return out
 
 
 def _unknown_ref(doc: Located, path: tuple[str | int, ...], name: str, known: list[str]) -> str:

@@ -50,48 +50,208 @@ def dotted(path: Path_) -> str:
     return out or "(document)"
 
 
+#: Limits no real policy comes near; a file past them is refused, located, never expanded.
+MAX_DEPTH = 64
+MAX_VALUES = 500_000
+_STD = "tag:yaml.org,2002:"
+_SCALAR_TAGS = frozenset(_STD + t for t in ("null", "bool", "int", "float", "str"))
+_MERGE = _STD + "merge"
+_AWAIT, _SKIP = object(), object()
+
+
+class _Refused(Exception):
+    """A construct policy files do not allow (alias, tag, merge key, depth): stop reading."""
+
+
+class _Frame:
+    """An open list or mapping while events stream in; ``skip`` frames build nothing."""
+
+    __slots__ = ("data", "path", "key", "skip", "is_key")
+
+    def __init__(self, data: Any, path: Path_, skip: bool = False, is_key: bool = False):
+        self.data, self.path, self.key, self.skip, self.is_key = data, path, _AWAIT, skip, is_key
+
+
 def read_yaml(text: str, file: str) -> tuple[Located, list[str]]:
-    """Compose ``text``; return located plain data and problems (syntax, duplicate keys)."""
+    """Parse ``text``; return located plain data and problems (syntax, duplicate keys, and
+    what policy files refuse: aliases, tags, merge keys, nesting deeper than ``MAX_DEPTH``).
+
+    Built from the parser's event stream with an explicit stack, so no document can recurse
+    the reader, expand an alias, or construct an object: every value is plain data."""
+    return read_yaml_with(text, file, getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def read_yaml_with(text: str, file: str, parser: Any) -> tuple[Located, list[str]]:
+    """:func:`read_yaml` with the given PyYAML loader class as the event source."""
     doc = Located(file)
+    problems: list[str] = []
+    loader = yaml.SafeLoader("")
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        doc.data = _Builder(doc, problems, loader).run(yaml.parse(text, Loader=parser))
+    except _Refused as exc:
+        doc.data = None
+        return doc, [str(exc)]
     except yaml.MarkedYAMLError as exc:
+        if parser is not yaml.SafeLoader:  # libyaml's wording is terser: ask the pure parser
+            return read_yaml_with(text, file, yaml.SafeLoader)
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         what = " ".join(x for x in (exc.context, exc.problem) if x)
+        doc.data = None
         return doc, [f"{file}:{line}:{col} (yaml syntax): {what}, expected valid YAML"]
     except yaml.YAMLError as exc:
+        doc.data = None
         return doc, [f"{file}:1:1 (yaml): {exc}, expected one valid YAML document"]
-    problems: list[str] = []
-    if root is not None:
-        doc.data = _build(root, (), doc, problems, yaml.SafeLoader(""))
     return doc, problems
 
 
-def _build(node: yaml.Node, path: Path_, doc: Located, problems: list[str],
-           loader: yaml.SafeLoader) -> Any:
-    doc.values[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
-    if isinstance(node, yaml.SequenceNode):
-        return [_build(n, path + (i,), doc, problems, loader) for i, n in enumerate(node.value)]
-    if not isinstance(node, yaml.MappingNode):
-        return loader.construct_object(node, deep=True)
-    out: dict[Any, Any] = {}
-    for knode, vnode in node.value:
-        pos = (knode.start_mark.line + 1, knode.start_mark.column + 1)
-        scalar = isinstance(knode, yaml.ScalarNode)
-        key = loader.construct_object(knode, deep=True) if scalar else None
+class _Builder:
+    """Plain data from parser events, positions recorded as it goes."""
+
+    def __init__(self, doc: Located, problems: list[str], loader: yaml.SafeLoader):
+        self.doc, self.problems, self.loader = doc, problems, loader
+        self.stack: list[_Frame] = []
+        self.count = 0
+
+    def _at(self, mark: Any) -> str:
+        return f"{self.doc.file}:{mark.line + 1}:{mark.column + 1}"
+
+    def run(self, events: Any) -> Any:
+        root: Any = None
+        docs = 0
+        for ev in events:
+            if isinstance(ev, yaml.DocumentStartEvent):
+                docs += 1
+                if docs > 1:
+                    raise _Refused(f"{self._at(ev.start_mark)} (document): a second YAML "
+                                   "document, expected one document per policy file (remove "
+                                   "the `---` separator)")
+            elif isinstance(ev, yaml.AliasEvent):
+                raise _Refused(f"{self._at(ev.start_mark)} {dotted(self._path_here())}: YAML "
+                               f"alias *{ev.anchor} is not allowed in policy files (aliases can "
+                               "expand without bound), expected the value written out; share "
+                               "rules between files with `extends:`")
+            elif isinstance(ev, (yaml.ScalarEvent, yaml.SequenceStartEvent,
+                                 yaml.MappingStartEvent)):
+                at_root = not self.stack
+                value = self._node(ev)
+                if at_root:
+                    root = value
+            elif isinstance(ev, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                done = self.stack.pop()
+                if self.stack and not done.is_key:
+                    self._value_done(self.stack[-1])
+        return root
+
+    def _path_here(self) -> Path_:
+        if not self.stack:
+            return ()
+        f = self.stack[-1]
+        if isinstance(f.data, list):
+            return f.path + (len(f.data),)
+        return f.path + ((f.key,) if f.key not in (_AWAIT, _SKIP) else ())
+
+    def _value_done(self, f: _Frame) -> None:
+        if isinstance(f.data, dict) and f.key is not _AWAIT:
+            f.key = _AWAIT
+
+    def _node(self, ev: Any) -> Any:
+        """Handle a scalar or a container start; returns the new value (root only)."""
+        self.count += 1
+        if self.count > MAX_VALUES:
+            raise _Refused(f"{self._at(ev.start_mark)} (document): more than {MAX_VALUES} "
+                           "values, expected a policy of reasonable size")
+        self._check_tag(ev)
+        parent = self.stack[-1] if self.stack else None
+        is_key = parent is not None and isinstance(parent.data, dict) and parent.key is _AWAIT
+        if is_key:
+            return self._key(parent, ev)
+        skip = parent is not None and (parent.skip or parent.key is _SKIP)
+        path = () if parent is None else self._path_here()
+        pos = (ev.start_mark.line + 1, ev.start_mark.column + 1)
+        if isinstance(ev, yaml.ScalarEvent):
+            value = None if skip else self._scalar(ev, path)
+        else:
+            value = [] if isinstance(ev, yaml.SequenceStartEvent) else {}
+            if len(self.stack) >= MAX_DEPTH:
+                raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: nesting deeper than "
+                               f"{MAX_DEPTH} levels, expected a flat policy (rules, when, use)")
+        if not skip:
+            self.doc.values[path] = pos
+            if parent is not None:
+                if isinstance(parent.data, list):
+                    parent.data.append(value)
+                else:
+                    parent.data[parent.key] = value
+        if isinstance(ev, yaml.ScalarEvent):
+            if parent is not None:
+                self._value_done(parent)
+        else:
+            self.stack.append(_Frame(value, path, skip))
+        return value
+
+    def _key(self, parent: _Frame, ev: Any) -> Any:
+        pos = (ev.start_mark.line + 1, ev.start_mark.column + 1)
+        where = f"{self.doc.file}:{pos[0]}:{pos[1]} {dotted(parent.path)}"
+        if not isinstance(ev, yaml.ScalarEvent):
+            if not parent.skip:
+                kind = "list" if isinstance(ev, yaml.SequenceStartEvent) else "mapping"
+                self.problems.append(f"{where}: got a {kind} as a key, expected a plain name")
+            parent.key = _SKIP
+            value: Any = [] if isinstance(ev, yaml.SequenceStartEvent) else {}
+            self.stack.append(_Frame(value, parent.path, skip=True, is_key=True))
+            return value
+        if parent.skip:
+            parent.key = _SKIP
+            return None
+        tag = self._tag(ev)
+        if tag == _MERGE:
+            raise _Refused(f"{where}: merge key `<<` is not allowed in policy files, expected "
+                           "the keys written out (or `extends:` to build on another file)")
+        key = self._construct(ev, tag, parent.path)
         if not isinstance(key, (str, int, float, bool)) or key is None:
-            problems.append(f"{doc.file}:{pos[0]}:{pos[1]} {dotted(path)}: got a "
-                            f"{type(key).__name__} as a key, expected a plain name")
-            continue
-        if key in out:
-            first = doc.keys[path + (key,)][0]
-            problems.append(f"{doc.file}:{pos[0]}:{pos[1]} {dotted(path + (key,))}: duplicate "
-                            f"key {key!r} (first at line {first}), expected each key once")
-            continue
-        doc.keys[path + (key,)] = pos
-        out[key] = _build(vnode, path + (key,), doc, problems, loader)
-    return out
+            self.problems.append(f"{where}: got a {type(key).__name__} as a key, expected a "
+                                 "plain name")
+            parent.key = _SKIP
+        elif key in parent.data:
+            first = self.doc.keys[parent.path + (key,)][0]
+            self.problems.append(f"{self.doc.file}:{pos[0]}:{pos[1]} "
+                                 f"{dotted(parent.path + (key,))}: duplicate key {key!r} (first "
+                                 f"at line {first}), expected each key once")
+            parent.key = _SKIP
+        else:
+            self.doc.keys[parent.path + (key,)] = pos
+            parent.key = key
+        return key
+
+    def _check_tag(self, ev: Any) -> None:
+        tag = getattr(ev, "tag", None)
+        if tag is None or tag == "!":
+            return
+        allowed = (_SCALAR_TAGS if isinstance(ev, yaml.ScalarEvent) else
+                   {_STD + "seq"} if isinstance(ev, yaml.SequenceStartEvent) else {_STD + "map"})
+        if tag not in allowed:
+            shown = "!!" + tag[len(_STD):] if tag.startswith(_STD) else tag
+            raise _Refused(f"{self._at(ev.start_mark)} {dotted(self._path_here())}: YAML tag "
+                           f"{shown} is not allowed in policy files, expected a plain value "
+                           "without a tag (quote it if it must be a string)")
+
+    def _tag(self, ev: Any) -> str:
+        if ev.tag is not None and ev.tag != "!":
+            return ev.tag
+        return self.loader.resolve(yaml.ScalarNode, ev.value, ev.implicit)
+
+    def _scalar(self, ev: Any, path: Path_) -> Any:
+        return self._construct(ev, self._tag(ev), path)
+
+    def _construct(self, ev: Any, tag: str, path: Path_) -> Any:
+        node = yaml.ScalarNode(tag, ev.value, ev.start_mark, ev.end_mark, ev.style)
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except yaml.YAMLError:
+            raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: cannot read "
+                           f"{ev.value!r} as a plain value, expected a string, number, "
+                           "true/false or null (quote it to make it a string)") from None
 
 
 def pydantic_problems(errors: list[dict[str, Any]], doc: Located, model: type[BaseModel],

@@ -9,10 +9,12 @@ docs/policy.md documents every key.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
+                      field_validator, model_validator)
 
 from ..core.device import known_hardware
 from ..core.spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES
@@ -89,7 +91,32 @@ class Range(Strict):
     def _not_empty(self) -> "Range":
         if all(x is None for x in (self.in_, self.ge, self.gt, self.le, self.lt)):
             raise ValueError("got an empty range, expected at least one of in, ge, gt, le, lt")
+        bad = [x for x in self.numbers() if not math.isfinite(x)]
+        if bad:
+            raise ValueError(f"got {bad[0]}, expected a finite number")
         return self
+
+    def numbers(self) -> list[float]:
+        """Every number written in the range (values and bounds)."""
+        return [*(self.in_ or ()), *(x for x in (self.ge, self.gt, self.le, self.lt)
+                                      if x is not None)]
+
+    def below(self, minimum: float) -> float | None:
+        """A number in this range smaller than ``minimum`` (``gt`` may be one less), else
+        None: ``head_dim: -1`` or ``seqlen: {ge: -5}`` can only be a mistake."""
+        for x in (*(self.in_ or ()), self.ge, self.le, self.lt):
+            if x is not None and x < minimum:
+                return x
+        return self.gt if self.gt is not None and self.gt < minimum - 1 else None
+
+    def empty(self) -> bool:
+        """True when no number satisfies the range (``{ge: 8192, lt: 1024}``)."""
+        if self.in_ is not None:
+            return not any(self.contains(x) for x in self.in_)
+        lo, hi = _lower(self), _upper(self)
+        if lo[0] is None or hi[0] is None:
+            return False
+        return lo[0] > hi[0] or (lo[0] == hi[0] and (lo[1] or hi[1]))
 
     def contains(self, x: float) -> bool:
         return ((self.in_ is None or x in self.in_)
@@ -144,6 +171,14 @@ class LayerSelector(Strict):
     offset: _many(Annotated[int, Field(ge=0)]) | None = None  # type: ignore[valid-type]
     kind: _many(Identifier) | None = None  # type: ignore[valid-type]
 
+    @field_validator("index", mode="after")
+    @classmethod
+    def _index_not_negative(cls, v: Range | None) -> Range | None:
+        bad = v.below(0) if v is not None else None
+        if bad is not None:
+            raise ValueError(f"got {bad:g}, expected layer indices >= 0")
+        return v
+
     @model_validator(mode="after")
     def _offset_needs_every(self) -> "LayerSelector":
         if self.offset is not None and self.every is None:
@@ -155,6 +190,13 @@ class ProfileCondition(Strict):
     """Conditions on measurements in the profile store (see attnhub.policy.profile)."""
 
     attention_share: Range | None = None
+
+
+#: Smallest meaningful value of each numeric ``when`` key (a count or a length).
+RANGE_MINIMUM: dict[str, float] = {
+    "capability": 0, "head_dim": 1, "head_dim_v": 1, "num_q_heads": 1, "num_kv_heads": 1,
+    "gqa_ratio": 1, "seqlen": 0, "seqlen_q": 0, "seqlen_k": 0, "batch": 0, "world_size": 1,
+}
 
 
 class When(Strict):
@@ -186,6 +228,16 @@ class When(Strict):
     model: _many(str) | None = None  # type: ignore[valid-type]
     layer: LayerSelector | None = None
     profile: ProfileCondition | None = None
+
+    @field_validator(*RANGE_MINIMUM, mode="after")
+    @classmethod
+    def _at_least(cls, v: Range | None, info: ValidationInfo) -> Range | None:
+        low = RANGE_MINIMUM[str(info.field_name)]
+        bad = v.below(low) if v is not None else None
+        if bad is not None:
+            raise ValueError(f"got {bad:g}, expected {info.field_name} values >= {low:g} "
+                             "(it counts or measures something)")
+        return v
 
 
 class Use(Strict):

@@ -9,7 +9,7 @@ from attnhub.cli import main
 from attnhub.policy import policies_dir
 
 DECISION_KEYS = {"spec", "device", "backend", "rule", "rule_location", "policy", "candidates",
-                 "rejected", "fallbacks", "on_failure", "context", "notes", "inner"}
+                 "rejected", "fallbacks", "on_failure", "context", "notes", "inner", "missing"}
 
 
 def run_json(capsys, *argv: str) -> tuple[int, dict]:
@@ -71,8 +71,34 @@ def test_explain_run_reports_fallbacks(write, capsys):
     rc, doc = run_json(capsys, "explain", "--policy", str(p), "--phase", "decode",
                        "--heads", "4:2", "--head-dim", "16", "--seqlen", "33", "--mask",
                        "causal,sliding_window", "--window", "8", "--run")
-    assert rc == 0 and doc["run"]["backend"] == "torch_sdpa" and doc["run"]["fallbacks"] == []
+    assert rc == 0 and doc["run"]["backend"] == "torch_sdpa"
+    # the uninstalled backend the rule names is counted as a bind-time fallback and shown
+    assert doc["run"]["fallbacks"] == [["nosuch", "torch_sdpa", 1]]
     assert doc["decision"]["rejected"][0]["backend"] == "nosuch"
+    assert doc["decision"]["missing"] == ["nosuch"]
+    assert any("names nosuch, which is not installed" in n for n in doc["decision"]["notes"])
+
+
+def test_explain_run_reports_what_ran_not_the_policy_choice(write, capsys, monkeypatch,
+                                                           make_registry, fake):
+    """A run-time fallback and ATTNHUB_BACKEND both change what runs: --run says so."""
+    import attnhub.cli._policy_common as common
+    from attnhub.core.registry import Registry
+
+    reg = make_registry(fake("boom", raises=RuntimeError("kernel fault")))
+    monkeypatch.setattr(common.Registry, "load", classmethod(lambda cls, **kw: reg))
+    p = write("p.yaml", "name: r\nrules:\n  - {name: all, use: [boom, torch_sdpa]}\n")
+    args = ("explain", "--policy", str(p), "--dtype", "fp32", "--heads", "2:2", "--head-dim",
+            "16", "--seqlen", "8", "--mask", "causal", "--run")
+    rc, doc = run_json(capsys, *args)
+    assert doc["decision"]["backend"] == "boom"
+    assert doc["run"]["backend"] == "torch_sdpa" and doc["run"]["bound"] == "boom"
+    assert "boom failed at run time" in doc["run"]["why"]
+    monkeypatch.setenv("ATTNHUB_BACKEND", "reference")
+    rc, doc = run_json(capsys, *args)
+    assert doc["run"]["backend"] == "reference" and doc["run"]["forced"]
+    assert "ATTNHUB_BACKEND=reference" in doc["run"]["why"] and "chose boom" in doc["run"]["why"]
+    assert Registry is common.Registry
 
 
 def test_plan_covers_every_cell_and_hardware(capsys):
