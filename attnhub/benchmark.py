@@ -34,13 +34,39 @@ class Inputs:
     k: torch.Tensor
     v: torch.Tensor
     params: AttnParams
-    #: Contiguous (B, Sk, Hkv, D) keys/values for the reference (the paged cache gathered).
+    #: Contiguous (B, Sk, Hkv, D) keys/values for the reference (the paged cache gathered,
+    #: the packed documents unpacked: equal-length documents, one per batch row).
     k_dense: torch.Tensor
     v_dense: torch.Tensor
+    q_dense: torch.Tensor | None = None
+    layout: str = "bshd"
+
+    def api_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``attnhub.attention`` for these inputs (public API)."""
+        p = self.params
+        kw: dict[str, Any] = {"causal": p.causal, "causal_alignment": p.alignment,
+                              "scale": p.scale, "layout": self.layout}
+        if p.window is not None:
+            kw["window"] = p.window
+        if p.softcap:
+            kw["softcap"] = p.softcap
+        if self.layout == "thd":
+            kw.update(cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
+                      max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k)
+        if self.layout == "paged":
+            kw.update(block_table=p.block_table, seqlens_k=p.seqlens_k)
+        return kw
+
+    def dense(self, out: torch.Tensor) -> torch.Tensor:
+        """An output of these inputs as (B, Sq, H, D), the reference's shape."""
+        return out.view(self.k_dense.shape[0], -1, *out.shape[-2:]) \
+            if self.layout == "thd" else out
 
 
-def make_inputs(spec: AttentionSpec, device: torch.device, *, seed: int = 0) -> Inputs:
-    """Random inputs of the spec's exact sizes (bucket values): bshd, or a filled paged cache."""
+def make_inputs(spec: AttentionSpec, device: torch.device, *, seed: int = 0,
+                softcap: float | None = None) -> Inputs:
+    """Random inputs of the spec's exact sizes (bucket values): bshd, a filled paged cache,
+    or ``batch`` packed documents of ``max_seqlen_q`` tokens each (thd)."""
     gen = torch.Generator(device).manual_seed(seed)
     dt = torch_dtype(spec.dtype)
     b, sq, sk = spec.batch, spec.max_seqlen_q, spec.max_seqlen_k
@@ -53,9 +79,15 @@ def make_inputs(spec: AttentionSpec, device: torch.device, *, seed: int = 0) -> 
     v = rnd(b, sk, spec.num_kv_heads, spec.head_dim_v)
     params = AttnParams(scale=1 / math.sqrt(spec.head_dim), causal=spec.mask.causal,
                         alignment=spec.mask.alignment, window=spec.mask.window,
+                        softcap=softcap if spec.mask.softcap else None,
                         max_seqlen_q=sq, max_seqlen_k=sk)
+    if spec.layout == "thd":
+        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
+        cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=device)
+        params = replace(params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        return Inputs(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), params, k, v, q, "thd")
     if spec.layout != "paged":
-        return Inputs(q, k, v, params, k, v)
+        return Inputs(q, k, v, params, k, v, q)
     cache = PagedKVCache(num_layers=1, num_pages=b * -(-sk // spec.page_size),
                          page_size=spec.page_size, num_kv_heads=spec.num_kv_heads,
                          head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, dtype=dt,
@@ -63,7 +95,7 @@ def make_inputs(spec: AttentionSpec, device: torch.device, *, seed: int = 0) -> 
     seqs = [cache.allocate() for _ in range(b)]
     cache.write(0, cache.reserve(seqs, sk), k.flatten(0, 1), v.flatten(0, 1))
     params = replace(params, block_table=cache.block_table(seqs), seqlens_k=cache.seqlens(seqs))
-    return Inputs(q, cache.k_cache(0), cache.v_cache(0), params, k, v)
+    return Inputs(q, cache.k_cache(0), cache.v_cache(0), params, k, v, q, "paged")
 
 
 @dataclass
@@ -104,18 +136,28 @@ class Measurement:
                 "failed": self.failed}
 
 
+#: Above this many (batch x key x head x dim) elements, the reference checks the first
+#: batch rows only (the fp64 copy of a 64 x 32k cache would not fit).
+REFERENCE_KV_BUDGET = 1 << 28
+
+
 def reference_rows(inp: Inputs, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """fp64 and same-precision reference outputs for the last ``m`` queries of each row."""
+    """fp64 and same-precision reference outputs for the last ``m`` queries of the first
+    ``nb`` batch rows (``ref.shape[0]``); compare ``inp.dense(out)[:nb, -m:]``."""
     b, sq, sk = spec.batch, spec.max_seqlen_q, spec.max_seqlen_k
-    m = max(1, min(sq, REFERENCE_BUDGET // max(1, b * spec.num_q_heads * sk)))
-    q = inp.q[:, sq - m:]
-    params = replace(inp.params, block_table=None, seqlens_k=None, max_seqlen_q=m)
+    per_row = sk * spec.num_q_heads * max(spec.head_dim, spec.head_dim_v)
+    nb = max(1, min(b, REFERENCE_KV_BUDGET // max(1, per_row)))
+    m = max(1, min(sq, REFERENCE_BUDGET // max(1, nb * spec.num_q_heads * sk)))
+    q_all = inp.q_dense if inp.q_dense is not None else inp.q
+    q = q_all[:nb, sq - m:]
+    params = replace(inp.params, block_table=None, seqlens_k=None, cu_seqlens_q=None,
+                     cu_seqlens_k=None, max_seqlen_q=m)
     if spec.mask.alignment == "top_left" and m < sq:
         m = sq  # top-left rows move with Sq: check them all
-        q, params = inp.q, inp.params
-    ref64, _ = reference_attention(q, inp.k_dense, inp.v_dense, params,
-                                   compute_dtype=torch.float64)
-    same, _ = reference_attention(q, inp.k_dense, inp.v_dense, params, compute_dtype=q.dtype)
+        q, params = q_all[:nb], replace(params, max_seqlen_q=sq)
+    kd, vd = inp.k_dense[:nb], inp.v_dense[:nb]
+    ref64, _ = reference_attention(q, kd, vd, params, compute_dtype=torch.float64)
+    same, _ = reference_attention(q, kd, vd, params, compute_dtype=q.dtype)
     return ref64, same, m
 
 
@@ -150,7 +192,7 @@ def _check_and_time(hub: Hub, m: Measurement, inp: Inputs, ref64: torch.Tensor,
         def call() -> torch.Tensor:
             return runner(inp.q, inp.k, inp.v, m.spec, inp.params).out
 
-        got = call()[:, -rows:]
+        got = inp.dense(call())[:ref64.shape[0], -rows:]
     except (AttnhubError, RuntimeError, ValueError, TypeError) as exc:
         m.failed = f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         return

@@ -3,6 +3,13 @@
 Shapes come from a grid (``--phases`` x ``--seqlens`` at the model sizes given) or from the
 bindings of the built-in decoder (``--from-model``). Results go to the profile store (so that
 ``use: {fastest: [...]}`` rules can act on them), to a markdown table, and to a PNG on request.
+
+``--regret`` times the policy's binding beside every backend that accepts each cell of the
+standard grid (``attnhub.regret``) and prints policy vs best with the regret per cell;
+``--out-json``/``--md``/``--plot`` write the report, ``--pack`` a shipped profile pack.
+
+If the profile store cannot be written, the measurements are still printed (and written
+wherever else asked), the command says so and exits with status 3.
 """
 
 from __future__ import annotations
@@ -37,6 +44,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-store", action="store_true", help="do not record the results")
     g.add_argument("--md", default=None, metavar="FILE", help="also write the markdown table")
     g.add_argument("--plot", default=None, metavar="PNG", help="bar chart of the timings")
+    g = p.add_argument_group("regret report (--regret)")
+    g.add_argument("--regret", action="store_true",
+                   help="time the policy's binding and every backend on the standard grid; "
+                        "print policy vs best with the regret per cell")
+    g.add_argument("--cells", default=None, metavar="TEXT,..",
+                   help="only cells whose name contains one of these (comma list)")
+    g.add_argument("--exclude", default=None, metavar="NAME,..",
+                   help="backends not to time (comma list; say why in the report)")
+    g.add_argument("--scale", type=int, default=None,
+                   help="divide the grid's lengths (default 1 on a GPU, 64 on the CPU)")
+    g.add_argument("--rounds", type=int, default=2,
+                   help="interleaved timing rounds, min of medians (default 2)")
+    g.add_argument("--out-json", default=None, metavar="FILE", help="write the report JSON")
+    g.add_argument("--pack", default=None, metavar="FILE",
+                   help="write a profile pack of the forced timings (attnhub/profiles/*.json)")
+    g.add_argument("--header", default="", help="extra text for the report header "
+                                                "(e.g. the commit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_json(p)
     p.set_defaults(func=run)
@@ -64,6 +88,8 @@ def grid_specs(args: argparse.Namespace, dtype: str) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.regret:
+        return run_regret(args)
     from ..benchmark import measure
     from ..core.spec import dtype_name
     from ._decoder import build
@@ -83,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
                            repeats=args.repeats, on_step=bar.update if bar else None)
     if bar:
         bar.close()
-    if not args.no_store:
-        _store(args, s.hub.device, results)
     md = markdown(results)
     if args.md:
         Path(args.md).write_text(md + "\n", encoding="utf-8")
@@ -100,7 +124,82 @@ def run(args: argparse.Namespace) -> int:
         if absent:
             print("\nnot available on this device: " + "; ".join(
                 f"{n} ({why})" for n, why in absent.items()))
+    if not args.no_store and not _store(args, s.hub.device, [
+            (m.spec, m.backend, m.ms) for m in results if m.ms is not None]):
+        return STORE_FAILED
     return 1 if any(m.failed for m in results) else 0
+
+
+#: Exit status when the measurements could not be written to the profile store.
+STORE_FAILED = 3
+
+
+def run_regret(args: argparse.Namespace) -> int:
+    """The regret report over the standard grid (see ``attnhub.regret``)."""
+    import datetime
+    import json
+
+    import torch
+
+    from .. import regret as rg
+    from ..hub import Hub
+
+    hub = Hub(policy=args.policy, hardware=args.hardware)
+    if hub.device.simulated:
+        raise SystemExit("attnhub bench --regret: timings need the real machine (no --hardware)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = device.type == "cuda"
+    cells = rg.standard_grid(args.dtype or ("bf16" if gpu else "fp32"),
+                             args.scale or (1 if gpu else 64))
+    if args.cells:
+        want = [w.strip().lower() for w in args.cells.split(",") if w.strip()]
+        cells = [c for c in cells if any(w in c.name.lower() for w in want)]
+    names, absent = _backends(args, hub)
+    excluded = {x.strip() for x in (args.exclude or "").split(",") if x.strip()}
+    names = [n for n in names if n not in excluded]
+    results = []
+    for i, cell in enumerate(cells):
+        rg.stderr_log(f"[{i + 1}/{len(cells)}] {cell.name}")
+        r = rg.measure_cell(cell, names, hub.registry, device, policy=args.policy,
+                            warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
+                            log=None if args.no_progress else rg.stderr_log)
+        rg.stderr_log(f"  -> policy {r.policy_backend} {r.policy_ms} ms, best {r.best}, "
+                      f"regret {r.regret} ({r.seconds:.1f} s)")
+        results.append(r)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    meta = {"measured": when, "device": hub.device.describe(), "commit": args.header,
+            "command": "attnhub bench --regret", "versions": dict(hub.device.versions),
+            "backends": names, "excluded": sorted(excluded),
+            "not_available": absent, "warmup": args.warmup, "repeats": args.repeats,
+            "rounds": args.rounds}
+    head = (f"Regret report, {when}, {hub.device.describe()}, {args.header}\n\n"
+            f"median of {args.repeats} single calls (CUDA events on a GPU, host time included) "
+            f"after {args.warmup} warm-up, "
+            f"min over {args.rounds} interleaved rounds; through attnhub.attention "
+            "(policy, or backend= forced); each backend checked against the fp64 reference "
+            "first.\n")
+    md = rg.markdown(results, head)
+    print(md)
+    if args.md:
+        Path(args.md).write_text(md + "\n", encoding="utf-8")
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(
+            {**meta, "bound": rg.BOUND, "cells": [r.to_json() for r in results]}, indent=2,
+            default=str) + "\n", encoding="utf-8")
+    if args.plot:
+        rg.plot(results, args.plot, title=f"attnhub policy regret, {hub.device.describe()}, "
+                                          f"{when} {args.header}")
+    if args.pack:
+        from ..policy.profile import write_json_atomic
+
+        write_json_atomic(Path(args.pack), rg.pack_data(results, hub.device, meta,
+                                                        args.repeats))
+        print(f"\nwrote profile pack {args.pack}")
+    if not args.no_store and not _store(args, hub.device, [
+            (r.spec, b, ms) for r in results if r.spec is not None
+            for b, ms in r.times.items()]):
+        return STORE_FAILED
+    return 1 if rg.misses(results) else 0
 
 
 def _backends(args: argparse.Namespace, hub: Any) -> tuple[list[str], dict[str, str]]:
@@ -133,13 +232,24 @@ def _bar(args: argparse.Namespace, total: int):  # type: ignore[no-untyped-def]
     return tqdm(total=total, desc="bench", file=sys.stderr, leave=False)
 
 
-def _store(args: argparse.Namespace, device: Any, results: list[Any]) -> None:
+def _store(args: argparse.Namespace, device: Any, timed: list[tuple[Any, str, float]]) -> bool:
+    """Record (spec, backend, ms) in the profile store; False (and says so) if it cannot be
+    written: the measurements were printed already and are not lost with it."""
+    import sys
+
+    from ..errors import PolicyError
     from ..policy.profile import ProfileStore
 
     store = ProfileStore(args.store)
-    for m in results:
-        if m.ms is not None:
-            store.record_speed(device, m.spec, m.backend, m.ms / 1e3, samples=args.repeats)
+    try:
+        for spec, backend, ms in timed:
+            store.record_speed(device, spec, backend, ms / 1e3, samples=args.repeats)
+    except (OSError, PolicyError) as exc:
+        print(f"\nattnhub bench: the profile store {store.path} could not be written ({exc}); "
+              "the measurements above were not recorded: fix its permissions, or pass "
+              "--store PATH (or --no-store)", file=sys.stderr)
+        return False
+    return True
 
 
 def _shape(spec: Any) -> str:

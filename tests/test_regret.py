@@ -1,0 +1,88 @@
+"""The regret report: arithmetic on fake timings, the misses and their causes, the pack it
+writes (consumed by `fastest` rules), the plot, and `attnhub bench` with a store it cannot
+write (measurements kept, printed, non-zero exit)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attnhub.cli import main
+from attnhub.core.device import simulate
+from attnhub.core.spec import AttentionSpec, MaskSpec
+from attnhub.policy.profile import ProfileStore
+from attnhub.regret import BOUND, CellResult, markdown, misses, pack_data, plot, regret
+
+SPEC = AttentionSpec(phase="prefill", dtype="bf16", head_dim=64, num_q_heads=8,
+                     num_kv_heads=2, mask=MaskSpec(causal=True), max_seqlen_q=4096,
+                     max_seqlen_k=4096, batch=1)
+
+
+def _cell(name: str, policy: str | None, policy_ms: float | None,
+          times: dict[str, float], **kw) -> CellResult:
+    return CellResult(name, spec=SPEC, policy_backend=policy, policy_rule="r",
+                      policy_ms=policy_ms, times=times, **kw)
+
+
+def test_regret_is_policy_over_best():
+    assert regret(0.322, {"fa3": 0.322, "torch_sdpa": 0.114}) == pytest.approx(0.322 / 0.114)
+    assert regret(None, {"a": 1.0}) is None and regret(1.0, {}) is None
+    r = _cell("c", "fa3", 0.33, {"fa3": 0.322, "torch_sdpa": 0.114})
+    assert r.best == ("torch_sdpa", 0.114)
+    assert r.choice_regret == pytest.approx(0.322 / 0.114)
+
+
+def test_misses_name_the_cause():
+    good = _cell("good", "a", 1.02, {"a": 1.0, "b": 1.5})
+    wrong_choice = _cell("choice", "b", 1.5, {"a": 1.0, "b": 1.5}, policy_source="pack")
+    path_cost = _cell("path", "a", 1.2, {"a": 1.0, "b": 1.5})
+    failed = _cell("failed", "a", None, {"a": 1.0}, policy_error="raised X")
+    unserved = _cell("unserved", "reference", 9.0, {})
+    got = dict((r.cell, why) for r, why in misses([good, wrong_choice, path_cost, failed,
+                                                   unserved]))
+    assert set(got) == {"choice", "path", "failed"}
+    assert "a was faster" in got["choice"] and "(pack)" in got["choice"]
+    assert "call path" in got["path"] and "choice regret 1.00" in got["path"]
+    assert "raised X" in got["failed"]
+    md = markdown([good, wrong_choice], "HEADER")
+    assert md.startswith("HEADER") and "**1.50**" in md and "| 1.02 |" in md
+    assert f"worst regret 1.50 (bound {BOUND})" in md
+
+
+def test_pack_from_results_drives_fastest(tmp_path: Path):
+    dev = simulate("sm90")
+    results = [_cell("c", "fa3", 0.33, {"fa3": 0.322, "torch_sdpa": 0.114})]
+    data = pack_data(results, dev, {"measured": "2026-12-01", "command": "x", "commit": "y"}, 20)
+    folder = tmp_path / "packs"
+    folder.mkdir()
+    (folder / "h.json").write_text(json.dumps(data))
+    r = ProfileStore(tmp_path / "u.json", packs=folder).ranking(dev, SPEC,
+                                                                ["fa3", "cudnn", "torch_sdpa"])
+    assert (r.source, r.order) == ("pack", ["torch_sdpa", "fa3", "cudnn"])
+
+
+def test_plot_writes_a_png(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "r.png"
+    plot([_cell("a", "x", 1.0, {"x": 1.0, "y": 2.0}), _cell("b", "y", 3.0, {"x": 1.0})],
+         str(png), title="t")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+TINY = ["--layers", "1", "--heads", "2:1", "--head-dim", "8", "--vocab", "32", "--batch", "1",
+        "--prompt-len", "8", "--new-tokens", "2", "--page-size", "4"]
+
+
+def test_bench_with_unwritable_store_keeps_measurements(tmp_path: Path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    md = tmp_path / "b.md"
+    rc = main(["bench", *TINY, "--phases", "prefill", "--backends", "torch_sdpa",
+               "--repeats", "1", "--warmup", "0", "--no-progress", "--md", str(md),
+               "--store", str(blocker / "profile.json")])
+    out, err = capsys.readouterr()
+    assert rc == 3
+    assert "torch_sdpa" in out and "median ms" in out and md.exists()
+    assert "could not be written" in err and str(blocker / "profile.json") in err
