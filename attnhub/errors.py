@@ -10,6 +10,8 @@ __all__ = [
     "ShapeError",
     "LayoutError",
     "SeqlensError",
+    "ArgumentError",
+    "OutputContractError",
     "BackendUnavailableError",
     "UnknownBackendError",
     "PluginError",
@@ -45,6 +47,16 @@ class LayoutError(InputError):
 
 class SeqlensError(InputError):
     """cu_seqlens / block tables are of the wrong dtype, not monotonic or out of bounds."""
+
+
+class ArgumentError(InputError):
+    """A scalar or side argument has the wrong type, a value out of range, or does not belong
+    to the call's layout (``seqlens_k`` with ``layout="bshd"``)."""
+
+
+class OutputContractError(AttnhubError, RuntimeError):
+    """A backend returned an output of the wrong shape, dtype or device (or NaN from inputs
+    without NaN, in debug mode): the hub treats it as that backend failing."""
 
 
 class BackendUnavailableError(AttnhubError, RuntimeError):

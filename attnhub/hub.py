@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,13 +22,18 @@ from .core.decision import BindContext, Decision, report_missing
 from .core.device import DeviceInfo, probe
 from .core.registry import Registry
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
-from .core.validate import check_cu_seqlens, check_paged, check_qkv
-from .errors import BackendUnavailableError, InputError, NoBackendError
+from .core.contract import PAGED, check_call, check_output, check_scalars, nan_violation
+from .errors import ArgumentError, BackendUnavailableError, InputError, NoBackendError
 
 log = logging.getLogger("attnhub")
 
 #: Exact-shape bindings kept for the hot path before the table is cleared.
 _EXACT_CACHE_LIMIT = 4096
+#: Resolved runners kept (least recently used dropped first). Runners are keyed by bucketed
+#: shapes and the *kind* (name) of score/mask callables, never by the callable object, so
+#: a fresh lambda per call reuses one runner; the limit bounds even unusual workloads.
+RUNNER_LIMIT = 1024
+_INF = math.inf
 
 
 class Resolver(Protocol):
@@ -41,7 +46,11 @@ class Resolver(Protocol):
 
 
 class Runner:
-    """A resolved binding: the chosen backend, then run-time fallbacks if the rule allows."""
+    """A resolved binding: the chosen backend, then run-time fallbacks if the rule allows.
+
+    Every result is checked against the output contract (shape, dtype, device: metadata
+    only) before it is returned; a violation is that backend failing, like an exception.
+    """
 
     __slots__ = ("decision", "chain", "hub", "local")
 
@@ -53,35 +62,55 @@ class Runner:
         self.local = hub.registry.get(inner.backend) if inner and inner.backend else None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
-        first = self.chain[0]
+                 spec: AttentionSpec, params: AttnParams,
+                 want: tuple[int, ...] | None = None) -> AttentionOutput:
+        """Run the chain; ``want`` is the output shape (``q.shape[:-1] + (Dv,)``), passed by
+        the hot path that knows it already."""
         if self.local is not None:  # a distributed backend runs this local kernel per block
             params.extra["local_backend"] = self.local
-        try:
-            first.load()
-            return first.forward(q, k, v, spec, params)
-        except InputError:
-            raise
-        except Exception as exc:
-            return self.hub._on_failure(self, 0, exc, q, k, v, spec, params)
+        if want is None:
+            want = (*q.shape[:-1], v.shape[-1])
+        i = 0
+        while True:
+            backend = self.chain[i]
+            try:
+                backend.load()
+                res = backend.forward(q, k, v, spec, params)
+                out, lse = res
+                if (out.shape != want or out.dtype != q.dtype or out.device != q.device
+                        or params.return_lse):  # the cheap test first, details when needed
+                    check_output(backend.name, out, lse, q, v, spec.layout, params.return_lse)
+                if self.hub.debug and (bad := nan_violation(backend.name, out, q, k, v)):
+                    raise bad
+                return res if res.__class__ is AttentionOutput else AttentionOutput(out, lse)
+            except InputError:
+                raise  # the call was checked before any backend ran: never retried
+            except Exception as exc:
+                i = self.hub._on_failure(self, i, exc)
 
 
 class Hub:
     """One deployment's view: which plugins, which policy, which device."""
 
     def __init__(self, policy: str | Path | Resolver | None = None, *,
-                 hardware: str | None = None, registry: Registry | None = None):
+                 hardware: str | None = None, registry: Registry | None = None,
+                 debug: bool | None = None):
         self.registry = registry or Registry.load()
         self.device = probe(hardware)
         self._policy_arg = policy
         self._resolver: Resolver | None = policy if _is_resolver(policy) else None
-        self._runners: dict[tuple, tuple[AttentionSpec, Runner]] = {}
+        self._runners: OrderedDict[tuple, tuple[AttentionSpec, Runner]] = OrderedDict()
         self._exact: dict[tuple, tuple] = {}
         self._decisions: dict[tuple[AttentionSpec, BindContext], Decision] = {}
         self._lock = threading.Lock()
         self.forced_backend = os.environ.get("ATTNHUB_BACKEND") or None
         self.fallback_counts: Counter[tuple[str, str]] = Counter()
         self._warned: set[tuple[str, str]] = set()
+        #: Debug mode (``Hub(debug=True)`` or ``ATTNHUB_DEBUG=1``; ``attnhub bench`` can set
+        #: it): a backend output with NaN from inputs without NaN is that backend failing.
+        #: Costs a host sync per call, so it is off on the hot path.
+        self.debug = (os.environ.get("ATTNHUB_DEBUG", "") not in ("", "0")
+                      if debug is None else debug)
 
     # -- policy ---------------------------------------------------------------------------
     @property
@@ -125,7 +154,8 @@ class Hub:
         return Runner(d, chain, self)
 
     # -- run-time failure -------------------------------------------------------------------
-    def _on_failure(self, runner: Runner, i: int, exc: Exception, *args: Any) -> AttentionOutput:
+    def _on_failure(self, runner: Runner, i: int, exc: Exception) -> int:
+        """Candidate ``i`` failed: raise per the rule, or count and return the next index."""
         d = runner.decision
         name = runner.chain[i].name
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -139,13 +169,7 @@ class Hub:
             self._warned.add((name, reason))
             log.warning("attnhub: backend %s failed (%s); falling back to %s as rule %s allows",
                         name, reason, nxt.name, d.rule)
-        try:
-            nxt.load()
-            return nxt.forward(*args)
-        except InputError:
-            raise
-        except Exception as exc2:
-            return self._on_failure(runner, i + 1, exc2, *args)
+        return i + 1
 
     # -- the call path ----------------------------------------------------------------------
     def attention(
@@ -162,24 +186,50 @@ class Hub:
         score_mod: Any = None, mask_mod: Any = None, deterministic: bool = False,
         context: BindContext | None = None, extra: dict[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One attention call; see ``docs/contract.md`` for what each argument must be.
+
+        A call whose shapes, dtypes, devices and flags were seen before (``bshd``/``bhsd``)
+        takes the exact-shape table: only ``scale``/``softcap`` values are checked again.
+        Everything else goes through :func:`attnhub.core.contract.check_call` first.
+        """
         needs_grad = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad)
         fast_key = None
-        if layout == "bshd" or layout == "bhsd":
-            # Hot path: every check below depends only on what this key holds, so a call
-            # with the same shapes, dtypes, devices and flags reuses the checked binding.
-            fast_key = (layout, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-                        q.device, k.device, v.device, causal, causal_alignment, window,
-                        softcap is not None, alibi_slopes is not None, prefix_lens is not None,
-                        colmask_start is not None, cu_seqlens_q is not None, score_mod,
-                        mask_mod, phase, return_lse, backend, context, deterministic,
-                        needs_grad)
+        if layout != "thd" and cu_seqlens_q is None and cu_seqlens_k is None:
+            # Hot path: every check of the slow path depends only on what this key holds
+            # (side tensors by shape/dtype/device, callables by kind), so a call that matches
+            # reuses the checked binding; scale/softcap values are checked per call, paged
+            # tables by their contents (PAGED.values: a memo that in-place edits cannot fool).
             try:
+                side = None if (alibi_slopes is None and prefix_lens is None
+                                and colmask_start is None and colmask_end is None
+                                and block_table is None and seqlens_k is None) else (
+                    _meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
+                    _meta(colmask_end), _meta(block_table), _meta(seqlens_k))
+                fast_key = (layout, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+                            q.device, k.device, v.device, causal, causal_alignment, window,
+                            softcap is not None, side, max_seqlen_q, max_seqlen_k,
+                            score_mod if score_mod is None else _mod_kind(score_mod),
+                            mask_mod if mask_mod is None else _mod_kind(mask_mod),
+                            phase, return_lse, backend, context, deterministic, needs_grad)
                 hit = self._exact.get(fast_key)
-            except TypeError:  # an unhashable argument (a list window): take the slow path
+            except (TypeError, AttributeError):  # unhashable or not a tensor: slow path
                 hit, fast_key = None, None
             if hit is not None:
-                spec, run, window, score_mod, mask_mod, default_scale = hit
+                if (scale is not None or softcap is not None) and not (
+                        (scale is None or (scale.__class__ is float and 0.0 < scale < _INF))
+                        and (softcap is None
+                             or (softcap.__class__ is float and 0.0 < softcap < _INF))):
+                    check_scalars(scale, softcap)  # raises; an int or odd value is checked
+                spec, run, window, named, named_score, named_mask, default_scale, want = hit
+                max_k = k.shape[1]
+                if layout == "paged":
+                    block_table, seqlens_k, max_k = PAGED.values(q, k, block_table, seqlens_k)
+                    if bucket(max_k) != spec.max_seqlen_k:  # another length bucket: rebind
+                        hit = None
+            if hit is not None:
+                if named:  # named variants (strings in the key): their callables, resolved once
+                    score_mod, mask_mod = named_score, named_mask
                 if layout == "bhsd":
                     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
                 params = AttnParams(
@@ -187,57 +237,48 @@ class Hub:
                     alignment=causal_alignment, window=window, softcap=softcap,
                     alibi_slopes=alibi_slopes, prefix_lens=prefix_lens,
                     colmask_start=colmask_start, colmask_end=colmask_end,
-                    max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], score_mod=score_mod,
-                    mask_mod=mask_mod, deterministic=deterministic, return_lse=return_lse,
+                    max_seqlen_q=q.shape[1], max_seqlen_k=max_k, block_table=block_table,
+                    seqlens_k=seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
+                    deterministic=deterministic, return_lse=return_lse,
                     extra=dict(extra) if extra else {})
-                out, lse = run(q, k, v, spec, params)
+                out, lse = run(q, k, v, spec, params, want)
                 if layout == "bhsd":
                     out = out.transpose(1, 2)
                 return (out, lse) if return_lse else out
-        check_qkv(q, k, v, layout)
-        if causal_alignment not in ("bottom_right", "top_left"):
-            raise InputError(f"causal_alignment={causal_alignment!r}; use 'bottom_right' "
-                             "(default, FlashAttention convention) or 'top_left'")
+        a = check_call(
+            q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment,
+            window=window, softcap=softcap, scale=scale, alibi_slopes=alibi_slopes,
+            prefix_lens=prefix_lens, colmask_start=colmask_start, colmask_end=colmask_end,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, block_table=block_table, seqlens_k=seqlens_k,
+            phase=phase, return_lse=return_lse, deterministic=deterministic)
         transposed = layout == "bhsd"
-        if transposed:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            layout = "bshd"
-        if isinstance(window, int):
-            window = (window, 0 if causal else window)
-        if window is not None:
-            window = tuple(window)
-            if len(window) != 2 or min(window) < -1:
-                raise InputError(f"window={window!r}; use (left, right) with -1 for unbounded")
-        if isinstance(score_mod, str) or isinstance(mask_mod, str):
+        q, k, v, layout, window = a.q, a.k, a.v, a.layout, a.window
+        named = isinstance(score_mod, str) or isinstance(mask_mod, str)
+        if named:
             score_mod, mask_mod = self._variant(score_mod, mask_mod)
-        if layout == "thd":
-            if cu_seqlens_q is None or cu_seqlens_k is None:
-                raise InputError("layout='thd' needs cu_seqlens_q and cu_seqlens_k (int32, B+1)")
-            mq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-            mk = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-            if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-                raise InputError("cu_seqlens_q and cu_seqlens_k must have the same length B+1")
-            max_seqlen_q, max_seqlen_k = max_seqlen_q or mq, max_seqlen_k or mk
-            batch = cu_seqlens_q.numel() - 1
-        elif layout == "paged":
-            max_seqlen_k = check_paged(q, k, block_table, seqlens_k)
-            max_seqlen_q, batch = q.shape[1], q.shape[0]
-        else:
-            if cu_seqlens_q is not None:
-                raise InputError("cu_seqlens given with layout='bshd'; pass layout='thd' and "
-                                 "packed (T, H, D) tensors for varlen/document masks")
-            batch, max_seqlen_q, max_seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        if score_mod is not None and not callable(score_mod):
+            raise ArgumentError(f"score_mod={score_mod!r} is not callable; pass a function "
+                                "(score, b, h, q_idx, kv_idx) -> score or a variant name")
+        if mask_mod is not None and not callable(mask_mod):
+            raise ArgumentError(f"mask_mod={mask_mod!r} is not callable; pass a function "
+                                "(b, h, q_idx, kv_idx) -> bool or a variant name")
+        max_seqlen_q, max_seqlen_k, batch = a.max_seqlen_q, a.max_seqlen_k, a.batch
         if phase is None:
             phase = "train" if needs_grad else (
                 "decode" if layout == "paged" or (max_seqlen_q == 1 and max_seqlen_k > 1)
                 else "prefill")
+        score_kind, mask_kind = _callable_name(score_mod), _callable_name(mask_mod)
         key = (phase, q.dtype, k.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2],
                layout, causal, causal_alignment, window is not None, alibi_slopes is not None,
                softcap is not None, prefix_lens is not None, layout == "thd",
-               colmask_start is not None, score_mod, mask_mod, bucket(max_seqlen_q),
+               colmask_start is not None, score_kind, mask_kind, bucket(max_seqlen_q),
                bucket(max_seqlen_k), bucket(batch), needs_grad, deterministic, return_lse,
                backend, context, k.shape[1] if layout == "paged" else 0)
-        hit = self._runners.get(key)
+        with self._lock:
+            hit = self._runners.get(key)
+            if hit is not None:
+                self._runners.move_to_end(key)
         if hit is None:
             spec = AttentionSpec(
                 phase=phase, dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype),
@@ -247,8 +288,7 @@ class Hub:
                               alibi=alibi_slopes is not None, softcap=softcap is not None,
                               prefix_lm=prefix_lens is not None, document=layout == "thd",
                               column_sparse=colmask_start is not None,
-                              score_mod=_callable_name(score_mod),
-                              mask_mod=_callable_name(mask_mod)),
+                              score_mod=score_kind, mask_mod=mask_kind),
                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, batch=batch,
                 needs_grad=needs_grad, deterministic=deterministic, return_lse=return_lse,
                 page_size=k.shape[1] if layout == "paged" else 0,
@@ -256,20 +296,24 @@ class Hub:
             hit = (spec, self.runner_for(spec, context or BindContext(), backend))
             with self._lock:
                 self._runners[key] = hit
+                while len(self._runners) > RUNNER_LIMIT:
+                    self._runners.popitem(last=False)
         spec, run = hit
         default_scale = 1.0 / math.sqrt(q.shape[-1])
         if fast_key is not None:
             with self._lock:
                 if len(self._exact) >= _EXACT_CACHE_LIMIT:
                     self._exact.clear()  # bounded: many shapes (growing KV) just re-check
-                self._exact[fast_key] = (spec, run, window, score_mod, mask_mod, default_scale)
+                self._exact[fast_key] = (spec, run, window, named, score_mod, mask_mod,
+                                         default_scale,
+                                         (*q.shape[:-1], v.shape[-1]))
         params = AttnParams(
             scale=scale if scale is not None else default_scale,
             causal=causal, alignment=causal_alignment, window=window, softcap=softcap,
             alibi_slopes=alibi_slopes, prefix_lens=prefix_lens, colmask_start=colmask_start,
             colmask_end=colmask_end, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
-            seqlens_k=seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=a.block_table,
+            seqlens_k=a.seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
             deterministic=deterministic, return_lse=return_lse, extra=dict(extra or {}))
         out, lse = run(q, k, v, spec, params)
         if transposed:
@@ -297,9 +341,21 @@ class Hub:
 
 
 def _callable_name(fn: Any) -> str | None:
+    """The kind of a score/mask callable, as the policy sees it (``MaskSpec.score_mod``)."""
     if fn is None:
         return None
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _mod_kind(fn: Any) -> Any:
+    """Exact-table key of a score/mask argument: a variant name as itself, a callable by its
+    kind (a fresh lambda per call shares one entry; the caller's own callable always runs)."""
+    return fn if fn.__class__ is str else ("callable", _callable_name(fn))
+
+
+def _meta(t: Any) -> Any:
+    """What the contract checks of a side tensor: shape, dtype, device (None when absent)."""
+    return None if t is None else (t.shape, t.dtype, t.device)
 
 
 def _is_resolver(obj: object) -> bool:

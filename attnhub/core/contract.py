@@ -1,0 +1,404 @@
+"""The call contract at the hub boundary: what each layout needs, forbids and returns.
+
+Every argument of ``attnhub.attention`` is checked here before any backend runs, so a backend
+never sees bad input and an input error is never mistaken for a backend failure (nor retried
+on a fallback). ``docs/contract.md`` is the same contract in prose.
+
+* :func:`check_call` is the slow path: ranks, shapes, dtypes, devices, ranges and which
+  arguments a layout needs or forbids. It reads tensor *contents* only for ``cu_seqlens``
+  (every call) and paged tables (see :class:`PagedTables`).
+* :func:`check_scalars` is what the exact-shape hot path still checks per call: the values
+  of ``scale`` and ``softcap``, which are not part of its key.
+* :func:`check_output` is the output contract every backend result meets before it is
+  returned (metadata only); :func:`nan_violation` is its debug-mode extension.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+from typing import Any, NamedTuple
+
+import torch
+
+from ..errors import (
+    ArgumentError,
+    DeviceMismatchError,
+    DTypeMismatchError,
+    LayoutError,
+    OutputContractError,
+    SeqlensError,
+    ShapeError,
+)
+
+_RANK = {"bshd": 4, "bhsd": 4, "thd": 3, "paged": 4}
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_PHASES = ("train", "prefill", "decode")
+#: Arguments that belong to one family of layouts; passing one elsewhere is an error rather
+#: than silently ignored (a ``seqlens_k`` with ``bshd`` would otherwise change nothing).
+_ONLY_FOR = {
+    "cu_seqlens_q": ("thd",), "cu_seqlens_k": ("thd",),
+    "block_table": ("paged",), "seqlens_k": ("paged",),
+    "colmask_start": ("bshd", "bhsd"), "colmask_end": ("bshd", "bhsd"),
+}
+
+
+class CallArgs(NamedTuple):
+    """What :func:`check_call` hands back to the hub: normalised and checked."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: str  # "bhsd" comes back as "bshd" views
+    window: tuple[int, int] | None
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: torch.Tensor | None
+    seqlens_k: torch.Tensor | None
+
+
+def check_call(q: Any, k: Any, v: Any, *, layout: Any, causal: Any, causal_alignment: Any,
+               window: Any, softcap: Any, scale: Any, alibi_slopes: Any, prefix_lens: Any,
+               colmask_start: Any, colmask_end: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+               max_seqlen_q: Any, max_seqlen_k: Any, block_table: Any, seqlens_k: Any,
+               phase: Any, return_lse: Any, deterministic: Any) -> CallArgs:
+    """Check one call against the contract of its layout; raise a typed ``InputError`` that
+    names the argument and the fix, or return the normalised arguments."""
+    check_qkv(q, k, v, layout)
+    given = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+             "block_table": block_table, "seqlens_k": seqlens_k,
+             "colmask_start": colmask_start, "colmask_end": colmask_end}
+    for name, value in given.items():
+        if value is not None and layout not in _ONLY_FOR[name]:
+            raise ArgumentError(
+                f"{name} was given with layout={layout!r}, which does not read it; it belongs "
+                f"to layout {' or '.join(map(repr, _ONLY_FOR[name]))} (pass "
+                f"layout={_ONLY_FOR[name][0]!r} with tensors in that layout, or drop {name})")
+    for name, flag in (("causal", causal), ("return_lse", return_lse),
+                       ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise ArgumentError(f"{name}={flag!r}; pass True or False")
+    if causal_alignment not in ("bottom_right", "top_left"):
+        raise ArgumentError(f"causal_alignment={causal_alignment!r}; use 'bottom_right' "
+                            "(default, FlashAttention convention) or 'top_left'")
+    if phase is not None and phase not in _PHASES:
+        raise ArgumentError(f"phase={phase!r}; use one of {', '.join(_PHASES)} or leave it None")
+    check_scalars(scale, softcap)
+    if layout == "bhsd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        layout = "bshd"
+    window = check_window(window, causal)
+    tables: list[Any] = [None, None]
+    if layout == "thd":
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise SeqlensError("layout='thd' needs cu_seqlens_q and cu_seqlens_k "
+                               "(int32, B+1 offsets into the packed tokens)")
+        mq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+        mk = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise SeqlensError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries and "
+                               f"cu_seqlens_k {cu_seqlens_k.numel()}; both must be B+1 long")
+        batch = cu_seqlens_q.numel() - 1
+    elif layout == "paged":
+        *tables, mk = PAGED.check(q, k, block_table, seqlens_k)
+        mq, batch = q.shape[1], q.shape[0]
+    else:
+        mq, mk, batch = q.shape[1], k.shape[1], q.shape[0]
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, mq)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, mk)
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    if alibi_slopes is not None:
+        _check_side("alibi_slopes", alibi_slopes, q.device, floating=True,
+                    shapes=((heads_q,), (batch, heads_q)), what="(Hq,) or (B, Hq) fp32")
+    if prefix_lens is not None:
+        if not causal:
+            raise ArgumentError("prefix_lens needs causal=True: prefix-LM attention is causal "
+                                "after the prefix (without causal every key is visible)")
+        _check_side("prefix_lens", prefix_lens, q.device, floating=False, shapes=((batch,),),
+                    what="(B,) integer")
+    if colmask_end is not None and colmask_start is None:
+        raise ArgumentError("colmask_end was given without colmask_start; pass both "
+                            "(rows [start, end) of each key column are masked)")
+    if colmask_start is not None:
+        sk = k.shape[1]
+        shapes = ((batch, 1, sk), (batch, heads_kv, sk))
+        for name, t in (("colmask_start", colmask_start), ("colmask_end", colmask_end)):
+            if t is not None:
+                _check_side(name, t, q.device, floating=False, shapes=shapes,
+                            what="(B, Hkv or 1, Sk) int32")
+    return CallArgs(q, k, v, layout, window, batch, max_q, max_k, *tables)
+
+
+def check_qkv(q: Any, k: Any, v: Any, layout: Any) -> None:
+    """Rank, device, dtype, head dims, head counts and batch agreement of q, k, v."""
+    if layout not in _RANK:
+        raise LayoutError(f"layout={layout!r} is unknown; use one of {', '.join(_RANK)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != _RANK[layout]:
+            raise ShapeError(
+                f"{name} has rank {t.dim()} {tuple(t.shape)}, layout {layout!r} needs rank "
+                f"{_RANK[layout]} ({_shape_hint(layout)}); pass layout= to match your tensors")
+    if not (q.device == k.device == v.device):
+        raise DeviceMismatchError(
+            f"q is on {q.device}, k on {k.device}, v on {v.device}; move them to one device "
+            "(e.g. k = k.to(q.device))")
+    if k.dtype != v.dtype:
+        raise DTypeMismatchError(f"k is {k.dtype} but v is {v.dtype}; cast both to one dtype")
+    if q.dtype not in _FLOAT:
+        raise DTypeMismatchError(
+            f"q is {q.dtype}; attention takes fp16, bf16 or fp32 queries (FP8 goes through an "
+            "FP8 backend with descales)")
+    if k.dtype != q.dtype and (k.dtype in _FLOAT or not k.dtype.is_floating_point):
+        raise DTypeMismatchError(
+            f"q is {q.dtype} but k/v are {k.dtype}; cast them to one dtype "
+            "(only an FP8 KV cache may differ from q)")
+    head_axis = 1 if layout == "bhsd" else -2
+    hq, hk, hv = q.shape[head_axis], k.shape[head_axis], v.shape[head_axis]
+    if q.shape[-1] != k.shape[-1]:
+        raise ShapeError(f"q head dim {q.shape[-1]} != k head dim {k.shape[-1]}; "
+                         "q and k must share the last dimension")
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ShapeError(f"head dim is 0 (q {tuple(q.shape)}, v {tuple(v.shape)}); the last "
+                         "dimension of q, k and v holds the features and must be at least 1")
+    if hk != hv:
+        raise ShapeError(f"k has {hk} heads but v has {hv}; they must match")
+    if hk == 0 or hq == 0 or hq % hk:
+        raise ShapeError(
+            f"q has {hq} heads, k/v have {hk}: Hq % Hkv must be 0 and both at least 1 (GQA "
+            "groups whole heads); check the head axis of your layout")
+    if layout in ("bshd", "bhsd"):
+        if not (q.shape[0] == k.shape[0] == v.shape[0]):
+            raise ShapeError(
+                f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+        seq = 2 if layout == "bhsd" else 1
+        if k.shape[seq] != v.shape[seq]:
+            raise ShapeError(f"k has {k.shape[seq]} keys but v has {v.shape[seq]}")
+    elif layout == "thd" and k.shape[0] != v.shape[0]:
+        raise ShapeError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+    elif layout == "paged" and k.shape[:2] != v.shape[:2]:
+        raise ShapeError(f"k cache is {tuple(k.shape[:2])} (pages, page_size) but v cache is "
+                         f"{tuple(v.shape[:2])}; both must hold the same pages")
+
+
+def check_scalars(scale: Any, softcap: Any) -> None:
+    """``scale`` and ``softcap``: finite real numbers above 0 (or None)."""
+    for name, x, off in (("scale", scale, "leave scale=None for 1/sqrt(head_dim)"),
+                         ("softcap", softcap, "pass softcap=None to turn capping off")):
+        if x is None:
+            continue
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise ArgumentError(f"{name}={x!r} ({type(x).__name__}); pass a Python float "
+                                f"(e.g. float({name})), or {off}")
+        if not 0.0 < x < math.inf:  # False for NaN too
+            raise ArgumentError(f"{name}={x!r}; it must be a finite number above 0 ({off})")
+
+
+def check_window(window: Any, causal: bool) -> tuple[int, int] | None:
+    """``window``: an int ``w`` (``(w, 0)`` if causal, else ``(w, w)``) or ``(left, right)``
+    of ints >= -1, -1 meaning unbounded on that side."""
+    if window is None:
+        return None
+    try:
+        if isinstance(window, bool):
+            raise TypeError
+        if isinstance(window, (tuple, list)):
+            if len(window) != 2 or any(isinstance(w, bool) for w in window):
+                raise TypeError
+            left, right = operator.index(window[0]), operator.index(window[1])
+        else:
+            left = operator.index(window)
+            right = 0 if causal else left
+    except TypeError:
+        raise ArgumentError(f"window={window!r}; pass an int or (left, right) of ints, -1 "
+                            "for unbounded (e.g. window=(128, 0))") from None
+    if min(left, right) < -1:
+        raise ArgumentError(f"window={window!r}; use (left, right) with -1 for unbounded "
+                            "(each side >= -1)")
+    return (left, right)
+
+
+def check_cu_seqlens(name: str, cu: Any, total: int, device: torch.device) -> int:
+    """Validate cumulative lengths (every call: a host copy); returns the longest sequence."""
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
+        raise SeqlensError(f"{name} must be a 1-D tensor of B+1 offsets starting at 0, got "
+                           f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu)}")
+    if cu.dtype != torch.int32:
+        raise SeqlensError(f"{name} is {cu.dtype}; it must be torch.int32 "
+                           f"(use {name}.to(torch.int32))")
+    if cu.device != device:
+        raise DeviceMismatchError(f"{name} is on {cu.device} but q is on {device}; move it")
+    host = cu.tolist()
+    if host[0] != 0:
+        raise SeqlensError(f"{name}[0] is {host[0]}; offsets must start at 0")
+    if any(b < a for a, b in zip(host, host[1:])):
+        raise SeqlensError(f"{name} is not monotonic non-decreasing: {host[:8]}...")
+    if host[-1] > total:
+        raise SeqlensError(
+            f"{name}[-1]={host[-1]} is past the {total} tokens of the packed tensor")
+    if host[-1] < total:
+        raise SeqlensError(
+            f"{name}[-1]={host[-1]} but the packed tensor holds {total} tokens; the last "
+            f"offset must equal the packed length (slice the tensor to [:{host[-1]}])")
+    return max(b - a for a, b in zip(host, host[1:]))
+
+
+def _check_max_seqlen(name: str, given: Any, true_max: int) -> int:
+    """A caller's ``max_seqlen`` may be an upper bound, never below the true longest length
+    (kernels size their grids by it and would drop rows)."""
+    if given is None:
+        return true_max
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise ArgumentError(f"{name}={given!r}; pass an int (or None to compute it)")
+    if given < true_max:
+        raise SeqlensError(f"{name}={given} is below the longest sequence ({true_max}); pass "
+                           f"{name}={true_max} or leave it None to have it computed")
+    return given
+
+
+def _check_side(name: str, t: Any, device: torch.device, *, floating: bool,
+                shapes: tuple[tuple[int, ...], ...], what: str) -> None:
+    """A side tensor: a tensor on q's device, of the right kind of dtype and one of ``shapes``."""
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentError(f"{name} must be a torch.Tensor {what}, got {type(t).__name__}")
+    if t.device != device:
+        raise DeviceMismatchError(f"{name} is on {t.device} but q is on {device}; move it "
+                                  f"({name}.to(q.device))")
+    if floating != t.dtype.is_floating_point or t.dtype == torch.bool:
+        kind = "a floating" if floating else "an integer"
+        raise DTypeMismatchError(f"{name} is {t.dtype}; it must be {kind} tensor {what}")
+    if tuple(t.shape) not in shapes:
+        raise ShapeError(f"{name} has shape {tuple(t.shape)}; this call needs {what}: "
+                         f"one of {', '.join(map(str, shapes))}")
+
+
+class PagedTables:
+    """Checks ``block_table``/``seqlens_k`` of a paged call, reading their contents once per
+    change, and hands backends a private snapshot that a stale check cannot outlive.
+
+    Every layer of a model step passes the same two tensors, so their contents are checked
+    on first sight and remembered with a stamp (identity, ``_version``, data pointer, shape,
+    cache geometry). An edit through ``.data`` does not bump ``_version``, so the stamp alone
+    is no proof that the contents are unchanged. Two guards close that hole:
+
+    * backends always read the hub's *snapshot* (a private copy made when the tables were
+      checked), never the caller's tensors: whatever the caller does to its own tensors
+      afterwards, no backend can read a page id or length that was not checked;
+    * on the CPU a stamp hit is also compared with the snapshot (``torch.equal``, about a
+      microsecond for decode-sized tables) and re-checked if it differs, so every edit is
+      seen. On an accelerator that comparison would be a host sync per layer; there, an edit
+      that bypasses ``_version`` (``.data``) between calls is not seen: the call reads the
+      tables as they were when checked (in bounds, never an error). Normal in-place edits
+      and new tensors are re-checked.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._memo: tuple = ()
+
+    def check(self, q: torch.Tensor, k: torch.Tensor, block_table: Any,
+              seqlens_k: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Validate; returns the snapshot (block_table, seqlens_k) backends must read and
+        the longest length."""
+        if block_table is None or seqlens_k is None:
+            raise SeqlensError("layout='paged' needs block_table (B, pages) int32 and "
+                               "seqlens_k (B,) int32")
+        batch = q.shape[0]
+        for name, t, rank in (("block_table", block_table, 2), ("seqlens_k", seqlens_k, 1)):
+            if not isinstance(t, torch.Tensor):
+                raise SeqlensError(f"{name} must be an int32 tensor, got {type(t).__name__}")
+            if t.dtype != torch.int32:
+                raise SeqlensError(f"{name} is {t.dtype}; it must be torch.int32 "
+                                   f"(use {name}.to(torch.int32))")
+            if t.device != q.device:
+                raise DeviceMismatchError(f"{name} is on {t.device} but q is on {q.device}; "
+                                          f"move it ({name}.to(q.device))")
+            if t.dim() != rank or t.shape[0] != batch:
+                want = f"(B={batch}, pages)" if rank == 2 else f"(B={batch},)"
+                raise SeqlensError(f"{name} must be {want} for q of batch {batch}, got "
+                                   f"{tuple(t.shape)}")
+        return self.values(q, k, block_table, seqlens_k)
+
+    def values(self, q: torch.Tensor, k: torch.Tensor, block_table: torch.Tensor,
+               seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The contents check alone (types and shapes already checked: the hot path)."""
+        num_pages, page = k.shape[0], k.shape[1]
+        stamp = (block_table._version, seqlens_k._version, block_table.data_ptr(),
+                 seqlens_k.data_ptr(), num_pages, page)
+        memo = self._memo
+        if memo and memo[0] is block_table and memo[1] is seqlens_k and memo[2] == stamp:
+            snap_bt, snap_sl = memo[3], memo[4]
+            if q.device.type != "cpu" or (torch.equal(snap_sl, seqlens_k)
+                                          and torch.equal(snap_bt, block_table)):
+                return snap_bt, snap_sl, memo[5]
+        snap_bt, snap_sl = block_table.clone(), seqlens_k.clone()
+        max_len = _check_paged_contents(snap_bt, snap_sl, num_pages, page)
+        with self._lock:
+            self._memo = (block_table, seqlens_k, stamp, snap_bt, snap_sl, max_len)
+        return snap_bt, snap_sl, max_len
+
+
+def _check_paged_contents(bt: torch.Tensor, sl: torch.Tensor, num_pages: int,
+                          page: int) -> int:
+    """Lengths in [0, capacity], every page a sequence uses in [0, num_pages); returns the
+    longest length. One host copy of each table."""
+    lens = sl.cpu().to(torch.int64)
+    if lens.numel() and int(lens.min()) < 0:
+        raise SeqlensError(f"seqlens_k has a negative length: {lens.tolist()[:8]}; lengths "
+                           "count the cached tokens of each sequence (>= 0)")
+    cap = bt.shape[1] * page
+    longest = int(lens.max()) if lens.numel() else 0
+    if longest > cap:
+        raise SeqlensError(f"seqlens_k max {longest} exceeds block_table capacity {cap} "
+                           f"({bt.shape[1]} pages x {page}); add pages to the table")
+    used = torch.arange(bt.shape[1]).view(1, -1) < ((lens + page - 1) // page).view(-1, 1)
+    ids = bt.cpu()[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+        raise SeqlensError(f"block_table refers to a page outside 0..{num_pages - 1} (the k/v "
+                           "caches hold that many pages) for a token within seqlens_k")
+    return longest
+
+
+#: The process-wide paged check (one memo: the layers of a step share their tables).
+PAGED = PagedTables()
+
+
+def check_output(backend: str, out: Any, lse: Any, q: torch.Tensor, v: torch.Tensor,
+                 layout: str, return_lse: bool) -> None:
+    """A backend's result against the contract: out is ``q.shape[:-1] + (Dv,)`` in q's dtype
+    on q's device; LSE (when asked for) fp32, (B, Hq, Sq) or (Hq, T) for thd. Metadata only."""
+    want = (*q.shape[:-1], v.shape[-1])
+    if not isinstance(out, torch.Tensor):
+        raise OutputContractError(f"backend {backend!r} returned {type(out).__name__} as the "
+                                  "output, not a tensor")
+    if out.shape != want or out.dtype != q.dtype or out.device != q.device:
+        raise OutputContractError(
+            f"backend {backend!r} returned out {tuple(out.shape)} {out.dtype} on {out.device}; "
+            f"the contract is {want} {q.dtype} on {q.device}")
+    if return_lse:
+        lwant = (q.shape[1], q.shape[0]) if layout == "thd" else (
+            q.shape[0], q.shape[2], q.shape[1])
+        if (not isinstance(lse, torch.Tensor) or lse.shape != lwant
+                or lse.dtype != torch.float32 or lse.device != q.device):
+            got = (f"{tuple(lse.shape)} {lse.dtype} on {lse.device}"
+                   if isinstance(lse, torch.Tensor) else repr(type(lse).__name__))
+            raise OutputContractError(f"backend {backend!r} returned lse {got}; the contract "
+                                      f"is {lwant} torch.float32 on {q.device}")
+
+
+def nan_violation(backend: str, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> OutputContractError | None:
+    """Debug mode: NaN in the output when no input held NaN (a host sync per call)."""
+    if bool(torch.isnan(out).any()) and not any(
+            t.dtype.itemsize > 1 and bool(torch.isnan(t).any()) for t in (q, k, v)):
+        return OutputContractError(f"backend {backend!r} returned NaN from inputs without NaN "
+                                   "(found by ATTNHUB_DEBUG=1 / Hub(debug=True))")
+    return None
+
+
+def _shape_hint(layout: str) -> str:
+    return {"bshd": "B,S,H,D", "bhsd": "B,H,S,D", "thd": "T,H,D",
+            "paged": "q B,S,H,D; k/v pages,page_size,H,D"}[layout]
