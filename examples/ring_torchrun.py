@@ -1,7 +1,8 @@
 """Ring attention under torchrun: every rank holds a zigzag shard of one long sequence.
 
-    torchrun --nproc-per-node 2 examples/ring_torchrun.py                 # CPU: gloo
-    torchrun --nproc-per-node 8 examples/ring_torchrun.py --seqlen 65536  # GPUs: NCCL
+    torchrun --nproc-per-node 2 examples/ring_torchrun.py --check         # CPU: gloo
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+    torchrun --nproc-per-node 2 examples/ring_torchrun.py --seqlen 65536  # GPUs: NCCL
 
 Each rank builds the same random sequence (a real model has its own shard of the
 activations), keeps its zigzag shard, and calls ``attnhub.attention`` with a ``BindContext``
@@ -40,9 +41,9 @@ rules:
     use: [fa3, cudnn, fa2, torch_sdpa]
   - name: ampere
     when: {hardware: sm80}
-    use: [fa2, torch_sdpa]
-  - name: anything-else
-    use: [torch_sdpa]
+    use: [fa2, fa2_torch, torch_sdpa]
+  - name: anything-else  # inside ring SDPA is refused (its LSE is a second pass)
+    use: [torch_sdpa, torch_flash_cpu, triton]
 """
 
 
@@ -56,9 +57,12 @@ def main() -> None:
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
-    if cuda:  # NCCL point-to-point needs each rank's device set before the first call
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:  # NCCL binds each rank to its GPU up front (device_id): no guessing, no hang
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

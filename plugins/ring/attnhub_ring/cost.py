@@ -101,3 +101,56 @@ def memory_per_gpu(shape: Shape, tokens_per_gpu: int) -> dict[str, float]:
         "bwd_dq_fp32": s * hq * d * 4,
         "bwd_dkv_fp32": 3 * kv * 4 / shape.elem_bytes,  # own share, in flight out, in flight in
     }
+
+
+#: Device memory bandwidth for the ring's own memory-bound work (merges, the final cast):
+#: about 80% of the H200's 4.8 TB/s (a device copy measured 4.24 TB/s).
+HBM = 3.5e12
+#: Bytes per output element moved by one in-place LSE merge (scale the fp32 accumulator,
+#: add the weighted bf16 block: read 4 + write 4, then read 4 + 2 + write 4) plus slack.
+MERGE_BYTES = 20
+#: Host and launch time per ring step beyond the kernels (posting a hop, a merge's launches).
+STEP_OVERHEAD_S = 30e-6
+#: Latency of one point-to-point message on NVLink (NCCL, small-message floor).
+HOP_LATENCY_S = 20e-6
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The paper model of one ring call (one layer) on ``world`` ranks."""
+
+    world: int
+    seqlen: int
+    t_one_s: float
+    t_ring_s: float
+    comm_hidden: bool
+
+    @property
+    def efficiency(self) -> float:
+        """``t_one / (W t_ring)``: 1.0 is perfect strong scaling."""
+        return self.t_one_s / (self.world * self.t_ring_s)
+
+
+def predict(shape: Shape, seqlen: int, world: int, bandwidth: float, causal: bool = True,
+            backward: bool = False, fwd_flops: float = FWD_FLOPS, bwd_flops: float = BWD_FLOPS,
+            hbm: float = HBM, step_overhead_s: float = STEP_OVERHEAD_S,
+            latency_s: float = HOP_LATENCY_S) -> Prediction:
+    """Ring time vs one GPU for one layer, batch 1: ``W`` steps, each the slower of its
+    block's compute and its hop (+ latency), plus per-step host overhead; the forward adds
+    ``W - 1`` merges and a final cast, the backward (fwd+bwd) its own ``W`` steps with the
+    K/V and fp32 dK/dV hops. Same kernel throughput for blocks as for the whole sequence
+    (true from ~4k tokens per block; below that small blocks run slower, see the doc)."""
+    s = seqlen / world
+    h = hop(shape, int(s), bandwidth, causal, fwd_flops, bwd_flops)
+    elems = s * shape.q_heads * shape.head_dim
+    merge_s = MERGE_BYTES * elems / hbm
+    fwd = world * (step_overhead_s + max(h.fwd_compute_s, h.fwd_comm_s + latency_s))
+    fwd += (world - 1) * merge_s + 6 * elems / hbm  # merges + the fp32 -> bf16 cast
+    one_flops = (2 if causal else 4) * seqlen ** 2 * shape.q_heads * shape.head_dim
+    t_one = one_flops / fwd_flops
+    hidden = h.fwd_comm_s + latency_s <= h.fwd_compute_s
+    if backward:
+        fwd += world * (step_overhead_s + max(h.bwd_compute_s, h.bwd_comm_s + latency_s))
+        t_one += 2.5 * one_flops / bwd_flops
+        hidden = hidden and h.bwd_comm_s + latency_s <= h.bwd_compute_s
+    return Prediction(world, seqlen, t_one, fwd, hidden)

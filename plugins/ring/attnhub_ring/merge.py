@@ -28,3 +28,16 @@ def merge_partial(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Ten
     out = (w_acc.unsqueeze(-1) * out_acc + w_b.unsqueeze(-1) * out_b) / total.clamp(
         min=1.0).unsqueeze(-1)
     return out, m + torch.log(total)
+
+
+def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor,
+               lse_b: torch.Tensor) -> None:
+    """In place, the ring's hot path: ``out_acc``/``lse_acc`` (fp32, views of the ring's
+    accumulators) absorb a block whose rows each saw at least one key (finite ``lse_b``;
+    true of every ring block plan). Accumulator rows may still be (0, -inf). Two passes over
+    ``out_acc`` (scale, then add the weighted block) instead of :func:`merge_partial`'s
+    temporaries: the merge is memory-bound and runs once per ring step."""
+    lse = torch.logaddexp(lse_acc, lse_b.float())
+    out_acc.mul_(torch.exp(lse_acc - lse).unsqueeze(-1))
+    out_acc.addcmul_(out_b, torch.exp(lse_b - lse).unsqueeze(-1))
+    lse_acc.copy_(lse)

@@ -21,7 +21,7 @@ from attnhub.plugin import AttentionSpec, AttnParams, Backend, MaskSpec
 from .block_backward import block_backward
 from .comm import PendingHop, ProcessGroup, Ring, RingError, resolve_group
 from .flash_ops import flash_backward, flash_backward_segments, fused_backward_reasons
-from .merge import merge_partial
+from .merge import merge_into, merge_partial
 from .plan import BlockPlan, Rows, block_plans
 from .sharding import ZigzagLayout
 
@@ -229,9 +229,13 @@ def _forward(call: RingCall, q: torch.Tensor, k: torch.Tensor,
                 if first:  # rows the block skips have seen nothing yet: (0, -inf)
                     out.zero_()
                     lse.fill_(float("-inf"))
-                o, l = merge_partial(_take(out, rows, axis), _take(lse, rows, axis), o_b, l_b)
-                _put(out, rows, axis, o)
-                _put(lse, rows, axis, l)
+                if isinstance(rows, slice):  # views: merged in place
+                    merge_into(_take(out, rows, axis), _take(lse, rows, axis), o_b, l_b)
+                else:
+                    o, l = merge_partial(_take(out, rows, axis), _take(lse, rows, axis), o_b,
+                                         l_b)
+                    _put(out, rows, axis, o)
+                    _put(lse, rows, axis, l)
             first = False
         if hop is not None:
             kv = hop.wait()
