@@ -323,7 +323,10 @@ def measure_simulated(args: argparse.Namespace, world: int, seqlen: int,
             return ring_attention(q, k, v, local_backend=backend, causal=args.causal,
                                   global_seqlens=[seqlen], transport=transport)
 
-        t_ranks.append(timed(attention_step(ql, kl, vl, backward, ring), args))
+        step_fn = attention_step(ql, kl, vl, backward, ring)
+        t_ranks.append(timed(step_fn, args))
+        if args.profile and r == 0:
+            _profile(args, step_fn, f"{args.profile}.{seqlen}.{mode}.txt")
         plans = block_plans(layout, r, args.causal)
         t_kernels.append(_time_block_kernels(args, backend, plans, ql, shards, backward))
     compute_eff = t_one / sum(t_ranks)
@@ -370,6 +373,20 @@ def _time_block_kernels(args: argparse.Namespace, backend: Any, plans: Any, q: t
                     flash_backward(torch.ones_like(out), qb, kb, vb, out, lse, p.causal, scale)
 
     return timed(run, args)
+
+
+def _profile(args: argparse.Namespace, fn: Callable[[], None], path: str) -> None:
+    """torch.profiler table of one ring step of one rank: where the time beyond the local
+    kernels goes (merges, copies, launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        _sync(args)
+    key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+    _atomic_write(path, table)
 
 
 def check_simulated(args: argparse.Namespace, world: int, seqlen: int) -> list[dict[str, Any]]:
@@ -545,6 +562,9 @@ def main() -> None:
                     help="one process, one device: W virtual ranks (no torchrun)")
     ap.add_argument("--check-seqlen", type=int, default=0,
                     help="with --simulate: also check ring vs one device at this length")
+    ap.add_argument("--profile", default=None, metavar="PREFIX",
+                    help="with --simulate: torch.profiler table of rank 0's step per length "
+                         "and mode, written to PREFIX.<S>.<mode>.txt")
     ap.add_argument("--json", default=None, help="write the results here (rank 0)")
     ap.add_argument("--markdown", default=None, help="write the table here (rank 0)")
     ap.add_argument("--print-model", action="store_true",
