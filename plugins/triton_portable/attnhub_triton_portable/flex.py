@@ -197,11 +197,15 @@ def _token(t: torch.Tensor | None) -> tuple[Any, ...] | None:
 
 
 class ModCache:
-    """LRU of FlexMods keyed by mask data and shape; thread-safe."""
+    """LRU of FlexMods keyed by mask data and shape; thread-safe.
+
+    Callables are keyed by identity (``id`` plus the object kept in the entry, so the id
+    cannot be reused while the entry lives): a callable's own ``__eq__`` never decides.
+    """
 
     def __init__(self, size: int = _CACHE_SIZE):
         self.size = size
-        self._items: OrderedDict[tuple, tuple[tuple, FlexMods]] = OrderedDict()
+        self._items: OrderedDict[tuple, tuple[tuple, tuple, FlexMods]] = OrderedDict()
         self._lock = threading.Lock()
         self.builds = 0
 
@@ -210,21 +214,22 @@ class ModCache:
         tensors = (params.prefix_lens, params.colmask_start, params.colmask_end,
                    params.cu_seqlens_q if packed else None,
                    params.cu_seqlens_k if packed else None, params.alibi_slopes)
+        fns = (params.score_mod, params.mask_mod)
         key = (packed, batch, hq, hkv, sq, sk, str(device), params.causal, params.alignment,
-               params.window, params.softcap, params.score_mod, params.mask_mod,
+               params.window, params.softcap, tuple(id(f) for f in fns),
                tuple(_token(t) for t in tensors))
         with self._lock:
             hit = self._items.get(key)
-            if hit is not None and all(
+            if hit is not None and all(a is b for a, b in zip(hit[1], fns)) and all(
                     (r is None and t is None) or (r is not None and r() is t)
                     for r, t in zip(hit[0], tensors)):
                 self._items.move_to_end(key)
-                return hit[1]
+                return hit[2]
         mods = _build(params, batch, hq, hkv, sq, sk, packed, device)
         refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
         with self._lock:
             self.builds += 1
-            self._items[key] = (refs, mods)
+            self._items[key] = (refs, fns, mods)
             self._items.move_to_end(key)
             while len(self._items) > self.size:
                 self._items.popitem(last=False)

@@ -3,8 +3,8 @@ reference (FlashAttention rule), BlockMasks are cached per (mask data, shape), d
 the CPU's compile limits are refused with their reasons.
 
 Mask translation is tested through eager flex (``FlexBackend(compiled=False)``: the same
-callables and BlockMask, without Inductor's minutes of compiling); one test runs the compiled
-path on the CPU to show that it compiles and agrees.
+callables and BlockMask, without Inductor's minutes of compiling); test_flex_cache.py runs the
+compiled path on the CPU (two static shapes, then the recompile limit).
 """
 
 from __future__ import annotations
@@ -160,19 +160,3 @@ def test_cpu_compile_limits_are_reasons():
     reasons = " | ".join(FlexBackend().check(spec, cpu))
     assert "inference-only" in reasons and "cannot return the LSE" in reasons
     assert FlexBackend(compiled=False).check(spec, cpu) == []  # eager flex has neither limit
-
-
-@pytest.mark.skipif(DEV != "cpu", reason="the CPU compile path")
-def test_compiled_on_cpu_matches_reference():
-    """torch.compile(flex_attention) compiles on the CPU (inference, no LSE) and agrees."""
-    backend = FlexBackend()
-    spec = AttentionSpec(phase="prefill", dtype="fp32", head_dim=16, num_q_heads=4,
-                         num_kv_heads=2, mask=MaskSpec(causal=True, softcap=True))
-    assert backend.check(spec, DeviceInfo(vendor="cpu", arch="cpu")) == []
-    backend.load()
-    q, k, v = _qkv(2, 21, 33, seed=13)
-    params = AttnParams(scale=0.25, causal=True, softcap=2.0)
-    out = backend.forward(q, k, v, spec, params).out
-    ref64, _ = reference_attention(q, k, v, params)
-    ref_same, _ = reference_attention(q, k, v, params, compute_dtype=q.dtype)
-    assert_fa_rule(out, ref64, ref_same)
