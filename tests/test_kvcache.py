@@ -87,6 +87,93 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.free(sid)
         del self.model[sid]
 
+    # -- invalid operations: each must raise InputError and change nothing ---------------
+    def _snapshot(self) -> tuple:
+        seqs = {s: (self.cache.length(s), self.cache.pages(s),
+                    [self.cache.read(layer, s) for layer in range(LAYERS)]) for s in self.model}
+        storage = [(self.cache.k_cache(layer).clone(), self.cache.v_cache(layer).clone())
+                   for layer in range(LAYERS)]
+        refs = [self.cache.refcount(p) for p in range(self.cache.num_pages)]
+        return seqs, storage, refs, self.cache.free_pages
+
+    def _assert_unchanged(self, before: tuple) -> None:
+        seqs, storage, refs, free = before
+        now = self._snapshot()
+        assert now[3] == free and now[2] == refs
+        assert now[0].keys() == seqs.keys()
+        for s, (length, pages, reads) in seqs.items():
+            assert now[0][s][:2] == (length, pages)
+            for (k0, v0), (k1, v1) in zip(reads, now[0][s][2]):
+                assert torch.equal(k0, k1) and torch.equal(v0, v1)
+        for (k0, v0), (k1, v1) in zip(storage, now[1]):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+    def _rejected(self, op) -> None:  # type: ignore[no-untyped-def]
+        before = self._snapshot()
+        with pytest.raises(InputError):
+            op()
+        self._assert_unchanged(before)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), n=st.integers(1, 5),
+          how=st.sampled_from(["head_dim", "heads", "int", "layer_count", "k_vs_v", "layers",
+                               "rank", "not_tensor", "unknown_id", "device"]))
+    def bad_append(self, data: st.DataObject, n: int, how: str) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.model)))
+        bad = data.draw(st.integers(0, LAYERS - 1))
+        ks = [torch.randn(n, HKV, D, generator=self.gen) for _ in range(LAYERS)]
+        vs = [torch.randn(n, HKV, D, generator=self.gen) for _ in range(LAYERS)]
+        wrong = {"head_dim": lambda t: torch.randn(n, HKV, D + 1),
+                 "heads": lambda t: torch.randn(n, HKV + 1, D),
+                 "int": lambda t: (t * 10).to(torch.int32),
+                 "layer_count": lambda t: torch.randn(n + 1, HKV, D),
+                 "rank": lambda t: t[None],
+                 "not_tensor": lambda t: t.tolist(),
+                 "device": lambda t: t.to("meta")}
+        if how in wrong:
+            target = data.draw(st.sampled_from([ks, vs]))
+            target[bad] = wrong[how](target[bad])
+        elif how == "k_vs_v":
+            vs[bad] = vs[bad][:-1]
+        elif how == "layers":
+            ks = ks[:-1]
+        else:
+            sid = max(self.cache.seq_ids, default=-1) + 100
+        self._rejected(lambda: self.cache.append(sid, ks, vs))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(),
+          how=st.sampled_from(["layer_-1", "layer_past", "layer_bool", "slots_int32",
+                               "slots_range", "count", "int_kv"]))
+    def bad_write(self, data: st.DataObject, how: str) -> None:
+        n = 2
+        slots = torch.arange(n, dtype=torch.int64)
+        k, v = torch.randn(n, HKV, D), torch.randn(n, HKV, D)
+        layer: object = 0
+        if how == "layer_-1":
+            layer = -1
+        elif how == "layer_past":
+            layer = LAYERS
+        elif how == "layer_bool":
+            layer = True
+        elif how == "slots_int32":
+            slots = slots.to(torch.int32)
+        elif how == "slots_range":
+            slots = slots + self.cache.num_pages * self.cache.page_size
+        elif how == "count":
+            v = v[:1]
+        else:
+            k = k.to(torch.int64)
+        self._rejected(lambda: self.cache.write(layer, slots, k, v))  # type: ignore[arg-type]
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), how=st.sampled_from(["negative", "repeat", "float", "unknown"]))
+    def bad_reserve(self, data: st.DataObject, how: str) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.model)))
+        args = {"negative": ([sid], -1), "repeat": ([sid, sid], 1), "float": ([sid], 1.5),
+                "unknown": ([sid, max(self.model) + 100], 1)}[how]
+        self._rejected(lambda: self.cache.reserve(*args))
+
     @invariant()
     def reads_back_what_was_written(self) -> None:
         if not hasattr(self, "cache"):

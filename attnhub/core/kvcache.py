@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,8 +60,14 @@ class CacheStep:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's k/v (B, new_tokens, Hkv, D) for ``layer``."""
-        self.cache.write(layer, self.slots, k.reshape(-1, *k.shape[2:]),
-                         v.reshape(-1, *v.shape[2:]))
+        want = (len(self.seq_ids), self.new_tokens)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[:2]) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InputError(f"CacheStep.write: {name} is {got}; this step needs "
+                                 f"(B={want[0]}, new_tokens={want[1]}, Hkv, D)")
+        self.cache._write(layer, self.slots, k.reshape(-1, *k.shape[2:]),
+                          v.reshape(-1, *v.shape[2:]), check_slots=False)
 
     def positions(self) -> torch.Tensor:
         """Absolute positions (B, new_tokens) of the new tokens, for rotary embeddings."""
@@ -106,9 +113,11 @@ class PagedKVCache:
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s keys, (num_pages, page_size, Hkv, D): the paged layout's k."""
+        self._check_layer(layer)
         return self._k[layer]
 
     def v_cache(self, layer: int) -> torch.Tensor:
+        self._check_layer(layer)
         return self._v[layer]
 
     @property
@@ -179,7 +188,15 @@ class PagedKVCache:
         last pages) are counted first, and ``CacheFullError`` is raised before any change.
         Slots are flat indices into ``(num_pages * page_size)``, sequence-major.
         """
-        counts = [num_tokens] * len(seq_ids) if isinstance(num_tokens, int) else list(num_tokens)
+        if isinstance(num_tokens, int):
+            counts = [num_tokens] * len(seq_ids)
+        elif isinstance(num_tokens, Sequence):
+            counts = list(num_tokens)
+        else:
+            raise InputError(f"reserve: num_tokens={num_tokens!r}; pass an int or one int per "
+                             "sequence")
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in counts):
+            raise InputError(f"reserve: token counts must be ints, got {counts}")
         if len(counts) != len(seq_ids):
             raise InputError(f"reserve: {len(seq_ids)} sequences but {len(counts)} token counts")
         if len(set(seq_ids)) != len(seq_ids):
@@ -243,10 +260,24 @@ class PagedKVCache:
         return slots.to(self.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v (N, Hkv, D) at ``slots`` (N,) returned by ``reserve`` for ``layer``."""
-        if k.shape[0] != slots.numel() or v.shape[0] != slots.numel():
-            raise InputError(f"write: {slots.numel()} slots but k has {k.shape[0]} and v has "
-                             f"{v.shape[0]} tokens")
+        """Store k/v (N, Hkv, D) at ``slots`` (N,) returned by ``reserve`` for ``layer``.
+
+        All checks come first (a rejected write changes nothing); slots are range-checked
+        (a host read of ``slots``)."""
+        self._write(layer, slots, k, v, check_slots=True)
+
+    def _write(self, layer: int, slots: Any, k: Any, v: Any, *, check_slots: bool) -> None:
+        self._check_layer(layer)
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
+            raise InputError(f"write: slots must be the (N,) int64 tensor reserve() returned, "
+                             f"got {_describe(slots)}")
+        if slots.device != self.device:
+            raise InputError(f"write: slots are on {slots.device}, the cache on {self.device}")
+        n = self._check_kv("write", k, v, slots.numel())
+        if check_slots and n and (int(slots.min()) < 0
+                                  or int(slots.max()) >= self.num_pages * self.page_size):
+            raise InputError(f"write: a slot is outside 0..{self.num_pages * self.page_size - 1}"
+                             "; pass the slots reserve() returned")
         if self.scales is not None:  # FP8: quantized per page, descales grown as needed
             self.scales.write(self._k[layer], self._v[layer], layer, slots, k, v)
             return
@@ -254,12 +285,56 @@ class PagedKVCache:
         self._v[layer].view(-1, *self._v.shape[3:]).index_copy_(0, slots, v.to(self.dtype))
 
     def append(self, seq_id: int, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
-        """Append tokens to one sequence for every layer: ks[l]/vs[l] are (n, Hkv, D)."""
-        if len(ks) != self.num_layers or len(vs) != self.num_layers:
-            raise InputError(f"append: expected k and v for {self.num_layers} layers")
-        slots = self.reserve([seq_id], ks[0].shape[0])
+        """Append tokens to one sequence for every layer: ks[l]/vs[l] are (n, Hkv, D).
+
+        Atomic: every layer's k and v is checked (type, shape, dtype, device, one token count
+        for all) before a page is reserved, so a rejected append leaves the cache as it was."""
+        self._check_id(seq_id)
+        if (not isinstance(ks, Sequence) or not isinstance(vs, Sequence)
+                or len(ks) != self.num_layers or len(vs) != self.num_layers):
+            raise InputError(f"append: expected lists of k and v for {self.num_layers} layers, "
+                             f"got {_describe(ks)} and {_describe(vs)}")
+        n = self._check_kv("append layer 0", ks[0], vs[0], None)
+        for layer in range(1, self.num_layers):
+            self._check_kv(f"append layer {layer}", ks[layer], vs[layer], n)
+        slots = self.reserve([seq_id], n)
         for layer, (k, v) in enumerate(zip(ks, vs)):
-            self.write(layer, slots, k, v)
+            self._write(layer, slots, k, v, check_slots=False)
+
+    def _check_kv(self, where: str, k: Any, v: Any, n: int | None) -> int:
+        """k (n, Hkv, D) and v (n, Hkv, Dv) fit this cache; returns n. Floating point only
+        (an integer tensor is refused, never cast); FP8 caches also need finite values."""
+        dv = self._v.shape[-1]
+        for name, t, d in (("k", k, self.head_dim), ("v", v, dv)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"{where}: {name} must be a tensor (n, Hkv, D), got "
+                                 f"{type(t).__name__}")
+            if not t.is_floating_point() or (self.scales is not None and is_fp8(t.dtype)):
+                raise InputError(f"{where}: {name} is {t.dtype}; the cache takes fp16/bf16/fp32 "
+                                 f"k/v (cast explicitly, e.g. {name}.float()); integers are "
+                                 "refused, not cast, and an FP8 cache quantizes by itself")
+            if t.device != self.device:
+                raise InputError(f"{where}: {name} is on {t.device}, the cache on "
+                                 f"{self.device}; move it ({name}.to(cache.device))")
+            if t.dim() != 3 or t.shape[1] != self.num_kv_heads or t.shape[2] != d:
+                raise InputError(f"{where}: {name} is {tuple(t.shape)}; the cache takes "
+                                 f"(n, Hkv={self.num_kv_heads}, {'Dv' if name == 'v' else 'D'}"
+                                 f"={d})")
+            if n is None:
+                n = t.shape[0]
+            elif t.shape[0] != n:
+                raise InputError(f"{where}: {name} has {t.shape[0]} tokens, expected {n} "
+                                 "(k and v of every layer carry the same tokens)")
+        if self.scales is not None and n and not bool(
+                torch.isfinite(k).all() & torch.isfinite(v).all()):
+            raise InputError(f"{where}: k/v hold NaN or inf, which an FP8 cache cannot store")
+        return n
+
+    def _check_layer(self, layer: Any) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not (
+                0 <= layer < self.num_layers):
+            raise InputError(f"layer={layer!r}; pass an index in 0..{self.num_layers - 1} "
+                             "(negative indices are refused, not counted from the end)")
 
     def step(self, seq_ids: Sequence[int], new_tokens: int) -> CacheStep:
         """Reserve ``new_tokens`` per sequence and build the tables every layer of a step uses."""
@@ -283,6 +358,7 @@ class PagedKVCache:
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A contiguous copy of one sequence's k/v for ``layer``: (length, Hkv, D) each."""
+        self._check_layer(layer)
         seq = self._seq(seq_id)
         idx = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
         k = self._k[layer].index_select(0, idx).flatten(0, 1)[: seq.length]
@@ -342,6 +418,14 @@ class PagedKVCache:
         pages = batch * -(-max_len // page_size) + spare
         return cls(num_layers=num_layers, num_pages=pages, page_size=page_size,
                    num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{tuple(x.shape)} {x.dtype}"
+    if isinstance(x, (list, tuple)):
+        return f"{type(x).__name__} of {len(x)}"
+    return type(x).__name__
 
 
 def free_all(cache: PagedKVCache, seq_ids: Iterable[int]) -> None:
