@@ -59,11 +59,13 @@ def lint_policy(policy: Policy, registry: Registry,
     """Every finding for ``policy`` with the backends of ``registry``; cells are checked on
     ``hardware`` (default: the policy's ``targets``)."""
     out: list[Finding] = []
-    for i, lr in enumerate(policy.rules):
+    shadows = _ShadowIndex()
+    for lr in policy.rules:
         out += _backend_names(lr, registry)
         out += _contradictions(lr, registry)
         out += _thresholds(lr)
-        out += _shadowed(lr, policy.rules[:i])
+        out += _impossible(lr)
+        out += shadows.add(lr)
     out += _cells(policy, registry, hardware or policy.targets)
     return sorted(out, key=lambda f: (f.level != "error", _sort_key(f.where)))
 
@@ -167,13 +169,90 @@ def _thresholds(lr: LoadedRule) -> list[Finding]:
     return out
 
 
-def _shadowed(lr: LoadedRule, earlier: tuple[LoadedRule, ...]) -> list[Finding]:
-    for e in earlier:
-        if covers(e.rule.when, lr.rule.when):
-            return [Finding("warning", lr.where(), _label(lr), (
-                f"can never match: earlier rule {e.rule.name!r} ({e.location}) matches every "
-                "call this one does; expected it before that rule or narrower conditions there"))]
-    return []
+def _impossible(lr: LoadedRule) -> list[Finding]:
+    """Ranges no value satisfies (``{ge: 8192, lt: 1024}``): the rule can never match."""
+    w, out = lr.rule.when, []
+    ranges = [(k, getattr(w, k)) for k in w.model_fields_set if isinstance(getattr(w, k), Range)]
+    if w.layer is not None and w.layer.index is not None:
+        ranges.append(("layer.index", w.layer.index))
+    for key, rng in ranges:
+        if rng.empty():
+            path = tuple(key.split("."))
+            out.append(Finding("warning", lr.where("when", *path), _label(lr, "when", *path), (
+                f"no value satisfies {rng.model_dump(exclude_none=True, by_alias=True)}, so this "
+                "rule can never match; expected bounds with lower <= upper")))
+    return out
+
+
+class _ShadowIndex:
+    """Rules seen so far, indexed so that finding an earlier rule that covers a new one
+    costs set operations, not a scan of every earlier rule: a rule can only be covered by
+    one whose keys are a subset of its own, whose lists hold all of its values, and whose
+    flags are equal (``covers`` then decides on the few candidates)."""
+
+    def __init__(self) -> None:
+        self.rules: list[LoadedRule] = []
+        self.exact: dict[str, int] = {}
+        self.by_keys: dict[frozenset[str], set[int]] = {}
+        self.values: dict[tuple[str, Any], set[int]] = defaultdict(set)
+        self.unindexed: dict[str, set[int]] = defaultdict(set)
+        self.has_key: dict[str, set[int]] = defaultdict(set)
+
+    def add(self, lr: LoadedRule) -> list[Finding]:
+        w = lr.rule.when
+        keys = frozenset(k for k in w.model_fields_set if getattr(w, k) is not None)
+        sig = w.model_dump_json(exclude_none=True)
+        found = self.exact.get(sig)
+        if found is None:
+            found = self._first_cover(w, keys)
+        i = len(self.rules)
+        self.rules.append(lr)
+        self.exact.setdefault(sig, i)
+        self.by_keys.setdefault(keys, set()).add(i)
+        for k in keys:
+            self.has_key[k].add(i)
+            vals = _index_values(getattr(w, k))
+            if vals is None:
+                self.unindexed[k].add(i)
+            for x in vals or ():
+                self.values[(k, x)].add(i)
+        if found is None:
+            return []
+        e = self.rules[found]
+        return [Finding("warning", lr.where(), _label(lr), (
+            f"can never match: earlier rule {e.rule.name!r} ({e.location}) matches every "
+            "call this one does; expected it before that rule or narrower conditions there"))]
+
+    def _first_cover(self, w: When, keys: frozenset[str]) -> int | None:
+        cands: set[int] = set()
+        for ks, members in self.by_keys.items():
+            if ks <= keys:
+                cands |= members
+        for k in keys:
+            if not cands:
+                return None
+            vals = _index_values(getattr(w, k))
+            if vals is None:
+                continue
+            hits = [self.values.get((k, x), set()) for x in vals]
+            ok = self.unindexed.get(k, set()) | (set.intersection(*hits) if hits else set())
+            cands = (cands & ok) | (cands - self.has_key.get(k, set()))
+        for j in sorted(cands):
+            if covers(self.rules[j].rule.when, w):
+                return j
+        return None
+
+
+def _index_values(v: Any) -> tuple[Any, ...] | None:
+    """The values a condition is indexed by (None: not indexable, always a candidate)."""
+    if isinstance(v, list):
+        return tuple(v)
+    if isinstance(v, bool):
+        return (v,)
+    if isinstance(v, Range) and v.in_ is not None and all(
+            x is None for x in (v.ge, v.gt, v.le, v.lt)):
+        return tuple(v.in_)
+    return None
 
 
 def covers(a: When, b: When) -> bool:

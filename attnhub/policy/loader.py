@@ -14,6 +14,7 @@ rule it should sit next to.
 from __future__ import annotations
 
 import difflib
+import gc
 import os
 import re
 import sys
@@ -92,7 +93,20 @@ def resolve_policy_path(ref: str | os.PathLike[str], base_dir: Path | None = Non
 
 
 def load_data(path: str | os.PathLike[str]) -> PolicyData:
-    """Read, validate and merge a policy file and the chain it extends."""
+    """Read, validate and merge a policy file and the chain it extends.
+
+    The cyclic garbage collector is paused meanwhile: reading allocates many small objects
+    and no cycles, and its passes made a 4,000-rule file twice as slow to load."""
+    if not gc.isenabled():
+        return _load_data(path)
+    gc.disable()
+    try:
+        return _load_data(path)
+    finally:
+        gc.enable()
+
+
+def _load_data(path: str | os.PathLike[str]) -> PolicyData:
     problems: list[str] = []
     chain = _read_chain(Path(path), problems, [])
     if problems:

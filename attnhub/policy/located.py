@@ -56,6 +56,7 @@ MAX_VALUES = 500_000
 _STD = "tag:yaml.org,2002:"
 _SCALAR_TAGS = frozenset(_STD + t for t in ("null", "bool", "int", "float", "str"))
 _MERGE = _STD + "merge"
+_STR = _STD + "str"
 _AWAIT, _SKIP = object(), object()
 
 
@@ -192,7 +193,9 @@ class _Builder:
 
     def _key(self, parent: _Frame, ev: Any) -> Any:
         pos = (ev.start_mark.line + 1, ev.start_mark.column + 1)
-        where = f"{self.doc.file}:{pos[0]}:{pos[1]} {dotted(parent.path)}"
+        where = f"{self.doc.file}:{pos[0]}:{pos[1]} {dotted(parent.path)}" \
+            if not isinstance(ev, yaml.ScalarEvent) or parent.skip or not isinstance(
+                ev.value, str) or ev.value == "<<" or ev.tag else ""
         if not isinstance(ev, yaml.ScalarEvent):
             if not parent.skip:
                 kind = "list" if isinstance(ev, yaml.SequenceStartEvent) else "mapping"
@@ -210,6 +213,7 @@ class _Builder:
                            "the keys written out (or `extends:` to build on another file)")
         key = self._construct(ev, tag, parent.path)
         if not isinstance(key, (str, int, float, bool)) or key is None:
+            where = f"{self.doc.file}:{pos[0]}:{pos[1]} {dotted(parent.path)}"
             self.problems.append(f"{where}: got a {type(key).__name__} as a key, expected a "
                                  "plain name")
             parent.key = _SKIP
@@ -239,12 +243,16 @@ class _Builder:
     def _tag(self, ev: Any) -> str:
         if ev.tag is not None and ev.tag != "!":
             return ev.tag
+        if not ev.implicit[0]:  # quoted: always a string
+            return _STR
         return self.loader.resolve(yaml.ScalarNode, ev.value, ev.implicit)
 
     def _scalar(self, ev: Any, path: Path_) -> Any:
         return self._construct(ev, self._tag(ev), path)
 
     def _construct(self, ev: Any, tag: str, path: Path_) -> Any:
+        if tag == _STR:
+            return ev.value
         node = yaml.ScalarNode(tag, ev.value, ev.start_mark, ev.end_mark, ev.style)
         try:
             return self.loader.construct_object(node, deep=True)
