@@ -1,0 +1,32 @@
+"""benchmarks/hf_generate.py dry-runs on the CPU (tiny model): it measures both
+implementations on every cell, agrees on the logits and tokens, and writes its JSON and table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_generate.py"
+
+
+def test_tiny_cpu_dry_run_writes_json_and_table(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("hf_generate", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--device", "cpu", "--tiny", "--cells", "2x12",
+                         "--new-tokens", "2", "--repeats", "1", "--out", str(tmp_path)])
+    assert [(c["batch"], c["prompt"]) for c in result["cells"]] == [(2, 12)]
+    for cell in result["cells"]:
+        for impl in ("sdpa", "attnhub"):
+            assert cell[impl]["prefill_tok_s"] > 0 and cell[impl]["decode_tok_s"] > 0
+        agree = cell["agreement"]
+        assert agree["within_noise"] and agree["max_abs_diff"] < 1e-4, agree  # fp32
+        assert agree["greedy_tokens_equal"] == 1.0
+    assert json.loads((tmp_path / "hf_generate.json").read_text()) == result
+    table = (tmp_path / "hf_generate.md").read_text()
+    assert table.count("| attnhub |") == 1 and "commit" in table
