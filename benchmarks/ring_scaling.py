@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from attnhub_ring import ZigzagLayout, ring_attention, zigzag_shard
+from attnhub_ring.block_kernels import block_backward_fn, block_backward_kernel
 from attnhub_ring.cost import (
     INFINIBAND,
     LLAMA3_8B,
@@ -148,7 +149,7 @@ def time_ring(args: argparse.Namespace, world: int, seqlen: int, group: Any, mod
 
     def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return ring_attention(q, k, v, local_backend=local, causal=args.causal, group=group,
-                              global_seqlens=[seqlen])
+                              global_seqlens=[seqlen], block_backward=args.ring_backward)
 
     return timed(attention_step(q, k, v, mode == "fwdbwd", ring), args, group)
 
@@ -248,7 +249,8 @@ def measure(args: argparse.Namespace, world: int, seqlen: int, mode: str, group:
             mesh: Any) -> dict[str, Any]:
     local, why = local_kernel(args, seqlen, world, mode)
     row: dict[str, Any] = {"world": world, "seqlen": seqlen, "mode": mode, "local": local,
-                           "tokens_per_gpu": seqlen // world, "explain": why}
+                           "tokens_per_gpu": seqlen // world, "explain": why,
+                           "block_backward": _bwd_name(args, mode)}
     t_ring = time_ring(args, world, seqlen, group, mode, local)
     row["t_ring_ms"] = t_ring * 1e3
     t_one = float("nan")
@@ -267,6 +269,17 @@ def measure(args: argparse.Namespace, world: int, seqlen: int, mode: str, group:
     row["predicted_efficiency"] = predict(SHAPES[args.model], seqlen, world, NVLINK,
                                           args.causal, mode == "fwdbwd").efficiency
     return row
+
+
+def _bwd_name(args: argparse.Namespace, mode: str) -> str:
+    """The ring's block backward for bf16 (fp32 on the CPU) at the model's head dim."""
+    if mode != "fwdbwd":
+        return "-"
+    shape = SHAPES[args.model]
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    probe = torch.empty(1, 1, 1, shape.head_dim, device=args.device, dtype=dtype)
+    name, passed = block_backward_kernel(probe, probe, None, False, False, args.ring_backward)
+    return name + (f" ({'; '.join(passed)})" if passed else "")
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -321,7 +334,8 @@ def measure_simulated(args: argparse.Namespace, world: int, seqlen: int,
         def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  transport: SimulatedRing = transport) -> torch.Tensor:
             return ring_attention(q, k, v, local_backend=backend, causal=args.causal,
-                                  global_seqlens=[seqlen], transport=transport)
+                                  global_seqlens=[seqlen], transport=transport,
+                                  block_backward=args.ring_backward)
 
         step_fn = attention_step(ql, kl, vl, backward, ring)
         t_ranks.append(timed(step_fn, args))
@@ -332,7 +346,7 @@ def measure_simulated(args: argparse.Namespace, world: int, seqlen: int,
     compute_eff = t_one / sum(t_ranks)
     steps = world * world  # W ranks x W steps
     return {"world": world, "seqlen": seqlen, "mode": mode, "local": local, "simulated": True,
-            "explain": why, "t_one_gpu_ms": t_one * 1e3,
+            "explain": why, "block_backward": _bwd_name(args, mode), "t_one_gpu_ms": t_one * 1e3,
             "t_rank_ms": [t * 1e3 for t in t_ranks],
             "t_block_kernels_ms": [t * 1e3 for t in t_kernels],
             "compute_efficiency": compute_eff,
@@ -344,13 +358,13 @@ def measure_simulated(args: argparse.Namespace, world: int, seqlen: int,
 
 def _time_block_kernels(args: argparse.Namespace, backend: Any, plans: Any, q: torch.Tensor,
                         shards: list[list[torch.Tensor]], backward: bool) -> float:
-    """The local kernel alone on each block of one rank (and, with ``backward``, torch's
-    flash backward on it): what the ring step costs without merges, copies and host work."""
-    from attnhub_ring.flash_ops import flash_backward
-
+    """The local kernel alone on each block of one rank (and, with ``backward``, the ring's
+    block backward on it): what the ring step costs without merges, copies and host work."""
     from attnhub.plugin import AttnParams
 
     scale = q.shape[-1] ** -0.5
+    bwd = block_backward_fn(block_backward_kernel(q, q, None, False, False,
+                                                  args.ring_backward)[0])
     work = []
     for plan in plans:
         if plan.empty:
@@ -370,7 +384,7 @@ def _time_block_kernels(args: argparse.Namespace, backend: Any, plans: Any, q: t
             for qb, kb, vb, spec, p in work:
                 out, lse = backend.forward(qb, kb, vb, spec, p)
                 if backward:
-                    flash_backward(torch.ones_like(out), qb, kb, vb, out, lse, p.causal, scale)
+                    bwd(torch.ones_like(out), qb, kb, vb, out, lse, p.causal, scale)
 
     return timed(run, args)
 
@@ -421,7 +435,8 @@ def check_simulated(args: argparse.Namespace, world: int, seqlen: int) -> list[d
             out, lse = ring_attention(ql, zigzag_shard(k, r, world), zigzag_shard(v, r, world),
                                       local_backend=local, causal=causal,
                                       global_seqlens=[seqlen], return_lse=True,
-                                      transport=SimulatedRing(r, blocks))
+                                      transport=SimulatedRing(r, blocks),
+                                      block_backward=args.ring_backward)
             (out * dout.index_select(1, idx)).sum().backward()
             for name, got, i, mult in (("out", out, 0, 2), ("dq", ql.grad, 2, 3)):
                 err, allowed = fa_rule_error(got, refs["64"][i].index_select(1, idx),
@@ -551,6 +566,9 @@ def main() -> None:
     ap.add_argument("--local-backend", default="policy",
                     help="local kernel for the blocks: 'policy' (what the policy binds inside "
                          "ring) or a backend name")
+    ap.add_argument("--ring-backward", default="auto",
+                    choices=("auto", "cudnn", "flash", "math"),
+                    help="kernel of the ring's block gradients (auto: first that serves)")
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

@@ -2,7 +2,8 @@
 
 The policy binds ``ring`` for a spec and, one level down, a local kernel for the blocks (the
 decision's ``inner``); the hub hands that kernel over in ``params.extra["local_backend"]``.
-The process group is ``params.extra["process_group"]`` when given, else the default group.
+The process group is ``params.extra["process_group"]`` when given, else the default group;
+``params.extra["block_backward"]`` forces the blocks' backward kernel (block_kernels.py).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class RingBackend(Backend):
         local.load()
         group = params.extra.get("process_group", self.process_group)
         out, lse = run_ring(q, k, v, local, spec, params, group,
-                            params.extra.get("global_seqlens"))
+                            params.extra.get("global_seqlens"),
+                            block_backward=params.extra.get("block_backward", "auto"))
         return AttentionOutput(out, lse if params.return_lse else None)
 
 

@@ -1,22 +1,32 @@
-"""torch's own FlashAttention ops, called directly so the LSE comes out of the kernel.
+"""torch's fused attention ops called directly: the LSE from the kernel, and the gradient
+of one ring block from the merged output and the global LSE.
 
-Two uses: the forward of the ``torch_flash_cpu`` local backend (CPU has no other kernel that
-returns the LSE natively), and the ring's fused block backward on every device. The backward
-of FlashAttention takes ``(dout, q, k, v, out, lse)``; called with the ring's *merged* output
-and *global* LSE it is exactly the gradient of one block of ring attention (``P = exp(S -
-lse)``, ``delta = rowsum(dO * O)``), so no score matrix is materialised.
+FlashAttention-style backwards take ``(dout, q, k, v, out, lse)``; called with the ring's
+*merged* output and *global* LSE they give exactly one block's share of the gradient
+(``P = exp(S - lse)``, ``delta = rowsum(dO * O)``) without materialising scores. The ring
+picks one per call by data (:func:`block_backward_kernel`), in this order:
 
-- CPU: ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward (BHSD views,
-  GQA native, fp32/bf16/fp16).
-- CUDA: ``aten::_flash_attention_forward`` / ``_flash_attention_backward`` (the
-  FlashAttention-2 torch vendors; BSHD and varlen, GQA native, fp16/bf16, head dim <= 256).
+- ``cudnn``: ``aten::_scaled_dot_product_cudnn_attention_backward`` (CUDA; the fastest
+  backward measured on the H200, 541 TFLOP/s; K/V heads expanded for GQA, as torch's op takes
+  equal head counts, and dK/dV summed back over each group);
+- ``flash``: ``aten::_flash_attention_backward`` (the FlashAttention-2 torch vendors: CUDA,
+  BSHD, GQA native) or, on the CPU, ``aten::_scaled_dot_product_flash_attention_for_cpu_backward``;
+- ``math``: the exact fp32 block backward of block_backward.py (softcap, a gradient through
+  the returned LSE, fp32 on CUDA, deterministic requests).
 
+The CPU flash forward also serves the ``torch_flash_cpu`` local backend (local_cpu.py).
 Causal here is square (the ring's diagonal blocks): top-left and bottom-right are the same.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from attnhub.plugin import InputError
+
+BlockBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 #: FlashAttention-2 on CUDA: half precision and head dims up to 256, multiples of 8.
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
@@ -44,6 +54,66 @@ def fused_backward_reasons(q: torch.Tensor, v: torch.Tensor, softcap: float | No
     elif q.device.type != "cpu":
         r.append(f"device {q.device.type} (CPU and CUDA only)")
     return r
+
+
+#: cuDNN's fused attention: head dims up to 128, multiples of 8 (as the cudnn backend).
+CUDNN_MAX_HEAD_DIM = 128
+BLOCK_BACKWARDS = ("cudnn", "flash", "math")
+
+
+def cudnn_backward_reasons(q: torch.Tensor, v: torch.Tensor, softcap: float | None,
+                           deterministic: bool, lse_grad: bool) -> list[str]:
+    """Why cuDNN's backward cannot serve the ring's blocks for this call (empty: it can)."""
+    if q.device.type != "cuda":
+        return [f"device {q.device.type} (cuDNN attention runs on CUDA)"]
+    r = fused_backward_reasons(q, v, softcap, deterministic, lse_grad)
+    if q.shape[-1] > CUDNN_MAX_HEAD_DIM:
+        r.append(f"head dim {q.shape[-1]} (cuDNN attention: <= 128)")
+    if not torch.backends.cudnn.is_available():
+        r.append("cuDNN is not available in this torch build")
+    return r
+
+
+def block_backward_kernel(q: torch.Tensor, v: torch.Tensor, softcap: float | None,
+                          deterministic: bool, lse_grad: bool,
+                          want: str = "auto") -> tuple[str, list[str]]:
+    """The block backward for this call and why each faster one was passed over:
+    ``(kernel, ["cudnn: ...", ...])``. ``want`` forces one (``cudnn``, ``flash``, ``math``);
+    a forced kernel that cannot serve raises rather than run another."""
+    checks = {"cudnn": cudnn_backward_reasons, "flash": fused_backward_reasons}
+    passed: list[str] = []
+    order = BLOCK_BACKWARDS if want == "auto" else (want,)
+    if want not in ("auto", *BLOCK_BACKWARDS):
+        raise InputError(f"ring: block_backward={want!r}; use auto, "
+                         + ", ".join(BLOCK_BACKWARDS))
+    for name in order:
+        reasons = checks[name](q, v, softcap, deterministic, lse_grad) if name in checks else []
+        if not reasons:
+            return name, passed
+        passed.append(f"{name}: " + "; ".join(reasons))
+    raise InputError(f"ring: block_backward={want!r} cannot serve this call: {passed[-1]}")
+
+
+def cudnn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one bshd block by cuDNN, given the (global) ``out`` and ``lse``
+    (B, Hq, M) fp32; called as torch's own context parallelism calls it (BHSD views, the LSE
+    with cuDNN's trailing unit axis). Returns dq (B,M,Hq,D), dk/dv (B,N,Hkv,D)."""
+    m, hq = q.shape[1], q.shape[2]
+    n, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    if g > 1:
+        kt, vt = kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unused
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout.transpose(1, 2), q.transpose(1, 2), kt, vt, out.transpose(1, 2),
+        lse.unsqueeze(-1).contiguous(), seed, seed, None, None, None, m, n, 0.0, causal,
+        scale=scale)
+    if g > 1:
+        dk, dv = (x.unflatten(1, (hkv, g)).sum(2) for x in (dk, dv))
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def flash_forward_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -74,19 +144,23 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def flash_backward_segments(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                            v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                            causal: bool, scale: float, q_lens: tuple[int, ...],
-                            k_lens: tuple[int, ...]
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed (thd) segments, segment ``i`` of ``q_lens[i]`` queries against ``k_lens[i]``
-    keys; ``lse`` (Hq, T) fp32. Lengths are host ints from the plan (no device sync)."""
+def block_backward_fn(kernel: str) -> BlockBackward:
+    """The bshd function of a fused block backward kernel (``cudnn`` or ``flash``)."""
+    return cudnn_backward if kernel == "cudnn" else flash_backward
+
+
+def backward_segments(fn: BlockBackward, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                      scale: float, q_lens: tuple[int, ...], k_lens: tuple[int, ...]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fn`` over packed (thd) segments, segment ``i`` of ``q_lens[i]`` queries against
+    ``k_lens[i]`` keys; ``lse`` (Hq, T) fp32. Lengths are host ints from the plan (no sync)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qs = ks = 0
     for ql, kl in zip(q_lens, k_lens):
         qe, ke = qs + ql, ks + kl
-        g = flash_backward(dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
-                           out[None, qs:qe], lse[None, :, qs:qe], causal, scale)
+        g = fn(dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
+               out[None, qs:qe], lse[None, :, qs:qe], causal, scale)
         dq[qs:qe], dk[ks:ke], dv[ks:ke] = g[0][0], g[1][0], g[2][0]
         qs, ks = qe, ke
     return dq, dk, dv

@@ -20,6 +20,7 @@ def ring_attention(
     cu_seqlens: torch.Tensor | None = None, group: ProcessGroup | None = None,
     global_seqlens: list[int] | None = None, return_lse: bool = False,
     deterministic: bool = False, transport: Transport | None = None,
+    block_backward: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's zigzag shard against the whole sequence.
 
@@ -30,7 +31,9 @@ def ring_attention(
     ``transport`` replaces the process group: :class:`attnhub_ring.simulate.SimulatedRing`
     plays one rank of a ring on a single device (for measuring, see simulate.py). Any
     backend that returns the LSE is accepted here; a policy binds only one that returns it
-    natively (not ``lse_second_pass``).
+    natively (not ``lse_second_pass``). ``block_backward`` forces the kernel of the blocks'
+    gradients (``cudnn``, ``flash``, ``math``; ``auto`` picks the first that serves the call,
+    see block_kernels.py).
     """
     if isinstance(local_backend, str):
         local_backend = attnhub.default_hub().registry.get(local_backend)
@@ -50,5 +53,6 @@ def ring_attention(
         deterministic=deterministic, return_lse=return_lse)
     local = check_local(local_backend, spec)
     local.load()
-    out, lse = run_ring(q, k, v, local, spec, params, group, global_seqlens, transport)
+    out, lse = run_ring(q, k, v, local, spec, params, group, global_seqlens, transport,
+                        block_backward)
     return (out, lse) if return_lse else out

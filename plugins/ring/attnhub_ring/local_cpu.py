@@ -26,7 +26,7 @@ from attnhub.plugin import (
     doc_ranges,
 )
 
-from .flash_ops import flash_backward, flash_forward_cpu
+from .block_kernels import flash_backward, flash_forward_cpu
 
 NAME = "torch_flash_cpu"
 

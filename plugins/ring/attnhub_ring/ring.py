@@ -20,7 +20,7 @@ from attnhub.plugin import AttentionSpec, AttnParams, Backend, MaskSpec
 
 from .block_backward import block_backward
 from .comm import PendingHop, ProcessGroup, Ring, RingError, resolve_group
-from .flash_ops import flash_backward, flash_backward_segments, fused_backward_reasons
+from .block_kernels import backward_segments, block_backward_fn, block_backward_kernel
 from .merge import merge_into, merge_partial
 from .plan import BlockPlan, Rows, block_plans
 from .sharding import ZigzagLayout
@@ -54,6 +54,7 @@ class RingCall:
     plans: tuple[BlockPlan, ...]
     thd: bool
     kv_shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per rank: (k, v) shape
+    block_backward: str = "auto"  # cudnn, flash, math, or auto (block_kernels.py)
     _blocks: dict[int, tuple[AttentionSpec, AttnParams]] = field(default_factory=dict)
 
     @property
@@ -129,10 +130,12 @@ def _geometry(world: int, rank: int, doc_lens: tuple[int, ...], causal: bool, th
 def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend,
              spec: AttentionSpec, params: AttnParams, group: ProcessGroup | None = None,
              global_seqlens: list[int] | None = None,
-             transport: Transport | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             transport: Transport | None = None,
+             block_backward: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of this rank's zigzag shard. Returns ``out`` (q's dtype) and the LSE in
     the contract layout ((B,Hq,S) or (Hq,T), fp32); both carry autograd. ``transport``
-    replaces the process group (a simulated ring on one device)."""
+    replaces the process group (a simulated ring on one device); ``block_backward`` forces
+    the kernel of the blocks' gradients (see block_kernels.py)."""
     _check_call(q, k, v, spec, params)
     ring = transport if transport is not None else Ring(resolve_group(group))
     thd = spec.layout == "thd"
@@ -150,7 +153,7 @@ def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend,
     v_tail = tuple(v.shape[1:]) if thd else (v.shape[0], *v.shape[2:])
     plans, kv_shapes = _geometry(ring.world, ring.rank, layout.doc_lens, bool(params.causal),
                                  thd, k_tail, v_tail)
-    call = RingCall(ring, local, spec, params, layout, plans, thd, kv_shapes)
+    call = RingCall(ring, local, spec, params, layout, plans, thd, kv_shapes, block_backward)
     out, lse = _RingAttention.apply(q, k, v, call)
     return out, (lse.t() if thd else lse.transpose(1, 2))
 
@@ -267,8 +270,9 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     done, so it travels under the next block's compute."""
     dev = q.device
     lse_grad = dlse is not None and bool(dlse.ne(0).any())  # one sync, only if LSE was used
-    fused = not fused_backward_reasons(q, v, call.params.softcap, call.params.deterministic,
-                                       lse_grad)
+    kernel, _ = block_backward_kernel(q, v, call.params.softcap, call.params.deterministic,
+                                      lse_grad, call.block_backward)
+    fused = kernel != "math"
     delta = None
     if not fused:
         delta = (dout.float() * out.float()).sum(-1)
@@ -289,7 +293,8 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             dk_b, dv_b = call.unpack(dkv, plan.source)
             k_b, v_b = call.unpack(kv, plan.source)
             if fused:
-                _fused_block_grads(call, plan, q, k_b, v_b, dout, out, lse_k, dq, dk_b, dv_b)
+                _fused_block_grads(call, plan, kernel, q, k_b, v_b, dout, out, lse_k, dq, dk_b,
+                                   dv_b)
             else:
                 assert delta is not None
                 _block_grads(call, plan, q, k_b, v_b, dout, lse, delta, dq, dk_b, dv_b)
@@ -308,24 +313,26 @@ def _kernel_lse(lse: torch.Tensor, thd: bool) -> torch.Tensor:
     return (lse.t() if thd else lse.transpose(1, 2)).contiguous()
 
 
-def _fused_block_grads(call: RingCall, plan: BlockPlan, q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
+def _fused_block_grads(call: RingCall, plan: BlockPlan, kernel: str, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
                        lse_k: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                        dv: torch.Tensor) -> None:
-    """One block's gradients by torch's flash backward, given the merged out and global LSE
-    (head-major ``lse_k``); added into the fp32 ``dq`` and the travelling ``dk``/``dv``."""
+    """One block's gradients by a fused backward (``kernel``), given the merged out and the
+    global LSE (head-major ``lse_k``); added into the fp32 ``dq`` and the travelling
+    ``dk``/``dv``."""
     axis, dev = call.axis, q.device
     qr, kr = plan.q_rows(dev), plan.k_rows(dev)
     qb, dob, ob = (_take(x, qr, axis) for x in (q, dout, out))
     kb, vb = _take(k, kr, axis), _take(v, kr, axis)
     lb = _take(lse_k, qr, axis + 1)
     scale, causal = call.params.scale, plan.causal
+    fn = block_backward_fn(kernel)
     if call.thd:
-        g = flash_backward_segments(dob, qb, kb, vb, ob, lb, causal, scale,
-                                    tuple(s.q_len for s in plan.segments),
-                                    tuple(s.k_len for s in plan.segments))
+        g = backward_segments(fn, dob, qb, kb, vb, ob, lb, causal, scale,
+                              tuple(s.q_len for s in plan.segments),
+                              tuple(s.k_len for s in plan.segments))
     else:
-        g = flash_backward(dob, qb, kb, vb, ob, lb, causal, scale)
+        g = fn(dob, qb, kb, vb, ob, lb, causal, scale)
     _add(dq, qr, axis, g[0])
     _add(dk, kr, axis, g[1])
     _add(dv, kr, axis, g[2])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attnhub_ring import ZigzagLayout, ring_attention, zigzag_shard
-from attnhub_ring.flash_ops import fused_backward_reasons
+from attnhub_ring.block_kernels import block_backward_kernel, fused_backward_reasons
 from attnhub_ring.simulate import SimulatedRing, pack_kv
 
 import attnhub
@@ -68,6 +68,18 @@ def test_the_policy_binds_a_local_kernel_that_returns_its_lse_natively() -> None
     assert "torch_flash_cpu" in text and "second pass" in text
 
 
+def test_the_block_backward_is_chosen_by_data_and_says_why() -> None:
+    q = torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)
+    kernel, passed = block_backward_kernel(q, q, None, False, False)
+    assert kernel == "flash" and passed and "cudnn: device cpu" in passed[0]
+    kernel, passed = block_backward_kernel(q, q, 5.0, False, False)
+    assert kernel == "math" and any("softcap" in p for p in passed)
+    with pytest.raises(attnhub.InputError, match="cudnn.*device cpu"):
+        block_backward_kernel(q, q, None, False, False, want="cudnn")
+    with pytest.raises(attnhub.InputError, match="auto, cudnn, flash, math"):
+        block_backward_kernel(q, q, None, False, False, want="fast")
+
+
 def test_the_fused_block_backward_says_when_it_cannot_serve() -> None:
     q = torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)
     assert fused_backward_reasons(q, q, None, False, False) == []
@@ -77,10 +89,10 @@ def test_the_fused_block_backward_says_when_it_cannot_serve() -> None:
                                                                        False, False))
 
 
-@pytest.mark.parametrize(("world", "seqlen", "causal"), [(2, 13, True), (3, 12, False),
-                                                         (4, 9, True)])
+@pytest.mark.parametrize(("world", "seqlen", "causal", "bwd"), [
+    (2, 13, True, "auto"), (3, 12, False, "auto"), (4, 9, True, "auto"), (2, 10, True, "math")])
 def test_a_simulated_ring_gives_every_rank_its_exact_out_lse_and_dq(
-        world: int, seqlen: int, causal: bool) -> None:
+        world: int, seqlen: int, causal: bool, bwd: str) -> None:
     g = torch.Generator().manual_seed(world * 100 + seqlen)
     q, k, v, dout = (torch.randn(1, seqlen, h, 16, generator=g).bfloat16()
                      for h in (4, 2, 2, 4))
@@ -92,7 +104,7 @@ def test_a_simulated_ring_gives_every_rank_its_exact_out_lse_and_dq(
         kl, vl = zigzag_shard(k, rank, world), zigzag_shard(v, rank, world)
         out, lse = ring_attention(ql, kl, vl, local_backend="torch_flash_cpu", causal=causal,
                                   scale=0.25, global_seqlens=[seqlen], return_lse=True,
-                                  transport=SimulatedRing(rank, blocks))
+                                  transport=SimulatedRing(rank, blocks), block_backward=bwd)
         (out * zigzag_shard(dout, rank, world)).sum().backward()
 
         def mine(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
