@@ -9,6 +9,12 @@ scaling, K smoothing) is compared with the fp32 reference next to BF16, reportin
 error stays within the budget on the random inputs, every outlier case up to
 ``--gate-magnitude`` and every captured input; the outcome is written to the profile store as
 an accuracy record per spec bucket, which ``requires: {accuracy: ...}`` rules read.
+
+``--kv`` checks an FP8 KV cache instead (default backend ``triton_decode_fp8``): the same
+inputs' keys and values are written into an e4m3 ``PagedKVCache`` (page 16) the way a
+server fills it (a prefill chunk, then one token per step, so page descales grow and pages
+are requantized), and the last query token (bf16) decodes against it; the BF16 column is a
+BF16 backend over the unquantized cache. Its records are for the paged decode bucket.
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--causal", action="store_true", help="causal (bottom-right) mask")
     p.add_argument("--inputs", default=None, metavar="FILE.pt",
                    help="captured inputs: a dict (or list of dicts) with q, k, v (B,S,H,D)")
-    p.add_argument("--backend", default="fa3_fp8", help="the FP8 backend (default fa3_fp8)")
+    p.add_argument("--backend", default=None,
+                   help="the FP8 backend (default fa3_fp8; with --kv triton_decode_fp8)")
+    p.add_argument("--kv", action="store_true",
+                   help="check decode over an e4m3 paged KV cache (bf16 queries)")
     p.add_argument("--recipe", default=None,
                    help="the recipe to gate (default: the backend's configured one)")
     p.add_argument("--magnitudes", default="1,5,20,50",
@@ -66,6 +75,7 @@ class Case:
     k: torch.Tensor
     v: torch.Tensor
     causal: bool
+    kv: bool = False  # an FP8 KV cache decode case (see ``evaluate_kv``)
     errors: dict[str, dict[str, float]] = field(default_factory=dict)
     ms: dict[str, float] = field(default_factory=dict)
 
@@ -123,6 +133,12 @@ def _spec(case: Case) -> Any:
     from ..core.spec import AttentionSpec, MaskSpec
 
     b, s, hq, d = case.q.shape
+    if case.kv:  # what the hub builds for a one-token paged decode over an e4m3 cache
+        return AttentionSpec(phase="decode", dtype="bf16", kv_dtype="fp8_e4m3", head_dim=d,
+                             num_q_heads=hq, num_kv_heads=case.k.shape[2], layout="paged",
+                             mask=MaskSpec(causal=case.causal), max_seqlen_q=1,
+                             max_seqlen_k=case.k.shape[1], batch=b,
+                             page_size=KV_PAGE).bucketed()
     return AttentionSpec(phase="prefill", dtype="bf16", head_dim=d, num_q_heads=hq,
                          num_kv_heads=case.k.shape[2], mask=MaskSpec(causal=case.causal),
                          max_seqlen_q=s, max_seqlen_k=case.k.shape[1], batch=b)
@@ -151,6 +167,45 @@ def evaluate(case: Case, fp8: Any, bf16: Any, recipes: tuple[str, ...], emulate:
             case.ms[name] = median_ms(fn, case.q.device, warmup=3, repeats=10)
 
 
+#: Page size of the FP8 KV cache ``--kv`` builds, and how many tokens it appends one by one.
+KV_PAGE, KV_STEPS = 16, 8
+
+
+def evaluate_kv(case: Case, fp8: Any, bf16: Any, timed: bool) -> None:
+    """Fill ``case.errors``: the last query token over an e4m3 paged cache of ``case.k/v``
+    (written as a prefill then single-token steps) vs fp32, beside BF16 over the originals."""
+    from ..core.kvcache import PagedKVCache
+    from ..core.reference import reference_attention
+    from ..core.spec import AttnParams
+
+    b, s, hkv, d = case.k.shape
+    q = case.q[:, -1:]
+    cache = PagedKVCache(num_layers=1, num_pages=b * -(-s // KV_PAGE), page_size=KV_PAGE,
+                         num_kv_heads=hkv, head_dim=d, dtype=torch.float8_e4m3fn,
+                         device=case.q.device)
+    ids = [cache.allocate() for _ in range(b)]
+    first = max(s - KV_STEPS, 0)
+    for i, sid in enumerate(ids):
+        cache.append(sid, [case.k[i, :first]], [case.v[i, :first]])
+        for t in range(first, s):
+            cache.append(sid, [case.k[i, t:t + 1]], [case.v[i, t:t + 1]])
+    base = AttnParams(scale=1.0 / math.sqrt(d), causal=case.causal, max_seqlen_q=1,
+                      max_seqlen_k=s)
+    ref, _ = reference_attention(q, case.k, case.v, base, compute_dtype=torch.float32)
+    paged = replace(base, block_table=cache.block_table(ids), seqlens_k=cache.seqlens(ids),
+                    extra=cache.scales.descales(0))  # type: ignore[union-attr]
+    bf16_spec = replace(_spec(case), kv_dtype="bf16", layout="bshd", page_size=0)
+    runs = {"bf16": lambda: bf16.forward(q, case.k, case.v, bf16_spec, base),
+            "fp8 default": lambda: fp8.forward(q, cache.k_cache(0), cache.v_cache(0),
+                                               _spec(case), paged)}
+    for name, fn in runs.items():
+        case.errors[name] = rel_max_error(fn().out, ref)
+        if timed and q.is_cuda:
+            from ..timing import median_ms
+
+            case.ms[name] = median_ms(fn, q.device, warmup=3, repeats=10)
+
+
 def _bf16_backend(hub: Any, spec: Any) -> Any:
     for name in ("fa3", "torch_sdpa"):
         if name in hub.registry.backends and not hub.registry.get(name).check(spec, hub.device):
@@ -165,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     from ..hub import Hub
 
     hub = Hub(hardware=args.hardware, registry=Registry.load())
+    args.backend = args.backend or ("triton_decode_fp8" if args.kv else "fa3_fp8")
     fp8 = hub.registry.get(args.backend)
     device = torch.device(hub.device.torch_device)
     shapes = [tuple(int(x) for x in s.split(",")) for s in (args.shape or ["1,4096,16,16,128"])]
@@ -175,6 +231,11 @@ def run(args: argparse.Namespace) -> int:
              for c in synthetic_cases(s, args.causal, mags, args.channel, device, args.seed + i)]
     if args.inputs:
         cases += captured_cases(args.inputs, device)
+    if args.kv:
+        if args.emulate:
+            raise SystemExit("attnhub fp8-check: --kv runs the kernel itself (on a CPU under "
+                             "TRITON_INTERPRET=1); it has no --emulate")
+        cases = [replace(c, kv=True) for c in cases]
     why = fp8.check(_spec(cases[0]), hub.device)
     if why and not args.emulate:
         raise SystemExit(f"attnhub fp8-check: {args.backend} cannot run here: "
@@ -186,9 +247,13 @@ def run(args: argparse.Namespace) -> int:
     recipes = tuple(getattr(fp8, "recipes", ("default",)))
     gated = args.recipe or getattr(fp8, "recipe", recipes[0])
     budget = args.budget if args.budget is not None else fp8.capabilities.error_budget
-    bf16 = _bf16_backend(hub, _spec(cases[0]))
+    bf16 = _bf16_backend(hub, replace(_spec(cases[0]), kv_dtype="bf16", layout="bshd",
+                                      page_size=0) if args.kv else _spec(cases[0]))
     for c in cases:
-        evaluate(c, fp8, bf16, recipes, args.emulate, args.time)
+        if c.kv:
+            evaluate_kv(c, fp8, bf16, args.time)
+        else:
+            evaluate(c, fp8, bf16, recipes, args.emulate, args.time)
     verdicts = _verdicts(cases, f"fp8 {gated}", budget, args.gate_magnitude)
     if not args.no_record:
         _record(args, hub.device, cases, verdicts, args.backend, gated, budget)

@@ -73,6 +73,73 @@ class TritonDecodeBackend(Backend):
         return AttentionOutput(out, lse)
 
 
+#: Relative L2 error of the output against fp32 attention over the unquantized cache that
+#: an e4m3 KV cache (per-(page, KV head) descales, bf16 queries) is allowed: FA3's FP8
+#: budget. e4m3 keeps 3 mantissa bits; seen on CPU (random N(0,1) k/v written by appends,
+#: 29..80 keys): 0.02-0.05; `attnhub fp8-check --kv` records it per bucket.
+FP8_KV_ERROR_BUDGET = 0.08
+
+
+class TritonDecodeFp8Backend(TritonDecodeBackend):
+    """The same split-KV decode over an FP8 (e4m3) KV cache: half the bytes per step.
+
+    K/V stay e4m3 in memory and are widened to the query dtype in registers; the descales
+    (``params.extra["k_descale"]``/``["v_descale"]``: (num_pages, Hkv) for a paged cache as
+    ``core.kvquant`` keeps them, (B, Hkv) for a contiguous one, or per head / scalar) scale
+    the scores and the probabilities. Approximate: bound only behind an accuracy record
+    (``attnhub fp8-check --backend triton_decode_fp8``)."""
+
+    name = "triton_decode_fp8"
+    description = ("own Triton split-KV decode over an e4m3 KV cache (per-page/head descales, "
+                   "16-bit queries and output); behind an fp8-check accuracy record")
+    capabilities = Capabilities(
+        vendors=frozenset({"cpu", "cuda"}),
+        min_capability=(8, 9),  # Triton converts e4m3 (float8e4nv) from sm89 on
+        dtypes=frozenset({"fp16", "bf16"}),
+        kv_dtypes=frozenset({"fp8_e4m3"}),
+        max_head_dim=256,
+        masks=_MASKS,
+        phases=frozenset({"decode"}),
+        layouts=frozenset({"bshd", "paged"}),
+        backward=False,
+        gqa=True,
+        returns_lse=True,
+        top_left_causal=True,
+        max_query_len_decode=16,
+        exact=False,
+        error_budget=FP8_KV_ERROR_BUDGET,
+    )
+
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        r = super().extra_checks(spec, device)
+        if spec.kv_dtype != "fp8_e4m3":
+            r.append(f"reads an e4m3 KV cache only (this cache is {spec.kv_dtype}); a 16-bit "
+                     "cache goes to triton_decode")
+        return r
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        _refuse_unserved(params, spec.layout)
+        kd, vd = params.extra.get("k_descale"), params.extra.get("v_descale")
+        if not isinstance(kd, torch.Tensor) or not isinstance(vd, torch.Tensor):
+            raise InputError("triton_decode_fp8: an e4m3 KV cache needs extra={'k_descale': "
+                             "..., 'v_descale': ...} float32 tensors ((num_pages, Hkv) for a "
+                             "paged cache, e.g. PagedKVCache.scales.descales(layer))")
+        paged = spec.layout == "paged"
+        try:
+            out, lse = self._decode(
+                q, k, v, scale=params.scale, causal=params.causal,
+                alignment=params.alignment, window=params.window, softcap=params.softcap,
+                alibi_slopes=params.alibi_slopes,
+                block_table=params.block_table if paged else None,
+                seqlens_k=params.seqlens_k if paged else None,
+                max_seqlen_k=params.max_seqlen_k if paged else None,
+                k_descale=kd, v_descale=vd)
+        except ValueError as exc:  # the descales' shape/device: the caller's input
+            raise InputError(f"triton_decode_fp8: {exc}") from None
+        return AttentionOutput(out, lse)
+
+
 def _cpu_reasons(device: DeviceInfo) -> list[str]:
     if device.vendor == "cpu" and not device.simulated and not interpreter_on():
         return [CPU_REASON]

@@ -9,11 +9,12 @@ from attnhub.plugin import hookimpl
 def attnhub_register_backends(register):  # type: ignore[no-untyped-def]
     """The portable tier's backends (constructing one imports no kernel)."""
     from .backend_dense import TritonDenseBackend
-    from .backend_decode import TritonDecodeBackend
+    from .backend_decode import TritonDecodeBackend, TritonDecodeFp8Backend
     from .backend_flex import FlexBackend
 
     register(TritonDenseBackend())
     register(TritonDecodeBackend())
+    register(TritonDecodeFp8Backend())
     register(FlexBackend())
 
 

@@ -1,0 +1,165 @@
+"""FP8 (e4m3) KV cache decode: the kernel against the fp64 reference over the values the cache
+holds (FlashAttention rule), the whole path (``PagedKVCache`` in e4m3 -> hub ->
+``triton_decode_fp8``) against fp64 over the unquantized values within the declared error
+budget, and the policy gate. CPU: Triton's interpreter, small shapes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton reads this when a kernel is decorated (import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from attnhub_triton_portable.backend_decode import FP8_KV_ERROR_BUDGET
+from attnhub_triton_portable.decode import decode_attention
+
+from attnhub import AttentionSpec, Hub, InputError
+from attnhub.core.kvcache import PagedKVCache
+from attnhub.core.kvquant import dequantize_pages
+from attnhub.plugin import AttnParams, paged_to_varlen, reference_attention
+from attnhub.testing import assert_fa_rule, assert_lse
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+E4M3 = torch.float8_e4m3fn
+
+
+def _paged_reference(q, kc, vc, table, seqlens, causal):
+    """fp64 and same-precision references over the paged values (fp32 copies)."""
+    qv, kv, vv, cu_q, cu_k = paged_to_varlen(q.cpu(), kc.cpu(), vc.cpu(), table.cpu(),
+                                             seqlens.cpu())
+    p = AttnParams(scale=q.shape[-1] ** -0.5, causal=causal, cu_seqlens_q=cu_q,
+                   cu_seqlens_k=cu_k)
+    ref64, lse = reference_attention(qv, kv, vv, p, layout="thd")
+    same, _ = reference_attention(qv, kv.to(q.dtype), vv.to(q.dtype), p, layout="thd",
+                                  compute_dtype=q.dtype)
+    b, sq, hq, _ = q.shape
+    return ref64.view(q.shape), same.view(q.shape), lse.view(hq, b, sq).transpose(0, 1)
+
+
+@pytest.mark.parametrize("sq,heads,per_head,dtype", [
+    (1, (4, 1), False, torch.bfloat16),
+    (3, (6, 2), False, torch.float16),
+    (1, (4, 2), True, torch.bfloat16),
+])
+def test_paged_fp8_meets_the_fa_rule_on_the_stored_values(sq, heads, per_head, dtype):
+    """Random e4m3 pages with random descales (per (page, head), or per head only), random
+    table, lengths 0..L: the kernel's error vs fp64 over ``stored * descale`` is within the
+    FlashAttention rule (2x the same computation in q's dtype)."""
+    g = torch.Generator().manual_seed(sq)
+    hq, hkv = heads
+    b, d, page, npages = 3, 32, 8, 16
+    q = torch.randn(b, sq, hq, d, generator=g).to(DEV, dtype)
+    k8 = (torch.randn(npages, page, hkv, d, generator=g) * 60).to(E4M3).to(DEV)
+    v8 = (torch.randn(npages, page, hkv, d, generator=g) * 60).to(E4M3).to(DEV)
+    shape = (hkv,) if per_head else (npages, hkv)
+    kd = (torch.rand(*shape, generator=g) * 0.02 + 0.005).to(DEV)
+    vd = (torch.rand(*shape, generator=g) * 0.02 + 0.005).to(DEV)
+    table = torch.randperm(npages, generator=g)[:15].view(b, 5).to(DEV, torch.int32)
+    seqlens = torch.tensor([37, 0, 40], dtype=torch.int32, device=DEV)
+    out, lse = decode_attention(q, k8, v8, scale=d ** -0.5, causal=sq > 1, block_table=table,
+                                seqlens_k=seqlens, k_descale=kd, v_descale=vd, num_splits=2)
+    full = (npages, hkv)
+    kf = dequantize_pages(k8.cpu(), kd.cpu().expand(full))
+    vf = dequantize_pages(v8.cpu(), vd.cpu().expand(full))
+    ref64, same, ref_lse = _paged_reference(q, kf, vf, table, seqlens, sq > 1)
+    assert_fa_rule(out.cpu(), ref64, same)
+    assert_lse(lse.cpu(), ref_lse, atol=2e-2)
+    assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
+
+
+def test_contiguous_fp8_with_per_sequence_descales():
+    g = torch.Generator().manual_seed(5)
+    b, sk, hq, hkv, d = 2, 45, 4, 2, 16
+    q = torch.randn(b, 1, hq, d, generator=g).to(DEV, torch.bfloat16)
+    k8 = (torch.randn(b, sk, hkv, d, generator=g) * 40).to(E4M3).to(DEV)
+    v8 = (torch.randn(b, sk, hkv, d, generator=g) * 40).to(E4M3).to(DEV)
+    kd = (torch.rand(b, hkv, generator=g) * 0.05 + 0.01).to(DEV)
+    vd = (torch.rand(b, hkv, generator=g) * 0.05 + 0.01).to(DEV)
+    out, lse = decode_attention(q, k8, v8, scale=d ** -0.5, k_descale=kd, v_descale=vd,
+                                num_splits=3)
+    kf = k8.cpu().float() * kd.cpu()[:, None, :, None]
+    vf = v8.cpu().float() * vd.cpu()[:, None, :, None]
+    p = AttnParams(scale=d ** -0.5)
+    ref64, ref_lse = reference_attention(q.cpu(), kf, vf, p)
+    same, _ = reference_attention(q.cpu(), kf.bfloat16(), vf.bfloat16(), p,
+                                  compute_dtype=torch.bfloat16)
+    assert_fa_rule(out.cpu(), ref64, same)
+    assert_lse(lse.cpu(), ref_lse, atol=2e-2)
+
+
+def test_descales_are_required_and_checked():
+    q = torch.randn(1, 1, 2, 16, device=DEV, dtype=torch.bfloat16)
+    k8 = torch.zeros(3, 4, 1, 16, device=DEV).to(E4M3)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=DEV)
+    lens = torch.tensor([5], dtype=torch.int32, device=DEV)
+    kw = {"scale": 0.25, "block_table": table, "seqlens_k": lens}
+    with pytest.raises(ValueError, match="needs k_descale and v_descale"):
+        decode_attention(q, k8, k8, **kw)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        decode_attention(q, k8, k8, k_descale=torch.ones(2, 1, device=DEV),
+                         v_descale=torch.ones(3, 1, device=DEV), **kw)
+    with pytest.raises(ValueError, match="FP8 .* cache only"):
+        decode_attention(q, k8.bfloat16(), k8.bfloat16(), k_descale=torch.ones(1, device=DEV),
+                         v_descale=torch.ones(1, device=DEV), **kw)
+
+
+def _fp8_cache_and_truth(seed: int, b: int, lengths: list[int], hkv: int, d: int, page: int):
+    """An e4m3 PagedKVCache filled the way a server fills it (a prefill chunk, then one token
+    per step), and the unquantized k/v it was given (bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(num_layers=1, num_pages=b * 12, page_size=page, num_kv_heads=hkv,
+                         head_dim=d, dtype=E4M3, device=DEV)
+    ids = [cache.allocate() for _ in range(b)]
+    truth = []
+    for sid, n in zip(ids, lengths):
+        k = torch.randn(n, hkv, d, generator=g).to(DEV, torch.bfloat16)
+        v = torch.randn(n, hkv, d, generator=g).to(DEV, torch.bfloat16)
+        first = max(n - 6, 0)
+        if first:
+            cache.append(sid, [k[:first]], [v[:first]])
+        for t in range(first, n):
+            cache.append(sid, [k[t:t + 1]], [v[t:t + 1]])
+        truth.append((k, v))
+    return cache, ids, truth
+
+
+def test_fp8_cache_through_the_hub_within_the_error_budget():
+    """bf16 queries over an e4m3 cache built by appends (page descales grow and pages are
+    requantized on the way): relative L2 error vs fp64 over the unquantized values within
+    FP8_KV_ERROR_BUDGET, and the same call through the bf16 path is far more accurate."""
+    b, hq, hkv, d, page = 2, 4, 2, 32, 4
+    lengths = [29, 22]
+    cache, ids, truth = _fp8_cache_and_truth(7, b, lengths, hkv, d, page)
+    hub = Hub()
+    q = torch.randn(b, 1, hq, d, generator=torch.Generator().manual_seed(8)).to(
+        DEV, torch.bfloat16)
+    table, seqlens = cache.block_table(ids), cache.seqlens(ids)
+    out = hub.attention(q, cache.k_cache(0), cache.v_cache(0), layout="paged",
+                        block_table=table, seqlens_k=seqlens, backend="triton_decode_fp8",
+                        extra=cache.scales.descales(0))
+    errs = []
+    for i, (k, v) in enumerate(truth):
+        ref, _ = reference_attention(q[i:i + 1].cpu(), k[None].cpu(), v[None].cpu(),
+                                     AttnParams(scale=d ** -0.5))
+        errs.append(float((out[i:i + 1].cpu().double() - ref).norm() / ref.norm()))
+    assert max(errs) <= FP8_KV_ERROR_BUDGET, errs
+    assert max(errs) > 1e-3, errs  # the cache is really e4m3 (bf16 alone is ~1e-3 or less)
+
+
+def test_fp8_backend_refuses_without_descales_and_for_a_bf16_cache():
+    hub = Hub()
+    q = torch.randn(1, 1, 2, 16, device=DEV, dtype=torch.bfloat16)
+    k8 = torch.zeros(3, 4, 1, 16, device=DEV).to(E4M3)
+    kw = {"layout": "paged", "block_table": torch.zeros(1, 2, dtype=torch.int32, device=DEV),
+          "seqlens_k": torch.tensor([5], dtype=torch.int32, device=DEV)}
+    with pytest.raises(InputError, match="k_descale"):
+        hub.attention(q, k8, k8, backend="triton_decode_fp8", **kw)
+    backend = hub.registry.get("triton_decode_fp8")
+    spec = AttentionSpec(phase="decode", dtype="bf16", kv_dtype="bf16", head_dim=16,
+                         num_q_heads=2, num_kv_heads=1, max_seqlen_q=1, max_seqlen_k=8,
+                         batch=1, layout="paged")
+    assert any("e4m3 KV cache only" in r for r in backend.check(spec, hub.device))
+    assert not backend.capabilities.exact  # so the resolver binds it only behind a record
