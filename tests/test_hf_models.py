@@ -49,11 +49,15 @@ CONFIGS = _configs()
 _PAIRS: dict[str, tuple] = {}
 
 
+_registered_hub: Hub | None = None
+
+
 @pytest.fixture(scope="module")
 def hub() -> Hub:
-    h = Hub(policy=load_policy())
-    hf.register(h)
-    return h
+    global _registered_hub
+    _registered_hub = Hub(policy=load_policy())
+    hf.register(_registered_hub)
+    return _registered_hub
 
 
 def pair(name: str, auto: type | None = None) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -216,3 +220,23 @@ def test_models_that_bypass_the_attention_interface_are_refused_at_build(
     except InputError as exc:
         assert cls in str(exc)
     assert ok.config._attn_implementation == "eager"
+
+
+def test_policy_binds_per_model_and_layer_through_register(hub: Hub, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A policy rule naming the model and a layer index decides that layer only."""
+    path = tmp_path / "per-layer.yaml"
+    path.write_text("name: per-layer\nversion: 1\nextends: default\nrules:\n"
+                    "  - name: llama-layer-1\n"
+                    "    when: {model: 'llama*', layer: {index: {ge: 1}}}\n"
+                    "    use: [reference]\n")
+    per_layer = Hub(policy=str(path))
+    ours, eager = pair("llama")
+    ids, mask = batches(seed=11)[0]
+    hf.register(per_layer)
+    try:
+        _check_batch(ours, eager, oracle(eager), "per-layer policy", input_ids=ids,
+                     attention_mask=mask)
+    finally:
+        hf.register(_registered_hub)
+    chosen = {r.decision.context.layer: r.decision.backend for r in per_layer.bound()}
+    assert chosen[1] == "reference" and chosen[0] != "reference", chosen

@@ -105,7 +105,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # transformers drops the mask only for a prefill into an empty static cache, whose
         # keys past the queries are unused slots: keep the keys the queries can see
         k, v, sk = k[:, :sq], v[:, :sq], sq
-    mask = mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk, module)
+    mask = mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk, module,
+                     heads=q.shape[2])
     # phase left to the hub: one query over a longer cache is decode, else prefill or train
     hub = getattr(module, "_attnhub_hub", None) or _hub or default_hub()
     out = hub.attention(q, k, v, scale=scaling, softcap=softcap, context=_context(module),

@@ -75,7 +75,8 @@ class DenseMask:
 
 
 def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] | None,
-              batch: int, sq: int, sk: int, caller: object = None) -> dict[str, Any]:
+              batch: int, sq: int, sk: int, caller: object = None,
+              heads: int | None = None) -> dict[str, Any]:
     """attnhub mask arguments with the same meaning as transformers' ``mask`` for this call.
 
     ``caller`` (the attention module) marks forward passes: one module asking twice about
@@ -87,7 +88,7 @@ def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] |
         raise InputError(f"attention_mask of type {type(mask).__name__}: attnhub takes the "
                          "tensor masks transformers builds for it (a BlockMask belongs to "
                          "attn_implementation='flex_attention')")
-    _check_shape(mask, batch, sq, sk)
+    _check_shape(mask, batch, sq, sk, heads)
     key = (causal, window, batch, sq, sk)
     proof = (mask._version, mask.data_ptr())
     memo = getattr(mask, _MEMO_ATTR, None)
@@ -111,12 +112,12 @@ def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] |
 _fallback_owner: list[Any] = []
 
 
-def _check_shape(mask: torch.Tensor, batch: int, sq: int, sk: int) -> None:
+def _check_shape(mask: torch.Tensor, batch: int, sq: int, sk: int, heads: int | None) -> None:
     ok = (mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[2] in (1, sq)
-          and mask.shape[3] == sk)
+          and mask.shape[3] == sk and (heads is None or mask.shape[1] in (1, heads)))
     if not ok:
         raise InputError(f"attention_mask of shape {tuple(mask.shape)} does not fit this call "
-                         f"(batch {batch}, {sq} queries, {sk} keys): pass a 4-D (B|1, 1|H, "
+                         f"(batch {batch}, {heads or 'H'} heads, {sq} queries, {sk} keys): pass a 4-D (B|1, 1|H, "
                          f"Sq|1, {sk}) mask, or a 2-D (B, Sk) padding mask and let transformers "
                          "build the 4-D one")
 
