@@ -321,6 +321,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; optional parts stop")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter check of the script")
+    ap.add_argument("--paged-study", action="store_true",
+                    help="only the paged study (sequential vs random tables, tiles, FP8)")
     args = ap.parse_args()
     t0 = time.time()
     deadline = t0 + args.budget
@@ -338,6 +340,13 @@ def main() -> None:
         "commit": commit or "unknown", "torch": torch.__version__, "triton": triton.__version__,
         "config": repr(decode_config(arch)), "config_paged": repr(decode_config(arch, paged=True))}
     print(json.dumps(meta), flush=True)
+    if args.paged_study:
+        meta["ceilings"] = ceilings()
+        meta["paged_study"] = paged_study(Path(args.out), arch, sms, deadline)
+        meta["seconds"] = time.time() - t0
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "triton_decode_paged.json").write_text(json.dumps(meta, indent=1))
+        return
     meta["ceilings"] = ceilings()
     fa3 = None if SMOKE else load_fa3()
     meta["host_us"] = host_overheads(fa3)
@@ -365,6 +374,164 @@ def main() -> None:
                 print(json.dumps({"flex": row["flex"], "batch": row["batch"]}), flush=True)
     result = {**meta, "rows": rows, "sweep": sweep, "seconds": time.time() - t0}
     write(result, Path(args.out))
+
+
+class PagedCase:
+    """One batch x context over one pool of 16-key pages, read through a sequential table
+    (page b * P + j) and through a random one (pages scattered, as after a server ran a
+    while); bf16 and e4m3 (per-(page, head) descales, ``core.kvquant``) copies of the pool."""
+
+    def __init__(self, batch: int, ctx: int, seed: int = 0, fp8: bool = True):
+        g = torch.Generator(device=DEV).manual_seed(batch * 7 + ctx + 1000 * seed)
+        self.batch, self.ctx = batch, ctx
+        pages = batch * ctx // PAGE
+        self.q = torch.randn(batch, 1, HQ, D, device=DEV, generator=g, dtype=torch.bfloat16)
+        self.kc = torch.randn(pages, PAGE, HKV, D, device=DEV, generator=g, dtype=torch.bfloat16)
+        self.vc = torch.randn(pages, PAGE, HKV, D, device=DEV, generator=g, dtype=torch.bfloat16)
+        self.tables = {
+            "sequential": torch.arange(pages, device=DEV, dtype=torch.int32).view(batch, -1),
+            "random": torch.randperm(pages, device=DEV, generator=g).to(torch.int32).view(
+                batch, -1)}
+        self.seqlens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
+        self.k8 = self.v8 = None
+        if fp8:
+            from attnhub.core.kvquant import FP8_MAX
+
+            self.kd = self.kc.float().abs().amax(dim=(1, 3)) / FP8_MAX[torch.float8_e4m3fn]
+            self.vd = self.vc.float().abs().amax(dim=(1, 3)) / FP8_MAX[torch.float8_e4m3fn]
+            self.k8 = (self.kc.float() / self.kd[:, None, :, None]).to(torch.float8_e4m3fn)
+            self.v8 = (self.vc.float() / self.vd[:, None, :, None]).to(torch.float8_e4m3fn)
+
+    def ours(self, table: str, fp8: bool = False, **kw: Any) -> Callable[[], Any]:
+        t = self.tables[table]
+        if fp8:
+            return lambda: decode_attention(self.q, self.k8, self.v8, scale=SCALE, block_table=t,
+                                            seqlens_k=self.seqlens, max_seqlen_k=self.ctx,
+                                            k_descale=self.kd, v_descale=self.vd, **kw)
+        return lambda: decode_attention(self.q, self.kc, self.vc, scale=SCALE, block_table=t,
+                                        seqlens_k=self.seqlens, max_seqlen_k=self.ctx, **kw)
+
+    def reference(self, table: str) -> torch.Tensor:
+        """fp32 attention over the bf16 pool through ``table``, one sequence at a time."""
+        out = torch.empty(self.batch, 1, HQ, D, device=DEV, dtype=torch.float32)
+        g = HQ // HKV
+        for b in range(self.batch):
+            pages = self.tables[table][b].long()
+            k = self.kc[pages].flatten(0, 1).float()  # (S, Hkv, D)
+            v = self.vc[pages].flatten(0, 1).float()
+            q = self.q[b, 0].float().view(HKV, g, D)
+            s = torch.einsum("hgd,shd->hgs", q, k) * SCALE
+            out[b, 0] = torch.einsum("hgs,shd->hgd", torch.softmax(s, -1), v).reshape(HQ, D)
+        return out
+
+    def sdpa_contiguous(self, table: str) -> Callable[[], Any]:
+        pages = self.tables[table].long()
+        k = self.kc[pages].flatten(1, 2).transpose(1, 2)  # (B, Hkv, S, D), a gathered copy
+        v = self.vc[pages].flatten(1, 2).transpose(1, 2)
+        qt = self.q.transpose(1, 2)
+        return lambda: F.scaled_dot_product_attention(qt, k, v, scale=SCALE, enable_gqa=True)
+
+
+#: --paged-study: shapes and the tile configs tried on top of the table's (GPU time).
+STUDY_SHAPES = [(2, 64)] if SMOKE else [(64, 32768), (1, 131072), (1, 32768)]
+STUDY_TILES = [dict(), dict(prefetch_pages=True), dict(block_n=128, num_warps=8, num_stages=3),
+               dict(block_n=128, num_warps=8, num_stages=3, prefetch_pages=True),
+               dict(block_n=64, num_stages=3, prefetch_pages=True),
+               dict(block_n=32, num_stages=6, prefetch_pages=True)]
+
+
+def paged_study(out_dir: Path, arch: str, sms: int, deadline: float) -> dict[str, Any]:
+    """Paged decode, sequential vs random tables: the table config, tile variants x splits
+    (GPU time), eager time host included (kernel, backend and hub), FP8 vs bf16 cache."""
+    from attnhub import Hub
+
+    res: dict[str, Any] = {"rows": [], "sweep": [], "eager": [], "fp8": []}
+    base = decode_config(arch, paged=True)
+    hub = Hub()
+    for batch, ctx in STUDY_SHAPES:
+        c = PagedCase(batch, ctx)
+        nbytes = kv_bytes(batch, ctx)
+        e = est(batch, ctx)
+        for table in ("sequential", "random"):
+            ref = c.reference(table)
+            sdpa_fn = c.sdpa_contiguous(table)
+            sdpa_out = sdpa_fn().transpose(1, 2)
+            row: dict[str, Any] = {"batch": batch, "ctx": ctx, "table": table}
+            out = c.ours(table)()[0]
+            row["ours"] = {"gpu_us": gpu_us([c.ours(table)], e), **fa_rule(out, ref, sdpa_out)}
+            row["sdpa_contiguous"] = {"gpu_us": gpu_us([sdpa_fn], e)}
+            o8 = c.ours(table, fp8=True)()[0]
+            row["ours_fp8"] = {"gpu_us": gpu_us([c.ours(table, fp8=True)], e / 2),
+                               "rel_err": float((o8.float() - ref).norm() / ref.norm()),
+                               "bf16_rel_err": float((out.float() - ref).norm() / ref.norm()),
+                               "max_err": float((o8.float() - ref).abs().max())}
+            for k in ("ours", "sdpa_contiguous"):
+                row[k]["TBps"] = nbytes / row[k]["gpu_us"] / 1e6
+            row["ours_fp8"]["tokens_per_s_ratio"] = row["ours"]["gpu_us"] / row["ours_fp8"]["gpu_us"]
+            print(json.dumps(row), flush=True)
+            res["rows"].append(row)
+            splits0 = choose_splits(batch, HKV, ctx, sms, base)
+            for tiles in STUDY_TILES:
+                cfg = base.with_(**tiles)
+                cands = sorted({splits0, max(1, splits0 // 2), min(128, splits0 * 2)}) \
+                    if batch == 1 else [1]
+                for splits in cands:
+                    if time.time() > deadline:
+                        break
+                    try:
+                        fn = c.ours(table, config=cfg, num_splits=splits)
+                        err = fa_rule(fn()[0], ref, sdpa_out)
+                        us = gpu_us([fn], e)
+                    except Exception as exc:  # a config that does not compile is a result
+                        res["sweep"].append({"batch": batch, "ctx": ctx, "table": table,
+                                             "cfg": tiles, "splits": splits,
+                                             "error": f"{type(exc).__name__}: {str(exc)[:150]}"})
+                        continue
+                    res["sweep"].append({"batch": batch, "ctx": ctx, "table": table,
+                                         "cfg": tiles, "splits": splits, "gpu_us": us,
+                                         "TBps": nbytes / us / 1e6, "ok": err["ok"]})
+            best = [r for r in res["sweep"] if r["batch"] == batch and r["ctx"] == ctx
+                    and r["table"] == table and "gpu_us" in r]
+            if best:
+                print("best", json.dumps(min(best, key=lambda r: r["gpu_us"])), flush=True)
+        # eager, host included: kernel call, backend forward, hub.attention (policy binds)
+        t = c.tables["random"]
+        kw = {"layout": "paged", "block_table": t, "seqlens_k": c.seqlens}
+        bound = hub.attention(c.q, c.kc, c.vc, **kw)  # first call binds
+        ev = {"batch": batch, "ctx": ctx, "table": "random",
+              "ours_kernel_us": eager_us(c.ours("random")),
+              "hub_us": eager_us(lambda: hub.attention(c.q, c.kc, c.vc, **kw)),
+              "hub_forced_triton_decode_us": eager_us(
+                  lambda: hub.attention(c.q, c.kc, c.vc, backend="triton_decode", **kw)),
+              "sdpa_contiguous_us": eager_us(c.sdpa_contiguous("random")),
+              "hub_fp8_us": None}
+        try:
+            ev["hub_fp8_forced_us"] = eager_us(lambda: hub.attention(
+                c.q, c.k8, c.v8, backend="triton_decode_fp8",
+                extra={"k_descale": c.kd, "v_descale": c.vd}, **kw))
+        except Exception as exc:
+            ev["hub_fp8_forced_us"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        try:
+            dec = hub.decide(hub_spec(c, fp8=False))
+            ev["bound"] = getattr(dec, "backend", str(dec)[:80])
+        except Exception as exc:
+            ev["bound"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        del bound
+        print(json.dumps(ev), flush=True)
+        res["eager"].append(ev)
+        del c
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    return res
+
+
+def hub_spec(c: PagedCase, fp8: bool) -> Any:
+    from attnhub import AttentionSpec
+
+    return AttentionSpec(phase="decode", dtype="bf16", kv_dtype="fp8_e4m3" if fp8 else "bf16",
+                         head_dim=D, num_q_heads=HQ, num_kv_heads=HKV, layout="paged",
+                         max_seqlen_q=1, max_seqlen_k=c.ctx, batch=c.batch,
+                         page_size=PAGE).bucketed()
 
 
 def _cell(row: dict[str, Any], key: str, clock: str = "gpu") -> str:
