@@ -260,20 +260,41 @@ class FlexRecompileLimit(RuntimeError):
     would materialise the scores, so the call fails and the policy's fallback serves it."""
 
 
-def _run_compiled(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+_SEEN_LIMIT = 4096
+_seen: set[tuple] = set()  # call signatures that already ran compiled (no compile needed)
+_limit_lock = threading.Lock()
+
+
+def _run_compiled(fn: Callable[..., Any], signature: tuple, *args: Any, **kwargs: Any) -> Any:
+    """Run the compiled function; a signature not seen before may compile, so that call runs
+    with flex's recompile limit and dynamo told to raise at it (set directly and restored:
+    ``config.patch`` costs ~0.5 ms, and a repeated signature needs neither)."""
+    if signature in _seen:
+        return fn(*args, **kwargs)
+    cfg = torch._dynamo.config
     limit = RECOMPILE_LIMIT
-    patch = torch._dynamo.config.patch(
-        recompile_limit=limit, fail_on_recompile_limit_hit=True,
-        accumulated_recompile_limit=max(limit * 4, 256))
-    try:
-        with patch:
-            return fn(*args, **kwargs)
-    except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
-        raise FlexRecompileLimit(
-            f"flex: torch.compile(flex_attention) reached {limit} compiled variants in this "
-            "process (one per static shape and callable); running uncompiled would "
-            "materialise the score matrix, so this call is refused (raise "
-            "attnhub_triton_portable.flex.RECOMPILE_LIMIT, or bucket sequence lengths)") from exc
+    with _limit_lock:
+        saved = (cfg.recompile_limit, cfg.accumulated_recompile_limit,
+                 cfg.fail_on_recompile_limit_hit)
+        cfg.recompile_limit = max(limit, 1)  # flex's own limit, lower or higher
+        cfg.accumulated_recompile_limit = max(limit * 4, saved[1])
+        cfg.fail_on_recompile_limit_hit = True
+        try:
+            out = fn(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+            raise FlexRecompileLimit(
+                f"flex: torch.compile(flex_attention) reached {limit} compiled variants in "
+                "this process (one per static shape and callable); running uncompiled would "
+                "materialise the score matrix, so this call is refused (raise "
+                "attnhub_triton_portable.flex.RECOMPILE_LIMIT, or bucket sequence lengths)"
+            ) from exc
+        finally:
+            (cfg.recompile_limit, cfg.accumulated_recompile_limit,
+             cfg.fail_on_recompile_limit_hit) = saved
+    if len(_seen) >= _SEEN_LIMIT:
+        _seen.clear()
+    _seen.add(signature)
+    return out
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttnParams,
@@ -301,7 +322,11 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
     if want_lse:
         kwargs["return_aux"] = _fa.AuxRequest(lse=True)
     if compiled:
-        res = _run_compiled(fn, qt, kt, vt, **kwargs)
+        grad = qt.requires_grad or kt.requires_grad or vt.requires_grad
+        signature = (qt.shape, kt.shape, vt.shape, qt.dtype, kt.dtype, qt.device, grad,
+                     torch.is_grad_enabled(), id(m.score_mod), id(m.block_mask),
+                     params.scale, want_lse)
+        res = _run_compiled(fn, signature, qt, kt, vt, **kwargs)
     else:
         with warnings.catch_warnings():  # the eager path warns on every call that it is unfused
             warnings.simplefilter("ignore", UserWarning)
