@@ -8,6 +8,8 @@ The process group is ``params.extra["process_group"]`` when given, else the defa
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -79,9 +81,13 @@ class RingBackend(Backend):
 
 def check_local(local: Backend | None, spec: AttentionSpec) -> Backend:
     """The local backend given by hand, or a :class:`RingError` saying what does not fit:
-    it must be a single-device kernel that returns LSE and serves the blocks of ``spec``."""
+    it must be a single-device kernel that returns LSE and serves the blocks of ``spec``.
+    A passing check is remembered per (backend, spec): no check work on repeated calls."""
     if local is None:
         raise RingError(NO_LOCAL_BACKEND)
+    passed = _CHECKED.setdefault(local, set())
+    if spec in passed:
+        return local
     if local.tier == "distributed":
         raise RingError(f"ring: local backend {local.name!r} is itself distributed; bind a "
                         "single-device kernel for the blocks")
@@ -89,7 +95,14 @@ def check_local(local: Backend | None, spec: AttentionSpec) -> Backend:
     if reasons:
         raise RingError(f"ring: local backend {local.name!r} cannot run the blocks: "
                         + "; ".join(reasons))
+    if len(passed) > 1024:
+        passed.clear()
+    passed.add(spec)
     return local
+
+
+#: Specs that passed ``check_local``, per backend object (weakly held).
+_CHECKED: weakref.WeakKeyDictionary[Backend, set[AttentionSpec]] = weakref.WeakKeyDictionary()
 
 
 def process_group_reasons(group: ProcessGroup | None = None) -> list[str]:

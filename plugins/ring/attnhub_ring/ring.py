@@ -89,26 +89,44 @@ class RingCall:
         return first, second
 
     def block_call(self, step: int, device: torch.device) -> tuple[AttentionSpec, AttnParams]:
-        """The local kernel's spec and params for step ``step``'s block (cached per call)."""
+        """The local kernel's spec and params for step ``step``'s block: per call for thd
+        (its cu_seqlens are device tensors), across calls for bshd (pure data)."""
         hit = self._blocks.get(step)
         if hit is None:
-            hit = self._blocks[step] = self._make_block_call(self.plans[step], device)
+            p, plan = self.params, self.plans[step]
+            if self.thd:
+                hit = _block_call(plan, self.spec, p.scale, p.alignment, p.softcap,
+                                  p.deterministic, True, plan.cu_seqlens(device))
+            else:
+                hit = _cached_block_call(plan, self.spec, p.scale, p.alignment, p.softcap,
+                                         p.deterministic)
+            self._blocks[step] = hit
         return hit
 
-    def _make_block_call(self, plan: BlockPlan,
-                         device: torch.device) -> tuple[AttentionSpec, AttnParams]:
-        p, spec = self.params, self.spec
-        cu_q, cu_k = plan.cu_seqlens(device) if self.thd else (None, None)
-        bspec = spec.with_(
-            mask=MaskSpec(causal=plan.causal, alignment=spec.mask.alignment,
-                          softcap=spec.mask.softcap, document=self.thd),
-            max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k, needs_grad=False,
-            return_lse=True, batch=len(plan.segments) if self.thd else spec.batch)
-        bparams = AttnParams(scale=p.scale, causal=plan.causal, alignment=p.alignment,
-                             softcap=p.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                             max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k,
-                             deterministic=p.deterministic, return_lse=True)
-        return bspec, bparams
+
+def _block_call(plan: BlockPlan, spec: AttentionSpec, scale: float, alignment: str,
+                softcap: float | None, deterministic: bool, thd: bool,
+                cu: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None),
+                ) -> tuple[AttentionSpec, AttnParams]:
+    bspec = spec.with_(
+        mask=MaskSpec(causal=plan.causal, alignment=spec.mask.alignment,
+                      softcap=spec.mask.softcap, document=thd),
+        max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k, needs_grad=False,
+        return_lse=True, batch=len(plan.segments) if thd else spec.batch)
+    bparams = AttnParams(scale=scale, causal=plan.causal, alignment=alignment,
+                         softcap=softcap, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
+                         max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k,
+                         deterministic=deterministic, return_lse=True)
+    return bspec, bparams
+
+
+@lru_cache(maxsize=1024)
+def _cached_block_call(plan: BlockPlan, spec: AttentionSpec, scale: float, alignment: str,
+                       softcap: float | None, deterministic: bool
+                       ) -> tuple[AttentionSpec, AttnParams]:
+    """bshd blocks: the same objects for every call of one geometry (local kernels only
+    read them)."""
+    return _block_call(plan, spec, scale, alignment, softcap, deterministic, False)
 
 
 @lru_cache(maxsize=256)
