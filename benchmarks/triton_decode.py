@@ -438,6 +438,12 @@ STUDY_TILES = [dict(), dict(prefetch_pages=True), dict(block_n=128, num_warps=8,
                dict(block_n=128, num_warps=8, num_stages=3, prefetch_pages=True),
                dict(block_n=64, num_stages=3, prefetch_pages=True),
                dict(block_n=32, num_stages=6, prefetch_pages=True)]
+#: One-sequence shapes also try the merge fused into the last split (one launch less).
+STUDY_FUSED = [dict(fused_merge=True), dict(fused_merge=True, prefetch_pages=True)]
+#: FP8 cache (64 x 32k, random table): e4m3 tiles are half the bytes, so deeper pipelines fit.
+STUDY_FP8 = [dict(), dict(num_stages=6), dict(num_stages=8), dict(prefetch_pages=True),
+             dict(num_stages=6, prefetch_pages=True), dict(block_n=128, num_stages=4),
+             dict(block_n=128, num_warps=8, num_stages=4, prefetch_pages=True)]
 
 
 def paged_study(out_dir: Path, arch: str, sms: int, deadline: float) -> dict[str, Any]:
@@ -471,27 +477,32 @@ def paged_study(out_dir: Path, arch: str, sms: int, deadline: float) -> dict[str
             print(json.dumps(row), flush=True)
             res["rows"].append(row)
             splits0 = choose_splits(batch, HKV, ctx, sms, base)
-            for tiles in STUDY_TILES:
+            variants = [(t, False) for t in STUDY_TILES + (STUDY_FUSED if batch == 1 else [])]
+            if batch > 1 and table == "random":
+                variants += [(t, True) for t in STUDY_FP8]
+            for tiles, fp8 in variants:
                 cfg = base.with_(**tiles)
-                cands = sorted({splits0, max(1, splits0 // 2), min(128, splits0 * 2)}) \
-                    if batch == 1 else [1]
+                cands = sorted({splits0, min(128, splits0 * 2)}) if batch == 1 else [splits0]
                 for splits in cands:
                     if time.time() > deadline:
                         break
+                    cell = {"batch": batch, "ctx": ctx, "table": table, "cfg": tiles,
+                            "splits": splits, "fp8": fp8}
                     try:
-                        fn = c.ours(table, config=cfg, num_splits=splits)
-                        err = fa_rule(fn()[0], ref, sdpa_out)
+                        fn = c.ours(table, fp8=fp8, config=cfg, num_splits=splits)
+                        o = fn()[0]
                         us = gpu_us([fn], e)
                     except Exception as exc:  # a config that does not compile is a result
-                        res["sweep"].append({"batch": batch, "ctx": ctx, "table": table,
-                                             "cfg": tiles, "splits": splits,
-                                             "error": f"{type(exc).__name__}: {str(exc)[:150]}"})
+                        res["sweep"].append({**cell, "error": f"{type(exc).__name__}: "
+                                                              f"{str(exc)[:150]}"})
                         continue
-                    res["sweep"].append({"batch": batch, "ctx": ctx, "table": table,
-                                         "cfg": tiles, "splits": splits, "gpu_us": us,
-                                         "TBps": nbytes / us / 1e6, "ok": err["ok"]})
+                    check = ({"rel_err": float((o.float() - ref).norm() / ref.norm())} if fp8
+                             else {"ok": fa_rule(o, ref, sdpa_out)["ok"]})
+                    res["sweep"].append({**cell, "gpu_us": us, "TBps": nbytes / us / 1e6,
+                                         **check})
+                    print("cell", json.dumps(res["sweep"][-1]), flush=True)
             best = [r for r in res["sweep"] if r["batch"] == batch and r["ctx"] == ctx
-                    and r["table"] == table and "gpu_us" in r]
+                    and r["table"] == table and "gpu_us" in r and not r["fp8"]]
             if best:
                 print("best", json.dumps(min(best, key=lambda r: r["gpu_us"])), flush=True)
         # eager, host included: kernel call, backend forward, hub.attention (policy binds)
@@ -500,11 +511,15 @@ def paged_study(out_dir: Path, arch: str, sms: int, deadline: float) -> dict[str
         bound = hub.attention(c.q, c.kc, c.vc, **kw)  # first call binds
         ev = {"batch": batch, "ctx": ctx, "table": "random",
               "ours_kernel_us": eager_us(c.ours("random")),
+              "ours_kernel_fused_us": eager_us(c.ours(
+                  "random", config=base.with_(fused_merge=True, prefetch_pages=True))),
+              "ours_kernel_prefetch_us": eager_us(c.ours(
+                  "random", config=base.with_(prefetch_pages=True))),
               "hub_us": eager_us(lambda: hub.attention(c.q, c.kc, c.vc, **kw)),
               "hub_forced_triton_decode_us": eager_us(
                   lambda: hub.attention(c.q, c.kc, c.vc, backend="triton_decode", **kw)),
               "sdpa_contiguous_us": eager_us(c.sdpa_contiguous("random")),
-              "hub_fp8_us": None}
+              "ours_fp8_kernel_us": eager_us(c.ours("random", fp8=True))}
         try:
             ev["hub_fp8_forced_us"] = eager_us(lambda: hub.attention(
                 c.q, c.k8, c.v8, backend="triton_decode_fp8",
