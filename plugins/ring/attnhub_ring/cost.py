@@ -109,6 +109,11 @@ HBM = 3.5e12
 #: Bytes per output element moved by one in-place LSE merge (scale the fp32 accumulator,
 #: add the weighted bf16 block: read 4 + write 4, then read 4 + 2 + write 4) plus slack.
 MERGE_BYTES = 20
+#: Bytes per query element per backward step beyond the kernel: dQ added into fp32 (10),
+#: the block's dK/dV into its travelling fp32 accumulator and the received one added (about
+#: 8 per query element at 4 query heads per KV head), K/V heads expanded for cuDNN and dK/dV
+#: summed back (about 12).
+BWD_STEP_BYTES = 30
 #: Host and launch time per ring step beyond the kernels (posting a hop, a merge's launches).
 STEP_OVERHEAD_S = 30e-6
 #: Latency of one point-to-point message on NVLink (NCCL, small-message floor).
@@ -138,7 +143,7 @@ def predict(shape: Shape, seqlen: int, world: int, bandwidth: float, causal: boo
     """Ring time vs one GPU for one layer, batch 1: ``W`` steps, each the slower of its
     block's compute and its hop (+ latency), plus per-step host overhead; the forward adds
     ``W - 1`` merges and a final cast, the backward (fwd+bwd) its own ``W`` steps with the
-    K/V and fp32 dK/dV hops. Same kernel throughput for blocks as for the whole sequence
+    K/V and fp32 dK/dV hops and their gradient accumulation (``BWD_STEP_BYTES``). Same kernel throughput for blocks as for the whole sequence
     (true from ~4k tokens per block; below that small blocks run slower, see the doc)."""
     s = seqlen / world
     h = hop(shape, int(s), bandwidth, causal, fwd_flops, bwd_flops)
@@ -150,7 +155,8 @@ def predict(shape: Shape, seqlen: int, world: int, bandwidth: float, causal: boo
     t_one = one_flops / fwd_flops
     hidden = h.fwd_comm_s + latency_s <= h.fwd_compute_s
     if backward:
-        fwd += world * (step_overhead_s + max(h.bwd_compute_s, h.bwd_comm_s + latency_s))
+        fwd += world * (step_overhead_s + max(h.bwd_compute_s, h.bwd_comm_s + latency_s)
+                        + BWD_STEP_BYTES * elems / hbm)
         t_one += 2.5 * one_flops / bwd_flops
         hidden = hidden and h.bwd_comm_s + latency_s <= h.bwd_compute_s
     return Prediction(world, seqlen, t_one, fwd, hidden)
