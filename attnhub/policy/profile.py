@@ -380,8 +380,9 @@ class PackMatch:
 
 
 def shipped_pack(device: DeviceInfo, folder: Path | None) -> PackMatch:
-    """The pack entry measured on this device name and arch with these library versions;
-    else a note saying whether packs are off, missing for this device, or stale."""
+    """The pack entry measured on this device name and arch with these library versions
+    (``_version_diff``); else a note saying whether packs are off, missing for this device,
+    or stale."""
     if folder is None:
         return PackMatch(None, f"shipped profile packs switched off ({PACKS_ENV})")
     return _shipped_pack(device_key(device), device.name or device.arch, device.arch,
@@ -406,23 +407,33 @@ def _shipped_pack(key: str, name: str, arch: str, versions: tuple[tuple[str, str
             if isinstance(data.get("pack"), dict) else "date unknown"
         for dkey, entry in data["devices"].items():
             dev = entry.get("device", {}) if isinstance(entry, dict) else {}
-            if dkey == key:
+            if dkey != key and (dev.get("name") != name or dev.get("arch") != arch):
+                continue
+            diff = _version_diff(dict(dev.get("versions", {})), dict(versions))
+            if not diff:
                 return PackMatch(entry.get("speed", {}), f"shipped pack {fname} matches",
                                  path, measured)
-            if dev.get("name") == name and dev.get("arch") == arch:
-                stale.append(f"{fname} is stale for this machine ("
-                             + _version_diff(dict(dev.get("versions", {})), dict(versions))
-                             + "); ignored: re-measure with attnhub bench --regret")
+            stale.append(f"{fname} is stale for this machine ({diff}); ignored: re-measure "
+                         "with attnhub bench --regret")
     if stale:
         return PackMatch(None, "; ".join(stale))
     return PackMatch(None, f"no shipped profile pack for {name} ({arch}) in {folder}")
 
 
+#: Libraries every backend's speed depends on: a pack must have been measured with the same.
+_CORE_LIBS = frozenset({"torch", "cuda", "rocm", "cudnn", "triton"})
+
+
 def _version_diff(pack: dict[str, str], here: dict[str, str]) -> str:
+    """The versions that make a pack stale here ("" if none): a core library that differs,
+    or a kernel library installed on both sides at different versions. A kernel library on
+    one side only is no reason: its backends are either unavailable here (so never bound)
+    or unmeasured in the pack (so ranked after the measured ones, as the note says)."""
     libs = sorted((set(pack) | set(here)) - _NOT_IN_KEY)
     diff = [f"{lib} {pack.get(lib, 'absent')} in the pack, {here.get(lib, 'absent')} here"
-            for lib in libs if pack.get(lib) != here.get(lib)]
-    return ", ".join(diff) or "same versions, other device key"
+            for lib in libs if pack.get(lib) != here.get(lib)
+            and (lib in _CORE_LIBS or (lib in pack and lib in here))]
+    return ", ".join(diff)
 
 
 def _ranked(section: dict[str, Any], backends: list[str]) -> list[tuple[str, float | None]]:

@@ -203,6 +203,17 @@ def test_stale_pack_is_ignored_with_the_versions_that_differ(tmp_path):
     assert "triton 0.2 in the pack" in r.note
 
 
+def test_kernel_library_on_one_side_only_does_not_make_a_pack_stale(tmp_path):
+    dev = with_versions(simulate("sm90"), **{"fa3-fwd": "0.0.3"})
+    packs = tmp_path / "packs"
+    _pack(packs, with_versions(dev, **{"flashinfer-python": "0.6.3"}), {"b": 1e-5})
+    store = ProfileStore(tmp_path / "u.json", packs=packs)
+    assert store.ranking(dev, SPEC, ["a", "b"]).source == "pack"
+    _pack(packs, with_versions(dev, **{"fa3-fwd": "0.0.1"}), {"b": 1e-5})
+    r = ProfileStore(tmp_path / "u.json", packs=packs).ranking(dev, SPEC, ["a", "b"])
+    assert r.source == "list order" and "fa3-fwd 0.0.1 in the pack, 0.0.3 here" in r.note
+
+
 def test_missing_or_switched_off_packs_say_so(tmp_path, monkeypatch):
     dev = simulate("sm90")
     packs = tmp_path / "packs"
