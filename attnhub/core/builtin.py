@@ -116,7 +116,9 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                              scale=p.scale, enable_gqa=hq != hkv)
         lse = _lse(qt, kt, p, _causal_allowed(p, sq, sk, q.device), None, None) \
             if p.return_lse else None
-        out, lse = _keep_nan(out, lse, qt)
+        out, lse = _keep_nan(out, lse, qt, lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal, scale=p.scale,
+            enable_gqa=hq != hkv))
         return AttentionOutput(out.transpose(1, 2), lse)
     allowed = allowed_mask(p, b, hq, sq, sk, q.device, kv_heads=hkv)
     bias = alibi_bias(p.alibi_slopes, sq, sk, p.alignment, q.device) \
@@ -137,20 +139,32 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=p.scale,
                                              enable_gqa=hq != hkv)
         lse = _lse(qt, kt, p, allowed, row_ok, bias) if p.return_lse else None
-    out, lse = _keep_nan(out, lse, qt)
+    out, lse = _keep_nan(out, lse, qt, lambda: F.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=mask if mask is None or mask.dtype == torch.bool
+        else mask.to(q.dtype), scale=p.scale, enable_gqa=hq != hkv))
     if row_ok is not None:  # fully masked rows: 0 even where q held NaN
         out = out.masked_fill(~row_ok, 0.0)
     return AttentionOutput(out.transpose(1, 2), lse)
 
 
-def _keep_nan(out: torch.Tensor, lse: torch.Tensor | None,
-              qt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """NaN in means NaN out (docs/contract.md): SDPA's CPU flash kernel returns 0 for a query
-    row holding NaN, so on the CPU that row's NaN is added back (one reduction over q)."""
+def _keep_nan(out: torch.Tensor, lse: torch.Tensor | None, qt: torch.Tensor,
+              math_sdpa: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """NaN in means NaN out (docs/contract.md). SDPA's CPU flash kernel returns a row of
+    zeros where every score of a row is NaN (a NaN query, or only NaN keys visible): on the
+    CPU, NaN of q is added back (one reduction over q) and, when some output row is exactly
+    zero, the call is redone by SDPA's math kernel, which keeps NaN (rare: a zero row)."""
     if qt.device.type != "cpu":
         return out, lse
     poison = qt.sum(-1, keepdim=True) * 0  # 0, or NaN on rows with NaN/inf
-    return out + poison.to(out.dtype), None if lse is None else lse + poison.squeeze(-1)
+    out = out + poison.to(out.dtype)
+    if bool((out == 0).all(-1).any()):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            out = math_sdpa() + poison.to(out.dtype)
+    if lse is not None:  # a fully masked row keeps its -inf
+        lse = torch.where(torch.isneginf(lse), lse, lse + poison.squeeze(-1))
+    return out, lse
 
 
 def _native_causal(p: AttnParams, sq: int, sk: int) -> tuple[bool, object] | None:
