@@ -8,8 +8,9 @@ Each rank builds the same random sequence (a real model has its own shard of the
 activations), keeps its zigzag shard, and calls ``attnhub.attention`` with a ``BindContext``
 whose ``world_size`` says that the sequence is sharded over the group. The policy binds
 ``ring`` there and picks the local kernel for the blocks with its other rules; rank 0 prints
-both levels of the decision. ``--check`` compares each shard with single-device attention
-(keep ``--seqlen`` small for it: every rank computes the whole sequence).
+both levels of the decision. ``--check`` compares each shard's output and gradients with
+single-device attention under the same loss (keep ``--seqlen`` small for it: every rank
+computes the whole sequence).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same sequence on every rank
     hq, hkv = args.heads
-    q, k, v = (torch.randn(1, args.seqlen, h, args.head_dim, device=device, dtype=dtype)
-               for h in (hq, hkv, hkv))
+    q, k, v, grad = (torch.randn(1, args.seqlen, h, args.head_dim, device=device, dtype=dtype)
+                     for h in (hq, hkv, hkv, hq))
     q_l, k_l, v_l = (zigzag_shard(x, rank, world).requires_grad_() for x in (q, k, v))
     # global positions of this rank's tokens, e.g. for RoPE before attention
     positions = ZigzagLayout(world, (args.seqlen,)).global_indices(rank)
@@ -82,17 +83,24 @@ def main() -> None:
         hub = attnhub.Hub(policy)
         ctx = attnhub.BindContext(model="example", world_size=world)
         out = hub.attention(q_l, k_l, v_l, causal=True, context=ctx)
-    out.float().square().mean().backward()  # gradients flow back around the ring
+    # the loss of the whole sequence is the sum of every rank's share: gradients flow back
+    # around the ring
+    (out * zigzag_shard(grad, rank, world)).sum().backward()
 
     if rank == 0:
         print(hub.bound()[0].decision.explain())
     print(f"rank {rank}: {q_l.shape[1]} of {args.seqlen} tokens (positions "
           f"{positions[:3].tolist()}...), out {tuple(out.shape)}, "
           f"|dq| {q_l.grad.float().norm():.3e}", flush=True)
-    if args.check:
-        ref = attnhub.attention(q, k, v, causal=True, backend="torch_sdpa")
-        err = (out.float() - zigzag_shard(ref, rank, world).float()).abs().max()
-        print(f"rank {rank}: max |ring - one device| = {err:.3e}", flush=True)
+    if args.check:  # the whole sequence on this device, same loss: compare this rank's shard
+        full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        ref = attnhub.attention(*full, causal=True, backend="torch_sdpa")
+        (ref * grad).sum().backward()
+        errs = [(a.float() - zigzag_shard(b, rank, world).float()).abs().max().item()
+                for a, b in ((out, ref), (q_l.grad, full[0].grad), (k_l.grad, full[1].grad),
+                             (v_l.grad, full[2].grad))]
+        print(f"rank {rank}: max |ring - one device| out {errs[0]:.2e} dq {errs[1]:.2e} "
+              f"dk {errs[2]:.2e} dv {errs[3]:.2e}", flush=True)
     dist.destroy_process_group()
 
 
