@@ -137,7 +137,6 @@ STORE_FAILED = 3
 def run_regret(args: argparse.Namespace) -> int:
     """The regret report over the standard grid (see ``attnhub.regret``)."""
     import datetime
-    import json
 
     import torch
 
@@ -157,7 +156,26 @@ def run_regret(args: argparse.Namespace) -> int:
     names, absent = _backends(args, hub)
     excluded = {x.strip() for x in (args.exclude or "").split(",") if x.strip()}
     names = [n for n in names if n not in excluded]
-    results = []
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    meta = {"measured": when, "device": hub.device.describe(), "commit": args.header,
+            "command": "attnhub bench --regret", "versions": dict(hub.device.versions),
+            "backends": names, "excluded": sorted(excluded),
+            "not_available": absent, "warmup": args.warmup, "repeats": args.repeats,
+            "rounds": args.rounds}
+    results: list[rg.CellResult] = []
+
+    def write_data(complete: bool) -> None:
+        """JSON report and pack, rewritten after every cell: a run cut short keeps its cells."""
+        from ..policy.profile import write_json_atomic
+
+        if args.out_json:
+            write_json_atomic(Path(args.out_json), {
+                **meta, "complete": complete, "bound": rg.BOUND,
+                "cells": [r.to_json() for r in results]})
+        if args.pack:
+            write_json_atomic(Path(args.pack), rg.pack_data(
+                results, hub.device, {**meta, "complete": complete}, args.repeats))
+
     for i, cell in enumerate(cells):
         rg.stderr_log(f"[{i + 1}/{len(cells)}] {cell.name}")
         r = rg.measure_cell(cell, names, hub.registry, device, policy=args.policy,
@@ -166,12 +184,8 @@ def run_regret(args: argparse.Namespace) -> int:
         rg.stderr_log(f"  -> policy {r.policy_backend} {r.policy_ms} ms, best {r.best}, "
                       f"regret {r.regret} ({r.seconds:.1f} s)")
         results.append(r)
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    meta = {"measured": when, "device": hub.device.describe(), "commit": args.header,
-            "command": "attnhub bench --regret", "versions": dict(hub.device.versions),
-            "backends": names, "excluded": sorted(excluded),
-            "not_available": absent, "warmup": args.warmup, "repeats": args.repeats,
-            "rounds": args.rounds}
+        write_data(complete=False)
+    write_data(complete=True)
     head = (f"Regret report, {when}, {hub.device.describe()}, {args.header}\n\n"
             f"median of {args.repeats} single calls (CUDA events on a GPU, host time included) "
             f"after {args.warmup} warm-up, "
@@ -182,18 +196,10 @@ def run_regret(args: argparse.Namespace) -> int:
     print(md)
     if args.md:
         Path(args.md).write_text(md + "\n", encoding="utf-8")
-    if args.out_json:
-        Path(args.out_json).write_text(json.dumps(
-            {**meta, "bound": rg.BOUND, "cells": [r.to_json() for r in results]}, indent=2,
-            default=str) + "\n", encoding="utf-8")
     if args.plot:
         rg.plot(results, args.plot, title=f"attnhub policy regret, {hub.device.describe()}, "
                                           f"{when} {args.header}")
     if args.pack:
-        from ..policy.profile import write_json_atomic
-
-        write_json_atomic(Path(args.pack), rg.pack_data(results, hub.device, meta,
-                                                        args.repeats))
         print(f"\nwrote profile pack {args.pack}")
     if not args.no_store and not _store(args, hub.device, [
             (r.spec, b, ms) for r in results if r.spec is not None

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 15's GPU session, one command, every step bounded in time, results under $OUT:
+#   1. measure the standard grid with the default policy and no profile (the "before"), and
+#      write the shipped profile pack from the forced timings (nvidia-h200.json);
+#   2. put the pack in place (attnhub/profiles/) and measure the grid again: the regret report
+#      (regret.md / regret.json / regret.png);
+#   3. benchmarks/overhead.py: host cost of attnhub over the bound backend called directly.
+# FlashInfer and Flex are excluded from the grid (see docs/benchmarks/regret_h200.md):
+# FlashInfer compiles ~90 s per kernel on first use, Flex compiles per shape, and the
+# default policy binds neither for these cells (flex only for score_mod/mask_mod calls).
+# Usage on the H200 (wheels carried in .whl): COMMIT=abc1234 bash benchmarks/regret_session.sh
+# CPU dry run: DRY=1 bash benchmarks/regret_session.sh
+set -uo pipefail
+out=${OUT:-out/regret_session}
+mkdir -p "$out"
+log="$out/session.log"
+start=$(date +%s)
+budget=${BUDGET_S:-400}
+left() { echo $(( budget - ($(date +%s) - start) )); }
+cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 5 )) && want=5; echo "$want"; }
+say() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$log"; }
+
+root=$(pwd)
+if [[ -z "${DRY:-}" ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >> "$log" 2>&1
+fi
+export PYTHONPATH=/tmp/site:$root:$root/plugins/triton_portable:$root/plugins/sm80_fa2:$root/plugins/sm90_fa3:$root/plugins/hybrid_linear:$root/plugins/ring:$root/plugins/rocm
+export ATTNHUB_PLUGIN_MODULES=attnhub_triton_portable.plugin,attnhub_sm80_fa2.plugin,attnhub_sm90_fa3.plugin,attnhub_hybrid_linear.plugin,attnhub_ring.plugin,attnhub_rocm.plugin
+export PYTHONUNBUFFERED=1 ATTNHUB_PROFILE=/tmp/attnhub_empty_profile.json
+rm -f "$ATTNHUB_PROFILE"
+{ date -u +%FT%TZ; echo "commit ${COMMIT:-?}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1; } >> "$log"
+say "setup done"
+
+common=(bench --regret --no-store --exclude "${EXCLUDE:-flashinfer_decode,flashinfer_prefill,flex}"
+        --header "commit ${COMMIT:-?}" --warmup 3 --repeats "${REPEATS:-20}" --rounds 2)
+if [[ -n "${DRY:-}" ]]; then common+=(--backends torch_sdpa --scale 256 --repeats 2 --rounds 1 --warmup 1); fi
+
+pack=attnhub/profiles/${PACK:-nvidia-h200}.json
+rm -f "$pack"
+say "step 1: grid before (no profile, no pack), writing the pack"
+ATTNHUB_PROFILE_PACKS=off timeout "$(cap 220)" python3 -m attnhub "${common[@]}" \
+  --out-json "$out/regret_before.json" --pack "$out/${PACK:-nvidia-h200}.json" \
+  > "$out/before.txt" 2>> "$log"
+say "step 1 rc=$?"; tail -30 "$out/before.txt" >> "$log"
+cp "$out/${PACK:-nvidia-h200}.json" "$pack" 2>> "$log"
+
+say "step 2: regret report with the pack in place"
+timeout "$(cap 170)" python3 -m attnhub "${common[@]}" --out-json "$out/regret.json" \
+  --md "$out/regret.md" --plot "$out/regret.png" >> "$log" 2>&1
+say "step 2 rc=$?"
+
+say "step 3: host overhead"
+calls=20000; [[ -n "${DRY:-}" ]] && calls=5
+timeout "$(cap 60)" python3 benchmarks/overhead.py --json --calls "$calls" --rounds 3 \
+  > "$out/overhead.json" 2>> "$log"
+say "step 3 rc=$?"
+cat "$out/overhead.json" >> "$log"
+rm -f "$out/before.txt"
+say "done"
