@@ -104,8 +104,9 @@ def _split_kernel(
     mb = pid % m_blocks
     b = pid // (m_blocks * num_kv_heads)
     h = (pid // m_blocks) % num_kv_heads
-    if HAS_SEQLENS:
-        seq_len = tl.load(SeqLens + b, mask=b < n_seqlens, other=0)
+    if HAS_SEQLENS:  # an in-bounds load, then 0 past the end (n_seqlens >= 1, see host)
+        seq_len = tl.load(SeqLens + tl.minimum(b, n_seqlens - 1))
+        seq_len = tl.where(b < n_seqlens, seq_len, 0)
     else:
         seq_len = seqlen_k + b * 0
     if PAGED:
@@ -428,10 +429,10 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool
         raise ValueError(f"decode_attention: q has batch {batch}, k/v {k.shape[0]}")
     for name, t in (("block_table", block_table), ("seqlens_k", seqlens_k)):
         if t is not None and (t.dtype != torch.int32 or t.dim() != (2 if name[0] == "b" else 1)
-                              or t.device != q.device):
-            raise ValueError(f"decode_attention: {name} must be a {2 if name[0] == 'b' else 1}"
-                             f"-D int32 tensor on {q.device}, got {t.dtype} {tuple(t.shape)} "
-                             f"on {t.device}")
+                              or t.device != q.device or t.numel() == 0 < batch):
+            raise ValueError(f"decode_attention: {name} must be a non-empty "
+                             f"{2 if name[0] == 'b' else 1}-D int32 tensor on {q.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
     if slopes is not None and tuple(slopes.shape) not in ((hq,), (batch, hq)):
         raise ValueError(f"decode_attention: alibi_slopes {tuple(slopes.shape)} must be "
                          f"({hq},) or ({batch}, {hq})")

@@ -22,7 +22,7 @@ from attnhub.core.kvquant import dequantize_pages
 from attnhub.plugin import AttnParams, paged_to_varlen, reference_attention
 from attnhub.testing import assert_fa_rule, assert_lse
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
 
 

@@ -2,10 +2,12 @@
 
 The kernel clamps lengths to [0, capacity] and page ids to [0, num_pages) itself (the hub
 rejects bad tables before, issue 12; this is the kernel's own guarantee). Each cache here is
-a view into a larger buffer whose guard regions hold NaN, so any read outside the cache
-turns the output NaN; ``seqlens_k`` and ``block_table`` are views followed by values that
-would change the answer if they were read. The cases run in a subprocess, so that a
-regression that crashes the interpreter fails this test instead of killing the run.
+a view into a larger buffer whose guard regions hold NaN, so any read just outside the cache
+turns the output NaN (a read far outside crashes); ``seqlens_k`` and ``block_table`` are
+views followed by values that would change the answer if they were read. The cases run in a
+subprocess, so that a regression that crashes (the interpreter, or the GPU with an illegal
+address) fails this test instead of killing the run. On a machine with CUDA the compiled
+kernels run on the GPU; elsewhere Triton's interpreter runs them on the CPU.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pathlib import Path
 
 _SCRIPT = textwrap.dedent('''
     import json, os
-    os.environ["TRITON_INTERPRET"] = "1"
     import torch
+    DEV = "cuda" if torch.cuda.is_available() else "cpu"
+    if DEV == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     from attnhub_triton_portable.decode import decode_attention
 
     g = torch.Generator().manual_seed(0)
@@ -30,31 +34,33 @@ _SCRIPT = textwrap.dedent('''
         """n rows of `shape`, inside NaN guard rows on both sides."""
         buf = torch.full((n + 2 * GUARD, *shape), float("nan"), dtype=torch.float32)
         buf[GUARD:GUARD + n] = torch.randn(n, *shape, generator=g)
-        return buf.to(dtype)[GUARD:GUARD + n]
+        return buf.to(DEV, dtype)[GUARD:GUARD + n]
 
-    q = torch.randn(B, 1, HQ, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(B, 1, HQ, D, generator=g).to(DEV, torch.bfloat16)
     kc, vc = guarded(NPAGES, PAGE, HKV, D), guarded(NPAGES, PAGE, HKV, D)
     k8 = (kc.float() * 8).to(torch.float8_e4m3fn)  # an FP8 cache inside the same guards
-    buf8 = torch.full((NPAGES + 2 * GUARD, PAGE, HKV, D), float("nan")).to(torch.float8_e4m3fn)
+    buf8 = torch.full((NPAGES + 2 * GUARD, PAGE, HKV, D), float("nan"), device=DEV).to(
+        torch.float8_e4m3fn)
     buf8[GUARD:GUARD + NPAGES] = k8
     k8 = buf8[GUARD:GUARD + NPAGES]
-    desc = torch.full((NPAGES, HKV), 0.125)
+    desc = torch.full((NPAGES, HKV), 0.125, device=DEV)
     kcont, vcont = guarded(B, 12, HKV, D), guarded(B, 12, HKV, D)
 
     def tail(vals, extra):
         """An int32 tensor `vals` followed in memory by `extra` (read only past its end)."""
-        t = torch.tensor(list(vals) + list(extra), dtype=torch.int32)
+        t = torch.tensor(list(vals) + list(extra), dtype=torch.int32, device=DEV)
         return t[:len(vals)]
 
     def table(rows, extra_row=(0, 1, 2)):
         flat = [p for r in rows for p in r] + list(extra_row)
-        t = torch.tensor(flat, dtype=torch.int32)
+        t = torch.tensor(flat, dtype=torch.int32, device=DEV)
         return t[:len(rows) * len(rows[0])].view(len(rows), len(rows[0]))
 
     def run(name, **kw):
         try:
-            out, lse = decode_attention(q if kw.pop("full_q", True) else q[:1], scale=D ** -0.5,
-                                        **kw)
+            out, lse = decode_attention(q, scale=D ** -0.5, **kw)
+            if DEV == "cuda":
+                torch.cuda.synchronize()  # an illegal address surfaces here (or kills us)
         except Exception as exc:
             return {"case": name, "error": f"{type(exc).__name__}: {exc}"}
         return {"case": name, "finite": bool(out.float().isfinite().all()),
@@ -90,7 +96,7 @@ _SCRIPT = textwrap.dedent('''
 
 def _run_cases() -> list[dict]:
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1",
+    env = dict(os.environ,
                PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
                           env=env, timeout=120, check=False)
