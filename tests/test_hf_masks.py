@@ -22,6 +22,15 @@ from attnhub.testing import assert_fa_rule
 B, S, VOCAB = 2, 10, 96
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # type: ignore[no-untyped-def]
+    """Tiny models: one intra-op thread (two spin against each other on a busy 2-core CI)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def hub() -> Hub:
     h = Hub(policy=load_policy())
