@@ -105,6 +105,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # transformers drops the mask only for a prefill into an empty static cache, whose
         # keys past the queries are unused slots: keep the keys the queries can see
         k, v, sk = k[:, :sq], v[:, :sq], sq
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.device != q.device:
+        raise InputError(f"attention_mask is on {attention_mask.device} but the queries are on "
+                         f"{q.device}: move the mask to {q.device}")
     mask = mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk, module,
                      heads=q.shape[2])
     # phase left to the hub: one query over a longer cache is decode, else prefill or train

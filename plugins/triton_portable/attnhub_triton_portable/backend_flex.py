@@ -1,5 +1,7 @@
 """The ``flex`` backend: ``torch.compile(flex_attention)`` for every mask kind and any
-score_mod/mask_mod, with BlockMasks cached per (mask, shape)."""
+score_mod/mask_mod, with BlockMasks cached per (mask, shape) and one compile per static shape
+(forward and backward); past ``flex.RECOMPILE_LIMIT`` compiled variants a call raises, so the
+rule's next candidate serves it loudly rather than flex running uncompiled."""
 
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ class FlexBackend(Backend):
     name = "flex"
     tier = "variant"
     description = ("torch.compile(flex_attention): every attnhub mask kind plus arbitrary "
-                   "score_mod/mask_mod; BlockMask built once per (mask, shape)")
+                   "score_mod/mask_mod; BlockMask built once per (mask, shape), compiled once "
+                   "per static shape")
     capabilities = Capabilities(
         vendors=frozenset({"cpu", "cuda", "rocm"}),
         dtypes=frozenset({"fp32", "fp16", "bf16"}),
