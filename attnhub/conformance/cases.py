@@ -1,0 +1,274 @@
+"""The conformance grid: the cases a backend's declared capabilities commit it to.
+
+Every case is small (a few sequences of at most ~40 tokens) so that the whole grid runs on a
+CPU (Triton under ``TRITON_INTERPRET=1``) in seconds to minutes, and on a GPU in seconds.
+A case is one call; a *feature* (``mask softcap``, ``layout paged page=16``) groups the
+cases that exercise it, and the report gives each feature its worst outcome.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..core.capabilities import Capabilities
+
+#: Head dims tried when a backend declares a rule (max/multiple) rather than a set.
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
+#: Page sizes tried for the paged layout (each rounded up to the declared multiple).
+PAGE_SIZES = (1, 16, 64)
+SOFTCAP = 2.0  # small, with scaled-up inputs, so that a backend ignoring it is far off
+
+
+def relative_bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """The kit's score_mod: a relative-position bias (FlexAttention signature)."""
+    return score + 0.25 * (q_idx - kv_idx).clamp(-4, 4)
+
+
+def skip_every_third(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """The kit's mask_mod: drops keys where (q + kv) % 3 == 0 (never a whole row)."""
+    return (q_idx + kv_idx) % 3 != 0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of the grid. Lengths are per sequence: ``seqlens_q[i]`` queries attend to
+    ``seqlens_k[i]`` keys (equal lengths for bshd)."""
+
+    feature: str
+    dtype: str = "fp32"
+    head_dim: int = 32
+    head_dim_v: int | None = None
+    heads: tuple[int, int] = (4, 2)
+    layout: str = "bshd"
+    phase: str = "prefill"
+    seqlens_q: tuple[int, ...] = (9, 9)
+    seqlens_k: tuple[int, ...] = (9, 9)
+    page_size: int = 0
+    causal: bool = False
+    alignment: str = "bottom_right"
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    alibi: bool = False
+    prefix_lm: bool = False
+    column_sparse: bool = False
+    score_mod: bool = False
+    mask_mod: bool = False
+    return_lse: bool = False
+    backward: bool = False
+    deterministic: bool = False
+    repeat: bool = False  # run twice, outputs (and gradients) must be bitwise equal
+    seed: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    def describe(self) -> str:
+        bits = [self.phase, self.dtype, f"d={self.head_dim}", f"heads={self.heads[0]}:"
+                f"{self.heads[1]}", self.layout + (f"/{self.page_size}" if self.page_size else ""),
+                f"sq={list(self.seqlens_q)}", f"sk={list(self.seqlens_k)}"]
+        for flag in ("causal", "alibi", "prefix_lm", "column_sparse", "score_mod", "mask_mod",
+                     "return_lse", "backward", "deterministic", "repeat"):
+            if getattr(self, flag):
+                bits.append(flag)
+        if self.causal and self.alignment != "bottom_right":
+            bits.append(self.alignment)
+        if self.window is not None:
+            bits.append(f"window={self.window}")
+        if self.softcap:
+            bits.append(f"softcap={self.softcap:g}")
+        return " ".join(bits)
+
+
+def grid(caps: Capabilities, quick: bool = False) -> list[Case]:
+    """Every case ``caps`` declares, from a base case the backend must serve (its first
+    phase and layout, its widest dtype, equal or grouped heads as declared)."""
+    base = _base(caps)
+    out: list[Case] = [replace(base, feature="basic")]
+    out += _dtypes(base, caps, quick)
+    out += _head_dims(base, caps, quick)
+    out += _masks(base, caps, quick)
+    out += _layouts(base, caps, quick)
+    out += _phases(base, caps)
+    out += _shapes(base, caps, quick)
+    out += _results(base, caps)
+    return out
+
+
+def _base(caps: Capabilities) -> Case:
+    dtype = next((d for d in ("fp32", "bf16", "fp16") if d in caps.dtypes), "fp32")
+    phase = "prefill" if "prefill" in caps.phases else sorted(caps.phases)[0]
+    layout = next((x for x in ("bshd", "thd", "paged") if x in caps.layouts), "bshd")
+    hd = 32 if _head_dim_ok(caps, 32) else _head_dims_declared(caps)[0]
+    heads = (4, 2) if caps.gqa else (2, 2)
+    base = Case(feature="basic", dtype=dtype, phase=phase, layout=layout, head_dim=hd,
+                heads=heads)
+    return _fit(base, caps)
+
+
+def _fit(c: Case, caps: Capabilities) -> Case:
+    """Adjust lengths to the phase and layout (decode: few queries; varlen: ragged)."""
+    if c.phase == "decode":
+        if max(c.seqlens_q) > (caps.max_query_len_decode or 16) or c.seqlens_q == (9, 9):
+            c = replace(c, seqlens_q=(1,) * len(c.seqlens_q))
+        if c.layout == "bshd" and c.seqlens_k == (9, 9):
+            c = replace(c, seqlens_k=(37, 37))
+    if c.layout == "thd" and len(set(c.seqlens_q)) == 1 and c.phase != "decode":
+        c = replace(c, seqlens_q=(9, 1, 14), seqlens_k=(9, 1, 14))
+    if c.layout == "paged":
+        ps = c.page_size or _page_sizes(caps, True)[0]
+        c = replace(c, page_size=ps, seqlens_k=(37, 2 * ps + 3)[: len(c.seqlens_q)])
+    return c
+
+
+def _head_dim_ok(caps: Capabilities, d: int) -> bool:
+    if caps.head_dims is not None:
+        return d in caps.head_dims
+    return d <= caps.max_head_dim and d % caps.head_dim_multiple == 0
+
+
+def _head_dims_declared(caps: Capabilities) -> list[int]:
+    if caps.head_dims is not None:
+        return sorted(caps.head_dims)
+    dims = [d for d in HEAD_DIM_BUCKETS if _head_dim_ok(caps, d)]
+    return dims or [caps.head_dim_multiple]
+
+
+def _page_sizes(caps: Capabilities, quick: bool) -> list[int]:
+    m = caps.page_size_multiple
+    sizes = sorted({-(-p // m) * m for p in PAGE_SIZES})
+    return sizes[1:2] or sizes[:1] if quick else sizes
+
+
+def _dtypes(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
+    return [replace(base, feature=f"dtype {d}", dtype=d, causal="causal" in caps.masks)
+            for d in sorted(caps.dtypes & {"fp32", "fp16", "bf16"}) if d != base.dtype]
+
+
+def _head_dims(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
+    dims = _head_dims_declared(caps)
+    if quick:
+        dims = sorted({dims[0], dims[-1]} - {base.head_dim})
+    out = [replace(base, feature=f"head_dim {d}", head_dim=d) for d in dims
+           if d != base.head_dim]
+    if caps.different_v_dim:
+        dv = next((d for d in dims if d != base.head_dim), base.head_dim // 2 or 1)
+        out.append(replace(base, feature="head_dim_v != head_dim", head_dim_v=dv))
+    return out
+
+
+def _masks(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
+    m = caps.masks
+    out: list[Case] = []
+    causal = "causal" in m
+    if causal:
+        out.append(replace(base, feature="mask causal", causal=True))
+        out += _misaligned(base, caps, "mask causal bottom_right (Sq != Sk)", "bottom_right")
+        if caps.top_left_causal:
+            out += _misaligned(base, caps, "mask causal top_left (Sq != Sk)", "top_left")
+    if "sliding_window" in m:
+        out.append(replace(base, feature="mask sliding_window", window=(3, 0), causal=causal))
+        if not quick and base.phase != "decode":
+            out.append(replace(base, feature="mask sliding_window", window=(2, 2)))
+    if "alibi" in m:
+        out.append(replace(base, feature="mask alibi", alibi=True, causal=causal))
+    if "softcap" in m:
+        out.append(replace(base, feature="mask softcap", softcap=SOFTCAP))
+        if causal and not quick:
+            out.append(replace(base, feature="mask softcap", softcap=SOFTCAP, causal=True))
+    if "prefix_lm" in m and base.layout == "bshd" and base.phase != "decode":
+        out.append(replace(base, feature="mask prefix_lm", prefix_lm=True, causal=causal))
+    if "document" in m:
+        if "thd" in caps.layouts:
+            doc = _fit(replace(base, feature="mask document", layout="thd", page_size=0,
+                               seqlens_k=base.seqlens_q if base.phase != "decode"
+                               else (9, 1, 14)), caps)
+            out.append(replace(doc, causal=causal))
+        else:
+            out.append(replace(base, feature="mask document",
+                               notes=("declares document but not the thd layout",)))
+    if "column_sparse" in m and base.layout == "bshd":
+        out.append(replace(base, feature="mask column_sparse", column_sparse=True,
+                           causal=causal))
+    if "score_mod" in m:
+        out.append(replace(base, feature="mask score_mod", score_mod=True))
+    if "mask_mod" in m:
+        out.append(replace(base, feature="mask mask_mod", mask_mod=True))
+    return out
+
+
+def _misaligned(base: Case, caps: Capabilities, feature: str, alignment: str) -> list[Case]:
+    """Causal with Sq < Sk (chunked prefill) and, outside decode, Sq > Sk (bottom-right:
+    the first rows see no key at all, so output 0 and LSE -inf)."""
+    if base.phase == "decode" or base.layout == "paged":
+        return [replace(base, feature=feature, causal=True, alignment=alignment)]
+    n = len(base.seqlens_q)
+    out = [replace(base, feature=feature, causal=True, alignment=alignment,
+                   seqlens_q=(5,) * n, seqlens_k=(12,) * n)]
+    out.append(replace(base, feature=feature, causal=True, alignment=alignment,
+                       seqlens_q=(12,) * n, seqlens_k=(5,) * n,
+                       return_lse=caps.returns_lse))
+    return out
+
+
+def _layouts(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
+    out: list[Case] = []
+    causal = "causal" in caps.masks
+    served = set(caps.layouts) | ({"bhsd"} if "bshd" in caps.layouts else set())
+    for layout in ("bshd", "bhsd", "thd"):  # bhsd reaches a backend as a strided bshd view
+        if layout in served and layout != base.layout and (
+                base.phase != "decode" or layout != "thd"):
+            out.append(_fit(replace(base, feature=f"layout {layout}", layout=layout,
+                                    causal=causal, page_size=0), caps))
+    if "paged" in caps.layouts:
+        for ps in _page_sizes(caps, quick):
+            phase = "decode" if "decode" in caps.phases else base.phase
+            out.append(_fit(replace(base, feature=f"layout paged page={ps}", layout="paged",
+                                    phase=phase, page_size=ps, causal=causal,
+                                    seqlens_q=(1, 1), seqlens_k=(1, 1)), caps))
+    return out
+
+
+def _phases(base: Case, caps: Capabilities) -> list[Case]:
+    out: list[Case] = []
+    causal = "causal" in caps.masks
+    if "decode" in caps.phases and base.phase != "decode":
+        layout = base.layout if base.layout != "thd" else next(
+            (x for x in ("bshd", "paged") if x in caps.layouts), base.layout)
+        out.append(_fit(replace(base, feature="phase decode", phase="decode", layout=layout,
+                                causal=causal, seqlens_q=(1, 1), seqlens_k=(37, 37)), caps))
+        if (caps.max_query_len_decode or 1) > 1 or caps.max_query_len_decode is None:
+            n = min(caps.max_query_len_decode or 4, 4)
+            out.append(_fit(replace(base, feature="phase decode", phase="decode", layout=layout,
+                                    causal=causal, seqlens_q=(n, n), seqlens_k=(37, 37)), caps))
+    if caps.backward and "train" in caps.phases:
+        layout = "bshd" if "bshd" in caps.layouts else base.layout
+        out.append(_fit(replace(base, feature="backward", phase="train", layout=layout,
+                                backward=True, causal=causal, page_size=0), caps))
+        if caps.deterministic_backward:
+            out.append(_fit(replace(base, feature="deterministic backward", phase="train",
+                                    layout=layout, backward=True, causal=causal,
+                                    deterministic=True, repeat=True, page_size=0), caps))
+    return out
+
+
+def _shapes(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
+    out: list[Case] = []
+    if caps.gqa:
+        out.append(replace(base, feature="gqa 4:1 (MQA)", heads=(4, 1)))
+        if not quick:
+            out.append(replace(base, feature="gqa 6:2", heads=(6, 2)))
+    if base.layout == "bshd" and base.phase != "decode":
+        n = len(base.seqlens_q)
+        out.append(replace(base, feature="Sq < Sk", seqlens_q=(4,) * n, seqlens_k=(13,) * n))
+        out.append(replace(base, feature="Sq > Sk", seqlens_q=(13,) * n, seqlens_k=(4,) * n))
+    return out
+
+
+def _results(base: Case, caps: Capabilities) -> list[Case]:
+    out: list[Case] = []
+    causal = "causal" in caps.masks
+    if caps.returns_lse:
+        out.append(replace(base, feature="lse", return_lse=True, causal=causal))
+    if caps.deterministic_forward:
+        out.append(replace(base, feature="deterministic forward", deterministic=True,
+                           repeat=True, causal=causal))
+    return out

@@ -1,0 +1,255 @@
+"""Run a backend through its conformance grid and judge each call.
+
+A call passes when the backend returns ``AttentionOutput(out, lse)`` with ``out`` of the
+layout's shape, q's dtype and device, no NaN, and within the FlashAttention rule of the fp64
+reference (2x the same-precision reference's error plus a rounding floor; 3x for gradients);
+LSE, when asked for, of the right shape with -inf exactly on fully masked rows; and, where
+determinism is declared, bitwise-equal results twice. Approximate backends (``exact=False``)
+are held to their declared ``error_budget`` (relative RMSE) instead of the rule.
+
+The backend is called directly (``check``, ``load``, ``forward``) with the spec and params the
+hub would build, so the kit judges the backend's own contract, not the hub's safety nets.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.backend import Backend, safe_check
+from ..core.device import DeviceInfo
+from ..core.reference import reference_attention
+from ..testing import fa_rule_error
+from .cases import Case, grid
+from .inputs import Inputs, build
+
+STATUSES = ("pass", "fail", "crash", "skip")
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    status: str  # pass | fail | crash | skip
+    detail: str = ""
+    error: float | None = None
+    allowed: float | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"feature": self.case.feature, "case": self.case.describe(),
+                "status": self.status, "detail": self.detail, "error": self.error,
+                "allowed": self.allowed, "seconds": round(self.seconds, 4)}
+
+
+@dataclass
+class KitReport:
+    """Per-case results of one backend; ``features`` folds them to the worst per feature."""
+
+    backend: str
+    plugin: str
+    device: str
+    results: list[CaseResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(r.status in ("fail", "crash") for r in self.results)
+
+    def features(self) -> list[dict[str, Any]]:
+        order: dict[str, list[CaseResult]] = {}
+        for r in self.results:
+            order.setdefault(r.case.feature, []).append(r)
+        rank = {"crash": 3, "fail": 2, "pass": 1, "skip": 0}
+        out = []
+        for feat, rs in order.items():
+            worst = max(rs, key=lambda r: (rank[r.status], r.error or 0.0))
+            if all(r.status == "skip" for r in rs):
+                worst = rs[0]
+            elif worst.status == "skip":
+                worst = next(r for r in rs if r.status == "pass")
+            out.append({"feature": feat, "status": worst.status, "cases": len(rs),
+                        "error": worst.error, "allowed": worst.allowed,
+                        "detail": worst.detail, "case": worst.case.describe()})
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"backend": self.backend, "plugin": self.plugin, "device": self.device,
+                "ok": self.ok, "features": self.features(),
+                "cases": [r.to_json() for r in self.results]}
+
+
+def run_kit(backend: Backend, device: DeviceInfo, *, quick: bool = False,
+            budget_s: float | None = None, cases: list[Case] | None = None) -> KitReport:
+    """Every case of ``backend``'s grid on ``device`` (the kit's entry point)."""
+    report = KitReport(backend.name, backend.plugin, device.describe())
+    t_end = None if budget_s is None else time.monotonic() + budget_s
+    for case in cases if cases is not None else grid(backend.capabilities, quick):
+        if t_end is not None and time.monotonic() > t_end:
+            report.results.append(CaseResult(case, "skip", f"not run: time budget "
+                                                          f"{budget_s:g}s spent"))
+            continue
+        t0 = time.perf_counter()
+        res = run_case(backend, device, case)
+        res.seconds = time.perf_counter() - t0
+        report.results.append(res)
+    return report
+
+
+def run_case(backend: Backend, device: DeviceInfo, case: Case) -> CaseResult:
+    """One call, judged; never raises for the backend's faults."""
+    if case.notes:
+        return CaseResult(case, "fail", "; ".join(case.notes))
+    try:
+        inp = build(case, device.torch_device)
+    except Exception as exc:  # the kit's own fault: say so rather than blame the backend
+        return CaseResult(case, "crash", f"kit could not build inputs: {_exc(exc)}")
+    reasons = safe_check(backend, inp.spec, device)
+    if reasons:
+        return CaseResult(case, "skip", "declines: " + "; ".join(reasons))
+    try:
+        backend.load()
+        return _judge(backend, case, inp)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit from a plugin is its crash, not the kit's end
+        return CaseResult(case, "crash", _exc(exc))
+
+
+def _call(backend: Backend, inp: Inputs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    res = backend.forward(q, k, v, inp.spec, inp.params)
+    if not isinstance(res, tuple) or len(res) != 2 or not isinstance(res[0], torch.Tensor):
+        raise _Fail(f"returned {type(res).__name__}, expected AttentionOutput(out, lse)")
+    return res[0], res[1]
+
+
+class _Fail(Exception):
+    """A contract violation found while judging (reported as ``fail``)."""
+
+
+def _judge(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
+    grad = case.backward
+    q, k, v = inp.q, inp.k, inp.v
+    if grad:
+        q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    try:
+        with torch.set_grad_enabled(grad):
+            out, lse = _call(backend, inp, q, k, v)
+        _contract(out, lse, case, inp)
+        ref64, ref_lse, ref_same, ref_lse_same = _references(inp, q, k, v, grad)
+        err, allowed = _compare(backend, out, ref64, ref_same)
+        if err > allowed:
+            return CaseResult(case, "fail", f"max error {err:.3g} > allowed {allowed:.3g} vs "
+                                            "the fp64 reference", err, allowed)
+        if case.return_lse:
+            _check_lse(lse, ref_lse, ref_lse_same)
+        if grad:
+            g_err, g_allowed = _grads(out, ref64, ref_same, (q, k, v), case, backend, inp)
+            if g_err > g_allowed:
+                return CaseResult(case, "fail", f"gradient error {g_err:.3g} > allowed "
+                                                f"{g_allowed:.3g}", g_err, g_allowed)
+        if case.repeat and not grad:
+            again, _ = _call(backend, inp, q, k, v)
+            if not torch.equal(again, out):
+                return CaseResult(case, "fail", "declared deterministic, but two runs differ "
+                                                f"(max {float((again - out).abs().max()):.3g})")
+    except _Fail as exc:
+        return CaseResult(case, "fail", str(exc))
+    return CaseResult(case, "pass", "", err, allowed)
+
+
+def _contract(out: torch.Tensor, lse: torch.Tensor | None, case: Case, inp: Inputs) -> None:
+    if tuple(out.shape) != inp.out_shape:
+        raise _Fail(f"output shape {tuple(out.shape)}, expected {inp.out_shape} "
+                    f"({case.layout}, value head dim {case.head_dim_v or case.head_dim})")
+    if out.dtype != inp.q.dtype:
+        raise _Fail(f"output dtype {out.dtype}, expected q's dtype {inp.q.dtype}")
+    if out.device != inp.q.device:
+        raise _Fail(f"output on {out.device}, expected q's device {inp.q.device}")
+    if torch.isnan(out).any():
+        raise _Fail(f"NaN in the output ({int(torch.isnan(out).sum())} values) for finite "
+                    "inputs")
+    if case.return_lse:
+        if lse is None:
+            raise _Fail("return_lse requested and returns_lse declared, but lse is None")
+        if tuple(lse.shape) != inp.lse_shape:
+            raise _Fail(f"lse shape {tuple(lse.shape)}, expected {inp.lse_shape}")
+
+
+def _references(inp: Inputs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp64 out, fp64-path lse, same-precision out, same-precision lse) in the backend's
+    layout; with ``grad`` the outputs keep the graph of the backend's own q, k, v."""
+    rq, rk, rv = (q, k, v) if grad else (inp.ref_q, inp.ref_k, inp.ref_v)
+    with torch.set_grad_enabled(grad):
+        o64, l64 = reference_attention(rq, rk, rv, inp.ref_params, layout=inp.ref_layout)
+        osame, lsame = reference_attention(rq, rk, rv, inp.ref_params, layout=inp.ref_layout,
+                                           compute_dtype=q.dtype)
+    if inp.batched:  # paged: the reference ran on packed thd
+        b, sq = inp.out_shape[:2]
+        o64, osame = (o.reshape(inp.out_shape) for o in (o64, osame))
+        l64, lsame = (x.reshape(x.shape[0], b, sq).transpose(0, 1) for x in (l64, lsame))
+    return o64, l64, osame, lsame
+
+
+def _compare(backend: Backend, out: torch.Tensor, ref64: torch.Tensor,
+             ref_same: torch.Tensor) -> tuple[float, float]:
+    caps = backend.capabilities
+    if caps.exact:
+        return fa_rule_error(out, ref64, ref_same)
+    budget = caps.error_budget if caps.error_budget is not None else math.inf
+    if math.isinf(budget):
+        return 0.0, math.inf  # declared unbounded: only the contract is checked
+    diff = (out.detach().double() - ref64.detach()).pow(2).mean().sqrt()
+    rel = float(diff / ref64.detach().pow(2).mean().sqrt().clamp_min(1e-12))
+    return rel, budget
+
+
+def _check_lse(lse: torch.Tensor | None, ref: torch.Tensor, ref_same: torch.Tensor) -> None:
+    assert lse is not None
+    lse = lse.detach().float()
+    inf_ref = torch.isinf(ref)
+    if not torch.equal(torch.isneginf(lse), inf_ref):
+        raise _Fail("lse: -inf pattern differs from the reference (fully masked rows must "
+                    "give -inf, every other row a finite value)")
+    if torch.isnan(lse).any():
+        raise _Fail("lse: NaN")
+    finite = ~inf_ref
+    err = float((lse - ref.float())[finite].abs().max()) if finite.any() else 0.0
+    base = float((ref_same.float() - ref.float())[finite].abs().max()) if finite.any() else 0.0
+    allowed = 2 * base + 1e-3
+    if err > allowed:
+        raise _Fail(f"lse: max error {err:.3g} > allowed {allowed:.3g} (natural log, "
+                    "(B, Hq, Sq) or (Hq, total_q))")
+
+
+def _grads(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
+           inputs: tuple[torch.Tensor, ...], case: Case, backend: Backend,
+           inp: Inputs) -> tuple[float, float]:
+    gen = torch.Generator().manual_seed(99)
+    dout = torch.randn(out.shape, generator=gen).to(out)
+    grads = torch.autograd.grad(out, inputs, dout, retain_graph=case.repeat)
+    g64 = torch.autograd.grad(ref64, inputs, dout.double())
+    gsame = torch.autograd.grad(ref_same, inputs, dout)
+    worst, worst_allowed = 0.0, math.inf
+    for g, r64, rs in zip(grads, g64, gsame):
+        if g is None or torch.isnan(g).any():
+            raise _Fail("gradient missing or NaN (backward declared)")
+        e, a = fa_rule_error(g, r64, rs, mult=3.0)
+        if e - a > worst - worst_allowed:
+            worst, worst_allowed = e, a
+    if case.repeat:
+        q, k, v = (x.detach().clone().requires_grad_(True) for x in inputs)
+        with torch.enable_grad():
+            out2, _ = _call(backend, inp, q, k, v)
+        again = torch.autograd.grad(out2, (q, k, v), dout)
+        if not all(torch.equal(a, b) for a, b in zip(again, grads)):
+            raise _Fail("declared deterministic backward, but two backward passes differ")
+    return worst, worst_allowed
+
+
+def _exc(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:240]

@@ -1,0 +1,23 @@
+"""The kit's table: one row per declared feature with its worst outcome."""
+
+from __future__ import annotations
+
+from ..cli._common import table
+from .kit import KitReport
+
+
+def format_report(report: KitReport, verbose: bool = False) -> str:
+    rows = []
+    for f in report.features():
+        err = "" if f["error"] is None else f"{f['error']:.2e}"
+        allowed = "" if f["allowed"] is None else f"{f['allowed']:.2e}"
+        rows.append((f["feature"], f["status"].upper() if f["status"] in ("fail", "crash")
+                     else f["status"], err, allowed, f["detail"][:110]))
+    head = (f"{report.backend} (plugin {report.plugin}) on {report.device}: "
+            f"{'PASS' if report.ok else 'FAIL'}")
+    lines = [head, table(rows, ("feature", "result", "worst error", "allowed", "detail"))]
+    if verbose:
+        for r in report.results:
+            lines.append(f"  {r.status:5} {r.seconds * 1e3:7.1f} ms  {r.case.describe()}"
+                         + (f"  -- {r.detail}" if r.detail else ""))
+    return "\n".join(lines)
