@@ -329,7 +329,7 @@ class Hub:
         return score_mod, mask_mod
 
     def bound(self) -> list[Runner]:
-        """Every runner bound so far (what the call path has resolved)."""
+        """The runners the call path has resolved (the most recent ``RUNNER_LIMIT``)."""
         return [r for _, r in self._runners.values()]
 
     def bind(self, model: Any, **shapes: Any) -> Any:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 
 import torch
 
@@ -24,6 +22,7 @@ from attnhub import AttentionOutput, AttnParams, Backend, Capabilities
 from attnhub.core.capabilities import ALL_MASKS
 from attnhub.core.registry import Registry
 from attnhub.hookspecs import hookimpl
+from attnhub.timing import median_ms
 
 
 class NullBackend(Backend):
@@ -48,14 +47,7 @@ class NullBackend(Backend):
 
 
 def median_us(fn, calls: int) -> float:
-    for _ in range(500):
-        fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
+    return median_ms(fn, "cpu", warmup=500, repeats=calls) * 1e3
 
 
 def main() -> None:
