@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
+
+from attnhub.integrations.transformers.testing import one_intraop_thread
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_generate.py"
 
@@ -19,13 +20,9 @@ def test_tiny_cpu_dry_run_writes_json_and_table(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("hf_generate", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: a second thread would only spin
-    try:
+    with one_intraop_thread():
         result = bench.main(["--device", "cpu", "--tiny", "--cells", "2x12",
                              "--new-tokens", "2", "--repeats", "1", "--out", str(tmp_path)])
-    finally:
-        torch.set_num_threads(before)
     assert [(c["batch"], c["prompt"]) for c in result["cells"]] == [(2, 12)]
     for cell in result["cells"]:
         for impl in ("sdpa", "attnhub"):

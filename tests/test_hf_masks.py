@@ -16,6 +16,7 @@ from attnhub.core.masking import allowed_mask
 from attnhub.core.reference import reference_attention
 from attnhub.integrations import transformers as hf
 from attnhub.integrations.transformers.masks import DenseMask, as_bool, mask_args
+from attnhub.integrations.transformers.testing import one_intraop_thread, twin_models
 from attnhub.policy import load_policy
 from attnhub.testing import assert_fa_rule
 
@@ -24,11 +25,8 @@ B, S, VOCAB = 2, 10, 96
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny models: one intra-op thread (two spin against each other on a busy 2-core CI)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_intraop_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +41,7 @@ def models(hub: Hub) -> tuple[torch.nn.Module, torch.nn.Module]:
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    ours = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="attnhub").eval()
-    eager = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="eager").eval()
-    eager.load_state_dict(ours.state_dict())
-    return ours, eager
+    return twin_models(cfg)
 
 
 def prefix_lm(prefix: list[int]) -> torch.Tensor:

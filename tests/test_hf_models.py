@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from attnhub import Hub
 from attnhub.integrations import transformers as hf
+from attnhub.integrations.transformers.testing import one_intraop_thread, twin_models
 from attnhub.policy import load_policy
 from attnhub.testing import assert_fa_rule
 
@@ -51,11 +52,8 @@ _PAIRS: dict[str, tuple] = {}
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny models: one intra-op thread (two spin against each other on a busy 2-core CI)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_intraop_thread():
+        yield
 
 
 _registered_hub: Hub | None = None
@@ -72,13 +70,8 @@ def hub() -> Hub:
 def pair(name: str, auto: type | None = None) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(attnhub model, eager model) with the same random weights, built once per module."""
     if name not in _PAIRS:
-        auto = auto or transformers.AutoModelForCausalLM
         cfg = CONFIGS[name]() if name in CONFIGS else BERT()
-        torch.manual_seed(0)
-        ours = auto.from_config(copy.deepcopy(cfg), attn_implementation="attnhub").eval()
-        eager = auto.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
-        eager.load_state_dict(ours.state_dict())
-        _PAIRS[name] = (ours, eager)
+        _PAIRS[name] = twin_models(cfg, auto)
     return _PAIRS[name]
 
 

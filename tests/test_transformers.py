@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from attnhub import AttnParams, Hub
 from attnhub.core.reference import reference_attention
 from attnhub.integrations import transformers as hf
+from attnhub.integrations.transformers.testing import twin_models
 from attnhub.policy import load_policy
 from attnhub.testing import assert_fa_rule
 
@@ -38,15 +39,8 @@ def hub() -> Hub:
 
 
 def _pair(cfg: object) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The same random weights under attnhub and under eager (configs copied: from_config
-    keeps the object it is given)."""
-    torch.manual_seed(0)
-    ours = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="attnhub").eval()
-    eager = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="eager").eval()
-    eager.load_state_dict(ours.state_dict())
-    return ours, eager
+    """The same random weights under attnhub and under eager."""
+    return twin_models(cfg)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
