@@ -229,7 +229,10 @@ class Hub:
                         hit = None
             if hit is not None:
                 if named:  # named variants (strings in the key): their callables, resolved once
-                    score_mod, mask_mod = named_score, named_mask
+                    if score_mod.__class__ is str:
+                        score_mod = named_score
+                    if mask_mod.__class__ is str:
+                        mask_mod = named_mask
                 if layout == "bhsd":
                     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
                 params = AttnParams(

@@ -163,3 +163,17 @@ def test_runner_table_is_bounded(hub, monkeypatch):
     assert len(hub._runners) == 3
     assert [s.mask.score_mod for s, _ in hub._runners.values()] == [
         "scaled_3", "scaled_4", "scaled_5"]
+
+
+def test_named_variant_beside_a_fresh_callable(hub):
+    """A variant name resolved once, the caller's own mask_mod on every call."""
+    variant = hub.registry.variants.get("softcap30")
+    if variant is None:
+        pytest.skip("no plugin registers the 'softcap30' variant here")
+    q, k, v = (torch.randn(1, 8, 2, 8) * 4 for _ in range(3))
+    for _ in range(3):
+        keep = torch.rand(8, 8) < 0.5
+        keep[:, 0] = True
+        mask = lambda b, h, qi, ki, keep=keep: keep[qi, ki]  # noqa: E731
+        out = hub.attention(q, k, v, score_mod="softcap30", mask_mod=mask, backend="reference")
+        _check(out, q, k, v, score_mod=variant.score_mod, mask_mod=mask)
