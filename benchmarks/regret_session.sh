@@ -38,11 +38,28 @@ if [[ -n "${DRY:-}" ]]; then common+=(--backends torch_sdpa --scale 256 --repeat
 
 pack=attnhub/profiles/${PACK:-nvidia-h200}.json
 rm -f "$pack"
+# STEP1_CELLS: measure only these cells in step 1 and merge the pack with PACK_FROM (a pack
+# of the other cells from an earlier run on the same machine image), to save device time.
+step1=()
+[[ -n "${STEP1_CELLS:-}" ]] && step1=(--cells "$STEP1_CELLS")
 say "step 1: grid before (no profile, no pack), writing the pack"
-ATTNHUB_PROFILE_PACKS=off timeout "$(cap 220)" python3 -m attnhub "${common[@]}" \
+ATTNHUB_PROFILE_PACKS=off timeout "$(cap 220)" python3 -m attnhub "${common[@]}" "${step1[@]}" \
   --out-json "$out/regret_before.json" --pack "$out/${PACK:-nvidia-h200}.json" \
   > "$out/before.txt" 2>> "$log"
 say "step 1 rc=$?"; tail -30 "$out/before.txt" >> "$log"
+if [[ -n "${PACK_FROM:-}" ]]; then
+  python3 - "$PACK_FROM" "$out/${PACK:-nvidia-h200}.json" >> "$log" 2>&1 <<'PY'
+import json, sys
+old, new = (json.load(open(p)) for p in sys.argv[1:3])
+for key, entry in new["devices"].items():
+    speed = old["devices"].get(key, {}).get("speed", {})
+    print("merge: earlier pack has", len(speed), "buckets for this device;",
+          "this run", len(entry["speed"]))
+    entry["speed"] = {**speed, **entry["speed"]}
+new["pack"]["merged_from"] = old["pack"]
+json.dump(new, open(sys.argv[2], "w"), indent=2, sort_keys=True)
+PY
+fi
 cp "$out/${PACK:-nvidia-h200}.json" "$pack" 2>> "$log"
 
 say "step 2: regret report with the pack in place"

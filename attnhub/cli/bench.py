@@ -148,6 +148,8 @@ def run_regret(args: argparse.Namespace) -> int:
         raise SystemExit("attnhub bench --regret: timings need the real machine (no --hardware)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
+    if gpu and device.index is None:  # "cuda" and "cuda:0" compare unequal in device checks
+        device = torch.device("cuda", torch.cuda.current_device())
     cells = rg.standard_grid(args.dtype or ("bf16" if gpu else "fp32"),
                              args.scale or (1 if gpu else 64))
     if args.cells:

@@ -255,3 +255,14 @@ def test_explain_names_the_pack(tmp_path, full_registry):
     d = policy.resolve(spec, dev, full_registry)
     assert d.candidates[:2] == ("torch_sdpa", "triton_decode")
     assert any(n.startswith("fastest (pack)") and "h.json" in n for n in d.notes)
+
+
+def test_near_ties_keep_list_order(store):
+    """Times within 3% are run-to-run noise: the rule's order decides among them."""
+    dev = simulate("sm90")
+    store.record_speed(dev, SPEC, "b", 1.000e-3)
+    store.record_speed(dev, SPEC, "a", 1.02e-3)   # tie with b: a is listed first
+    store.record_speed(dev, SPEC, "c", 0.90e-3)   # clearly fastest
+    store.record_speed(dev, SPEC, "d", 1.50e-3)
+    r = store.ranking(dev, SPEC, ["a", "b", "c", "d", "e"])
+    assert r.order == ["c", "a", "b", "d", "e"] and "ties within 3%" in r.note
