@@ -49,9 +49,10 @@ class Capabilities:
     deterministic_forward: bool = False
     gqa: bool = False
     returns_lse: bool = False
-    #: True when the LSE is not the kernel's own but a second pass over materialised fp32
-    #: scores (torch SDPA, the reference): fine for one call, not as the local kernel of a
-    #: distributed backend, which needs the LSE of every block (the resolver refuses it there).
+    #: True when the LSE is (on some device) not the kernel's own but a second pass over
+    #: materialised fp32 scores (torch SDPA on GPUs, the reference): fine for one call, not as
+    #: the local kernel of a distributed backend, which needs the LSE of every block (the
+    #: resolver refuses it there).
     lse_second_pass: bool = False
     top_left_causal: bool = False
     exact: bool = True
