@@ -323,6 +323,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter check of the script")
     ap.add_argument("--paged-study", action="store_true",
                     help="only the paged study (sequential vs random tables, tiles, FP8)")
+    ap.add_argument("--second", action="store_true",
+                    help="with --paged-study: the second variant set (A/B swap, FP8 tiles)")
     args = ap.parse_args()
     t0 = time.time()
     deadline = t0 + args.budget
@@ -342,7 +344,8 @@ def main() -> None:
     print(json.dumps(meta), flush=True)
     if args.paged_study:
         meta["ceilings"] = ceilings()
-        meta["paged_study"] = paged_study(Path(args.out), arch, sms, deadline)
+        meta["config_paged_fp8"] = repr(decode_config(arch, paged=True, kv_fp8=True))
+        meta["paged_study"] = paged_study(Path(args.out), arch, sms, deadline, args.second)
         meta["seconds"] = time.time() - t0
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "triton_decode_paged.json").write_text(json.dumps(meta, indent=1))
@@ -446,13 +449,32 @@ STUDY_FP8 = [dict(), dict(num_stages=6), dict(num_stages=8), dict(prefetch_pages
              dict(block_n=128, num_warps=8, num_stages=4, prefetch_pages=True)]
 
 
-def paged_study(out_dir: Path, arch: str, sms: int, deadline: float) -> dict[str, Any]:
+#: --study-set second: after the first set picked prefetch_pages for the table (so ``{}`` is
+#: the table's config), the A/B swap and FP8 tiles (FP8 ran slower than bf16 in the first).
+STUDY_SECOND = {
+    "tiles": [dict(), dict(prefetch_pages=False), dict(swap_ab=True)],
+    "fused": [],
+    "fp8": [dict(), dict(swap_ab=True), dict(swap_ab=True, num_stages=6),
+            dict(swap_ab=True, block_n=128), dict(swap_ab=True, block_n=128, num_warps=8),
+            dict(block_n=128, num_stages=4), dict(block_n=128, num_stages=6),
+            dict(swap_ab=True, block_n=128, num_stages=6), dict(block_n=256, num_stages=3),
+            dict(swap_ab=True, num_warps=8)],
+}
+
+
+def paged_study(out_dir: Path, arch: str, sms: int, deadline: float,
+                second: bool = False) -> dict[str, Any]:
     """Paged decode, sequential vs random tables: the table config, tile variants x splits
     (GPU time), eager time host included (kernel, backend and hub), FP8 vs bf16 cache."""
     from attnhub import Hub
 
+    global STUDY_TILES, STUDY_FUSED, STUDY_FP8
+    if second:
+        STUDY_TILES, STUDY_FUSED, STUDY_FP8 = (STUDY_SECOND["tiles"], STUDY_SECOND["fused"],
+                                               STUDY_SECOND["fp8"])
     res: dict[str, Any] = {"rows": [], "sweep": [], "eager": [], "fp8": []}
     base = decode_config(arch, paged=True)
+    base8 = decode_config(arch, paged=True, kv_fp8=True)
     hub = Hub()
     for batch, ctx in STUDY_SHAPES:
         c = PagedCase(batch, ctx)
@@ -478,10 +500,10 @@ def paged_study(out_dir: Path, arch: str, sms: int, deadline: float) -> dict[str
             res["rows"].append(row)
             splits0 = choose_splits(batch, HKV, ctx, sms, base)
             variants = [(t, False) for t in STUDY_TILES + (STUDY_FUSED if batch == 1 else [])]
-            if batch > 1 and table == "random":
+            if table == "random" and (batch > 1 or second):
                 variants += [(t, True) for t in STUDY_FP8]
             for tiles, fp8 in variants:
-                cfg = base.with_(**tiles)
+                cfg = (base8 if fp8 else base).with_(**tiles)
                 cands = sorted({splits0, min(128, splits0 * 2)}) if batch == 1 else [splits0]
                 for splits in cands:
                     if time.time() > deadline:

@@ -33,6 +33,8 @@ class DecodeConfig:
     second launch (1 x 32k: 41.0 vs 36.0 us), so it is off by default. ``prefetch_pages``
     (paged caches) loads the next key tile's page ids one loop iteration early, so that a
     tile's K/V addresses never wait on a block-table load in the same iteration.
+    ``swap_ab`` computes ``k @ q^T`` and ``v^T @ p^T`` (the K/V tile as the first operand,
+    which Hopper's MMA takes from registers: meant for FP8 tiles widened in registers).
     """
 
     block_n: int = 64
@@ -44,6 +46,7 @@ class DecodeConfig:
     max_splits: int = 128
     merge_warps: int = 4
     prefetch_pages: bool = False
+    swap_ab: bool = False
 
     def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -66,9 +69,16 @@ _TABLE: dict[str, DecodeConfig] = {
 #: Paged caches: each key's address waits on a block-table load, so a program stalls more
 #: and it takes about four programs per SM to hide it (H200, page 16: 1 x 32k went from
 #: 1.9 TB/s at 16 splits to 3.3 at 66; 16 x 8k from 2.2 at 1 split to 4.0 at 4).
+#: Prefetching the next tile's page ids (``prefetch_pages``) measured on an H200 on
+#: 2026-12-01 (docs/benchmarks/triton_decode_paged.md), random table: 1 x 128k at 64 splits
+#: 174.6 -> 138.4 us, 1 x 32k 50.7 -> 47.7 us, 64 x 32k 1928 -> 1926 us (no loss anywhere).
 _PAGED: dict[str, DecodeConfig] = {
-    "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=4, ctas_per_sm=4),
+    "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=4, ctas_per_sm=4,
+                         prefetch_pages=True),
 }
+
+#: FP8 (e4m3) caches: half the bytes per key, tiles widened in registers before the dots.
+_FP8: dict[str, DecodeConfig] = {}
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
 INTERPRETER_SM_COUNT = 4
@@ -87,14 +97,18 @@ def _family(arch: str) -> str:
     return "generic"
 
 
-def decode_config(arch: str, dtype: str = "bf16", paged: bool = False) -> DecodeConfig:
-    """The table's configuration for ``arch`` (``cpu``, ``sm90``, ``gfx942``...).
+def decode_config(arch: str, dtype: str = "bf16", paged: bool = False,
+                  kv_fp8: bool = False) -> DecodeConfig:
+    """The table's configuration for ``arch`` (``cpu``, ``sm90``, ``gfx942``...); ``kv_fp8``
+    for an e4m3 cache (its own row where one was measured).
 
     fp32 tiles take twice the shared memory of 16-bit ones, so the key tile is halved there
     (on GPUs) to keep the same number of programs resident.
     """
     family = _family(arch)
     cfg = _PAGED.get(family, _TABLE[family]) if paged else _TABLE[family]
+    if kv_fp8:
+        cfg = _FP8.get(family, cfg)
     if dtype == "fp32" and arch != "cpu":
         cfg = cfg.with_(block_n=max(16, cfg.block_n // 2))
     return cfg
