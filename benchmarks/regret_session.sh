@@ -63,8 +63,8 @@ fi
 cp "$out/${PACK:-nvidia-h200}.json" "$pack" 2>> "$log"
 
 say "step 2: regret report with the pack in place"
-timeout "$(cap 170)" python3 -m attnhub "${common[@]}" --out-json "$out/regret.json" \
-  --md "$out/regret.md" --plot "$out/regret.png" >> "$log" 2>&1
+timeout "$(cap 170)" python3 -m attnhub "${common[@]}" "${step1[@]}" \
+  --out-json "$out/regret.json" --md "$out/regret.md" --plot "$out/regret.png" >> "$log" 2>&1
 say "step 2 rc=$?"
 
 say "step 3: host overhead"
@@ -73,5 +73,11 @@ timeout "$(cap 60)" python3 benchmarks/overhead.py --json --calls "$calls" --rou
   > "$out/overhead.json" 2>> "$log"
 say "step 3 rc=$?"
 cat "$out/overhead.json" >> "$log"
-rm -f "$out/before.txt"
+if [[ -n "${REST_CELLS:-}" ]]; then  # the other cells again, with the merged pack, as time allows
+  say "step 4: regret report, cells $REST_CELLS"
+  timeout "$(cap 170)" python3 -m attnhub "${common[@]}" --cells "$REST_CELLS" \
+    --out-json "$out/regret_rest.json" >> "$log" 2>&1
+  say "step 4 rc=$?"
+fi
+rm -f "$out/before.txt" "$out/regret.md" "$out/regret.png"
 say "done"
