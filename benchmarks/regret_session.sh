@@ -79,5 +79,5 @@ if [[ -n "${REST_CELLS:-}" ]]; then  # the other cells again, with the merged pa
     --out-json "$out/regret_rest.json" >> "$log" 2>&1
   say "step 4 rc=$?"
 fi
-rm -f "$out/before.txt" "$out/regret.md" "$out/regret.png"
+rm -f "$out/before.txt"
 say "done"
