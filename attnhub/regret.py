@@ -133,6 +133,15 @@ class CellResult:
                 "raw_sdpa_ms": self.raw_sdpa_ms, "seconds": round(self.seconds, 1)}
 
 
+def from_json(d: dict[str, Any]) -> CellResult:
+    """A cell back from ``CellResult.to_json`` (to re-render or combine saved reports)."""
+    pol = d.get("policy", {})
+    return CellResult(d["cell"], None, pol.get("backend"), pol.get("rule"),
+                      pol.get("source") or "", pol.get("ms"), pol.get("error"),
+                      dict(d.get("times_ms", {})), dict(d.get("skipped", {})),
+                      dict(d.get("failed", {})), d.get("raw_sdpa_ms"), d.get("seconds", 0.0))
+
+
 def regret(policy_ms: float | None, times: dict[str, float]) -> float | None:
     """Policy time over the best time (None when either is missing)."""
     if policy_ms is None or not times:
@@ -399,5 +408,6 @@ def stderr_log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-__all__ = ["BOUND", "Cell", "CellResult", "markdown", "measure_cell", "misses", "pack_data",
+__all__ = ["BOUND", "Cell", "CellResult", "from_json", "markdown", "measure_cell", "misses",
+           "pack_data",
            "plot", "regret", "standard_grid"]

@@ -86,3 +86,21 @@ def test_bench_with_unwritable_store_keeps_measurements(tmp_path: Path, capsys):
     assert rc == 3
     assert "torch_sdpa" in out and "median ms" in out and md.exists()
     assert "could not be written" in err and str(blocker / "profile.json") in err
+
+
+def test_saved_reports_render_again(tmp_path: Path, capsys):
+    """`--from-json` renders md/png from saved reports; a later file replaces a cell."""
+    a, b = _cell("decode tiny 1 query, 1k keys", "x", 2.0, {"x": 1.0}), \
+        _cell("prefill full 16k", "x", 1.0, {"x": 1.0})
+    first = {"measured": "t1", "device": "d", "commit": "c", "cells": [a.to_json(), b.to_json()]}
+    fixed = _cell("decode tiny 1 query, 1k keys", "x", 1.01, {"x": 1.0})
+    second = {"measured": "t2", "device": "d", "commit": "c", "cells": [fixed.to_json()]}
+    paths = [tmp_path / "1.json", tmp_path / "2.json"]
+    for p, d in zip(paths, (first, second)):
+        p.write_text(json.dumps(d))
+    md = tmp_path / "r.md"
+    assert main(["bench", "--regret", "--from-json", ",".join(map(str, paths)),
+                 "--md", str(md)]) == 0
+    text = md.read_text()
+    assert text.index("prefill full 16k") < text.index("decode tiny")  # grid order
+    assert "| 1.01 |" in text and "**2.00**" not in text

@@ -61,6 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write a profile pack of the forced timings (attnhub/profiles/*.json)")
     g.add_argument("--header", default="", help="extra text for the report header "
                                                 "(e.g. the commit)")
+    g.add_argument("--from-json", default=None, metavar="FILE,..",
+                   help="measure nothing: render --md/--plot from saved --out-json reports "
+                        "(later files replace cells of the same name)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_json(p)
     p.set_defaults(func=run)
@@ -143,6 +146,9 @@ def run_regret(args: argparse.Namespace) -> int:
     from .. import regret as rg
     from ..hub import Hub
 
+    if args.from_json:
+        return render_saved(args)
+
     hub = Hub(policy=args.policy, hardware=args.hardware)
     if hub.device.simulated:
         raise SystemExit("attnhub bench --regret: timings need the real machine (no --hardware)")
@@ -207,6 +213,32 @@ def run_regret(args: argparse.Namespace) -> int:
             (r.spec, b, ms) for r in results if r.spec is not None
             for b, ms in r.times.items()]):
         return STORE_FAILED
+    return 1 if rg.misses(results) else 0
+
+
+def render_saved(args: argparse.Namespace) -> int:
+    """``--from-json``: one report (md, png) from saved JSON reports, cells in grid order."""
+    import json
+
+    from .. import regret as rg
+
+    cells: dict[str, Any] = {}
+    heads = []
+    for f in [x.strip() for x in args.from_json.split(",") if x.strip()]:
+        data = json.loads(Path(f).read_text(encoding="utf-8"))
+        heads.append(f"{Path(f).name}: {data.get('measured')}, {data.get('device')}, "
+                     f"{data.get('commit')}")
+        for c in data["cells"]:
+            cells[c["cell"]] = rg.from_json(c)
+    grid = [c.name for c in rg.standard_grid()]
+    results = sorted(cells.values(), key=lambda r: grid.index(r.cell) if r.cell in grid
+                     else len(grid))
+    md = rg.markdown(results, args.header + "\n\nfrom " + "; ".join(heads) + "\n")
+    print(md)
+    if args.md:
+        Path(args.md).write_text(md + "\n", encoding="utf-8")
+    if args.plot:
+        rg.plot(results, args.plot, title=args.header)
     return 1 if rg.misses(results) else 0
 
 
