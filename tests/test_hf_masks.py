@@ -165,3 +165,31 @@ def test_hub_serves_each_dense_mask_of_one_shape(hub: Hub) -> None:
         ref64, _ = reference_attention(tq, tk, tv, params)
         same, _ = reference_attention(tq, tk, tv, params, compute_dtype=torch.float32)
         assert_fa_rule(out, ref64, same)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_any_mask_translates_to_the_same_visible_pairs(seed: int) -> None:
+    """Random masks of every family and broadcast shape (causal/window/padding in any
+    combination, or arbitrary): the attnhub arguments mark exactly the same (query, key)
+    pairs visible, through the structured form when there is one."""
+    g = torch.Generator().manual_seed(seed)
+    b, sq = 3, int(torch.randint(1, 9, (1,), generator=g))
+    sk = sq + int(torch.randint(0, 6, (1,), generator=g))
+    i = torch.arange(sq).view(sq, 1) + (sk - sq)
+    j = torch.arange(sk).view(1, sk)
+    keep = torch.rand(b, 1, 1, sk, generator=g) < 0.7
+    causal = bool(seed % 2)
+    w = int(torch.randint(0, 4, (1,), generator=g))
+    window = ((w, 0) if causal else (w, w)) if seed % 3 == 0 else None
+    structured = keep & ((j <= i) if causal else torch.ones_like(j <= i))
+    if window is not None:
+        structured = structured & (j >= i - window[0]) & (j <= i + window[1])
+    arbitrary = torch.rand(1, 1, sq, sk, generator=g) < 0.5
+    for mask, expect_dense in ((structured, False), (keep, False), (arbitrary, None)):
+        args = mask_args(mask, causal, window, b, sq, sk, caller=object())
+        if expect_dense is False:
+            assert "mask_mod" not in args, (mask.shape, causal, window)
+        params = AttnParams(scale=1.0, **args)
+        got = allowed_mask(params, b, 1, sq, sk, mask.device)
+        want = mask.expand(b, 1, sq, sk)
+        assert torch.equal(got if got is not None else torch.ones_like(want), want)

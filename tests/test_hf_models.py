@@ -70,13 +70,17 @@ def hub() -> Hub:
 def pair(name: str, auto: type | None = None) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(attnhub model, eager model) with the same random weights, built once per module."""
     if name not in _PAIRS:
-        cfg = CONFIGS[name]() if name in CONFIGS else BERT()
+        cfg = (CONFIGS | ENCODERS)[name]()
         _PAIRS[name] = twin_models(cfg, auto)
     return _PAIRS[name]
 
 
-def BERT() -> object:
-    return transformers.BertConfig(**dict(SMALL, max_position_embeddings=64))
+ENCODERS: dict[str, Callable[[], object]] = {
+    "bert": lambda: transformers.BertConfig(**SMALL),
+    "modernbert-sliding": lambda: transformers.ModernBertConfig(
+        **SMALL, local_attention=4, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0),
+}
 
 
 def _oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -165,16 +169,22 @@ def test_successive_padded_batches_match_the_fp64_oracle(hub: Hub, name: str) ->
                      attention_mask=mask)
 
 
-def test_bert_encoder_with_padding_over_successive_batches(hub: Hub) -> None:
-    """An encoder's key-padding mask is structured (column ranges), never a stale dense one."""
-    ours, eager = pair("bert", transformers.AutoModel)
+@pytest.mark.parametrize("name,structured", [
+    ("bert", {"column_sparse"}),
+    ("modernbert-sliding", {"column_sparse", "sliding_window"}),  # |q - kv| <= w windows
+])
+def test_encoders_with_padding_over_successive_batches(hub: Hub, name: str,
+                                                       structured: set[str]) -> None:
+    """An encoder's key padding (and bidirectional window) is structured (column ranges,
+    window), never a stale dense mask."""
+    ours, eager = pair(name, transformers.AutoModel)
     ref, sdpa = oracle(eager), sdpa_twin(eager)
     for i, (ids, mask) in enumerate(batches(seed=5)):
-        _check_batch(ours, eager, ref, f"bert batch {i}", sdpa, input_ids=ids,
+        _check_batch(ours, eager, ref, f"{name} batch {i}", sdpa, input_ids=ids,
                      attention_mask=mask)
     kinds = {r.decision.spec.mask.kinds for r in hub.bound()
-             if r.decision.context.model == "bert"}
-    assert frozenset({"column_sparse"}) in kinds, kinds  # padding as column ranges
+             if r.decision.context.model == ours.config.model_type}
+    assert structured in kinds, kinds
     assert not any("mask_mod" in k for k in kinds), kinds
 
 

@@ -99,7 +99,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     _refuse_unsupported(dropout, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    window = (sliding_window - 1, 0) if sliding_window else None
+    # transformers' windows: causal keeps kv > q - w; bidirectional keeps |q - kv| <= w, and
+    # some models pass w + 1 (ModernBERT): the mask, when there is one, decides
+    window, other = None, ()
+    if sliding_window:
+        w = sliding_window
+        window, other = ((w - 1, 0), ()) if causal else ((w, w), ((w - 1, w - 1),))
     sq, sk = q.shape[1], k.shape[1]
     if attention_mask is None and causal and 1 < sq < sk:
         # transformers drops the mask only for a prefill into an empty static cache, whose
@@ -109,7 +114,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise InputError(f"attention_mask is on {attention_mask.device} but the queries are on "
                          f"{q.device}: move the mask to {q.device}")
     mask = mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk, module,
-                     heads=q.shape[2])
+                     heads=q.shape[2], other_windows=other)
     # phase left to the hub: one query over a longer cache is decode, else prefill or train
     hub = getattr(module, "_attnhub_hub", None) or _hub or default_hub()
     out = hub.attention(q, k, v, scale=scaling, softcap=softcap, context=_context(module),

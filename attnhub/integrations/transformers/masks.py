@@ -76,11 +76,15 @@ class DenseMask:
 
 def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] | None,
               batch: int, sq: int, sk: int, caller: object = None,
-              heads: int | None = None) -> dict[str, Any]:
+              heads: int | None = None,
+              other_windows: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
     """attnhub mask arguments with the same meaning as transformers' ``mask`` for this call.
 
-    ``caller`` (the attention module) marks forward passes: one module asking twice about
-    the same mask tensor means a new forward, so the translation is recomputed from the data.
+    ``causal``/``window`` are the layer's own form (used as is when there is no mask);
+    ``other_windows`` are further window forms to recognise (models disagree on whether
+    ``sliding_window`` counts the query itself). ``caller`` (the attention module) marks
+    forward passes: one module asking twice about the same mask tensor means a new forward,
+    so the translation is recomputed from the data.
     """
     if mask is None:
         return {"causal": causal, "window": window}
@@ -89,7 +93,7 @@ def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] |
                          "tensor masks transformers builds for it (a BlockMask belongs to "
                          "attn_implementation='flex_attention')")
     _check_shape(mask, batch, sq, sk, heads)
-    key = (causal, window, batch, sq, sk)
+    key = (causal, window, other_windows, batch, sq, sk)
     proof = (mask._version, mask.data_ptr())
     memo = getattr(mask, _MEMO_ATTR, None)
     if memo is None or memo["proof"] != proof:
@@ -103,7 +107,8 @@ def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] |
         entry[0].add(id(caller))  # another layer of the same forward
         return entry[1]
     allowed, owned = as_bool(mask)
-    out = _translate(allowed, causal, window, batch, sq, sk)
+    forms = [(causal, window)] + [(causal, w) for w in other_windows]
+    out = _translate(allowed, forms, batch, sq, sk)
     # the memo owns a converted copy, so it lives exactly as long as the caller's mask
     memo[key] = ({id(caller)}, out, owned)
     return out
@@ -146,22 +151,25 @@ def as_bool(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return out, out
 
 
-def _translate(allowed: torch.Tensor, causal: bool, window: tuple[int, int] | None,
+def _translate(allowed: torch.Tensor, forms: list[tuple[bool, tuple[int, int] | None]],
                batch: int, sq: int, sk: int) -> dict[str, Any]:
-    """The narrowest attnhub form of a boolean mask: structured if exactly so, else dense."""
+    """The narrowest attnhub form of a boolean mask: the first of ``forms`` (causal, window)
+    or plain padding that it equals exactly, plus key padding; else dense."""
     full = allowed.expand(batch, allowed.shape[1], sq, sk)
     if allowed.shape[1] == 1:
         keep = full[:, 0].any(dim=1)  # (B, Sk): key columns some query sees
         rows = torch.arange(sq, device=allowed.device).view(sq, 1) + (sk - sq)
         cols = torch.arange(sk, device=allowed.device).view(1, sk)
         # the mask is authoritative (sdpa ignores is_causal when given one): try the
-        # layer's own form first, then plain padding
-        for c, w in ((causal, window), (False, None)) if (causal or window) else ((False, None),):
+        # layer's own forms first, then plain padding
+        for c, w in dict.fromkeys([*forms, (False, None)]):
             shape = keep.view(batch, 1, 1, sk)
             if c:
                 shape = shape & (cols <= rows)
-            if w is not None:
+            if w is not None and w[0] >= 0:
                 shape = shape & (cols >= rows - w[0])
+            if w is not None and w[1] >= 0:
+                shape = shape & (cols <= rows + w[1])
             if torch.equal(shape.expand(batch, 1, sq, sk), full):
                 out: dict[str, Any] = {"causal": c, "window": w}
                 if not bool(keep.all()):  # key padding: every query row of a padded column
