@@ -9,6 +9,7 @@ resolves its local kernel through the policy like a GPU one. Masks: none and squ
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from attnhub.plugin import (
     DeviceInfo,
     InputError,
     doc_ranges,
+    reference_attention,
 )
 
 from .block_kernels import flash_backward, flash_forward_cpu
@@ -109,4 +111,20 @@ class TorchFlashCPUBackend(Backend):
         if sq == 0 or sk == 0:
             return (q.new_zeros(b, sq, hq, v.shape[-1]),
                     torch.full((b, hq, sq), float("-inf"), device=q.device))
-        return _FlashCPU.apply(q, k, v, params.causal, params.scale)
+        out, lse = _FlashCPU.apply(q, k, v, params.causal, params.scale)
+        return _keep_nan(out, lse, q, k, v, params)
+
+
+def _keep_nan(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, params: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN in, NaN out (docs/contract.md): the CPU flash kernel gives a row of zeros where
+    every score is NaN. A query's NaN is added back (one reduction over q); a row that came
+    out exactly zero (rare: all-NaN scores, or a true zero) is recomputed by the reference."""
+    poison = q.sum(-1, keepdim=True) * 0  # (B, S, H, 1): 0, or NaN on rows with NaN/inf
+    out = out + poison.to(out.dtype)
+    lse = torch.where(torch.isneginf(lse), lse, lse + poison.squeeze(-1).transpose(1, 2))
+    if bool((out == 0).all(-1).any()):
+        out, lse = reference_attention(q, k, v, replace(params, return_lse=True),
+                                       compute_dtype=torch.float32)
+        out = out.to(q.dtype)
+    return out, lse
