@@ -122,9 +122,9 @@ def _check_shape(mask: torch.Tensor, batch: int, sq: int, sk: int, heads: int | 
           and mask.shape[3] == sk and (heads is None or mask.shape[1] in (1, heads)))
     if not ok:
         raise InputError(f"attention_mask of shape {tuple(mask.shape)} does not fit this call "
-                         f"(batch {batch}, {heads or 'H'} heads, {sq} queries, {sk} keys): pass a 4-D (B|1, 1|H, "
-                         f"Sq|1, {sk}) mask, or a 2-D (B, Sk) padding mask and let transformers "
-                         "build the 4-D one")
+                         f"(batch {batch}, {heads or 'H'} heads, {sq} queries, {sk} keys): "
+                         f"pass a 4-D (B|1, 1|H, Sq|1, {sk}) mask, or a 2-D (B, Sk) padding "
+                         "mask and let transformers build the 4-D one")
 
 
 def as_bool(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
