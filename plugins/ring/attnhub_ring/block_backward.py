@@ -1,13 +1,13 @@
-"""Gradient of one (query rows, KV block) pair of ring attention, from the saved global LSE.
+"""Gradient of one (query rows, KV block) pair of ring attention, from the saved global LSE,
+in plain fp32 torch: the ring's exact fallback (block_kernels.py picks it).
 
 The merged output's gradient with respect to one block is FlashAttention's backward with the
 *global* statistics: ``P = exp(S - lse)`` (probabilities normalised over all blocks),
 ``dV = P^T dO``, ``dS = P * (dO V^T - delta)`` with ``delta = rowsum(dO * O) - dlse`` over the
-*merged* ``O``. A local kernel run again under autograd would normalise over its own block and
-take ``delta`` from its own block output; correcting that needs a gradient through its LSE,
-which fused kernels (FlashAttention, cuDNN) do not provide. So the block backward is done here
-in plain torch, in fp32, a few hundred query rows at a time to bound the score memory; it is
-exact for any local backend that returns LSE, deterministic, and independent of the kernel.
+*merged* ``O``. The fused kernels (cuDNN, FlashAttention) compute the same given the merged
+output and global LSE, but they take neither ``dlse`` (a loss that uses the returned LSE) nor
+softcap; this does, a few hundred query rows at a time to bound the score memory, exactly and
+deterministically for any local backend.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ posts the hop that passes this block on (and receives the next one), runs the lo
 the part of the block its plan allows, merges the result into fp32 accumulators by LSE, then
 waits for the hop. Backward walks the same ring: K/V blocks travel as in the forward, and
 each block's dK/dV accumulator travels with it, one hop behind, collecting every rank's
-contribution until it arrives back at the rank that owns the block (``W`` hops).
+contribution until it arrives back at the rank that owns the block (``W`` hops). A block's
+gradients come from a fused backward given the merged output and the global LSE (cuDNN or
+torch's FlashAttention), or from the exact fp32 math where those cannot serve
+(block_kernels.py says which and why).
 """
 
 from __future__ import annotations
