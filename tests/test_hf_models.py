@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,7 +139,8 @@ def _outputs(model: torch.nn.Module, **kw: torch.Tensor) -> torch.Tensor:
     return res.logits if hasattr(res, "logits") else res.last_hidden_state
 
 
-def _check_batch(ours, eager, ref, what: str, sdpa=None, **kw: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+def _check_batch(ours: torch.nn.Module, eager: torch.nn.Module, ref: torch.nn.Module,
+                 what: str, sdpa: torch.nn.Module | None = None, **kw: torch.Tensor) -> None:
     """ours against the fp64 oracle by the FlashAttention rule, measured once with eager and
     (where given) once with sdpa as the same-precision implementation."""
     keep = kw["attention_mask"].bool() if "attention_mask" in kw else ...
@@ -249,7 +251,7 @@ def test_models_that_bypass_the_attention_interface_are_refused_at_build(
     assert ok.config._attn_implementation == "eager"
 
 
-def test_policy_binds_per_model_and_layer_through_register(hub: Hub, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_policy_binds_per_model_and_layer_through_register(hub: Hub, tmp_path: Path) -> None:
     """A policy rule naming the model and a layer index decides that layer only."""
     path = tmp_path / "per-layer.yaml"
     path.write_text("name: per-layer\nversion: 1\nextends: default\nrules:\n"
