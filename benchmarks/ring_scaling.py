@@ -166,6 +166,15 @@ def time_one(args: argparse.Namespace, seqlen: int, mode: str, local: str) -> fl
     return timed(attention_step(q, k, v, mode == "fwdbwd", one), args)
 
 
+def one_gpu_time(args: argparse.Namespace, seqlen: int, mode: str,
+                 local: str) -> tuple[float, int]:
+    """(seconds, length timed): the whole sequence on one GPU, or, past ``--single-max``
+    (a length one GPU cannot hold or time), the largest that it can, scaled by
+    ``(S / S_max)^2`` (attention FLOPs are quadratic in S; the row records S_max)."""
+    n = min(seqlen, args.single_max) if args.single_max else seqlen
+    return time_one(args, n, mode, local) * (seqlen / n) ** 2, n
+
+
 def time_cp(args: argparse.Namespace, world: int, seqlen: int, mesh: Any, group: Any,
             mode: str) -> tuple[float, str]:
     """PyTorch's context parallelism around SDPA: every rank holds the full (B,H,S,D)
@@ -255,7 +264,7 @@ def measure(args: argparse.Namespace, world: int, seqlen: int, mode: str, group:
     row["t_ring_ms"] = t_ring * 1e3
     t_one = float("nan")
     if dist.get_rank(group) == 0 and not args.skip_single:
-        t_one = time_one(args, seqlen, mode, local)
+        t_one, row["one_gpu_from"] = one_gpu_time(args, seqlen, mode, local)
     row["t_one_gpu_ms"] = t_one * 1e3
     row["efficiency"] = t_one / (world * t_ring)
     row["tokens_per_s"] = args.batch * seqlen / t_ring
@@ -492,11 +501,15 @@ def markdown(report: dict[str, Any]) -> str:
     else:
         lines = ["| W | S | mode | local kernel | ring ms | one GPU ms | efficiency | "
                  "model | PyTorch CP ms | CP efficiency | CP heads |", "|" + "---|" * 11]
+        if any(r.get("one_gpu_from", r["seqlen"]) != r["seqlen"] for r in timing):
+            lines.insert(0, "One GPU marked * : timed at the largest length it holds and "
+                            "scaled by (S / that length)^2.\n")
         for r in timing:
             cp = (f"{r['t_cp_ms']:.1f} | {r['cp_efficiency']:.2f} | {r['cp_heads']}"
                   if "t_cp_ms" in r else f"- | - | {r.get('cp_error', 'not run')}")
+            star = "*" if r.get("one_gpu_from", r["seqlen"]) != r["seqlen"] else ""
             lines.append(f"| {r['world']} | {r['seqlen']} | {r['mode']} | {r['local']} | "
-                         f"{r['t_ring_ms']:.1f} | {r['t_one_gpu_ms']:.1f} | "
+                         f"{r['t_ring_ms']:.1f} | {r['t_one_gpu_ms']:.1f}{star} | "
                          f"{r['efficiency']:.2f} | {r['predicted_efficiency']:.2f} | {cp} |")
     checks = [r for r in report["rows"] if r.get("check")]
     if checks:
@@ -574,6 +587,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--skip-single", action="store_true",
                     help="do not time one GPU on the whole sequence (too long for it)")
+    ap.add_argument("--single-max", type=int, default=0, metavar="S",
+                    help="time one GPU at most at length S and scale by (S_seq / S)^2 beyond "
+                         "(the row says so)")
     ap.add_argument("--no-cp", action="store_true",
                     help="do not time PyTorch's context parallelism beside the ring")
     ap.add_argument("--simulate", type=int, default=0, metavar="W",
