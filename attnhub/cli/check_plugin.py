@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..conformance import format_report, grid, run_kit
+from ..conformance import backend_grid, format_report, run_kit
 from ..core.backend import safe_available
 from ..core.device import probe
 from ..core.registry import Registry
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise AttnhubError(f"no backend can run on {device.describe()} (see `attnhub backends`)")
     reports = []
     for n in names:
-        cases = [c for c in grid(reg.get(n).capabilities, args.quick)
+        cases = [c for c in backend_grid(reg.get(n), device, args.quick)
                  if not args.feature or any(t in c.feature for t in args.feature)]
         reports.append(run_kit(reg.get(n), device, budget_s=args.budget, cases=cases))
     checked = any(r.status != "skip" for rep in reports for r in rep.results)

@@ -11,7 +11,8 @@ tested on it; docs/plugins.md describes every check.
 from __future__ import annotations
 
 from .cases import Case, grid
-from .kit import CaseResult, KitReport, run_case, run_kit
+from .kit import CaseResult, KitReport, backend_grid, run_case, run_kit
 from .report import format_report
 
-__all__ = ["Case", "CaseResult", "KitReport", "format_report", "grid", "run_case", "run_kit"]
+__all__ = ["Case", "CaseResult", "KitReport", "backend_grid", "format_report", "grid", "run_case",
+           "run_kit"]

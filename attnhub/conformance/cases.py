@@ -59,7 +59,10 @@ class Case:
     deterministic: bool = False
     repeat: bool = False  # run twice, outputs (and gradients) must be bitwise equal
     seed: int = 0
+    #: A declaration the kit finds inconsistent by itself (reported as a failure).
     notes: tuple[str, ...] = field(default=())
+    #: A declared feature the kit cannot exercise (reported as skipped, with this reason).
+    untested: str = ""
 
     def describe(self) -> str:
         bits = [self.phase, self.dtype, f"d={self.head_dim}", f"heads={self.heads[0]}:"
@@ -78,10 +81,30 @@ class Case:
         return " ".join(bits)
 
 
-def grid(caps: Capabilities, quick: bool = False) -> list[Case]:
+#: Masks tried, in order, for the base case: a backend that cannot serve an unmasked call
+#: (a causal recurrence, a window-only kernel) is tested on the first mask it accepts.
+BASE_MASKS: tuple[dict[str, Any], ...] = (
+    {}, {"causal": True}, {"causal": True, "window": (3, 0)}, {"window": (3, 3)})
+
+
+def base_masks(caps: Capabilities) -> list[dict[str, Any]]:
+    """The base masks of :data:`BASE_MASKS` that ``caps`` declares."""
+    out = []
+    for m in BASE_MASKS:
+        if m.get("causal") and "causal" not in caps.masks:
+            continue
+        if m.get("window") and "sliding_window" not in caps.masks:
+            continue
+        out.append(m)
+    return out
+
+
+def grid(caps: Capabilities, quick: bool = False,
+         base_mask: dict[str, Any] | None = None) -> list[Case]:
     """Every case ``caps`` declares, from a base case the backend must serve (its first
-    phase and layout, its widest dtype, equal or grouped heads as declared)."""
-    base = _base(caps)
+    phase and layout, its widest dtype, equal or grouped heads as declared, ``base_mask``
+    on every case that does not set a mask of its own)."""
+    base = replace(_base(caps), **(base_mask or {}))
     out: list[Case] = [replace(base, feature="basic")]
     out += _dtypes(base, caps, quick)
     out += _head_dims(base, caps, quick)
@@ -90,6 +113,9 @@ def grid(caps: Capabilities, quick: bool = False) -> list[Case]:
     out += _phases(base, caps)
     out += _shapes(base, caps, quick)
     out += _results(base, caps)
+    for kv in sorted((caps.kv_dtypes or frozenset()) - caps.dtypes):
+        out.append(replace(base, feature=f"kv dtype {kv}", untested=(
+            f"the kit does not build {kv} caches; check accuracy with `attnhub fp8-check`")))
     return out
 
 

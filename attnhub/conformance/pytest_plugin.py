@@ -25,7 +25,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "kit_case" not in metafunc.fixturenames:
         return
     from attnhub.cli.check_plugin import selected
-    from attnhub.conformance import grid
+    from attnhub.conformance import backend_grid
+    from attnhub.core.device import probe
     from attnhub.core.registry import Registry
 
     names = metafunc.config.getoption("--backend")
@@ -37,8 +38,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     reg = Registry.load()
     params, ids = [], []
     for name in selected(reg, names, all_available=False):
-        for i, case in enumerate(grid(reg.get(name).capabilities,
-                                      metafunc.config.getoption("--quick"))):
+        for i, case in enumerate(backend_grid(reg.get(name), probe(),
+                                              metafunc.config.getoption("--quick"))):
             params.append((name, case))
             ids.append(f"{name}-{case.feature.replace(' ', '_')}-{i}")
     metafunc.parametrize("kit_case", params, ids=ids)

@@ -47,7 +47,8 @@ class FlexBackend(Backend):
         layouts=frozenset({"bshd", "thd"}),
         backward=True,
         deterministic_backward=False,
-        deterministic_forward=True,
+        # not claimed: the conformance kit saw two CPU runs differ (5.96e-07)
+        deterministic_forward=False,
         gqa=True,
         returns_lse=True,
         top_left_causal=True,
