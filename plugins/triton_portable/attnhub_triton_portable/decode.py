@@ -87,7 +87,7 @@ def _split_kernel(
     HAS_SEQLENS: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, CAUSAL: tl.constexpr,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, KV_FP8: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, PREFETCH: tl.constexpr, SWAP_AB: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -147,14 +147,7 @@ def _split_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    # SWAP_AB computes k @ q^T and v^T @ p^T: the wide K/V tiles become the dots' first
-    # operand, which Hopper's MMA reads from registers, so an FP8 tile widened in registers
-    # need not go back through shared memory; acc is then kept transposed (D x rows).
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    q_t = tl.trans(q)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_head = K + h.to(tl.int64) * skh
     v_head = V + h.to(tl.int64) * svh
     table = BlockTable + b64 * sbt
@@ -186,10 +179,7 @@ def _split_kernel(
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if UPCAST or KV_FP8:
             k = k.to(q.dtype)
-        if SWAP_AB:
-            qk = tl.trans(tl.dot(k, q_t, input_precision=DOT_PREC))
-        else:
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if KV_FP8:
             if PAGED:
                 qk = qk * k_sc[None, :]
@@ -217,15 +207,8 @@ def _split_kernel(
         if UPCAST:  # same rounding of p as on the GPU, then an fp32 dot
             pv = pv.to(tl.float32)
             v = v.to(tl.float32)
-        if SWAP_AB:
-            acc = tl.dot(tl.trans(v), tl.trans(pv), acc * alpha[None, :],
-                         input_precision=DOT_PREC)
-        else:
-            acc = tl.dot(pv, v, acc * alpha[:, None], input_precision=DOT_PREC)
+        acc = tl.dot(pv, v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
-
-    if SWAP_AB:
-        acc = tl.trans(acc)
 
     has = l_i > 0
     safe = tl.where(has, l_i, 1.0)
@@ -412,7 +395,7 @@ class _Shape:
         split = Launcher(_split_kernel, (splits, batch * hkv * plan.m_blocks),
                          {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         split_tail = (*self.ints, plan.m_blocks, splits, *self.consts, splits == 1, fused,
-                      cfg.prefetch_pages, cfg.swap_ab, plan.block_m, cfg.block_n, bd, plan.block_s, prec,
+                      cfg.prefetch_pages, plan.block_m, cfg.block_n, bd, plan.block_s, prec,
                       plan.upcast)
         merge = None
         if splits > 1 and not fused:

@@ -33,8 +33,6 @@ class DecodeConfig:
     second launch (1 x 32k: 41.0 vs 36.0 us), so it is off by default. ``prefetch_pages``
     (paged caches) loads the next key tile's page ids one loop iteration early, so that a
     tile's K/V addresses never wait on a block-table load in the same iteration.
-    ``swap_ab`` computes ``k @ q^T`` and ``v^T @ p^T`` (the K/V tile as the first operand,
-    which Hopper's MMA takes from registers: meant for FP8 tiles widened in registers).
     """
 
     block_n: int = 64
@@ -46,7 +44,6 @@ class DecodeConfig:
     max_splits: int = 128
     merge_warps: int = 4
     prefetch_pages: bool = False
-    swap_ab: bool = False
 
     def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -77,8 +74,15 @@ _PAGED: dict[str, DecodeConfig] = {
                          prefetch_pages=True),
 }
 
-#: FP8 (e4m3) caches: half the bytes per key, tiles widened in registers before the dots.
-_FP8: dict[str, DecodeConfig] = {}
+#: FP8 (e4m3) paged caches: half the bytes per key, tiles widened to bf16 in registers
+#: before the dots. H200, 2026-12-01, random table (docs/benchmarks/triton_decode_paged.md):
+#: 128-key tiles beat the bf16 row's 64 (64 x 32k 2880 -> 2397 us, 1 x 128k 196 -> 155 us,
+#: 1 x 32k 58.4 -> 52.7 us); still slower than the bf16 cache (1910-1960 us at 64 x 32k):
+#: the widening, not the bytes, bounds it.
+_FP8_PAGED: dict[str, DecodeConfig] = {
+    "sm90": DecodeConfig(block_n=128, num_warps=4, num_stages=4, ctas_per_sm=4,
+                         prefetch_pages=True),
+}
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
 INTERPRETER_SM_COUNT = 4
@@ -100,15 +104,15 @@ def _family(arch: str) -> str:
 def decode_config(arch: str, dtype: str = "bf16", paged: bool = False,
                   kv_fp8: bool = False) -> DecodeConfig:
     """The table's configuration for ``arch`` (``cpu``, ``sm90``, ``gfx942``...); ``kv_fp8``
-    for an e4m3 cache (its own row where one was measured).
+    for an e4m3 cache (its own row where one was measured: paged on sm90).
 
     fp32 tiles take twice the shared memory of 16-bit ones, so the key tile is halved there
     (on GPUs) to keep the same number of programs resident.
     """
     family = _family(arch)
     cfg = _PAGED.get(family, _TABLE[family]) if paged else _TABLE[family]
-    if kv_fp8:
-        cfg = _FP8.get(family, cfg)
+    if kv_fp8 and paged:
+        cfg = _FP8_PAGED.get(family, cfg)
     if dtype == "fp32" and arch != "cpu":
         cfg = cfg.with_(block_n=max(16, cfg.block_n // 2))
     return cfg
