@@ -204,8 +204,12 @@ class Hub:
                 side = None if (alibi_slopes is None and prefix_lens is None
                                 and colmask_start is None and colmask_end is None
                                 and block_table is None and seqlens_k is None) else (
-                    _meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
-                    _meta(colmask_end), _meta(block_table), _meta(seqlens_k))
+                    _meta(alibi_slopes) if alibi_slopes is not None else None,
+                    _meta(prefix_lens) if prefix_lens is not None else None,
+                    _meta(colmask_start) if colmask_start is not None else None,
+                    _meta(colmask_end) if colmask_end is not None else None,
+                    _meta(block_table) if block_table is not None else None,
+                    _meta(seqlens_k) if seqlens_k is not None else None)
                 fast_key = (layout, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
                             q.device, k.device, v.device, causal, causal_alignment, window,
                             softcap is not None, side, max_seqlen_q, max_seqlen_k,
@@ -356,9 +360,9 @@ def _mod_kind(fn: Any) -> Any:
     return fn if fn.__class__ is str else ("callable", _callable_name(fn))
 
 
-def _meta(t: Any) -> Any:
-    """What the contract checks of a side tensor: shape, dtype, device (None when absent)."""
-    return None if t is None else (t.shape, t.dtype, t.device)
+def _meta(t: Any) -> tuple:
+    """What the contract checks of a side tensor: shape, dtype, device."""
+    return (t.shape, t.dtype, t.device)
 
 
 def _is_resolver(obj: object) -> bool:
