@@ -79,7 +79,9 @@ def test_custom_4d_mask_changed_between_calls_and_in_place(models) -> None:
     _check(ours, eager, ids, mask, mask.clone(), "prefix-LM 2/2")
     mask[:, :, :, :5] = True  # in place: the version counter moves
     _check(ours, eager, ids, mask, mask.clone(), "edited in place")
+    version = mask._version
     mask.data.copy_(prefix_lm([9, 4]))  # through .data: the version counter does not move
+    assert mask._version == version
     _check(ours, eager, ids, mask, mask.clone(), "edited through .data")
 
 
@@ -89,8 +91,8 @@ def test_boolean_in_meaning_masks_are_accepted(models, form: str) -> None:
     ours, eager = models
     ids = torch.randint(1, VOCAB, (B, S), generator=torch.Generator().manual_seed(5))
     truth = prefix_lm([4, 8])
-    truth[1, :, :, 0] = False  # a padded first key in sequence 1 (row 0 keeps key... none)
-    truth[1, :, 0, 1] = True  # row 0 of sequence 1 sees key 1 so no row is empty
+    truth[1, :, :, 0] = False  # sequence 1 never sees key 0 (a padded key)
+    truth[1, :, 0, 1] = True  # so its row 0 sees key 1: no row is fully masked
     given = {"float -1e9": lambda: additive(truth, -1e9),
              "float finfo.min": lambda: additive(truth, torch.finfo(torch.float32).min),
              "float -inf": lambda: additive(truth, float("-inf")),
