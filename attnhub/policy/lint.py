@@ -202,9 +202,10 @@ class _ShadowIndex:
         w = lr.rule.when
         keys = frozenset(k for k in w.model_fields_set if getattr(w, k) is not None)
         sig = w.model_dump_json(exclude_none=True)
-        found = self.exact.get(sig)
+        same = self.exact.get(sig)  # an identical earlier rule covers; an even earlier may too
+        found = self._first_cover(w, keys, before=same)
         if found is None:
-            found = self._first_cover(w, keys)
+            found = same
         i = len(self.rules)
         self.rules.append(lr)
         self.exact.setdefault(sig, i)
@@ -223,7 +224,8 @@ class _ShadowIndex:
             f"can never match: earlier rule {e.rule.name!r} ({e.location}) matches every "
             "call this one does; expected it before that rule or narrower conditions there"))]
 
-    def _first_cover(self, w: When, keys: frozenset[str]) -> int | None:
+    def _first_cover(self, w: When, keys: frozenset[str], before: int | None = None
+                     ) -> int | None:
         cands: set[int] = set()
         for ks, members in self.by_keys.items():
             if ks <= keys:
@@ -234,10 +236,15 @@ class _ShadowIndex:
             vals = _index_values(getattr(w, k))
             if vals is None:
                 continue
-            hits = [self.values.get((k, x), set()) for x in vals]
+            # hardware: an earlier vendor entry (cuda) covers an arch (sm90), as in covers()
+            hits = [self.values.get((k, x), set()) | (self.values.get((k, _vendor(x)), set())
+                                                      if k == "hardware" else set())
+                    for x in vals]
             ok = self.unindexed.get(k, set()) | (set.intersection(*hits) if hits else set())
             cands = (cands & ok) | (cands - self.has_key.get(k, set()))
         for j in sorted(cands):
+            if before is not None and j >= before:
+                break
             if covers(self.rules[j].rule.when, w):
                 return j
         return None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from attnhub.core.capabilities import Capabilities
 from attnhub.policy import load_policy
 from attnhub.policy.lint import covers, lint_policy
@@ -94,3 +98,33 @@ def test_unserved_cells_and_missing_plugins(write, make_registry):
     (unserved,) = [f for f in got if f.level == "error"]
     assert unserved.path == "rules[1] (sdpa)" and unserved.message.startswith("on cpu, 18 cell(s)")
     assert "torch_sdpa: mask softcap not supported" in unserved.message
+
+
+@pytest.mark.parametrize("seed", [7, 11, 23])
+def test_shadow_index_finds_the_same_first_cover_as_pairwise_comparison(write, seed):
+    """The indexed search for shadowing rules agrees with comparing every earlier rule."""
+    import random
+
+    from attnhub.policy.lint import _ShadowIndex, covers
+
+    rng = random.Random(seed)
+    keys = {
+        "phase": lambda: rng.sample(["train", "prefill", "decode"], rng.randint(1, 3)),
+        "hardware": lambda: rng.sample(["cpu", "cuda", "sm90"], rng.randint(1, 2)),
+        "head_dim": lambda: rng.choice([64, [64, 128], {"ge": 64}, {"le": 128},
+                                        {"ge": 32, "lt": 256}]),
+        "seqlen": lambda: rng.choice([{"ge": 1024}, {"ge": 4096}, {"lt": 4096}, [512, 1024]]),
+        "needs_grad": lambda: rng.choice([True, False]),
+    }
+    lines = ["name: p", "rules:"]
+    for i in range(300):
+        when = {k: f() for k, f in keys.items() if rng.random() < 0.4}
+        lines.append(f"  - {{name: r{i}, when: {json.dumps(when)}, use: [torch_sdpa]}}")
+    rules = load_policy(write("p.yaml", "\n".join(lines) + "\n")).rules
+    index = _ShadowIndex()
+    for i, lr in enumerate(rules):
+        found = index.add(lr)
+        naive = next((e for e in rules[:i] if covers(e.rule.when, lr.rule.when)), None)
+        assert bool(found) == (naive is not None), lr.rule.name
+        if naive is not None:
+            assert f"earlier rule {naive.rule.name!r}" in found[0].message
