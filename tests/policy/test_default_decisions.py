@@ -140,7 +140,8 @@ def test_fastest_orders_by_measurement_and_says_so(default, full_registry, store
     default.profile = store
     d = default.resolve(spec, dev, full_registry)
     assert d.rule == "cuda-decode"
-    assert d.candidates == ("torch_sdpa", "triton_decode", "flashinfer_decode", "triton")
+    assert d.candidates == ("torch_sdpa", "fa2_torch", "triton_decode", "flashinfer_decode",
+                            "triton")
     assert any("nothing measured" in n and "list order" in n for n in d.notes)
     store.record_speed(dev, spec, "triton_decode", 40e-6)
     store.record_speed(dev, spec, "torch_sdpa", 49e-6)
