@@ -22,7 +22,14 @@ from .core.decision import BindContext, Decision, report_missing
 from .core.device import DeviceInfo, probe
 from .core.registry import Registry
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
-from .core.contract import PAGED, check_call, check_output, check_scalars, nan_violation
+from .core.contract import (
+    PAGED,
+    check_call,
+    check_output,
+    check_qkv,
+    check_scalars,
+    nan_violation,
+)
 from .errors import ArgumentError, BackendUnavailableError, InputError, NoBackendError
 
 log = logging.getLogger("attnhub")
@@ -192,8 +199,12 @@ class Hub:
         takes the exact-shape table: only ``scale``/``softcap`` values are checked again.
         Everything else goes through :func:`attnhub.core.contract.check_call` first.
         """
-        needs_grad = torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad)
+        try:
+            needs_grad = torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad)
+        except AttributeError:  # not tensors: the contract says which and how
+            check_qkv(q, k, v, layout)
+            raise
         fast_key = None
         if layout != "thd" and cu_seqlens_q is None and cu_seqlens_k is None:
             # Hot path: every check of the slow path depends only on what this key holds

@@ -91,6 +91,8 @@ CASES = [
      ShapeError, "colmask_start"),
     ("colmask heads", (_qkv(), dict(colmask_start=torch.zeros(B, 3, S, dtype=torch.int32))),
      ShapeError, "colmask_start"),
+    ("q not a tensor", (([[1.0]], *_qkv()[1:]), {}), ShapeError, "q must be a torch.Tensor"),
+    ("v not a tensor", ((*_qkv()[:2], None), {}), ShapeError, "v must be a torch.Tensor"),
     ("causal not bool", (_qkv(), dict(causal="yes")), ArgumentError, "causal"),
     ("phase unknown", (_qkv(), dict(phase="inference")), ArgumentError, "phase"),
     ("max_seqlen_q below true", _thd(max_seqlen_q=3), SeqlensError, "max_seqlen_q"),
