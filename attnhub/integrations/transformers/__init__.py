@@ -18,6 +18,7 @@ See docs/transformers.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -72,21 +73,30 @@ def check_model_class(cls: type, name: str = NAME) -> None:
 
 def _guard_model_classes() -> None:
     """Check the model class when transformers resolves ``attn_implementation`` (at build
-    and in ``set_attn_implementation``), before any layer exists."""
+    and in ``set_attn_implementation``), before any layer exists. The hook is
+    ``get_correct_attn_implementation`` (transformers 4.5x-5.x), else
+    ``_check_and_adjust_attn_implementation``; both take the requested name first."""
     from transformers import PreTrainedModel
 
-    original = PreTrainedModel.get_correct_attn_implementation
+    for hook in ("get_correct_attn_implementation", "_check_and_adjust_attn_implementation"):
+        original = getattr(PreTrainedModel, hook, None)
+        if original is not None:
+            break
+    else:
+        raise InputError("this transformers version has no attention-implementation hook "
+                         "(get_correct_attn_implementation); attnhub cannot check model "
+                         "classes: upgrade transformers")
     if getattr(original, "_attnhub_guard", False):
         return
 
-    def get_correct_attn_implementation(self: Any, requested_attention: str | None,
-                                        is_init_check: bool = False) -> str:
-        if requested_attention in _names:
-            check_model_class(type(self), requested_attention)
-        return original(self, requested_attention, is_init_check)
+    @functools.wraps(original)
+    def guarded(self: Any, requested: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(requested, str) and requested in _names:
+            check_model_class(type(self), requested)
+        return original(self, requested, *args, **kwargs)
 
-    get_correct_attn_implementation._attnhub_guard = True  # type: ignore[attr-defined]
-    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+    guarded._attnhub_guard = True  # type: ignore[attr-defined]
+    setattr(PreTrainedModel, hook, guarded)
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
