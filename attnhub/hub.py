@@ -272,7 +272,8 @@ class Hub:
             phase=phase, return_lse=return_lse, deterministic=deterministic)
         transposed = layout == "bhsd"
         q, k, v, layout, window = a.q, a.k, a.v, a.layout, a.window
-        named = isinstance(score_mod, str) or isinstance(mask_mod, str)
+        score_named, mask_named = isinstance(score_mod, str), isinstance(mask_mod, str)
+        named = score_named or mask_named
         if named:
             score_mod, mask_mod = self._variant(score_mod, mask_mod)
         if score_mod is not None and not callable(score_mod):
@@ -322,8 +323,11 @@ class Hub:
             with self._lock:
                 if len(self._exact) >= _EXACT_CACHE_LIMIT:
                     self._exact.clear()  # bounded: many shapes (growing KV) just re-check
-                self._exact[fast_key] = (spec, run, window, named, score_mod, mask_mod,
-                                         default_scale,
+                # only a variant's callables are kept: a caller's closure (and the tensors
+                # it holds) is never retained by the table
+                self._exact[fast_key] = (spec, run, window, named,
+                                         score_mod if score_named else None,
+                                         mask_mod if mask_named else None, default_scale,
                                          (*q.shape[:-1], v.shape[-1]))
         params = AttnParams(
             scale=scale if scale is not None else default_scale,

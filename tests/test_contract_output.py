@@ -177,3 +177,18 @@ def test_named_variant_beside_a_fresh_callable(hub):
         mask = lambda b, h, qi, ki, keep=keep: keep[qi, ki]  # noqa: E731
         out = hub.attention(q, k, v, score_mod="softcap30", mask_mod=mask, backend="reference")
         _check(out, q, k, v, score_mod=variant.score_mod, mask_mod=mask)
+
+
+def test_tables_do_not_keep_a_callers_closure_alive(hub):
+    """A closure over a tensor, passed once, is not retained by the hub's tables."""
+    import gc
+    import weakref
+
+    q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
+    held = torch.randn(4, 4)
+    ref = weakref.ref(held)
+    hub.attention(q, k, v, score_mod=lambda s, b, h, qi, ki, t=held: s + t[qi, ki],
+                  backend="reference")
+    del held
+    gc.collect()
+    assert ref() is None
