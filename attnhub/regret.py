@@ -366,8 +366,9 @@ def plot(results: list[CellResult], path: str, title: str = "", bound: float = B
                         linewidths=1.4, zorder=4)
     ax1.axvline(1.0, color="grey", lw=0.8)
     ax1.axvline(bound, color="tab:red", lw=0.8, ls="--")
-    ax1.set_xlim(0.9 if all((r.regret or 1) < 1.5 for r in rows) else 0,
-                 max(1.2, max((r.regret or 1) for r in rows) + 0.15))
+    regs = [r.regret for r in rows if r.regret is not None] or [1.0]
+    ax1.set_xlim(min(0.9, min(regs) - 0.05) if max(regs) < 1.5 else 0,
+                 max(1.2, max(regs) + 0.15))
     ax1.set_xlabel(f"regret = policy / best (bound {bound})")
     ax1.set_yticks(ys, [r.cell for r in rows], fontsize=8)
     ax2.set_xscale("log")

@@ -226,8 +226,8 @@ def render_saved(args: argparse.Namespace) -> int:
     heads = []
     for f in [x.strip() for x in args.from_json.split(",") if x.strip()]:
         data = json.loads(Path(f).read_text(encoding="utf-8"))
-        heads.append(f"{Path(f).name}: {data.get('measured')}, {data.get('device')}, "
-                     f"{data.get('commit')}")
+        heads += [f"{Path(f).name}: {m.get('measured')}, {m.get('device')}, {m.get('commit')}"
+                  for m in data.get("parts", [data])]  # a combined file lists its parts
         for c in data["cells"]:
             cells[c["cell"]] = rg.from_json(c)
     grid = [c.name for c in rg.standard_grid()]
