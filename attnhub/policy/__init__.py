@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .loader import default_policy_path, load_data, policies_dir, resolve_policy_path
+from .loader import default_policy_path, load_data, paused_gc, policies_dir, resolve_policy_path
 from .profile import ProfileStore
 from .resolver import Policy
 
@@ -26,4 +26,5 @@ def load_policy(path: str | os.PathLike[str] | None = None, *,
     Raises :class:`attnhub.errors.PolicyError` listing every problem, each located.
     """
     p = default_policy_path() if path is None else resolve_policy_path(path)
-    return Policy(load_data(p), profile=profile)
+    with paused_gc():
+        return Policy(load_data(p), profile=profile)

@@ -155,3 +155,55 @@ def layer_matches(sel: LayerSelector, ctx: BindContext) -> bool:
     if sel.every is not None and ctx.layer % sel.every not in (sel.offset or [0]):
         return False
     return True
+
+
+#: ``when`` keys whose value names the one spec/device attribute the prefilter indexes.
+_INDEXED: dict[str, Callable[[AttentionSpec, DeviceInfo], tuple[str, ...]]] = {
+    "phase": lambda s, d: (s.phase,),
+    "dtype": lambda s, d: (s.dtype,),
+    "layout": lambda s, d: (s.layout,),
+    "hardware": lambda s, d: (d.arch, d.vendor),
+}
+
+
+class RuleIndex:
+    """Which rules can match a spec on a device, by the listed keys alone, as a bitset over
+    rule positions: resolving then calls the full matcher only on those (in file order), so
+    a policy of thousands of rules resolves in near-constant time per rule that could
+    match, instead of testing every rule."""
+
+    def __init__(self, whens: list[When]):
+        self.n = len(whens)
+        everyone = (1 << self.n) - 1
+        self.free: dict[str, int] = {}  # rules without the key: always candidates
+        self.bits: dict[str, dict[str, int]] = {}
+        for key in _INDEXED:
+            free, bits = 0, {}
+            for i, w in enumerate(whens):
+                values = getattr(w, key)
+                if values is None:
+                    free |= 1 << i
+                else:
+                    for v in values:
+                        bits[v] = bits.get(v, 0) | (1 << i)
+            self.free[key], self.bits[key] = free, bits
+        self.everyone = everyone
+
+    def candidates(self, spec: AttentionSpec, device: DeviceInfo) -> int:
+        mask = self.everyone
+        for key, get in _INDEXED.items():
+            allowed = self.free[key]
+            for v in get(spec, device):
+                allowed |= self.bits[key].get(v, 0)
+            mask &= allowed
+        return mask
+
+
+def set_bits(mask: int) -> list[int]:
+    """Positions of the set bits of ``mask``, lowest first."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out

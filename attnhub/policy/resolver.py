@@ -19,7 +19,7 @@ from ..core.device import DeviceInfo
 from ..core.registry import Registry
 from ..core.spec import AttentionSpec, bucket
 from .loader import LoadedRule, PolicyData
-from .match import Matcher
+from .match import Matcher, RuleIndex, set_bits
 from .profile import ProfileStore, bucket_key, device_key
 
 DISTRIBUTED = "distributed"
@@ -47,6 +47,7 @@ class Policy:
         self.name = data.name
         self.rules: tuple[LoadedRule, ...] = data.rules
         self._matchers = [Matcher(r.rule.when) for r in data.rules]
+        self._index = RuleIndex([r.rule.when for r in data.rules])
         self._profile = profile
         self._cache: dict[tuple[Any, ...], Decision] = {}
         self._outcomes: dict[tuple[Any, ...], _Outcome] = {}
@@ -110,7 +111,8 @@ class Policy:
     def _decide(self, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
                 ctx: BindContext, local: bool) -> Decision:
         skipped: list[str] = []
-        for i, (lr, m) in enumerate(zip(self.rules, self._matchers)):
+        for i in set_bits(self._index.candidates(spec, device)):
+            lr, m = self.rules[i], self._matchers[i]
             failed, note = m.failed(spec, device, ctx, self.profile)
             if note:
                 skipped.append(f"rule {lr.rule.name} skipped: {note}")
