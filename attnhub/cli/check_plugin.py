@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 from ..conformance import backend_grid, format_report, run_kit
 from ..core.backend import safe_available
@@ -30,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help="stop starting new cases for a backend after this long (the rest "
                         "are reported as skipped)")
+    p.add_argument("--total", type=float, metavar="SECONDS",
+                   help="overall limit across backends (each gets at most what is left)")
     p.add_argument("-k", "--feature", metavar="TEXT", action="append",
                    help="only features whose name contains TEXT (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="list every case")
@@ -62,10 +65,15 @@ def run(args: argparse.Namespace) -> int:
     if not names:
         raise AttnhubError(f"no backend can run on {device.describe()} (see `attnhub backends`)")
     reports = []
+    t_end = None if args.total is None else time.monotonic() + args.total
     for n in names:
+        budget = args.budget
+        if t_end is not None:
+            left = max(0.0, t_end - time.monotonic())
+            budget = left if budget is None else min(budget, left)
         cases = [c for c in backend_grid(reg.get(n), device, args.quick)
                  if not args.feature or any(t in c.feature for t in args.feature)]
-        reports.append(run_kit(reg.get(n), device, budget_s=args.budget, cases=cases))
+        reports.append(run_kit(reg.get(n), device, budget_s=budget, cases=cases))
     checked = any(r.status != "skip" for rep in reports for r in rep.results)
     if args.json:
         print_json({"schema": "attnhub.check-plugin/1", "device": device.describe(),
