@@ -155,3 +155,15 @@ def test_fast_path_checks_what_its_key_does_not_hold(hub):
     with pytest.raises(ArgumentError, match="colmask_end"):
         hub.attention(q, k, v, colmask_end=torch.zeros(B, 1, S, dtype=torch.int32))
 
+
+
+def test_module_level_attention_keeps_the_contract():
+    """``attnhub.attention`` (the process-wide hub) checks the same contract."""
+    import attnhub
+
+    q, k, v = _qkv()
+    with pytest.raises(ArgumentError, match="seqlens_k"):
+        attnhub.attention(q, k, v, seqlens_k=_i32(5, 5))
+    with pytest.raises(SeqlensError, match="max_seqlen_q"):
+        (q, k, v), kw = _thd(max_seqlen_q=1)
+        attnhub.attention(q, k, v, **kw)
