@@ -251,8 +251,12 @@ def _check_max_seqlen(name: str, given: Any, true_max: int) -> int:
     (kernels size their grids by it and would drop rows)."""
     if given is None:
         return true_max
-    if isinstance(given, bool) or not isinstance(given, int):
-        raise ArgumentError(f"{name}={given!r}; pass an int (or None to compute it)")
+    try:
+        if isinstance(given, bool):
+            raise TypeError
+        given = operator.index(given)
+    except TypeError:
+        raise ArgumentError(f"{name}={given!r}; pass an int (or None to compute it)") from None
     if given < true_max:
         raise SeqlensError(f"{name}={given} is below the longest sequence ({true_max}); pass "
                            f"{name}={true_max} or leave it None to have it computed")
