@@ -141,6 +141,8 @@ class Attention(nn.Module):
         if self.decode_layout == "gather":
             kc, vc = cache.cache.gather(self.layer_idx, cache.seq_ids)
             return hub.attention(q, kc, vc, causal=causal, phase=phase, **kw)
+        if cache.cache.scales is not None:  # an e4m3 cache: its page descales go along
+            kw["extra"] = {**(kw["extra"] or {}), **cache.cache.scales.descales(self.layer_idx)}
         return hub.attention(
             q, cache.cache.k_cache(self.layer_idx), cache.cache.v_cache(self.layer_idx),
             layout="paged", block_table=cache.block_table, seqlens_k=cache.seqlens,

@@ -357,13 +357,15 @@ class PagedKVCache:
                             device=self.device)
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A contiguous copy of one sequence's k/v for ``layer``: (length, Hkv, D) each."""
+        """A contiguous copy of one sequence's k/v for ``layer``: (length, Hkv, D) each
+        (an FP8 cache gives the dequantized values, fp32)."""
         self._check_layer(layer)
         seq = self._seq(seq_id)
         idx = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
-        k = self._k[layer].index_select(0, idx).flatten(0, 1)[: seq.length]
-        v = self._v[layer].index_select(0, idx).flatten(0, 1)[: seq.length]
-        return k, v
+        k, v = self._k[layer].index_select(0, idx), self._v[layer].index_select(0, idx)
+        if self.scales is not None:
+            k, v = self.scales.dequantize(layer, idx, k, v)
+        return k.flatten(0, 1)[: seq.length], v.flatten(0, 1)[: seq.length]
 
     def gather(self, layer: int, seq_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """k/v of equal-length sequences as contiguous (B, S, Hkv, D), for backends that do

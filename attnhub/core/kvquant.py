@@ -52,6 +52,12 @@ class PageScales:
         ``{"k_descale": (num_pages, Hkv), "v_descale": (num_pages, Hkv)}``."""
         return {"k_descale": self.k[layer], "v_descale": self.v[layer]}
 
+    def dequantize(self, layer: int, idx: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 values of pages ``idx`` of ``layer`` (k/v: those pages, e4m3)."""
+        return (dequantize_pages(k, self.k[layer, idx]),
+                dequantize_pages(v, self.v[layer, idx]))
+
     def reset_page(self, page: int) -> None:
         """A page handed to a sequence afresh: forget the descales of its previous owner."""
         self.k[:, page] = _TINY

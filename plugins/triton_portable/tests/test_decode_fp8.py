@@ -204,3 +204,16 @@ def test_tile_variants_give_the_same_answer(variant, fp8):
     assert_lse(lse.cpu(), ref_lse, atol=2e-2)
     assert float((out.float() - out0.float()).abs().max()) <= 2 * float(
         (same.float() - ref64.float()).abs().max()) + 1e-3
+
+
+def test_fp8_cache_reads_back_dequantized():
+    """``read``/``gather`` of an e4m3 cache (backends without block tables) give the values
+    times their page descales, close to what was written; never the raw e4m3 codes."""
+    b, hkv, d, page = 2, 2, 16, 4
+    cache, ids, truth = _fp8_cache_and_truth(3, b, [13, 13], hkv, d, page)
+    k, v = cache.gather(0, ids)
+    assert k.dtype == torch.float32
+    for i, (kt, vt) in enumerate(truth):
+        for got, want in ((k[i], kt), (v[i], vt)):
+            rel = float((got.cpu() - want.float().cpu()).norm() / want.float().cpu().norm())
+            assert rel < 0.06, rel
