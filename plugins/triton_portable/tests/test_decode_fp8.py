@@ -217,3 +217,29 @@ def test_fp8_cache_reads_back_dequantized():
         for got, want in ((k[i], kt), (v[i], vt)):
             rel = float((got.cpu() - want.float().cpu()).norm() / want.float().cpu().norm())
             assert rel < 0.06, rel
+
+
+def test_default_policy_binds_fp8_kv_decode_only_behind_a_passing_record(tmp_path):
+    """On an H200 (simulated) an e4m3 paged decode is refused without an accuracy record, with
+    that reason; with a passing record for its bucket the rule binds triton_decode_fp8; a
+    failing record keeps it refused."""
+    from attnhub import BindContext, simulate
+    from attnhub.core.spec import MaskSpec
+    from attnhub.policy import load_policy
+    from attnhub.policy.profile import ProfileStore
+
+    spec = AttentionSpec(phase="decode", dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128,
+                         num_q_heads=32, num_kv_heads=8, layout="paged", mask=MaskSpec(),
+                         max_seqlen_q=1, max_seqlen_k=32768, batch=64, page_size=16)
+    device = simulate("sm90")
+    store = ProfileStore(tmp_path / "profile.json")
+    hub = Hub(policy=load_policy(profile=store), hardware="sm90")
+    d = hub.resolver.resolve(spec, device, hub.registry, BindContext())
+    assert d.backend != "triton_decode_fp8"
+    assert any(r.backend == "triton_decode_fp8" and "accuracy record" in " ".join(r.reasons)
+               for r in d.rejected), d.rejected
+    for passed, bound in ((True, True), (False, False)):
+        store.record_accuracy(device, spec.bucketed(), "triton_decode_fp8", passed,
+                              {"rel_error": 0.04})
+        d = hub.resolver.resolve(spec, device, hub.registry, BindContext())
+        assert (d.backend == "triton_decode_fp8") is bound, d
