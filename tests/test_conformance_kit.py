@@ -164,7 +164,7 @@ def test_declining_is_a_skip_not_a_pass(monkeypatch) -> None:  # type: ignore[no
     assert main(["check-plugin", "torch_sdpa", "--budget", "0"]) == 2  # nothing was checked
 
 
-@pytest.mark.parametrize("name", ["reference", "torch_sdpa", "sliding_window"])
+@pytest.mark.parametrize("name", ["reference", "torch_sdpa", "sliding_window", "torch_flash_cpu"])
 def test_in_repo_cpu_backends_pass_the_quick_kit(name: str, capsys) -> None:  # type: ignore[no-untyped-def]
     from attnhub.core.registry import Registry
 
@@ -173,6 +173,28 @@ def test_in_repo_cpu_backends_pass_the_quick_kit(name: str, capsys) -> None:  # 
     assert main(["check-plugin", name, "--quick", "--json"]) == 0, capsys.readouterr().out
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] and doc["backends"][0]["backend"] == name
+
+
+@pytest.mark.parametrize("name, features", [
+    ("triton", ["basic", "mask softcap", "mask causal bottom_right", "layout thd", "lse"]),
+    ("triton_decode", ["basic", "mask softcap", "layout paged", "lse"]),
+])
+def test_triton_backends_pass_kit_features_in_the_interpreter(name, features) -> None:  # type: ignore[no-untyped-def]
+    """A few features of the Triton backends (interpreted on a CPU: kept small for CI)."""
+    from attnhub.conformance import backend_grid
+    from attnhub.core.registry import Registry
+
+    reg = Registry.load()
+    if name not in reg.backends:
+        pytest.skip(f"{name}'s plugin is not installed")
+    backend = reg.get(name)
+    if backend.available(CPU):
+        pytest.skip("; ".join(backend.available(CPU)))
+    cases = [c for c in backend_grid(backend, CPU, quick=True)
+             if any(c.feature.startswith(f) for f in features)]
+    rep = run_kit(backend, CPU, cases=cases)
+    assert rep.ok, [r.to_json() for r in rep.results if r.status != "pass"]
+    assert {r.status for r in rep.results} == {"pass"}
 
 
 def test_cli_exit_code_and_pytest_entry(tmp_path, monkeypatch, pytester, capsys) -> None:  # type: ignore[no-untyped-def]
