@@ -160,6 +160,12 @@ class Policy:
                 out.rejected.append(Rejection(name, tuple(reasons)))
             else:
                 out.viable.append(name)
+        gated = [n for n in out.viable if accuracy_gated(lr, n)]
+        if lr.rule.use.fastest is not None and gated and gated[0] != out.viable[0]:
+            # a passing accuracy record is an opt-in (FP8): it leads, as in a plain list
+            out.viable = gated + [n for n in out.viable if n not in gated]
+            notes.append(f"fastest: {', '.join(gated)} passed the rule's accuracy gate and "
+                         "leads (opted in by its accuracy record)")
         if out.viable:
             out.fallbacks = _fallbacks(out.viable[0], out.viable[1:], registry, out.on_failure,
                                        notes)

@@ -266,3 +266,41 @@ def test_near_ties_keep_list_order(store):
     store.record_speed(dev, SPEC, "d", 1.50e-3)
     r = store.ranking(dev, SPEC, ["a", "b", "c", "d", "e"])
     assert r.order == ["c", "a", "b", "d", "e"] and "ties within 3%" in r.note
+
+
+def test_accuracy_gated_backend_leads_a_fastest_rule_over_a_pack(tmp_path, fake,
+                                                                make_registry):
+    """FP8 on Hopper stays opt-in by accuracy record: with the H200-style pack ranking the
+    BF16 kernels, a passing record for fa3_fp8 still puts it first; without one it is
+    rejected and the pack's fastest BF16 kernel serves."""
+    from attnhub.policy import load_policy
+
+    from .conftest import Capabilities
+
+    cuda, sm90 = frozenset({"cuda"}), frozenset({"sm90"})
+    reg = make_registry(
+        fake("fa3_fp8", "vendor", Capabilities(vendors=cuda, archs=sm90, exact=False,
+                                                error_budget=0.05)),
+        *(fake(n, "vendor", Capabilities(vendors=cuda)) for n in ("fa3", "cudnn", "triton")))
+    dev = simulate("sm90")
+    spec = AttentionSpec(phase="prefill", dtype="bf16", kv_dtype="bf16", num_q_heads=8,
+                         num_kv_heads=2, head_dim=64, head_dim_v=64, max_seqlen_q=4096,
+                         max_seqlen_k=4096, mask=MaskSpec(causal=True))
+    packs = tmp_path / "packs"
+    src = ProfileStore(tmp_path / "src.json", packs="off")
+    src.record_speed(dev, spec, "torch_sdpa", 1.2e-4)
+    src.record_speed(dev, spec, "fa3", 3.2e-4)
+    data = src.data()
+    data["pack"] = {"measured": "2026-12-01", "command": "x", "commit": "y"}
+    packs.mkdir()
+    (packs / "h.json").write_text(json.dumps(data))
+    store = ProfileStore(tmp_path / "u.json", packs=packs)
+    policy = load_policy(None, profile=store)
+    d = policy.resolve(spec, dev, reg)
+    assert d.rule == "fp8-hopper-prefill" and d.backend == "torch_sdpa", d.explain()
+    assert d.candidates[:2] == ("torch_sdpa", "fa3")
+    store.record_accuracy(dev, spec, "fa3_fp8", True, {"rel_error": 0.004})
+    policy.profile = store
+    d = policy.resolve(spec, dev, reg)
+    assert d.backend == "fa3_fp8" and any("opted in" in n for n in d.notes), d.explain()
+    assert d.fallbacks[:1] == ("torch_sdpa",)
