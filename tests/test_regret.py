@@ -104,3 +104,48 @@ def test_saved_reports_render_again(tmp_path: Path, capsys):
     text = md.read_text()
     assert text.index("prefill full 16k") < text.index("decode tiny")  # grid order
     assert "| 1.01 |" in text and "**2.00**" not in text
+
+
+@pytest.mark.parametrize("name", ["decode tiny", "varlen", "train", "paged/16 32 x 4k",
+                                  "window"])
+def test_measure_cell_on_cpu_checks_times_and_binds(name):
+    """One real cell per layout/phase at CPU sizes: the policy's call and a forced backend
+    are checked against the fp64 reference and timed; a backend that returns a wrong answer
+    is reported as failed, never timed."""
+    import types
+    from dataclasses import replace as dc_replace
+
+    import torch
+
+    from attnhub.core.builtin import ReferenceBackend
+    from attnhub.core.registry import Registry
+    from attnhub.hookspecs import hookimpl
+    from attnhub.regret import measure_cell, standard_grid
+
+    class Wrong(ReferenceBackend):
+        name = "wrong"
+        tier = "portable"
+        capabilities = dc_replace(ReferenceBackend.capabilities, layouts=frozenset(
+            {"bshd", "thd", "paged"}))
+
+        def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
+            out = super().forward(q, k, v, spec, params)
+            return out._replace(out=out.out * 1.01)
+
+    @hookimpl
+    def attnhub_register_backends(register):  # type: ignore[no-untyped-def]
+        register(Wrong())
+
+    reg = Registry.load()
+    reg.add_plugin(types.SimpleNamespace(attnhub_register_backends=attnhub_register_backends),
+                   "wrong_plugin")
+    cell = next(c for c in standard_grid("fp32", scale=256) if name in c.name)
+    cell = dc_replace(cell, spec=dc_replace(cell.spec, num_q_heads=4, num_kv_heads=2,
+                                            head_dim=16, head_dim_v=16))
+    r = measure_cell(cell, ["torch_sdpa", "wrong"], reg, torch.device("cpu"), warmup=0,
+                     repeats=1, rounds=1)
+    assert r.policy_backend == "torch_sdpa" and r.policy_error is None
+    assert r.policy_ms is not None and r.policy_ms > 0 and set(r.times) == {"torch_sdpa"}
+    assert "wrong" in r.failed and r.failed["wrong"].startswith("wrong: max error")
+    assert r.spec is not None and r.spec.phase == cell.spec.phase
+    assert r.to_json()["regret"] == pytest.approx(r.policy_ms / r.times["torch_sdpa"])
