@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -61,6 +62,10 @@ class TritonDecodeBackend(Backend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        return self._run(q, k, v, spec, params)
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+             params: AttnParams, **descales: torch.Tensor) -> AttentionOutput:
         _refuse_unserved(params, spec.layout)
         paged = spec.layout == "paged"
         out, lse = self._decode(
@@ -68,8 +73,7 @@ class TritonDecodeBackend(Backend):
             window=params.window, softcap=params.softcap, alibi_slopes=params.alibi_slopes,
             block_table=params.block_table if paged else None,
             seqlens_k=params.seqlens_k if paged else None,
-            max_seqlen_k=params.max_seqlen_k if paged else None,
-        )
+            max_seqlen_k=params.max_seqlen_k if paged else None, **descales)
         return AttentionOutput(out, lse)
 
 
@@ -92,20 +96,12 @@ class TritonDecodeFp8Backend(TritonDecodeBackend):
     name = "triton_decode_fp8"
     description = ("own Triton split-KV decode over an e4m3 KV cache (per-page/head descales, "
                    "16-bit queries and output); behind an fp8-check accuracy record")
-    capabilities = Capabilities(
+    capabilities = replace(
+        TritonDecodeBackend.capabilities,
         vendors=frozenset({"cpu", "cuda"}),
         min_capability=(8, 9),  # Triton converts e4m3 (float8e4nv) from sm89 on
         dtypes=frozenset({"fp16", "bf16"}),
         kv_dtypes=frozenset({"fp8_e4m3"}),
-        max_head_dim=256,
-        masks=_MASKS,
-        phases=frozenset({"decode"}),
-        layouts=frozenset({"bshd", "paged"}),
-        backward=False,
-        gqa=True,
-        returns_lse=True,
-        top_left_causal=True,
-        max_query_len_decode=16,
         exact=False,
         error_budget=FP8_KV_ERROR_BUDGET,
     )
@@ -119,25 +115,15 @@ class TritonDecodeFp8Backend(TritonDecodeBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
-        _refuse_unserved(params, spec.layout)
         kd, vd = params.extra.get("k_descale"), params.extra.get("v_descale")
         if not isinstance(kd, torch.Tensor) or not isinstance(vd, torch.Tensor):
             raise InputError("triton_decode_fp8: an e4m3 KV cache needs extra={'k_descale': "
                              "..., 'v_descale': ...} float32 tensors ((num_pages, Hkv) for a "
                              "paged cache, e.g. PagedKVCache.scales.descales(layer))")
-        paged = spec.layout == "paged"
         try:
-            out, lse = self._decode(
-                q, k, v, scale=params.scale, causal=params.causal,
-                alignment=params.alignment, window=params.window, softcap=params.softcap,
-                alibi_slopes=params.alibi_slopes,
-                block_table=params.block_table if paged else None,
-                seqlens_k=params.seqlens_k if paged else None,
-                max_seqlen_k=params.max_seqlen_k if paged else None,
-                k_descale=kd, v_descale=vd)
+            return self._run(q, k, v, spec, params, k_descale=kd, v_descale=vd)
         except ValueError as exc:  # the descales' shape/device: the caller's input
             raise InputError(f"triton_decode_fp8: {exc}") from None
-        return AttentionOutput(out, lse)
 
 
 def _cpu_reasons(device: DeviceInfo) -> list[str]:
