@@ -99,7 +99,7 @@ class NoisyForward(Honest):
         return AttentionOutput(out + 1e-9 * torch.randn_like(out), lse)
 
 
-def _features(report) -> dict[str, str]:  # type: ignore[no-untyped-def]
+def _features(report) -> dict[str, str]:
     return {f["feature"]: f["status"] for f in report.features()}
 
 
@@ -123,7 +123,7 @@ def test_honest_backend_passes_every_declared_feature() -> None:
     (Exits(), "basic", "SystemExit: kernel gave up"),
     (NoisyForward(), "deterministic forward", "two runs differ"),
 ])
-def test_broken_backends_fail_on_what_they_break(backend, feature, words) -> None:  # type: ignore[no-untyped-def]
+def test_broken_backends_fail_on_what_they_break(backend, feature, words) -> None:
     cases = [c for c in grid(backend.capabilities, quick=True) if c.feature == feature]
     rep = run_kit(backend, CPU, cases=cases)
     assert not rep.ok
@@ -152,7 +152,7 @@ def test_grid_follows_the_declaration() -> None:
     assert len({c.page_size for c in paged}) >= 2
 
 
-def test_declining_is_a_skip_not_a_pass(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_declining_is_a_skip_not_a_pass(monkeypatch) -> None:
     class Picky(Honest):
         name = "picky"
 
@@ -165,7 +165,7 @@ def test_declining_is_a_skip_not_a_pass(monkeypatch) -> None:  # type: ignore[no
 
 
 @pytest.mark.parametrize("name", ["reference", "torch_sdpa", "sliding_window", "torch_flash_cpu"])
-def test_in_repo_cpu_backends_pass_the_quick_kit(name: str, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_in_repo_cpu_backends_pass_the_quick_kit(name: str, capsys) -> None:
     from attnhub.core.registry import Registry
 
     if name not in Registry.load().backends:
@@ -179,7 +179,7 @@ def test_in_repo_cpu_backends_pass_the_quick_kit(name: str, capsys) -> None:  # 
     ("triton", ["basic", "mask softcap", "mask causal bottom_right", "layout thd", "lse"]),
     ("triton_decode", ["basic", "mask softcap", "layout paged", "lse"]),
 ])
-def test_triton_backends_pass_kit_features_in_the_interpreter(name, features) -> None:  # type: ignore[no-untyped-def]
+def test_triton_backends_pass_kit_features_in_the_interpreter(name, features) -> None:
     """A few features of the Triton backends (interpreted on a CPU: kept small for CI)."""
     from attnhub.conformance import backend_grid
     from attnhub.core.registry import Registry
@@ -197,7 +197,7 @@ def test_triton_backends_pass_kit_features_in_the_interpreter(name, features) ->
     assert {r.status for r in rep.results} == {"pass"}
 
 
-def test_cli_exit_code_and_pytest_entry(tmp_path, monkeypatch, pytester, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_exit_code_and_pytest_entry(tmp_path, monkeypatch, pytester, capsys) -> None:
     """A failing plugin fails ``check-plugin`` (exit 1) and the pytest entry point."""
     (tmp_path / "kit_broken_plugin.py").write_text(
         "from attnhub.plugin import hookimpl\n"

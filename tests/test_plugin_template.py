@@ -18,14 +18,14 @@ TEMPLATE = Path(__file__).resolve().parents[1] / "examples" / "plugin_template"
 
 
 @pytest.fixture
-def template_on_path(monkeypatch):  # type: ignore[no-untyped-def]
+def template_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(TEMPLATE))
     yield
     for name in [m for m in sys.modules if m.startswith("attnhub_example")]:
         del sys.modules[name]
 
 
-def test_template_registers_through_its_entry_point_and_passes_the_kit(template_on_path):  # type: ignore[no-untyped-def]
+def test_template_registers_through_its_entry_point_and_passes_the_kit(template_on_path):
     meta = tomllib.loads((TEMPLATE / "pyproject.toml").read_text())
     (name, module), = meta["project"]["entry-points"]["attnhub.backends"].items()
     source = (TEMPLATE / "attnhub_example" / "backend.py").read_text()

@@ -83,15 +83,16 @@ def build(case: Case, device: torch.device) -> Inputs:
     if case.layout in ("bshd", "bhsd"):
         params.max_seqlen_q, params.max_seqlen_k = q.shape[1], k.shape[1]
     ref_params = AttnParams(**common, **ref[4])  # type: ignore[arg-type]
+    mask = MaskSpec(causal=case.causal, alignment=case.alignment,  # type: ignore[arg-type]
+                    window=case.window, alibi=case.alibi, softcap=case.softcap is not None,
+                    prefix_lm=case.prefix_lm, document=case.layout == "thd",
+                    column_sparse=case.column_sparse,
+                    score_mod=relative_bias.__name__ if case.score_mod else None,
+                    mask_mod=skip_every_third.__name__ if case.mask_mod else None)
+    layout = "bshd" if case.layout == "bhsd" else case.layout
     spec = AttentionSpec(
-        phase=case.phase, dtype=case.dtype, head_dim=d, head_dim_v=dv, num_q_heads=hq,  # type: ignore[arg-type]
-        num_kv_heads=hkv, layout="bshd" if case.layout == "bhsd" else case.layout,  # type: ignore[arg-type]
-        mask=MaskSpec(causal=case.causal, alignment=case.alignment, window=case.window,  # type: ignore[arg-type]
-                      alibi=case.alibi, softcap=case.softcap is not None,
-                      prefix_lm=case.prefix_lm, document=case.layout == "thd",
-                      column_sparse=case.column_sparse,
-                      score_mod=relative_bias.__name__ if case.score_mod else None,
-                      mask_mod=skip_every_third.__name__ if case.mask_mod else None),
+        phase=case.phase, dtype=case.dtype, head_dim=d, head_dim_v=dv,  # type: ignore[arg-type]
+        num_q_heads=hq, num_kv_heads=hkv, layout=layout, mask=mask,  # type: ignore[arg-type]
         max_seqlen_q=max(case.seqlens_q), max_seqlen_k=max(case.seqlens_k), batch=b,
         needs_grad=case.backward, deterministic=case.deterministic,
         return_lse=case.return_lse, page_size=case.page_size).bucketed()

@@ -98,7 +98,8 @@ def validate_lock(data: Any, text: str, file: str) -> list[str]:
         return [f"{file}:1:1 (document): got {type(data).__name__}, expected the JSON object "
                 f"`attnhub lock` writes; regenerate it with `attnhub lock -o {file}`"]
     if data.get("schema") != SCHEMA:
-        return [f"{_located(data, text, file).where(('schema',))} schema: got {data.get('schema')!r}, expected "
+        where = _located(data, text, file).where(("schema",))
+        return [f"{where} schema: got {data.get('schema')!r}, expected "
                 f"{SCHEMA!r} (written by another attnhub version, or not a lockfile); "
                 f"regenerate it with `attnhub lock -o {file}`"]
     try:
