@@ -4,7 +4,10 @@ A plugin is a module (named by an entry point in group ``attnhub.backends``) wit
 decorated by :data:`attnhub.plugin.hookimpl`. Hooks receive a ``register`` callback rather than
 returning values, so the host decides what to do with duplicates and records provenance.
 No hook is ``firstresult`` and none is a wrapper: every plugin's implementation is called, in
-registration order, and an exception in one is recorded against that plugin only.
+registration order, and an exception in one (``SystemExit`` included, not
+``KeyboardInterrupt``) is recorded against that plugin only. A backend name registered by two
+plugins is served by neither unless ``ATTNHUB_PROVIDERS`` picks one. docs/plugins.md is the
+author's guide; ``attnhub check-plugin NAME`` tests a backend against its declaration.
 """
 
 from __future__ import annotations

@@ -205,8 +205,11 @@ class Registry:
             return self._conflict_text(name)
         other = self.backends.get(name)
         if other is None or pick == rec.name:
-            if other is not None:
+            if other is not None:  # the deployment's pick replaces an earlier registration
                 self.plugins[other.plugin].backends.remove(name)
+                self.plugins[other.plugin].errors.append(
+                    f"backend name {name!r} is served by plugin {rec.name!r}: the deployment "
+                    f"picks it ({PROVIDERS_ENV})")
             return None
         if other.plugin == rec.name:
             return f"backend name {name!r} is registered twice by this plugin"
