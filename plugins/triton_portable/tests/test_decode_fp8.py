@@ -243,3 +243,30 @@ def test_default_policy_binds_fp8_kv_decode_only_behind_a_passing_record(tmp_pat
                               {"rel_error": 0.04})
         d = hub.resolver.resolve(spec, device, hub.registry, BindContext())
         assert (d.backend == "triton_decode_fp8") is bound, d
+
+
+def test_fp8_check_kv_records_the_paged_decode_bucket(tmp_path, capsys):
+    """``attnhub fp8-check --kv``: an e4m3 cache built by appends, decoded by
+    triton_decode_fp8, checked against fp32; the record lands on the bucket the hub looks up
+    for that paged decode (and a budget below the error records a failure)."""
+    import json
+
+    from attnhub import probe
+    from attnhub.cli import main as cli
+    from attnhub.policy.profile import ProfileStore
+
+    store = tmp_path / "profile.json"
+    argv = ["fp8-check", "--kv", "--json", "--shape", "2,40,4,2,32", "--magnitudes", "1",
+            "--store", str(store)]
+    code = cli(argv)
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["passed"] and res["backend"] == "triton_decode_fp8"
+    err = res["cases"][0]["errors"]
+    assert err["bf16"]["rel"] < 0.01 < err["fp8 default"]["rel"] < FP8_KV_ERROR_BUDGET
+    spec = AttentionSpec(phase="decode", dtype="bf16", kv_dtype="fp8_e4m3", head_dim=32,
+                         num_q_heads=4, num_kv_heads=2, layout="paged", max_seqlen_q=1,
+                         max_seqlen_k=40, batch=2, page_size=16)
+    assert ProfileStore(store).accuracy(probe(), spec, "triton_decode_fp8").passed
+    assert cli([*argv, "--budget", "0.001"]) == 1
+    capsys.readouterr()
+    assert not ProfileStore(store).accuracy(probe(), spec, "triton_decode_fp8").passed
