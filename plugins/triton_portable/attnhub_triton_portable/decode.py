@@ -12,6 +12,11 @@ Paged caches are read through the block table key by key (``page = table[b, j //
 so any page size >= 1 works and a key tile may span pages. Per-sequence lengths give each
 sequence its own balanced splits. Multi-token queries use the mask semantics of
 ``attnhub.core.masking`` (bottom-right by default: token t sits at key ``t + L - Sq``).
+
+Whatever the block table and lengths hold, the kernel reads nothing outside the cache: it
+clamps lengths and page ids itself. An FP8 (e4m3) cache is read with per-(page or sequence,
+KV head) descales, widened to the query dtype in registers (``KV_FP8``); on an H200 that
+path saves memory, not time (docs/benchmarks/triton_decode_paged.md).
 """
 
 from __future__ import annotations
