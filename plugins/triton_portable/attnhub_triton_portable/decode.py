@@ -522,6 +522,11 @@ def decode_attention(
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+    # the kernel indexes tables and lengths with unit inner stride: strided views are copied
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    if seqlens_k is not None and seqlens_k.dim() == 1 and seqlens_k.stride(0) != 1:
+        seqlens_k = seqlens_k.contiguous()
     descales = None
     if k_descale is not None or v_descale is not None or k.dtype in FP8_KV_DTYPES:
         descales = _descales(k, block_table is not None, q.shape[0], k_descale, v_descale)

@@ -90,6 +90,15 @@ _SCRIPT = textwrap.dedent('''
         run("contiguous, seqlens shorter than the batch", k=kcont, v=vcont,
             seqlens_k=tail([5], [12])),
     ]
+    # a column-strided table and strided lengths read as their contiguous copies would
+    wide = torch.tensor([[0, 9, 1, 9, 2, 9], [3, 9, 4, 9, 5, 9]], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([12, 99, 11, 99], dtype=torch.int32, device=DEV)
+    strided = decode_attention(q, kc, vc, scale=D ** -0.5, block_table=wide[:, ::2],
+                               seqlens_k=lens[::2])[0]
+    dense = decode_attention(q, kc, vc, scale=D ** -0.5, block_table=wide[:, ::2].contiguous(),
+                             seqlens_k=lens[::2].contiguous())[0]
+    results.append({"case": "strided table and lengths", "finite": True,
+                    "equal": bool(torch.equal(strided, dense))})
     print("RESULTS " + json.dumps(results))
 ''')
 
@@ -119,6 +128,7 @@ def test_bad_tables_and_lengths_read_nothing_outside_the_cache() -> None:
                       ("contiguous, lengths past the cache", 1),
                       ("contiguous, seqlens shorter than the batch", 1)):
         assert results[name]["rows_zero"][row] and results[name]["lse_neg_inf"][row], (name, row)
+    assert results["strided table and lengths"]["equal"]
     for name in ("lengths past the table", "seqlens shorter than the batch",
                  "block table shorter than the batch"):
         assert not results[name]["rows_zero"][0], name  # a valid row still attends
