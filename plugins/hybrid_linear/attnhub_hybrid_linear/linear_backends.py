@@ -118,6 +118,9 @@ class _LinearFamily(Backend):
         if not spec.mask.causal and spec.max_seqlen_q > 1:
             return [f"{self.name} is a causal recurrence: it serves causal masks only "
                     "(pass causal=True; one query at the end of its context may omit it)"]
+        if spec.max_seqlen_q > spec.max_seqlen_k:  # buckets: Sq > Sk for sure
+            return [f"{self.name} reads the queries as the last Sq tokens of the context, so "
+                    "it needs Sq <= Sk; bind an exact backend for Sq > Sk"]
         return []
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
