@@ -164,7 +164,8 @@ def test_declining_is_a_skip_not_a_pass(monkeypatch) -> None:
     assert main(["check-plugin", "torch_sdpa", "--budget", "0"]) == 2  # nothing was checked
 
 
-@pytest.mark.parametrize("name", ["reference", "torch_sdpa", "sliding_window", "torch_flash_cpu"])
+@pytest.mark.parametrize("name", ["reference", "torch_sdpa", "sliding_window", "torch_flash_cpu",
+                                  "gla", "linear", "retention", "longformer", "lsh"])
 def test_in_repo_cpu_backends_pass_the_quick_kit(name: str, capsys) -> None:
     from attnhub.core.registry import Registry
 
