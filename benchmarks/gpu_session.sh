@@ -1,28 +1,68 @@
 #!/usr/bin/env bash
-# One GPU session's measurements, each bounded in time, results under $OUT:
-#   overhead.json   host cost of attnhub.attention vs direct SDPA (forced and via policy)
-#   decode_host_overhead.*  host time per triton_decode call, direct launch on/off, vs SDPA
-#   gpu_tests.txt   every test marked `gpu`, on the final code
-#   llama8b/        `attnhub run` at Llama-8B shape, decode backends compared (run_llama8b.sh)
-# Usage on the H200 (wheels carried in .whl): COMMIT=abc1234 bash benchmarks/gpu_session.sh
+# One GPU session on the H200, one command, every step bounded in time. Timing steps run
+# alone on the card first; the correctness steps (GPU tests, conformance kit) then run side
+# by side. Results under $OUT (at most 8 files come back: the work happens in $work and
+# the files worth reading are copied to $OUT, with everything in results.tar.gz):
+#   session.log        what ran, when, with exit codes; env (date, commit, GPU, versions)
+#   overhead.json      host cost of attnhub over the bound backend called directly
+#   hf_generate.{json,md}  generate() with attn_implementation="attnhub" vs "sdpa"
+#   ring_sim2.{json,md}    ring attention, 2 virtual ranks on one GPU (issue 17)
+#   gpu_tests.txt      every test marked `gpu` (FlashInfer's included: it JIT-compiles)
+#   kit.json           `attnhub check-plugin --all-available --quick` on the GPU
+# Usage (carry .whl, made by ../shared/gpu/wheels.sh all): COMMIT=abc1234 bash benchmarks/gpu_session.sh
 set -uo pipefail
-out=${OUT:-out/gpu_session}
-mkdir -p "$out"
+final=${OUT:-out/gpu_session}
+out=${WORK:-/tmp/gpu_session}
+mkdir -p "$out" "$final"
+log="$out/session.log"
+start=$(date +%s)
+say() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$log"; }
+step() {  # step NAME SECONDS CMD...: run bounded, log its exit code
+  local name=$1 secs=$2; shift 2
+  say "start $name (<= ${secs}s)"
+  timeout "$secs" "$@" >> "$out/$name.out" 2>&1
+  say "end $name rc=$?"
+}
+
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/pydantic*.whl .whl/typing*.whl .whl/annotated*.whl .whl/fa3*.whl
+  --target /tmp/site .whl/*.whl >> "$log" 2>&1
 root=$(pwd)
-export PYTHONPATH=/tmp/site:$root
+PYTHONPATH=/tmp/site:$root
 mods=""
 for p in triton_portable sm80_fa2 sm90_fa3 hybrid_linear ring rocm; do
   PYTHONPATH=$PYTHONPATH:$root/plugins/$p; mods=$mods${mods:+,}attnhub_$p.plugin
 done
 export PYTHONPATH ATTNHUB_PLUGIN_MODULES=$mods PYTHONUNBUFFERED=1
-{ date -u +%FT%TZ; echo "commit ${COMMIT:-?}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$out/env.txt"
-timeout 60 python3 benchmarks/overhead.py --json > "$out/overhead.json" 2> "$out/overhead.log"
-timeout 90 python3 benchmarks/decode_host_overhead.py --device cuda --json "$out/decode_host_overhead.json" \
-  > "$out/decode_host_overhead.txt" 2>&1; tail -25 "$out/decode_host_overhead.txt"
-timeout 150 python3 -m pytest -m gpu plugins tests -q -rs > "$out/gpu_tests.txt" 2>&1
-tail -3 "$out/gpu_tests.txt"
-WHEELS=none ROUNDS=${ROUNDS:-2} timeout ${LLAMA_S:-300} bash benchmarks/run_llama8b.sh "$out/llama8b" > "$out/llama8b.txt" 2>&1
-tail -12 "$out/llama8b.txt"
-cat "$out/overhead.json"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+{ date -u +%FT%TZ; echo "commit ${COMMIT:-?}"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} >> "$log" 2>&1
+say "setup done"
+
+# -- timing, one at a time --------------------------------------------------------------
+step overhead 60 python3 benchmarks/overhead.py --json
+cp "$out/overhead.out" "$out/overhead.json" 2>/dev/null
+step hf_generate "${HF_S:-170}" python3 benchmarks/hf_generate.py --budget-s "$(( ${HF_S:-170} - 25 ))" \
+  --hard-timeout-s "$(( ${HF_S:-170} - 10 ))" --out "$out"
+step ring_sim2 "${RING_S:-90}" python3 benchmarks/ring_scaling.py --simulate 2 \
+  --seqlens 32768 131072 --reps 3 --check-seqlen 4096 \
+  --json "$out/ring_sim2.json" --markdown "$out/ring_sim2.md"
+
+# -- correctness, side by side ------------------------------------------------------------
+say "start gpu_tests and kit in parallel"
+( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu plugins tests -q -rs -p no:cacheprovider \
+    > "$out/gpu_tests.txt" 2>&1; echo "gpu_tests rc=$?" >> "$out/gpu_tests.txt" ) &
+( timeout "${KIT_S:-200}" python3 -m attnhub check-plugin --all-available --quick --budget 25 \
+    --total "$(( ${KIT_S:-200} - 15 ))" --json > "$out/kit.json" 2> "$out/kit.err"
+  echo "kit rc=$?" >> "$out/kit.err" ) &
+wait
+say "end gpu_tests: $(tail -2 "$out/gpu_tests.txt" | tr '\n' ' ')"
+say "end kit: $(tail -1 "$out/kit.err")"
+tail -25 "$out/gpu_tests.txt"
+tail -5 "$out/hf_generate.out" "$out/ring_sim2.out" "$out/overhead.out" 2>/dev/null
+say "done"
+(cd "$out" && tar czf "$final/results.tar.gz" ./* 2>/dev/null)
+for f in session.log overhead.json hf_generate.md ring_sim2.md gpu_tests.txt kit.json; do
+  [[ -f "$out/$f" ]] && cp "$out/$f" "$final/"
+done
