@@ -7,6 +7,7 @@ code runs on a cache hit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -24,6 +25,8 @@ from .core.registry import Registry
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
 from .core.contract import (
     PAGED,
+    THD,
+    _check_max_seqlen,
     check_call,
     check_output,
     check_qkv,
@@ -70,22 +73,29 @@ class Runner:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
-                 want: tuple[int, ...] | None = None) -> AttentionOutput:
-        """Run the chain; ``want`` is the output shape (``q.shape[:-1] + (Dv,)``), passed by
-        the hot path that knows it already."""
+                 want: tuple[int, ...] | None = None,
+                 device: torch.device | None = None) -> AttentionOutput:
+        """Run the chain; ``want`` is the output shape (``q.shape[:-1] + (Dv,)``) and
+        ``device`` q's device, passed by the hot path that knows them already."""
         if self.local is not None:  # a distributed backend runs this local kernel per block
             params.extra["local_backend"] = self.local
         if want is None:
             want = (*q.shape[:-1], v.shape[-1])
+        if device is None:
+            device = q.device
+        dtype = q.dtype
         i = 0
         while True:
             backend = self.chain[i]
             try:
-                backend.load()
+                if not backend._loaded:
+                    backend.load()
                 res = backend.forward(q, k, v, spec, params)
                 out, lse = res
-                if (out.shape != want or out.dtype != q.dtype or out.device != q.device
-                        or params.return_lse):  # the cheap test first, details when needed
+                # metadata only, the cheap test first (dtypes are singletons), details when
+                # it fails or an LSE is asked for
+                if (out.dtype is not dtype or out.shape != want or out.device != device
+                        or params.return_lse):
                     check_output(backend.name, out, lse, q, v, spec.layout, params.return_lse)
                 if self.hub.debug and (bad := nan_violation(backend.name, out, q, k, v)):
                     raise bad
@@ -195,74 +205,80 @@ class Hub:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One attention call; see ``docs/contract.md`` for what each argument must be.
 
-        A call whose shapes, dtypes, devices and flags were seen before (``bshd``/``bhsd``)
-        takes the exact-shape table: only ``scale``/``softcap`` values are checked again.
-        Everything else goes through :func:`attnhub.core.contract.check_call` first.
+        A call whose shapes, dtypes, devices and flags were seen before takes the
+        exact-shape table: only ``scale``/``softcap`` values are checked again, and the
+        contents of paged tables / ``cu_seqlens`` once per change (a memo). Everything else
+        goes through :func:`attnhub.core.contract.check_call` first.
         """
         try:
-            needs_grad = torch.is_grad_enabled() and (
-                q.requires_grad or k.requires_grad or v.requires_grad)
+            needs_grad = (q.requires_grad or k.requires_grad or v.requires_grad) and (
+                torch.is_grad_enabled())
         except AttributeError:  # not tensors: the contract says which and how
             check_qkv(q, k, v, layout)
             raise
         fast_key = None
-        if layout != "thd" and cu_seqlens_q is None and cu_seqlens_k is None:
+        try:
             # Hot path: every check of the slow path depends only on what this key holds
             # (side tensors by shape/dtype/device, callables by kind), so a call that matches
             # reuses the checked binding; scale/softcap values are checked per call, paged
-            # tables by their contents (PAGED.values: a memo that in-place edits cannot fool).
-            try:
-                side = None if (alibi_slopes is None and prefix_lens is None
-                                and colmask_start is None and colmask_end is None
-                                and block_table is None and seqlens_k is None) else (
-                    _meta(alibi_slopes) if alibi_slopes is not None else None,
-                    _meta(prefix_lens) if prefix_lens is not None else None,
-                    _meta(colmask_start) if colmask_start is not None else None,
-                    _meta(colmask_end) if colmask_end is not None else None,
-                    _meta(block_table) if block_table is not None else None,
-                    _meta(seqlens_k) if seqlens_k is not None else None)
-                fast_key = (layout, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-                            q.device, k.device, v.device, causal, causal_alignment, window,
-                            softcap is not None, side, max_seqlen_q, max_seqlen_k,
-                            score_mod if score_mod is None else _mod_kind(score_mod),
-                            mask_mod if mask_mod is None else _mod_kind(mask_mod),
-                            phase, return_lse, backend, context, deterministic, needs_grad)
-                hit = self._exact.get(fast_key)
-            except (TypeError, AttributeError):  # unhashable or not a tensor: slow path
-                hit, fast_key = None, None
-            if hit is not None:
-                if (scale is not None or softcap is not None) and not (
-                        (scale is None or (scale.__class__ is float and 0.0 < scale < _INF))
-                        and (softcap is None
-                             or (softcap.__class__ is float and 0.0 < softcap < _INF))):
-                    check_scalars(scale, softcap)  # raises; an int or odd value is checked
-                spec, run, window, named, named_score, named_mask, default_scale, want = hit
-                max_k = k.shape[1]
-                if layout == "paged":
-                    block_table, seqlens_k, max_k = PAGED.values(q, k, block_table, seqlens_k)
-                    if bucket(max_k) != spec.max_seqlen_k:  # another length bucket: rebind
-                        hit = None
-            if hit is not None:
-                if named:  # named variants (strings in the key): their callables, resolved once
-                    if score_mod.__class__ is str:
-                        score_mod = named_score
-                    if mask_mod.__class__ is str:
-                        mask_mod = named_mask
-                if layout == "bhsd":
-                    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-                params = AttnParams(
-                    scale=default_scale if scale is None else scale, causal=causal,
-                    alignment=causal_alignment, window=window, softcap=softcap,
-                    alibi_slopes=alibi_slopes, prefix_lens=prefix_lens,
-                    colmask_start=colmask_start, colmask_end=colmask_end,
-                    max_seqlen_q=q.shape[1], max_seqlen_k=max_k, block_table=block_table,
-                    seqlens_k=seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
-                    deterministic=deterministic, return_lse=return_lse,
-                    extra=dict(extra) if extra else {})
-                out, lse = run(q, k, v, spec, params, want)
-                if layout == "bhsd":
-                    out = out.transpose(1, 2)
-                return (out, lse) if return_lse else out
+            # tables and cu_seqlens by their contents (PAGED/THD: memos that in-place edits
+            # cannot fool).
+            side = None if (alibi_slopes is None and prefix_lens is None
+                            and colmask_start is None and colmask_end is None
+                            and block_table is None and seqlens_k is None
+                            and cu_seqlens_q is None and cu_seqlens_k is None) else (
+                _meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
+                _meta(colmask_end), _meta(block_table), _meta(seqlens_k),
+                _meta(cu_seqlens_q), _meta(cu_seqlens_k))
+            device = q.device
+            fast_key = (layout, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+                        device, k.device, v.device, causal, causal_alignment, window,
+                        softcap is not None, side, max_seqlen_q, max_seqlen_k,
+                        score_mod if score_mod is None else _mod_kind(score_mod),
+                        mask_mod if mask_mod is None else _mod_kind(mask_mod),
+                        phase, return_lse, backend, context, deterministic, needs_grad)
+            hit = self._exact.get(fast_key)
+        except (TypeError, AttributeError):  # unhashable or not a tensor: slow path
+            hit, fast_key = None, None
+        if hit is not None:
+            if (scale is not None or softcap is not None) and not (
+                    (scale is None or (scale.__class__ is float and 0.0 < scale < _INF))
+                    and (softcap is None
+                         or (softcap.__class__ is float and 0.0 < softcap < _INF))):
+                check_scalars(scale, softcap)  # raises; an int or odd value is checked
+            spec, run, window, named, named_score, named_mask, default_scale, want = hit
+            max_q, max_k = q.shape[1], k.shape[1]
+            if layout == "paged":
+                block_table, seqlens_k, max_k = PAGED.values(q, k, block_table, seqlens_k)
+                if bucket(max_k) != spec.max_seqlen_k:  # another length bucket: rebind
+                    hit = None
+            elif layout == "thd":
+                cu_seqlens_q, cu_seqlens_k, max_q, max_k = THD.values(
+                    cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+                max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
+                max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
+                if (bucket(max_q) != spec.max_seqlen_q or bucket(max_k) != spec.max_seqlen_k
+                        or (phase is None and spec.phase != _phase(needs_grad, False,
+                                                                   max_q, max_k))):
+                    hit = None  # another length bucket or phase: rebind
+        if hit is not None:
+            if named:  # named variants (strings in the key): their callables, resolved once
+                if score_mod.__class__ is str:
+                    score_mod = named_score
+                if mask_mod.__class__ is str:
+                    mask_mod = named_mask
+            if layout == "bhsd":
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            # positional: field order checked at import (_PARAM_FIELDS), ~1 us cheaper
+            params = AttnParams(
+                default_scale if scale is None else scale, causal, causal_alignment, window,
+                softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end, cu_seqlens_q,
+                cu_seqlens_k, max_q, max_k, block_table, seqlens_k, score_mod, mask_mod,
+                deterministic, return_lse, dict(extra) if extra else {})
+            out, lse = run(q, k, v, spec, params, want, device)
+            if layout == "bhsd":
+                out = out.transpose(1, 2)
+            return (out, lse) if return_lse else out
         a = check_call(
             q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment,
             window=window, softcap=softcap, scale=scale, alibi_slopes=alibi_slopes,
@@ -284,9 +300,7 @@ class Hub:
                                 "(b, h, q_idx, kv_idx) -> bool or a variant name")
         max_seqlen_q, max_seqlen_k, batch = a.max_seqlen_q, a.max_seqlen_k, a.batch
         if phase is None:
-            phase = "train" if needs_grad else (
-                "decode" if layout == "paged" or (max_seqlen_q == 1 and max_seqlen_k > 1)
-                else "prefill")
+            phase = _phase(needs_grad, layout == "paged", max_seqlen_q, max_seqlen_k)
         score_kind, mask_kind = _callable_name(score_mod), _callable_name(mask_mod)
         key = (phase, q.dtype, k.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2],
                layout, causal, causal_alignment, window is not None, alibi_slopes is not None,
@@ -333,7 +347,7 @@ class Hub:
             scale=scale if scale is not None else default_scale,
             causal=causal, alignment=causal_alignment, window=window, softcap=softcap,
             alibi_slopes=alibi_slopes, prefix_lens=prefix_lens, colmask_start=colmask_start,
-            colmask_end=colmask_end, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            colmask_end=colmask_end, cu_seqlens_q=a.cu_seqlens_q, cu_seqlens_k=a.cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=a.block_table,
             seqlens_k=a.seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
             deterministic=deterministic, return_lse=return_lse, extra=dict(extra or {}))
@@ -362,6 +376,13 @@ class Hub:
         return bind(model, self, **shapes)
 
 
+def _phase(needs_grad: bool, paged: bool, max_q: int, max_k: int) -> str:
+    """The phase a call without ``phase=`` is bound for."""
+    if needs_grad:
+        return "train"
+    return "decode" if paged or (max_q == 1 and max_k > 1) else "prefill"
+
+
 def _callable_name(fn: Any) -> str | None:
     """The kind of a score/mask callable, as the policy sees it (``MaskSpec.score_mod``)."""
     if fn is None:
@@ -375,9 +396,20 @@ def _mod_kind(fn: Any) -> Any:
     return fn if fn.__class__ is str else ("callable", _callable_name(fn))
 
 
-def _meta(t: Any) -> tuple:
+def _meta(t: Any) -> tuple | None:
     """What the contract checks of a side tensor: shape, dtype, device."""
-    return (t.shape, t.dtype, t.device)
+    return None if t is None else (t.shape, t.dtype, t.device)
+
+
+#: The order ``AttnParams`` is built in positionally on the hot path (a keyword call costs
+#: about a microsecond more); checked here so that a reordered dataclass fails at import.
+_PARAM_FIELDS = ("scale", "causal", "alignment", "window", "softcap", "alibi_slopes",
+                 "prefix_lens", "colmask_start", "colmask_end", "cu_seqlens_q",
+                 "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "block_table", "seqlens_k",
+                 "score_mod", "mask_mod", "deterministic", "return_lse", "extra")
+if tuple(f.name for f in dataclasses.fields(AttnParams)) != _PARAM_FIELDS:
+    raise ImportError("attnhub.hub: AttnParams fields changed order; update _PARAM_FIELDS "
+                      "and the positional AttnParams(...) call of the hot path")
 
 
 def _is_resolver(obj: object) -> bool:

@@ -6,7 +6,7 @@ on a fallback). ``docs/contract.md`` is the same contract in prose.
 
 * :func:`check_call` is the slow path: ranks, shapes, dtypes, devices, ranges and which
   arguments a layout needs or forbids. It reads tensor *contents* only for ``cu_seqlens``
-  (every call) and paged tables (see :class:`PagedTables`).
+  (see :class:`CuSeqlens`) and paged tables (see :class:`PagedTables`), once per change.
 * :func:`check_scalars` is what the exact-shape hot path still checks per call: the values
   of ``scale`` and ``softcap``, which are not part of its key.
 * :func:`check_output` is the output contract every backend result meets before it is
@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import operator
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -55,8 +56,10 @@ class CallArgs(NamedTuple):
     batch: int
     max_seqlen_q: int
     max_seqlen_k: int
-    block_table: torch.Tensor | None
-    seqlens_k: torch.Tensor | None
+    block_table: torch.Tensor | None = None
+    seqlens_k: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None  # thd: the private snapshots backends read
+    cu_seqlens_k: torch.Tensor | None = None
 
 
 def check_call(q: Any, k: Any, v: Any, *, layout: Any, causal: Any, causal_alignment: Any,
@@ -90,19 +93,12 @@ def check_call(q: Any, k: Any, v: Any, *, layout: Any, causal: Any, causal_align
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         layout = "bshd"
     window = check_window(window, causal)
-    tables: list[Any] = [None, None]
+    tables: list[Any] = [None, None, None, None]
     if layout == "thd":
-        if cu_seqlens_q is None or cu_seqlens_k is None:
-            raise SeqlensError("layout='thd' needs cu_seqlens_q and cu_seqlens_k "
-                               "(int32, B+1 offsets into the packed tokens)")
-        mq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-        mk = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-            raise SeqlensError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries and "
-                               f"cu_seqlens_k {cu_seqlens_k.numel()}; both must be B+1 long")
+        *tables[2:], mq, mk = THD.check(q, k, cu_seqlens_q, cu_seqlens_k)
         batch = cu_seqlens_q.numel() - 1
     elif layout == "paged":
-        *tables, mk = PAGED.check(q, k, block_table, seqlens_k)
+        *tables[:2], mk = PAGED.check(q, k, block_table, seqlens_k)
         mq, batch = q.shape[1], q.shape[0]
     else:
         mq, mk, batch = q.shape[1], k.shape[1], q.shape[0]
@@ -129,6 +125,35 @@ def check_call(q: Any, k: Any, v: Any, *, layout: Any, causal: Any, causal_align
                 _check_side(name, t, q.device, floating=False, shapes=shapes,
                             what="(B, Hkv or 1, Sk) int32")
     return CallArgs(q, k, v, layout, window, batch, max_q, max_k, *tables)
+
+
+def canonical_device(device: str | torch.device,
+                     current: Any = None) -> torch.device:
+    """``device`` as tensors on it report it: ``torch.device("cuda")`` becomes
+    ``cuda:<current device>``, so a cache made for ``"cuda"`` accepts tensors on ``cuda:0``.
+    ``current(kind)`` gives the current index of an accelerator kind (default: ask torch;
+    tests pass a fake). The CPU, and kinds without an index, are returned unchanged."""
+    d = torch.device(device)
+    if d.index is not None or d.type in ("cpu", "meta"):
+        return d
+    index = (current or _current_index)(d.type)
+    return d if index is None else torch.device(d.type, index)
+
+
+def same_device(a: str | torch.device, b: str | torch.device, current: Any = None) -> bool:
+    """Whether two devices are the same once canonical (``"cuda"`` is ``"cuda:0"`` when 0
+    is the current device)."""
+    return canonical_device(a, current) == canonical_device(b, current)
+
+
+def _current_index(kind: str) -> int | None:
+    mod = getattr(torch, kind, None)
+    try:
+        if mod is not None and mod.is_available() and hasattr(mod, "current_device"):
+            return int(mod.current_device())
+    except RuntimeError:  # a kind torch knows but cannot start here
+        return None
+    return None
 
 
 def check_qkv(q: Any, k: Any, v: Any, layout: Any) -> None:
@@ -221,8 +246,8 @@ def check_window(window: Any, causal: bool) -> tuple[int, int] | None:
     return (left, right)
 
 
-def check_cu_seqlens(name: str, cu: Any, total: int, device: torch.device) -> int:
-    """Validate cumulative lengths (every call: a host copy); returns the longest sequence."""
+def check_cu_seqlens_meta(name: str, cu: Any, device: torch.device) -> None:
+    """Type, rank, dtype and device of cumulative lengths (no contents read)."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
         raise SeqlensError(f"{name} must be a 1-D tensor of B+1 offsets starting at 0, got "
                            f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu)}")
@@ -231,6 +256,15 @@ def check_cu_seqlens(name: str, cu: Any, total: int, device: torch.device) -> in
                            f"(use {name}.to(torch.int32))")
     if cu.device != device:
         raise DeviceMismatchError(f"{name} is on {cu.device} but q is on {device}; move it")
+
+
+def check_cu_seqlens(name: str, cu: Any, total: int, device: torch.device) -> int:
+    """Validate cumulative lengths (a host copy); returns the longest sequence."""
+    check_cu_seqlens_meta(name, cu, device)
+    return _check_cu_contents(name, cu, total)
+
+
+def _check_cu_contents(name: str, cu: torch.Tensor, total: int) -> int:
     host = cu.tolist()
     if host[0] != 0:
         raise SeqlensError(f"{name}[0] is {host[0]}; offsets must start at 0")
@@ -279,29 +313,89 @@ def _check_side(name: str, t: Any, device: torch.device, *, floating: bool,
                          f"one of {', '.join(map(str, shapes))}")
 
 
-class PagedTables:
-    """Checks ``block_table``/``seqlens_k`` of a paged call, reading their contents once per
-    change, and hands backends a private snapshot that a stale check cannot outlive.
+class _Memo:
+    """A one-entry memo of a checked pair of tensors: the layers of a model step pass the
+    same two tensors, so their contents are read once per change, not once per layer.
 
-    Every layer of a model step passes the same two tensors, so their contents are checked
-    on first sight and remembered with a stamp (identity, ``_version``, data pointer, shape,
-    cache geometry). An edit through ``.data`` does not bump ``_version``, so the stamp alone
-    is no proof that the contents are unchanged. Two guards close that hole:
-
-    * backends always read the hub's *snapshot* (a private copy made when the tables were
-      checked), never the caller's tensors: whatever the caller does to its own tensors
-      afterwards, no backend can read a page id or length that was not checked;
-    * on the CPU a stamp hit is also compared with the snapshot (``torch.equal``, about a
-      microsecond for decode-sized tables) and re-checked if it differs, so every edit is
-      seen. On an accelerator that comparison would be a host sync per layer; there, an edit
-      that bypasses ``_version`` (``.data``) between calls is not seen: the call reads the
-      tables as they were when checked (in bounds, never an error). Normal in-place edits
-      and new tensors are re-checked.
+    The stamp (identity, ``_version``, data pointer, geometry) is no full proof: an edit
+    through ``.data`` does not bump ``_version``. Two guards close that hole: backends
+    always read the *snapshot* (a private copy taken when the pair was checked), so nothing
+    a caller does to its own tensors afterwards can make a backend read an unchecked value;
+    and on the CPU a stamp hit is also compared with the snapshot (``torch.equal``, about a
+    microsecond for small tables) so every edit is seen. On an accelerator that comparison
+    would be a host sync per layer; there an edit that bypasses ``_version`` between calls
+    is not seen: the call reads the values as they were when checked (in bounds, never an
+    error). Normal in-place edits and new tensors are re-checked.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._memo: tuple = ()
+
+    def _hit(self, a: torch.Tensor, b: torch.Tensor, geometry: tuple) -> tuple | None:
+        """The memo entry if ``a``/``b`` are the checked pair, unchanged; else None."""
+        memo = self._memo
+        if (memo and memo[0] is a and memo[1] is b and memo[2] == (
+                a._version, b._version, a.data_ptr(), b.data_ptr(), geometry)
+                and (not a.is_cpu or (torch.equal(memo[3], a) and torch.equal(memo[4], b)))):
+            return memo
+        return None
+
+    def _store(self, a: torch.Tensor, b: torch.Tensor, geometry: tuple, snap_a: torch.Tensor,
+               snap_b: torch.Tensor, *facts: Any) -> None:
+        stamp = (a._version, b._version, a.data_ptr(), b.data_ptr(), geometry)
+        with self._lock:
+            self._memo = (a, b, stamp, snap_a, snap_b, *facts)
+
+
+class CuSeqlens(_Memo):
+    """Checks ``cu_seqlens_q``/``cu_seqlens_k`` of a ``thd`` call once per change (a host
+    copy then) and hands backends a private snapshot (see :class:`_Memo`)."""
+
+    def check(self, q: torch.Tensor, k: torch.Tensor, cu_q: Any,
+              cu_k: Any) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Validate; returns the snapshots backends must read and the longest lengths."""
+        if cu_q is None or cu_k is None:
+            raise SeqlensError("layout='thd' needs cu_seqlens_q and cu_seqlens_k "
+                               "(int32, B+1 offsets into the packed tokens)")
+        check_cu_seqlens_meta("cu_seqlens_q", cu_q, q.device)
+        check_cu_seqlens_meta("cu_seqlens_k", cu_k, q.device)
+        if cu_q.numel() != cu_k.numel():
+            raise SeqlensError(f"cu_seqlens_q has {cu_q.numel()} entries and "
+                               f"cu_seqlens_k {cu_k.numel()}; both must be B+1 long")
+        return self.values(cu_q, cu_k, q.shape[0], k.shape[0])
+
+    def values(self, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int,
+               total_k: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The contents check alone (types and shapes already checked: the hot path)."""
+        geometry = (total_q, total_k)
+        memo = self._hit(cu_q, cu_k, geometry)
+        if memo is not None:
+            return memo[3], memo[4], memo[5], memo[6]
+        snap_q, snap_k = cu_q.clone(), cu_k.clone()
+        mq = _check_cu_contents("cu_seqlens_q", snap_q, total_q)
+        mk = _check_cu_contents("cu_seqlens_k", snap_k, total_k)
+        self._store(cu_q, cu_k, geometry, snap_q, snap_k, mq, mk)
+        return snap_q, snap_k, mq, mk
+
+
+#: The process-wide varlen check (one memo: the layers of a step share their offsets).
+THD = CuSeqlens()
+
+
+class PagedTables(_Memo):
+    """Checks ``block_table``/``seqlens_k`` of a paged call, reading their contents once per
+    change, and hands backends a private snapshot that a stale check cannot outlive (see
+    :class:`_Memo`).
+
+    Tables built by :class:`~attnhub.core.kvcache.PagedKVCache` come with a proof
+    (:meth:`vouch`): the cache built them from host lists it knows, so a new step's tables
+    are taken without reading them back (no host sync on an accelerator).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._vouched: dict[int, tuple] = {}
 
     def check(self, q: torch.Tensor, k: torch.Tensor, block_table: Any,
               seqlens_k: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -329,20 +423,47 @@ class PagedTables:
     def values(self, q: torch.Tensor, k: torch.Tensor, block_table: torch.Tensor,
                seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The contents check alone (types and shapes already checked: the hot path)."""
-        num_pages, page = k.shape[0], k.shape[1]
-        stamp = (block_table._version, seqlens_k._version, block_table.data_ptr(),
-                 seqlens_k.data_ptr(), num_pages, page)
-        memo = self._memo
-        if memo and memo[0] is block_table and memo[1] is seqlens_k and memo[2] == stamp:
-            snap_bt, snap_sl = memo[3], memo[4]
-            if q.device.type != "cpu" or (torch.equal(snap_sl, seqlens_k)
-                                          and torch.equal(snap_bt, block_table)):
-                return snap_bt, snap_sl, memo[5]
-        snap_bt, snap_sl = block_table.clone(), seqlens_k.clone()
-        max_len = _check_paged_contents(snap_bt, snap_sl, num_pages, page)
-        with self._lock:
-            self._memo = (block_table, seqlens_k, stamp, snap_bt, snap_sl, max_len)
+        geometry = (k.shape[0], k.shape[1])
+        memo = self._hit(block_table, seqlens_k, geometry)
+        if memo is not None:
+            return memo[3], memo[4], memo[5]
+        proof = self._proof(block_table, seqlens_k, *geometry)
+        if proof is not None:
+            snap_bt, snap_sl, max_len = proof
+        else:
+            snap_bt, snap_sl = block_table.clone(), seqlens_k.clone()
+            max_len = _check_paged_contents(snap_bt, snap_sl, *geometry)
+        self._store(block_table, seqlens_k, geometry, snap_bt, snap_sl, max_len)
         return snap_bt, snap_sl, max_len
+
+    def vouch(self, t: torch.Tensor, snapshot: torch.Tensor, fact: int) -> None:
+        """Record a proof for a table the caller built from host data it checked:
+        ``fact`` is, for a block table, the number of pages every entry is below, for
+        lengths the longest length (all >= 0). ``snapshot`` is a private copy of ``t``
+        (same values) that backends will read. The proof holds while ``t`` is unchanged
+        (stamp as in :class:`_Memo`); only the last few proofs are kept."""
+        entry = (weakref.ref(t), t._version, t.data_ptr(), tuple(t.shape), snapshot, fact)
+        with self._lock:
+            self._vouched[id(t)] = entry
+            while len(self._vouched) > 8:
+                del self._vouched[next(iter(self._vouched))]
+
+    def _proof(self, bt: torch.Tensor, sl: torch.Tensor, num_pages: int,
+               page: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Snapshots and longest length from two vouched tables, if both still hold and fit
+        this call's cache (every page id < num_pages, longest <= the table's capacity)."""
+        pa, pb = self._vouched.get(id(bt)), self._vouched.get(id(sl))
+        if pa is None or pb is None:
+            return None
+        for t, (ref, version, ptr, shape, _, _) in ((bt, pa), (sl, pb)):
+            if ref() is not t or t._version != version or t.data_ptr() != ptr or (
+                    tuple(t.shape) != shape):
+                return None
+        if pa[5] > num_pages or pb[5] > bt.shape[1] * page:
+            return None
+        if bt.is_cpu and not (torch.equal(pa[4], bt) and torch.equal(pb[4], sl)):
+            return None  # edited through .data since it was vouched: check it the long way
+        return pa[4], pb[4], pb[5]
 
 
 def _check_paged_contents(bt: torch.Tensor, sl: torch.Tensor, num_pages: int,

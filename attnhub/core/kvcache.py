@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import CacheFullError, InputError
+from .contract import PAGED, canonical_device
 from .kvquant import PageScales, is_fp8
 from .seqstate import SequenceStates, SequenceStore
 
@@ -92,7 +93,8 @@ class PagedKVCache:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.device = torch.device(device)
+        #: canonical (``"cuda"`` -> ``cuda:<current>``): tensors report their index
+        self.device = canonical_device(device)
         dv = head_dim_v or head_dim
         # zeros, not empty: kernels may read a whole page past a sequence's end (masked), and
         # uninitialised memory could hold NaN, which survives a multiplication by zero.
@@ -349,12 +351,22 @@ class PagedKVCache:
         seqs = [self._seq(s) for s in seq_ids]
         width = max((len(s.pages) for s in seqs), default=0) or 1
         rows = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32).view(len(seqs), width).to(self.device)
+        host = torch.tensor(rows, dtype=torch.int32).view(len(seqs), width)
+        return self._vouched(host, self.num_pages)  # every entry is a page id of this cache
 
     def seqlens(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """(B,) int32 token counts."""
-        return torch.tensor([self.length(s) for s in seq_ids], dtype=torch.int32,
-                            device=self.device)
+        lens = [self.length(s) for s in seq_ids]
+        return self._vouched(torch.tensor(lens, dtype=torch.int32), max(lens, default=0))
+
+    def _vouched(self, host: torch.Tensor, fact: int) -> torch.Tensor:
+        """``host`` on the cache's device, with a proof for the hub's paged check (see
+        ``PagedTables.vouch``): the tables a step hands every layer are checked from these
+        host values, so the hub reads nothing back (no host sync on an accelerator). The
+        snapshot backends read is one device copy (asynchronous on an accelerator)."""
+        t = host.to(self.device)
+        PAGED.vouch(t, t.clone(), fact)
+        return t
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A contiguous copy of one sequence's k/v for ``layer``: (length, Hkv, D) each
