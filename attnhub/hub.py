@@ -247,13 +247,15 @@ class Hub:
                          or (softcap.__class__ is float and 0.0 < softcap < _INF))):
                 check_scalars(scale, softcap)  # raises; an int or odd value is checked
             spec, run, window, named, named_score, named_mask, default_scale, want = hit
+            # the snapshots backends read (the caller's tensors go on to check_call on a miss)
+            bt, sl, cu_q, cu_k = block_table, seqlens_k, cu_seqlens_q, cu_seqlens_k
             max_q, max_k = q.shape[1], k.shape[1]
             if layout == "paged":
-                block_table, seqlens_k, max_k = PAGED.values(q, k, block_table, seqlens_k)
+                bt, sl, max_k = PAGED.values(q, k, block_table, seqlens_k)
                 if bucket(max_k) != spec.max_seqlen_k:  # another length bucket: rebind
                     hit = None
             elif layout == "thd":
-                cu_seqlens_q, cu_seqlens_k, max_q, max_k = THD.values(
+                cu_q, cu_k, max_q, max_k = THD.values(
                     cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
                 max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
                 max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
@@ -272,8 +274,8 @@ class Hub:
             # positional: field order checked at import (_PARAM_FIELDS), ~1 us cheaper
             params = AttnParams(
                 default_scale if scale is None else scale, causal, causal_alignment, window,
-                softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end, cu_seqlens_q,
-                cu_seqlens_k, max_q, max_k, block_table, seqlens_k, score_mod, mask_mod,
+                softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end, cu_q, cu_k,
+                max_q, max_k, bt, sl, score_mod, mask_mod,
                 deterministic, return_lse, dict(extra) if extra else {})
             out, lse = run(q, k, v, spec, params, want, device)
             if layout == "bhsd":
