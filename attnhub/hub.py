@@ -223,13 +223,14 @@ class Hub:
             # reuses the checked binding; scale/softcap values are checked per call, paged
             # tables and cu_seqlens by their contents (PAGED/THD: memos that in-place edits
             # cannot fool).
-            side = None if (alibi_slopes is None and prefix_lens is None
-                            and colmask_start is None and colmask_end is None
-                            and block_table is None and seqlens_k is None
-                            and cu_seqlens_q is None and cu_seqlens_k is None) else (
-                _meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
-                _meta(colmask_end), _meta(block_table), _meta(seqlens_k),
-                _meta(cu_seqlens_q), _meta(cu_seqlens_k))
+            if (alibi_slopes is None and prefix_lens is None and colmask_start is None
+                    and colmask_end is None and cu_seqlens_q is None and cu_seqlens_k is None):
+                side = None if block_table is None and seqlens_k is None else (
+                    _meta(block_table), _meta(seqlens_k))  # plain or paged: a short key
+            else:
+                side = (_meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
+                        _meta(colmask_end), _meta(block_table), _meta(seqlens_k),
+                        _meta(cu_seqlens_q), _meta(cu_seqlens_k))
             device = q.device
             fast_key = (layout, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
                         device, k.device, v.device, causal, causal_alignment, window,
@@ -246,10 +247,10 @@ class Hub:
                     and (softcap is None
                          or (softcap.__class__ is float and 0.0 < softcap < _INF))):
                 check_scalars(scale, softcap)  # raises; an int or odd value is checked
-            spec, run, window, named, named_score, named_mask, default_scale, want = hit
+            (spec, run, window, named, named_score, named_mask, default_scale, want,
+             max_q, max_k) = hit
             # the snapshots backends read (the caller's tensors go on to check_call on a miss)
             bt, sl, cu_q, cu_k = block_table, seqlens_k, cu_seqlens_q, cu_seqlens_k
-            max_q, max_k = q.shape[1], k.shape[1]
             if layout == "paged":
                 bt, sl, max_k = PAGED.values(q, k, block_table, seqlens_k)
                 if bucket(max_k) != spec.max_seqlen_k:  # another length bucket: rebind
@@ -340,11 +341,13 @@ class Hub:
                 if len(self._exact) >= _EXACT_CACHE_LIMIT:
                     self._exact.clear()  # bounded: many shapes (growing KV) just re-check
                 # only a variant's callables are kept: a caller's closure (and the tensors
-                # it holds) is never retained by the table
-                self._exact[fast_key] = (spec, run, window, named,
+                # it holds) is never retained by the table; the bound __call__ skips the
+                # instance-call slot; bshd lengths are fixed by the key (paged/thd: memos)
+                self._exact[fast_key] = (spec, run.__call__, window, named,
                                          score_mod if score_named else None,
                                          mask_mod if mask_named else None, default_scale,
-                                         (*q.shape[:-1], v.shape[-1]))
+                                         (*q.shape[:-1], v.shape[-1]), max_seqlen_q,
+                                         max_seqlen_k)
         params = AttnParams(
             scale=scale if scale is not None else default_scale,
             causal=causal, alignment=causal_alignment, window=window, softcap=softcap,

@@ -227,3 +227,16 @@ def test_kv_cache_device_is_canonical(monkeypatch):
     cache = PagedKVCache(num_layers=1, num_pages=2, page_size=2, num_kv_heads=1, head_dim=4,
                          device="cpu")
     assert seen == ["cpu"] and cache.device == torch.empty(0).device
+
+
+def test_accelerator_memo_uses_the_stamp():
+    """Off the CPU a hit is proved by the stamp (no host sync): an in-place edit bumps
+    ``_version`` and misses; other geometry misses. (meta tensors stand in for a GPU.)"""
+    memo = contract.CuSeqlens()
+    a, b = torch.zeros(3, dtype=torch.int32, device="meta"), torch.zeros(3, dtype=torch.int32,
+                                                                          device="meta")
+    memo._store(a, b, (4, 4), a.clone(), b.clone(), 2, 2)
+    assert memo._hit(a, b, (4, 4)) is not None
+    assert memo._hit(a, b, (4, 5)) is None and memo._hit(b, a, (4, 4)) is None
+    a.add_(1)
+    assert memo._hit(a, b, (4, 4)) is None

@@ -317,15 +317,16 @@ class _Memo:
     """A one-entry memo of a checked pair of tensors: the layers of a model step pass the
     same two tensors, so their contents are read once per change, not once per layer.
 
-    The stamp (identity, ``_version``, data pointer, geometry) is no full proof: an edit
-    through ``.data`` does not bump ``_version``. Two guards close that hole: backends
-    always read the *snapshot* (a private copy taken when the pair was checked), so nothing
-    a caller does to its own tensors afterwards can make a backend read an unchecked value;
-    and on the CPU a stamp hit is also compared with the snapshot (``torch.equal``, about a
-    microsecond for small tables) so every edit is seen. On an accelerator that comparison
-    would be a host sync per layer; there an edit that bypasses ``_version`` between calls
-    is not seen: the call reads the values as they were when checked (in bounds, never an
-    error). Normal in-place edits and new tensors are re-checked.
+    A hit needs the same tensor objects and geometry (what the check depended on). On the
+    CPU the contents are then compared with the snapshot (``torch.equal``, under a
+    microsecond for small tables), so every edit is seen. On an accelerator that comparison
+    would be a host sync per layer, so a stamp (``_version``, data pointer) stands in for
+    it. A stamp is no full proof: an edit through ``.data`` does not bump ``_version``. So
+    backends always read the *snapshot* (a private copy taken when the pair was checked):
+    nothing a caller does to its own tensors afterwards can make a backend read an
+    unchecked value; on an accelerator an edit that bypasses ``_version`` between calls is
+    not seen (the call reads the values as they were checked: in bounds, never an error).
+    Normal in-place edits and new tensors are re-checked.
     """
 
     def __init__(self) -> None:
@@ -333,19 +334,21 @@ class _Memo:
         self._memo: tuple = ()
 
     def _hit(self, a: torch.Tensor, b: torch.Tensor, geometry: tuple) -> tuple | None:
-        """The memo entry if ``a``/``b`` are the checked pair, unchanged; else None."""
+        """The memo entry ``(a, b, geometry, snap_a, snap_b, *facts, stamp)`` if ``a``/``b``
+        are the checked pair, unchanged; else None."""
         memo = self._memo
-        if (memo and memo[0] is a and memo[1] is b and memo[2] == (
-                a._version, b._version, a.data_ptr(), b.data_ptr(), geometry)
-                and (not a.is_cpu or (torch.equal(memo[3], a) and torch.equal(memo[4], b)))):
-            return memo
-        return None
+        if not memo or memo[0] is not a or memo[1] is not b or memo[2] != geometry:
+            return None
+        if a.is_cpu:  # the contents themselves
+            return memo if torch.equal(memo[3], a) and torch.equal(memo[4], b) else None
+        return memo if memo[-1] == (a._version, b._version, a.data_ptr(),
+                                    b.data_ptr()) else None
 
     def _store(self, a: torch.Tensor, b: torch.Tensor, geometry: tuple, snap_a: torch.Tensor,
                snap_b: torch.Tensor, *facts: Any) -> None:
-        stamp = (a._version, b._version, a.data_ptr(), b.data_ptr(), geometry)
+        stamp = (a._version, b._version, a.data_ptr(), b.data_ptr())
         with self._lock:
-            self._memo = (a, b, stamp, snap_a, snap_b, *facts)
+            self._memo = (a, b, geometry, snap_a, snap_b, *facts, stamp)
 
 
 class CuSeqlens(_Memo):
@@ -423,16 +426,16 @@ class PagedTables(_Memo):
     def values(self, q: torch.Tensor, k: torch.Tensor, block_table: torch.Tensor,
                seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The contents check alone (types and shapes already checked: the hot path)."""
-        geometry = (k.shape[0], k.shape[1])
+        geometry = k.shape  # (pages, page_size, ...): what the contents are checked against
         memo = self._hit(block_table, seqlens_k, geometry)
         if memo is not None:
             return memo[3], memo[4], memo[5]
-        proof = self._proof(block_table, seqlens_k, *geometry)
+        proof = self._proof(block_table, seqlens_k, geometry[0], geometry[1])
         if proof is not None:
             snap_bt, snap_sl, max_len = proof
         else:
             snap_bt, snap_sl = block_table.clone(), seqlens_k.clone()
-            max_len = _check_paged_contents(snap_bt, snap_sl, *geometry)
+            max_len = _check_paged_contents(snap_bt, snap_sl, geometry[0], geometry[1])
         self._store(block_table, seqlens_k, geometry, snap_bt, snap_sl, max_len)
         return snap_bt, snap_sl, max_len
 
