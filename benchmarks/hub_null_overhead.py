@@ -4,7 +4,7 @@ The null backend returns preallocated tensors of the right shape, so the time me
 hub's own per-call work: argument checks, the exact-shape lookup, the output contract. Prints
 the median per call of ``hub.attention`` minus that of calling the backend's ``forward``
 directly (the goal of issue 15 is <= 5 us), for a plain call, a call with side tensors
-(ALiBi slopes, softcap, scale) and a paged decode call.
+(ALiBi slopes, softcap, scale), a paged decode call and a varlen (``thd``) call.
 
     python benchmarks/hub_null_overhead.py [--calls 20000] [--json]
 """
@@ -73,6 +73,8 @@ def main() -> None:
     bt = torch.arange(16, dtype=torch.int32).view(2, 8)
     sl = torch.tensor([100, 60], dtype=torch.int32)
     qp = torch.randn(2, 1, 32, 128)
+    qt, kt = torch.randn(96, 32, 128), torch.randn(96, 8, 128)
+    cu = torch.tensor([0, 40, 96], dtype=torch.int32)
     spec = hub.runner_for(attnhub.AttentionSpec(dtype="fp32", num_q_heads=32, num_kv_heads=8),
                           backend="null").decision.spec
     params = AttnParams(scale=1 / math.sqrt(128))
@@ -84,6 +86,8 @@ def main() -> None:
                                               softcap=30.0, scale=0.1, causal=True),
         "paged_decode": lambda: hub.attention(qp, pages, pages, layout="paged",
                                               block_table=bt, seqlens_k=sl, backend="null"),
+        "varlen_thd": lambda: hub.attention(qt, kt, kt, layout="thd", cu_seqlens_q=cu,
+                                            cu_seqlens_k=cu, causal=True, backend="null"),
     }
     for name, fn in cases.items():
         res[name + "_us"] = median_us(fn, args.calls)

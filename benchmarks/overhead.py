@@ -73,9 +73,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and dev.index is None:  # the KV cache compares devices exactly
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device(args.device)  # "cuda" is fine: the KV cache canonicalises it
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     scale = 1 / math.sqrt(128)
