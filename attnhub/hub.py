@@ -253,6 +253,8 @@ class Hub:
             bt, sl, cu_q, cu_k = block_table, seqlens_k, cu_seqlens_q, cu_seqlens_k
             if layout == "paged":
                 bt, sl, max_k = PAGED.values(q, k, block_table, seqlens_k)
+                if max_seqlen_k is not None:  # an upper bound, as check_call takes it
+                    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
                 if bucket(max_k) != spec.max_seqlen_k:  # another length bucket: rebind
                     hit = None
             elif layout == "thd":
