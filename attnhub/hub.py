@@ -73,17 +73,18 @@ class Runner:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
-                 want: tuple[int, ...] | None = None,
-                 device: torch.device | None = None) -> AttentionOutput:
-        """Run the chain; ``want`` is the output shape (``q.shape[:-1] + (Dv,)``) and
-        ``device`` q's device, passed by the hot path that knows them already."""
+                 want: tuple[int, ...] | None = None, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> AttentionOutput:
+        """Run the chain; ``want`` is the output shape (``q.shape[:-1] + (Dv,)``),
+        ``device``/``dtype`` q's, passed by the hot path that knows them already."""
         if self.local is not None:  # a distributed backend runs this local kernel per block
             params.extra["local_backend"] = self.local
         if want is None:
             want = (*q.shape[:-1], v.shape[-1])
         if device is None:
             device = q.device
-        dtype = q.dtype
+        if dtype is None:
+            dtype = q.dtype
         i = 0
         while True:
             backend = self.chain[i]
@@ -226,13 +227,14 @@ class Hub:
             if (alibi_slopes is None and prefix_lens is None and colmask_start is None
                     and colmask_end is None and cu_seqlens_q is None and cu_seqlens_k is None):
                 side = None if block_table is None and seqlens_k is None else (
-                    _meta(block_table), _meta(seqlens_k))  # plain or paged: a short key
+                    block_table.shape, block_table.dtype, block_table.device,
+                    seqlens_k.shape, seqlens_k.dtype, seqlens_k.device)  # paged: short key
             else:
                 side = (_meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
                         _meta(colmask_end), _meta(block_table), _meta(seqlens_k),
                         _meta(cu_seqlens_q), _meta(cu_seqlens_k))
-            device = q.device
-            fast_key = (layout, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+            device, dtype = q.device, q.dtype
+            fast_key = (layout, q.shape, k.shape, v.shape, dtype, k.dtype, v.dtype,
                         device, k.device, v.device, causal, causal_alignment, window,
                         softcap is not None, side, max_seqlen_q, max_seqlen_k,
                         score_mod if score_mod is None else _mod_kind(score_mod),
@@ -255,8 +257,9 @@ class Hub:
                 bt, sl, max_k = PAGED.values(q, k, block_table, seqlens_k)
                 if max_seqlen_k is not None:  # an upper bound, as check_call takes it
                     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
-                if bucket(max_k) != spec.max_seqlen_k:  # another length bucket: rebind
-                    hit = None
+                limit = spec.max_seqlen_k  # a power of two: max_k in (limit/2, limit] fits
+                if not limit >> 1 < max_k <= limit and bucket(max_k) != limit:
+                    hit = None  # another length bucket: rebind
             elif layout == "thd":
                 cu_q, cu_k, max_q, max_k = THD.values(
                     cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
@@ -280,7 +283,7 @@ class Hub:
                 softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end, cu_q, cu_k,
                 max_q, max_k, bt, sl, score_mod, mask_mod,
                 deterministic, return_lse, dict(extra) if extra else {})
-            out, lse = run(q, k, v, spec, params, want, device)
+            out, lse = run(q, k, v, spec, params, want, device, dtype)
             if layout == "bhsd":
                 out = out.transpose(1, 2)
             return (out, lse) if return_lse else out
