@@ -263,8 +263,10 @@ class Hub:
             elif layout == "thd":
                 cu_q, cu_k, max_q, max_k = THD.values(
                     cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
-                max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
-                max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
+                if max_seqlen_q is not None:  # upper bounds, as check_call takes them
+                    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
+                if max_seqlen_k is not None:
+                    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
                 if (bucket(max_q) != spec.max_seqlen_q or bucket(max_k) != spec.max_seqlen_k
                         or (phase is None and spec.phase != _phase(needs_grad, False,
                                                                    max_q, max_k))):
