@@ -26,8 +26,8 @@ from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
 from .core.contract import (
     PAGED,
     THD,
-    _check_max_seqlen,
     check_call,
+    check_max_seqlen,
     check_output,
     check_qkv,
     check_scalars,
@@ -256,7 +256,7 @@ class Hub:
             if layout == "paged":
                 bt, sl, max_k = PAGED.values(q, k, block_table, seqlens_k)
                 if max_seqlen_k is not None:  # an upper bound, as check_call takes it
-                    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
+                    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
                 limit = spec.max_seqlen_k  # a power of two: max_k in (limit/2, limit] fits
                 if not limit >> 1 < max_k <= limit and bucket(max_k) != limit:
                     hit = None  # another length bucket: rebind
@@ -264,9 +264,9 @@ class Hub:
                 cu_q, cu_k, max_q, max_k = THD.values(
                     cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
                 if max_seqlen_q is not None:  # upper bounds, as check_call takes them
-                    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
+                    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
                 if max_seqlen_k is not None:
-                    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
+                    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
                 if (bucket(max_q) != spec.max_seqlen_q or bucket(max_k) != spec.max_seqlen_k
                         or (phase is None and spec.phase != _phase(needs_grad, False,
                                                                    max_q, max_k))):

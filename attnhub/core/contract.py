@@ -102,8 +102,8 @@ def check_call(q: Any, k: Any, v: Any, *, layout: Any, causal: Any, causal_align
         mq, batch = q.shape[1], q.shape[0]
     else:
         mq, mk, batch = q.shape[1], k.shape[1], q.shape[0]
-    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, mq)
-    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, mk)
+    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, mq)
+    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, mk)
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if alibi_slopes is not None:
         _check_side("alibi_slopes", alibi_slopes, q.device, floating=True,
@@ -258,13 +258,9 @@ def check_cu_seqlens_meta(name: str, cu: Any, device: torch.device) -> None:
         raise DeviceMismatchError(f"{name} is on {cu.device} but q is on {device}; move it")
 
 
-def check_cu_seqlens(name: str, cu: Any, total: int, device: torch.device) -> int:
-    """Validate cumulative lengths (a host copy); returns the longest sequence."""
-    check_cu_seqlens_meta(name, cu, device)
-    return _check_cu_contents(name, cu, total)
-
-
 def _check_cu_contents(name: str, cu: torch.Tensor, total: int) -> int:
+    """Offsets start at 0, never decrease, end at the packed length (one host copy);
+    returns the longest sequence."""
     host = cu.tolist()
     if host[0] != 0:
         raise SeqlensError(f"{name}[0] is {host[0]}; offsets must start at 0")
@@ -280,7 +276,7 @@ def _check_cu_contents(name: str, cu: torch.Tensor, total: int) -> int:
     return max(b - a for a, b in zip(host, host[1:]))
 
 
-def _check_max_seqlen(name: str, given: Any, true_max: int) -> int:
+def check_max_seqlen(name: str, given: Any, true_max: int) -> int:
     """A caller's ``max_seqlen`` may be an upper bound, never below the true longest length
     (kernels size their grids by it and would drop rows)."""
     if given is None:
