@@ -217,7 +217,7 @@ class Hub:
         except AttributeError:  # not tensors: the contract says which and how
             check_qkv(q, k, v, layout)
             raise
-        fast_key = None
+        fast_key = grow_key = None
         try:
             # Hot path: every check of the slow path depends only on what this key holds
             # (side tensors by shape/dtype/device, callables by kind), so a call that matches
@@ -241,6 +241,16 @@ class Hub:
                         mask_mod if mask_mod is None else _mod_kind(mask_mod),
                         phase, return_lse, backend, context, deterministic, needs_grad)
             hit = self._exact.get(fast_key)
+            if hit is None and side is None and max_seqlen_k is None and (
+                    layout == "bshd" or layout == "bhsd"):
+                # a contiguous KV cache grows by a key per decode step: look the call up by
+                # its key-length bucket too (the slow path depends on Sk only through it)
+                axis = 1 if layout == "bshd" else 2
+                grow_key = _grow_key(fast_key, k, v, axis)
+                hit = self._exact.get(grow_key)
+                if hit is not None:
+                    sk = k.shape[axis]
+                    hit = None if v.shape[axis] != sk else (*hit[:-1], sk)
         except (TypeError, AttributeError):  # unhashable or not a tensor: slow path
             hit, fast_key = None, None
         if hit is not None:
@@ -350,11 +360,13 @@ class Hub:
                 # only a variant's callables are kept: a caller's closure (and the tensors
                 # it holds) is never retained by the table; the bound __call__ skips the
                 # instance-call slot; bshd lengths are fixed by the key (paged/thd: memos)
-                self._exact[fast_key] = (spec, run.__call__, window, named,
-                                         score_mod if score_named else None,
-                                         mask_mod if mask_named else None, default_scale,
-                                         (*q.shape[:-1], v.shape[-1]), max_seqlen_q,
-                                         max_seqlen_k)
+                entry = (spec, run.__call__, window, named,
+                         score_mod if score_named else None,
+                         mask_mod if mask_named else None, default_scale,
+                         (*q.shape[:-1], v.shape[-1]), max_seqlen_q, max_seqlen_k)
+                self._exact[fast_key] = entry
+                if grow_key is not None:
+                    self._exact[grow_key] = entry
         params = AttnParams(
             scale=scale if scale is not None else default_scale,
             causal=causal, alignment=causal_alignment, window=window, softcap=softcap,
@@ -386,6 +398,14 @@ class Hub:
         from .bind import bind
 
         return bind(model, self, **shapes)
+
+
+def _grow_key(fast_key: tuple, k: torch.Tensor, v: torch.Tensor, axis: int) -> tuple:
+    """``fast_key`` with the key length replaced by its bucket: the ``k``/``v`` shapes lose
+    their sequence axis (a hit checks that v's length equals k's)."""
+    ks, vs = tuple(k.shape), tuple(v.shape)
+    return ("grow", fast_key[0], fast_key[1], ks[:axis] + ks[axis + 1:],
+            vs[:axis] + vs[axis + 1:], bucket(ks[axis])) + fast_key[4:]
 
 
 def _phase(needs_grad: bool, paged: bool, max_q: int, max_k: int) -> str:

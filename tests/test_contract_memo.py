@@ -90,11 +90,34 @@ def test_fast_path_hands_backends_the_checked_params(spy_hub, kw):
     hub, spy = spy_hub
     q, k, v = torch.randn(2, 3, 4, 8), torch.randn(2, 7, 2, 8), torch.randn(2, 7, 2, 8)
     outs = [hub.attention(q, k, v, backend="spy", **kw) for _ in range(2)]
-    assert len(hub._exact) == 1 and len(spy.seen) == 2
+    assert len({id(e) for e in hub._exact.values()}) == 1 and len(spy.seen) == 2
     assert _fields(spy.seen[0]) == _fields(spy.seen[1])
     assert torch.equal(outs[0], outs[1])
     ref64, _, same = fa_references(q, k, v, spy.seen[0])
     assert_fa_rule(outs[1], ref64, same)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_growing_kv_cache_takes_the_fast_path(spy_hub, monkeypatch, layout):
+    """Decode on a contiguous cache sees a new key length every step: the steps of one
+    length bucket are served by the table (no check_call), each with its own length, and a
+    v that disagrees with k on the length still gets the slow path's error."""
+    hub, spy = spy_hub
+    checks = _counting(monkeypatch, "check_call")
+    monkeypatch.setattr("attnhub.hub.check_call", contract.check_call)
+    ax = 1 if layout == "bshd" else 2
+    q = torch.randn(2, 1, 4, 8).transpose(1, ax)
+    kv = torch.randn(2, 40, 2, 8).transpose(1, ax)
+    for sk in range(17, 33):  # one bucket (32)
+        k, v = kv.narrow(ax, 0, sk), kv.narrow(ax, 0, sk)
+        out = hub.attention(q, k, v, layout=layout, causal=True, backend="spy")
+        assert spy.seen[-1].max_seqlen_k == sk
+        ref64, _, same = fa_references(*(t.transpose(1, ax) for t in (q, k, v)), spy.seen[-1])
+        assert_fa_rule(out.transpose(1, ax), ref64, same)
+    assert len(checks) == 1
+    with pytest.raises(attnhub.InputError, match="keys"):
+        hub.attention(q, kv.narrow(ax, 0, 20), kv.narrow(ax, 0, 21), layout=layout,
+                      causal=True, backend="spy")
 
 
 def _varlen(lens_q, lens_k):
