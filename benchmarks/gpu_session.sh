@@ -8,8 +8,10 @@
 #   hf_generate.{json,md}  generate() with attn_implementation="attnhub" vs "sdpa"
 #   ring_sim2.{json,md}    ring attention, 2 virtual ranks on one GPU (issue 17)
 #   gpu_tests.txt      every test marked `gpu` (FlashInfer's included: it JIT-compiles)
-#   kit.json           `attnhub check-plugin --all-available --quick` on the GPU
+#   kit.txt            `attnhub check-plugin --all-available --quick` on the GPU
 # Usage (carry .whl, made by ../shared/gpu/wheels.sh all): COMMIT=abc1234 bash benchmarks/gpu_session.sh
+# STEPS picks steps (default: overhead hf ring tests kit; also: profile, a cProfile of
+# overhead.py's calls); KIT_BACKENDS names the kit's backends (default: --all-available).
 set -uo pipefail
 final=${OUT:-out/gpu_session}
 out=${WORK:-/tmp/gpu_session}
@@ -32,7 +34,7 @@ mods=""
 for p in triton_portable sm80_fa2 sm90_fa3 hybrid_linear ring rocm; do
   PYTHONPATH=$PYTHONPATH:$root/plugins/$p; mods=$mods${mods:+,}attnhub_$p.plugin
 done
-export PYTHONPATH ATTNHUB_PLUGIN_MODULES=$mods PYTHONUNBUFFERED=1
+export PYTHONPATH ATTNHUB_PLUGIN_MODULES=$mods PYTHONUNBUFFERED=1 COMMIT=${COMMIT:-?}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 { date -u +%FT%TZ; echo "commit ${COMMIT:-?}"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -40,29 +42,34 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 } >> "$log" 2>&1
 say "setup done"
 
+steps=" ${STEPS:-overhead hf ring tests kit} "
+want() { [[ $steps == *" $1 "* ]]; }
+
 # -- timing, one at a time --------------------------------------------------------------
-step overhead 60 python3 benchmarks/overhead.py --json
+want overhead && step overhead 60 python3 benchmarks/overhead.py --json
 cp "$out/overhead.out" "$out/overhead.json" 2>/dev/null
-step hf_generate "${HF_S:-170}" python3 benchmarks/hf_generate.py --budget-s "$(( ${HF_S:-170} - 25 ))" \
+want profile && step profile 90 python3 -m cProfile -s tottime benchmarks/overhead.py
+want hf && step hf_generate "${HF_S:-170}" python3 benchmarks/hf_generate.py --budget-s "$(( ${HF_S:-170} - 25 ))" \
   --hard-timeout-s "$(( ${HF_S:-170} - 10 ))" --out "$out"
-step ring_sim2 "${RING_S:-90}" python3 benchmarks/ring_scaling.py --simulate 2 \
+want ring && step ring_sim2 "${RING_S:-90}" python3 benchmarks/ring_scaling.py --simulate 2 \
   --seqlens 32768 131072 --reps 3 --check-seqlen 4096 \
   --json "$out/ring_sim2.json" --markdown "$out/ring_sim2.md"
 
 # -- correctness, side by side ------------------------------------------------------------
 say "start gpu_tests and kit in parallel"
-( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu plugins tests -q -rs -p no:cacheprovider \
+want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu plugins tests -q -rs -p no:cacheprovider \
     > "$out/gpu_tests.txt" 2>&1; echo "gpu_tests rc=$?" >> "$out/gpu_tests.txt" ) &
-( timeout "${KIT_S:-200}" python3 -m attnhub check-plugin --all-available --quick --budget 25 \
-    --total "$(( ${KIT_S:-200} - 15 ))" --json > "$out/kit.json" 2> "$out/kit.err"
+want kit && ( timeout "${KIT_S:-200}" python3 -m attnhub check-plugin ${KIT_BACKENDS:---all-available} \
+    --quick --budget 25 --total "$(( ${KIT_S:-200} - 15 ))" > "$out/kit.txt" 2> "$out/kit.err"
   echo "kit rc=$?" >> "$out/kit.err" ) &
 wait
-say "end gpu_tests: $(tail -2 "$out/gpu_tests.txt" | tr '\n' ' ')"
-say "end kit: $(tail -1 "$out/kit.err")"
-tail -25 "$out/gpu_tests.txt"
-tail -5 "$out/hf_generate.out" "$out/ring_sim2.out" "$out/overhead.out" 2>/dev/null
+want tests && say "end gpu_tests: $(tail -2 "$out/gpu_tests.txt" | tr '\n' ' ')"
+want kit && say "end kit: $(tail -1 "$out/kit.err")"
+tail -25 "$out/gpu_tests.txt" "$out/hf_generate.out" "$out/overhead.out" 2>/dev/null
+grep -E "PASS|FAIL|CRASH" "$out/kit.txt" 2>/dev/null | grep -v "^|.*pass " | head -40
+head -45 "$out/profile.out" 2>/dev/null
 say "done"
 (cd "$out" && tar czf "$final/results.tar.gz" ./* 2>/dev/null)
-for f in session.log overhead.json hf_generate.md ring_sim2.md gpu_tests.txt kit.json; do
+for f in session.log overhead.json hf_generate.md ring_sim2.md gpu_tests.txt kit.txt; do
   [[ -f "$out/$f" ]] && cp "$out/$f" "$final/"
 done

@@ -182,6 +182,10 @@ def agreement(model: Any, ids: torch.Tensor, mask: torch.Tensor,
 
 
 def commit() -> str:
+    """The commit measured: $COMMIT (set by benchmarks/gpu_session.sh, whose copy of the tree
+    may carry stale git metadata), else git."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                               capture_output=True, timeout=10).stdout.strip() or "unknown"

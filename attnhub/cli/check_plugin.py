@@ -74,16 +74,14 @@ def run(args: argparse.Namespace) -> int:
         cases = [c for c in backend_grid(reg.get(n), device, args.quick)
                  if not args.feature or any(t in c.feature for t in args.feature)]
         reports.append(run_kit(reg.get(n), device, budget_s=budget, cases=cases))
+        if not args.json:  # each table as soon as it is known: a killed run keeps them
+            print(format_report(reports[-1], args.verbose), end="\n\n", flush=True)
     checked = any(r.status != "skip" for rep in reports for r in rep.results)
     if args.json:
         print_json({"schema": "attnhub.check-plugin/1", "device": device.describe(),
                     "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
                     "ok": all(r.ok for r in reports) and checked,
                     "backends": [r.to_json() for r in reports]})
-    else:
-        for rep in reports:
-            print(format_report(rep, args.verbose))
-            print()
     if not all(r.ok for r in reports):
         return 1
     return 0 if checked else 2
