@@ -57,11 +57,14 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
                     **_: object) -> tuple[torch.Tensor, torch.Tensor]:
     """What a FlashAttention-convention kernel returns for bshd inputs, for recording fakes in
     plugin tests: bottom-right masks, output in q's dtype, LSE (B, H, Sq) with +inf on fully
-    masked rows (FA's marker, which backends must turn into -inf)."""
+    masked rows (FA's marker, which backends must turn into -inf). Like the real kernels, a
+    window edge >= Sk counts as unbounded (FlashAttention's ``mha_fwd`` clamps it)."""
     from .core.reference import reference_attention
     from .core.spec import AttnParams
 
-    window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
+    sk = k.shape[1]
+    window_size = tuple(-1 if w >= sk else w for w in window_size)
+    window = None if window_size == (-1, -1) else window_size
     params = AttnParams(scale=softmax_scale, causal=causal, window=window,  # type: ignore[arg-type]
                         softcap=softcap or None, alibi_slopes=alibi_slopes)
     out, lse = reference_attention(q, k, v, params, compute_dtype=torch.float32)

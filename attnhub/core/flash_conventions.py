@@ -24,6 +24,21 @@ def flash_form(backend: str, params: AttnParams, sq: int, sk: int) -> BottomRigh
         form = bottom_right_form(params.causal, params.alignment, params.window, sq, sk)
     except ValueError as exc:
         raise BackendUnavailableError(backend, [str(exc)]) from None
+    if form.shift < 0:
+        # top-left with Sq > Sk becomes a window whose right edge is Sq - Sk past the
+        # diagonal: FlashAttention clamps a window edge >= Sk to "unbounded" (every query
+        # would see every key) and FA3 builds without local attention crash on it
+        raise BackendUnavailableError(backend, [
+            f"top-left alignment with Sq={sq} > Sk={sk} has no exact FlashAttention form; "
+            "pass causal_alignment='bottom_right' or use a backend that takes top-left "
+            "masks (triton, torch_sdpa)"])
+    if form.keys <= form.window[1] < sq - 1:
+        # the same clamp on a bottom-right window when Sq > Sk: the first queries sit
+        # before key 0 and must not see the keys past their right edge
+        raise BackendUnavailableError(backend, [
+            f"window {params.window} with Sq={sq} > Sk={sk}: FlashAttention treats a right "
+            f"edge >= Sk as unbounded, which would show the first queries keys their window "
+            "excludes; use the triton or torch_sdpa backend for this call"])
     if form.shift and params.alibi_slopes is not None:
         raise BackendUnavailableError(backend, [
             f"ALiBi with top-left alignment and Sq={sq} > Sk={sk} moves query positions; "
@@ -76,10 +91,14 @@ def top_left_reason(spec: AttentionSpec) -> list[str]:
     """Packed and paged calls carry per-sequence lengths the spec cannot see, so a top-left
     mask is only converted for ``bshd``."""
     m = spec.mask
-    if m.alignment == "top_left" and (m.causal or m.window is not None) \
-            and spec.layout != "bshd":
+    if m.alignment != "top_left" or not (m.causal or m.window is not None):
+        return []
+    if spec.layout != "bshd":
         return [f"top-left alignment is converted only for bshd, not {spec.layout} "
                 "(for packed sequences with equal q/k lengths bottom_right is identical)"]
+    if spec.max_seqlen_q > spec.max_seqlen_k:  # buckets: Sq > Sk for sure (else: forward)
+        return ["top-left alignment with Sq > Sk has no exact FlashAttention form (the "
+                "kernels clamp the window it needs); use bottom_right or triton/torch_sdpa"]
     return []
 
 

@@ -30,7 +30,6 @@ def run(backend, q, k, v, spec, params):
 
 MASKS = [  # sq, sk, causal, alignment, window
     (5, 9, True, "top_left", None),
-    (9, 5, True, "top_left", None),
     (6, 6, True, "bottom_right", (2, 0)),
     (4, 10, False, "top_left", (1, 2)),
     (7, 3, False, "bottom_right", None),
@@ -58,10 +57,24 @@ def test_fa2_top_left_causal_is_converted_not_approximated(fake_flash_attn, help
     run(FlashAttn2Backend(), q, k, v, helpers.spec(q, k, causal=True, alignment="top_left"), p)
     kw = fake_flash_attn.last("flash_attn_func")
     assert kw["sk"] == 5 and kw["causal"] is True  # keys no query sees are cut off
-    q, k, v = qkv(1, 9, 5)
-    run(FlashAttn2Backend(), q, k, v, helpers.spec(q, k, causal=True, alignment="top_left"), p)
-    kw = fake_flash_attn.last("flash_attn_func")
-    assert kw["causal"] is False and kw["window_size"] == (-1, 4)
+
+
+@pytest.mark.parametrize("sq,sk,align,window", [
+    (9, 6, "top_left", None),  # a right edge of 3 < Sk would do, but FA3 builds lack windows
+    (12, 5, "top_left", None),  # right edge 7 >= Sk: FlashAttention would make it unbounded
+    (12, 5, "bottom_right", (-1, 6)),  # the same clamp on a user's window
+])
+def test_fa2_refuses_masks_the_kernel_clamps(fake_flash_attn, helpers, sq, sk, align, window):
+    """Found by the conformance kit on the H200 (fa2_torch: error 3.92, fa3: crash): with
+    Sq > Sk a window edge >= Sk is clamped to unbounded by the kernels, so such calls are
+    refused with the reason instead of answered wrong."""
+    q, k, v = qkv(1, sq, sk)
+    causal = window is None
+    p = AttnParams(scale=0.25, causal=causal, alignment=align, window=window)
+    spec = helpers.spec(q, k, causal=causal, alignment=align, window=window)
+    for backend in (FlashAttn2Backend(), TorchFlashBackend()):
+        with pytest.raises(BackendUnavailableError, match="Sq=.* > Sk"):
+            run(backend, q, k, v, spec, p)
 
 
 def test_fa2_softcap_alibi_deterministic_are_passed(fake_flash_attn, helpers):
@@ -87,11 +100,12 @@ def test_fa2_fully_masked_rows_give_zero_and_minus_inf(fake_flash_attn, helpers)
 
 
 def test_fa2_alibi_with_moved_positions_is_refused(fake_flash_attn, helpers):
-    q, k, v = qkv(1, 6, 3)
-    p = AttnParams(scale=0.3, causal=True, alignment="top_left",
+    q, k, v = qkv(1, 4, 10)  # top-left window (1, 2): keys cut to 6, positions move by 2
+    p = AttnParams(scale=0.3, alignment="top_left", window=(1, 2),
                    alibi_slopes=torch.ones(4) * 0.1)
     with pytest.raises(BackendUnavailableError, match="ALiBi"):
-        run(FlashAttn2Backend(), q, k, v, helpers.spec(q, k, causal=True, alibi=True), p)
+        run(FlashAttn2Backend(), q, k, v,
+            helpers.spec(q, k, alignment="top_left", window=(1, 2), alibi=True), p)
 
 
 def test_fa2_varlen_matches_reference(fake_flash_attn, helpers):
