@@ -16,6 +16,7 @@ from attnhub.plugin import (
     Backend,
     BackendUnavailableError,
     DeviceInfo,
+    flash_form,
 )
 
 from .ck_libraries import AITER_QK_V_PAIRS, CKCall, CKLibrary, select_library
@@ -97,5 +98,6 @@ class CKFlashBackend(Backend):
                 q, k, v, cu_q, cu_k, _max_len(cu_q, params.max_seqlen_q),
                 _max_len(cu_k, params.max_seqlen_k), call)
         else:
+            flash_form(self.name, params, q.shape[1], k.shape[1])  # refuses what FA clamps
             out, lse = self.library.run_dense(q, k, v, call)
         return AttentionOutput(out, _lse_convention(lse) if params.return_lse else None)

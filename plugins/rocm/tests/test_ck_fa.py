@@ -207,3 +207,18 @@ def test_softcap_never_reaches_the_library(fake_flash_attn: object) -> None:
         CKFlashBackend(FLASH_ATTN_CK).forward(q, q, q, _spec(dtype="fp16", head_dim=16),
                                               AttnParams(scale=0.25, softcap=30.0))
     assert fake_flash_attn.calls == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("libname", ["flash_attn", "aiter"])
+def test_window_edge_the_kernel_clamps_is_refused(request: pytest.FixtureRequest,
+                                                  libname: str) -> None:
+    """Sq > Sk with a right window edge >= Sk: FlashAttention (CK too) clamps the edge to
+    unbounded, which would show the first queries keys outside their window."""
+    request.getfixturevalue(f"fake_{libname}")
+    q = torch.randn(1, 12, 4, 16, dtype=torch.float16)
+    k = v = torch.randn(1, 5, 2, 16, dtype=torch.float16)
+    params = AttnParams(scale=0.25, window=(-1, 6))
+    spec = _spec(dtype="fp16", head_dim=16, num_q_heads=4, num_kv_heads=2,
+                 mask=MaskSpec(window=(-1, 6)))
+    with pytest.raises(BackendUnavailableError, match="unbounded"):
+        CKFlashBackend(LIBRARIES[libname]).forward(q, k, v, spec, params)
