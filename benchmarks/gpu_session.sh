@@ -50,7 +50,7 @@ want overhead && step overhead 60 python3 benchmarks/overhead.py --json
 cp "$out/overhead.out" "$out/overhead.json" 2>/dev/null
 want profile && step profile 90 python3 -m cProfile -s tottime benchmarks/overhead.py
 want hf && step hf_generate "${HF_S:-170}" python3 benchmarks/hf_generate.py --budget-s "$(( ${HF_S:-170} - 25 ))" \
-  --hard-timeout-s "$(( ${HF_S:-170} - 10 ))" --out "$out"
+  --hard-timeout-s "$(( ${HF_S:-170} - 10 ))" --out "$out" ${HF_ARGS:-}
 want ring && step ring_sim2 "${RING_S:-90}" python3 benchmarks/ring_scaling.py --simulate 2 \
   --seqlens 32768 131072 --reps 3 --check-seqlen 4096 \
   --json "$out/ring_sim2.json" --markdown "$out/ring_sim2.md"
@@ -60,7 +60,7 @@ say "start gpu_tests and kit in parallel"
 want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu plugins tests -q -rs -p no:cacheprovider \
     > "$out/gpu_tests.txt" 2>&1; echo "gpu_tests rc=$?" >> "$out/gpu_tests.txt" ) &
 want kit && ( timeout "${KIT_S:-200}" python3 -m attnhub check-plugin ${KIT_BACKENDS:---all-available} \
-    --quick --budget 25 --total "$(( ${KIT_S:-200} - 15 ))" > "$out/kit.txt" 2> "$out/kit.err"
+    --quick --budget "${KIT_BUDGET:-25}" --total "$(( ${KIT_S:-200} - 15 ))" > "$out/kit.txt" 2> "$out/kit.err"
   echo "kit rc=$?" >> "$out/kit.err" ) &
 wait
 want tests && say "end gpu_tests: $(tail -2 "$out/gpu_tests.txt" | tr '\n' ' ')"
