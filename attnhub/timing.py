@@ -8,7 +8,9 @@ repeat (a compile, a clock change) does not move.
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -90,3 +92,17 @@ class CallClock:
         """Total time of the wrapped calls so far (waits for the GPU)."""
         synchronize(self.device)
         return self._cpu + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+
+
+def source_commit(root: str | os.PathLike[str] | None = None) -> str:
+    """The commit a measurement ran: ``$COMMIT`` when set (``benchmarks/gpu_session.sh`` sets
+    it: a device's copy of the tree may carry stale git metadata), else ``git rev-parse`` in
+    ``root``, else ``"unknown"``."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                             capture_output=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "unknown"

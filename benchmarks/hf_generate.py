@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from attnhub.timing import source_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -181,18 +181,6 @@ def agreement(model: Any, ids: torch.Tensor, mask: torch.Tensor,
             "within_noise": bool(diff <= 2 * noise) if noise is not None else diff < 1e-4}
 
 
-def commit() -> str:
-    """The commit measured: $COMMIT (set by benchmarks/gpu_session.sh, whose copy of the tree
-    may carry stale git metadata), else git."""
-    if os.environ.get("COMMIT"):
-        return os.environ["COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("ATTNHUB_COMMIT", "unknown")
-
-
 def markdown(result: dict[str, Any]) -> str:
     meta = result["meta"]
     lines = [
@@ -272,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else platform.processor() or "CPU")
     result: dict[str, Any] = {
         "meta": {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                 "device": name, "commit": commit(), "torch": torch.__version__,
+                 "device": name, "commit": source_commit(ROOT), "torch": torch.__version__,
                  "transformers": transformers.__version__, "dtype": str(dtype).split(".")[-1],
                  "model": f"Llama-style {params / 1e9:.2f}B params, random init",
                  "new_tokens": new_tokens, "repeats": args.repeats},

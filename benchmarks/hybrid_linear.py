@@ -25,12 +25,12 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from attnhub.timing import source_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "plugins" / "hybrid_linear")]
@@ -103,14 +103,6 @@ def _f(x: float | None) -> str:
     return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except Exception:
-        return os.environ.get("GIT_COMMIT", "unknown")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
@@ -127,7 +119,8 @@ def main() -> int:
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     fla_version = _limit_fla_autotune()
-    meta = {"date": datetime.date.today().isoformat(), "commit": args.commit or _commit(),
+    meta = {"date": datetime.date.today().isoformat(),
+            "commit": args.commit or source_commit(ROOT),
             "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu (smoke)",
             "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
             "heads": 2 if args.smoke else 16, "dim": 16 if args.smoke else 128}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from attnhub.timing import source_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 MINE = ("fa2", "fa2_torch", "flashinfer_decode", "flashinfer_prefill", "fa3", "cudnn",
@@ -130,7 +130,7 @@ class Run:
         self.data: dict[str, Any] = {
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if self.dev == "cuda" else "cpu (smoke)",
-            "commit": os.environ.get("ATTNHUB_COMMIT") or _git_commit(),
+            "commit": source_commit(ROOT),
             "torch": torch.__version__, "sections": {}, "errors": {}}
         import attnhub
 
@@ -174,14 +174,6 @@ class Run:
         (self.out / "nvidia_backends.json").write_text(json.dumps(self.data, indent=1,
                                                                   default=str) + "\n")
         (self.out / "nvidia_backends.md").write_text(markdown(self.data))
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_tests(r: Run, which: str) -> dict[str, Any]:

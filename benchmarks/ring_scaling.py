@@ -29,7 +29,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +50,7 @@ from attnhub_ring.cost import (
 from attnhub_ring.simulate import SimulatedRing, pack_kv
 
 import attnhub
+from attnhub.timing import source_commit
 
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 MODES = ("fwd", "fwdbwd")
@@ -467,7 +467,7 @@ def check_simulated(args: argparse.Namespace, world: int, seqlen: int) -> list[d
 def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], ranks: int) -> None:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "gpu": gpu, "ranks": ranks, "commit": _commit(), "torch": torch.__version__,
+              "gpu": gpu, "ranks": ranks, "commit": source_commit(), "torch": torch.__version__,
               "args": vars(args), "rows": rows}
     if args.json:
         _atomic_write(args.json, json.dumps(report, indent=2, default=str))
@@ -527,14 +527,6 @@ def _atomic_write(path: str, text: str) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("ATTNHUB_COMMIT", "unknown")
 
 
 def print_model() -> None:

@@ -25,7 +25,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -334,9 +333,7 @@ def main() -> None:
         props = torch.cuda.get_device_properties(0)
         name, sms, arch = props.name, props.multi_processor_count, \
             f"sm{props.major}{props.minor}"
-    commit = args.commit or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-        check=False).stdout.strip()
+    commit = args.commit or source_commit(ROOT)
     meta: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "gpu": name, "sm_count": sms,
         "commit": commit or "unknown", "torch": torch.__version__, "triton": triton.__version__,
