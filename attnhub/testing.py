@@ -107,3 +107,31 @@ def attention_or_skip(hub: Hub, name: str, q: torch.Tensor, k: torch.Tensor, v: 
         return hub.attention(q, k, v, backend=name, **kw)
     except BackendUnavailableError as exc:
         pytest.skip(f"{name} declines: {'; '.join(exc.reasons)}")
+
+
+def nan_case(where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(q, k, v, causal): fp32 bshd inputs (B=2, 7 tokens, 4:2 heads, d=16) with one NaN in
+    ``where`` ("q", "k" or "v") placed where some query sees it; a NaN value under a masked key
+    is skipped by kernels but not by the maths, so the v case is not causal."""
+    import math
+
+    q, k, v = torch.randn(2, 7, 4, 16), torch.randn(2, 7, 2, 16), torch.randn(2, 7, 2, 16)
+    if where == "q":
+        q[0, 3, 1, 5] = math.nan
+    elif where == "k":
+        k[1, 0, 0, 2] = math.nan  # the first key: row 0 of batch 1 sees nothing else
+    else:
+        v[1, 2, 1, 0] = math.nan
+    return q, k, v, where != "v"
+
+
+def assert_nan_pattern(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       params: AttnParams) -> None:
+    """NaN in means NaN out: NaN in exactly the rows where the fp64 reference has it, every
+    other row by the FlashAttention rule."""
+    ref64, _, same = fa_references(q, k, v, params)
+    want = torch.isnan(ref64).any(-1)
+    assert want.any(), "the case must put a NaN where some query sees it"
+    assert torch.equal(torch.isnan(out).any(-1), want)
+    keep = ~want
+    assert_fa_rule(out[keep], ref64[keep], same[keep])

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from attnhub.core.spec import AttnParams
-from attnhub.testing import assert_fa_rule, assert_lse, attention_or_skip, fa_references
+from attnhub.testing import (
+    assert_fa_rule,
+    assert_lse,
+    assert_nan_pattern,
+    attention_or_skip,
+    fa_references,
+    nan_case,
+)
 
 #: (backend, extra arguments it needs to serve a call). flex is in the input-contract tests
 #: but not here: each new shape compiles for ~25 s on the CPU (and it returns 0, not NaN,
@@ -20,34 +27,13 @@ DENSE = [("reference", {}), ("torch_sdpa", {}), ("triton", {}),
 I32 = torch.int32
 
 
-def _nan_rows(x: torch.Tensor) -> torch.Tensor:
-    return torch.isnan(x).any(-1)
-
-
-def _check_nan_pattern(out, q, k, v, params):
-    """NaN in the same rows as the reference; every other row by the FlashAttention rule."""
-    ref64, _, same = fa_references(q, k, v, params)
-    want = _nan_rows(ref64)
-    assert want.any(), "the case must put a NaN where some query sees it"
-    assert torch.equal(_nan_rows(out), want)
-    keep = ~want
-    assert_fa_rule(out[keep], ref64[keep], same[keep])
-
-
 @pytest.mark.parametrize("backend,kw", DENSE)
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_nan_in_gives_nan_out_in_the_rows_that_see_it(hub, backend, kw, where):
-    q, k, v = torch.randn(2, 7, 4, 16), torch.randn(2, 7, 2, 16), torch.randn(2, 7, 2, 16)
-    causal = where != "v"  # a NaN value under a masked key: kernels skip it, maths do not
-    if where == "q":
-        q[0, 3, 1, 5] = math.nan
-    elif where == "k":
-        k[1, 0, 0, 2] = math.nan  # the first key: row 0 sees nothing else
-    else:
-        v[1, 2, 1, 0] = math.nan
+    q, k, v, causal = nan_case(where)
     out = attention_or_skip(hub, backend, q, k, v, causal=causal, **kw)
     params = AttnParams(scale=0.25, causal=causal, window=kw.get("window"))
-    _check_nan_pattern(out, q, k, v, params)
+    assert_nan_pattern(out, q, k, v, params)
 
 
 def test_nan_in_decode_on_triton_decode(hub):
@@ -55,7 +41,7 @@ def test_nan_in_decode_on_triton_decode(hub):
     q[0, 0, 2, 1] = math.nan
     k[1, 4, 0, 0] = math.nan
     out = attention_or_skip(hub, "triton_decode", q, k, v, causal=True)
-    _check_nan_pattern(out, q, k, v, AttnParams(scale=0.25, causal=True))
+    assert_nan_pattern(out, q, k, v, AttnParams(scale=0.25, causal=True))
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch_sdpa", "triton"])
