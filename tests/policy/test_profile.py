@@ -243,14 +243,7 @@ def test_explain_names_the_pack(tmp_path, full_registry):
     dev = simulate("sm90")
     spec = SPEC.with_(layout="paged", page_size=16, dtype="bf16", kv_dtype="bf16",
                       head_dim=128, head_dim_v=128)
-    packs = tmp_path / "packs"
-    src = ProfileStore(tmp_path / "src.json", packs="off")
-    src.record_speed(dev, spec, "torch_sdpa", 1e-5)
-    src.record_speed(dev, spec, "triton_decode", 9e-5)
-    data = src.data()
-    data["pack"] = {"measured": "2026-12-01", "command": "x", "commit": "y"}
-    packs.mkdir()
-    (packs / "h.json").write_text(json.dumps(data))
+    packs = _write_pack(tmp_path, dev, spec, {"torch_sdpa": 1e-5, "triton_decode": 9e-5})
     policy = load_policy(None, profile=ProfileStore(tmp_path / "u.json", packs=packs))
     d = policy.resolve(spec, dev, full_registry)
     assert d.candidates[:2] == ("torch_sdpa", "triton_decode")
@@ -286,14 +279,7 @@ def test_accuracy_gated_backend_leads_a_fastest_rule_over_a_pack(tmp_path, fake,
     spec = AttentionSpec(phase="prefill", dtype="bf16", kv_dtype="bf16", num_q_heads=8,
                          num_kv_heads=2, head_dim=64, head_dim_v=64, max_seqlen_q=4096,
                          max_seqlen_k=4096, mask=MaskSpec(causal=True))
-    packs = tmp_path / "packs"
-    src = ProfileStore(tmp_path / "src.json", packs="off")
-    src.record_speed(dev, spec, "torch_sdpa", 1.2e-4)
-    src.record_speed(dev, spec, "fa3", 3.2e-4)
-    data = src.data()
-    data["pack"] = {"measured": "2026-12-01", "command": "x", "commit": "y"}
-    packs.mkdir()
-    (packs / "h.json").write_text(json.dumps(data))
+    packs = _write_pack(tmp_path, dev, spec, {"torch_sdpa": 1.2e-4, "fa3": 3.2e-4})
     store = ProfileStore(tmp_path / "u.json", packs=packs)
     policy = load_policy(None, profile=store)
     d = policy.resolve(spec, dev, reg)
@@ -304,3 +290,16 @@ def test_accuracy_gated_backend_leads_a_fastest_rule_over_a_pack(tmp_path, fake,
     d = policy.resolve(spec, dev, reg)
     assert d.backend == "fa3_fp8" and any("opted in" in n for n in d.notes), d.explain()
     assert d.fallbacks[:1] == ("torch_sdpa",)
+
+
+def _write_pack(tmp_path, dev, spec, seconds: dict[str, float]):
+    """A shipped-pack folder holding one pack (h.json) with these per-backend times."""
+    src = ProfileStore(tmp_path / "src.json", packs="off")
+    for name, t in seconds.items():
+        src.record_speed(dev, spec, name, t)
+    data = src.data()
+    data["pack"] = {"measured": "2026-12-01", "command": "x", "commit": "y"}
+    packs = tmp_path / "packs"
+    packs.mkdir()
+    (packs / "h.json").write_text(json.dumps(data))
+    return packs
