@@ -11,14 +11,20 @@ For each: raw torch SDPA (tiny decode only), the backend the policy binds called
 median host time per call (``perf_counter`` around the call, no synchronisation: the GPU
 queue absorbs the kernels), in interleaved rounds. Target (issue 15): policy - direct <= 5 us.
 
-    python benchmarks/overhead.py [--device cuda] [--calls 20000] [--json]
+    python benchmarks/overhead.py [--device cuda] [--calls 20000] [--json] [--profile]
+
+``--profile`` adds, per case, a cProfile of the policy call and of the direct call (the
+functions with the most own time): where the added microseconds go.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import math
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -57,6 +63,18 @@ def measure(cases: dict[str, Callable[[], object]], calls: int, rounds: int,
     return best
 
 
+def profile_calls(fn: Callable[[], object], calls: int, top: int = 18) -> str:
+    """cProfile of ``calls`` calls of ``fn``: the ``top`` functions by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 def direct_call(hub: attnhub.Hub, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 params: AttnParams) -> tuple[str, Callable[[], object]]:
     """The backend the hub bound for the last call, called directly with its spec."""
@@ -72,6 +90,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print a cProfile of the policy and direct calls per case")
     args = ap.parse_args()
     dev = torch.device(args.device)  # "cuda" is fine: the KV cache canonicalises it
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -94,6 +114,10 @@ def main() -> None:
         "policy": lambda: hub.attention(q, k, v, causal=True),
         "forced": lambda: hub.attention(q, k, v, causal=True, backend=name),
     }, args.calls, args.rounds, sync)
+    if args.profile:
+        res["tiny_decode_profile"] = {
+            "policy": profile_calls(lambda: hub.attention(q, k, v, causal=True), min(args.calls, 5000)),
+            "direct": profile_calls(direct, min(args.calls, 5000))}
     res["tiny_decode"] = {"backend": name, **{f"{k}_us": x for k, x in t.items()},
                           "added_us": t["policy"] - t["direct"]}
 
@@ -117,6 +141,10 @@ def main() -> None:
         "policy": lambda: hub.attention(qp, kc, vc, **paged),
         "forced": lambda: hub.attention(qp, kc, vc, backend=pname, **paged),
     }, args.calls, args.rounds, sync)
+    if args.profile:
+        res["paged_decode_step_profile"] = {
+            "policy": profile_calls(lambda: hub.attention(qp, kc, vc, **paged), min(args.calls, 5000)),
+            "direct": profile_calls(pdirect, min(args.calls, 5000))}
     res["paged_decode_step"] = {"backend": pname, "shape": f"b={b} ctx={ctx} page={page}",
                                 **{f"{k}_us": x for k, x in t.items()},
                                 "added_us": t["policy"] - t["direct"]}
@@ -124,6 +152,8 @@ def main() -> None:
         print(json.dumps(res, indent=2))
         return
     for case in ("tiny_decode", "paged_decode_step"):
+        for which, text in dict(res.get(f"{case}_profile", {})).items():
+            print(f"--- {case}: cProfile of the {which} call ---\n{text}")
         r = res[case]
         assert isinstance(r, dict)
         print(f"{case} (bound backend {r['backend']}):")
