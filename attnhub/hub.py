@@ -211,9 +211,9 @@ class Hub:
         contents of paged tables / ``cu_seqlens`` once per change (a memo). Everything else
         goes through :func:`attnhub.core.contract.check_call` first.
         """
-        try:
-            needs_grad = (q.requires_grad or k.requires_grad or v.requires_grad) and (
-                torch.is_grad_enabled())
+        try:  # grad mode first: inference (no_grad) reads no tensor flag
+            needs_grad = torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad)
         except AttributeError:  # not tensors: the contract says which and how
             check_qkv(q, k, v, layout)
             raise
@@ -226,15 +226,18 @@ class Hub:
             # cannot fool).
             if (alibi_slopes is None and prefix_lens is None and colmask_start is None
                     and colmask_end is None and cu_seqlens_q is None and cu_seqlens_k is None):
-                side = None if block_table is None and seqlens_k is None else (
-                    block_table.shape, block_table.dtype, block_table.device,
-                    seqlens_k.shape, seqlens_k.dtype, seqlens_k.device)  # paged: short key
+                if block_table is None and seqlens_k is None:
+                    side = None
+                elif layout == "paged" and block_table is not None and seqlens_k is not None:
+                    side = _PAGED_TABLES  # their types and shapes: the memo, or PAGED.check
+                else:
+                    side = (_meta(block_table), _meta(seqlens_k))
             else:
                 side = (_meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
                         _meta(colmask_end), _meta(block_table), _meta(seqlens_k),
                         _meta(cu_seqlens_q), _meta(cu_seqlens_k))
-            device, dtype = q.device, q.dtype
-            fast_key = (layout, q.shape, k.shape, v.shape, dtype, k.dtype, v.dtype,
+            device, dtype, q_shape, k_shape = q.device, q.dtype, q.shape, k.shape
+            fast_key = (layout, q_shape, k_shape, v.shape, dtype, k.dtype, v.dtype,
                         device, k.device, v.device, causal, causal_alignment, window,
                         softcap is not None, side, max_seqlen_q, max_seqlen_k,
                         score_mod if score_mod is None else _mod_kind(score_mod),
@@ -264,7 +267,12 @@ class Hub:
             # the snapshots backends read (the caller's tensors go on to check_call on a miss)
             bt, sl, cu_q, cu_k = block_table, seqlens_k, cu_seqlens_q, cu_seqlens_k
             if layout == "paged":
-                bt, sl, max_k = PAGED.values(q, k, block_table, seqlens_k)
+                # the tables' types and shapes are not in the key: the memo vouches for them
+                # (same tensors, unchanged, checked for this cache, batch and device), else
+                # the full check of tables and contents runs
+                hit_tables = PAGED.unchanged(block_table, seqlens_k,
+                                             (k_shape, q_shape[0], device))
+                bt, sl, max_k = hit_tables or PAGED.check(q, k, block_table, seqlens_k)
                 if max_seqlen_k is not None:  # an upper bound, as check_call takes it
                     max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
                 limit = spec.max_seqlen_k  # a power of two: max_k in (limit/2, limit] fits
@@ -398,6 +406,10 @@ class Hub:
         from .bind import bind
 
         return bind(model, self, **shapes)
+
+
+#: The fast key's side entry of a paged call: its tables are vouched for by ``PAGED``.
+_PAGED_TABLES = ("paged tables",)
 
 
 def _grow_key(fast_key: tuple, k: torch.Tensor, v: torch.Tensor, axis: int) -> tuple:

@@ -263,3 +263,21 @@ def test_accelerator_memo_uses_the_stamp():
     assert memo._hit(a, b, (4, 5)) is None and memo._hit(b, a, (4, 4)) is None
     a.add_(1)
     assert memo._hit(a, b, (4, 4)) is None
+
+
+def test_paged_fast_path_rechecks_tables_of_another_batch(spy_hub):
+    """The exact-shape key leaves the tables' shapes to the memo: a table checked for a
+    batch of 3 is not taken for a batch-2 call that hits the key a batch-2 table made."""
+    hub, spy = spy_hub
+    cache, seqs = _cache_step()
+    kc, vc = cache.k_cache(0), cache.v_cache(0)
+    bt2, sl2 = cache.block_table(seqs[:2]), cache.seqlens(seqs[:2])
+    bt3, sl3 = cache.block_table(seqs), cache.seqlens(seqs)
+    q2, q3 = torch.randn(2, 1, 4, 8), torch.randn(3, 1, 4, 8)
+    kw = dict(layout="paged", backend="spy")
+    hub.attention(q2, kc, vc, block_table=bt2, seqlens_k=sl2, **kw)  # the batch-2 key
+    hub.attention(q3, kc, vc, block_table=bt3, seqlens_k=sl3, **kw)  # memo: batch-3 tables
+    with pytest.raises(SeqlensError, match=r"B=2"):
+        hub.attention(q2, kc, vc, block_table=bt3, seqlens_k=sl3, **kw)
+    out = hub.attention(q2, kc, vc, block_table=bt2, seqlens_k=sl2, **kw)
+    assert spy.seen[-1].block_table.shape[0] == 2 and out.shape == (2, 1, 4, 8)

@@ -421,19 +421,29 @@ class PagedTables(_Memo):
 
     def values(self, q: torch.Tensor, k: torch.Tensor, block_table: torch.Tensor,
                seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The contents check alone (types and shapes already checked: the hot path)."""
-        geometry = k.shape  # (pages, page_size, ...): what the contents are checked against
+        """The contents check alone (types and shapes already checked)."""
+        # what the check depended on: the cache's (pages, page_size, ...), q's batch (the
+        # tables' rows) and device (the snapshots')
+        geometry = (k.shape, q.shape[0], q.device)
         memo = self._hit(block_table, seqlens_k, geometry)
         if memo is not None:
             return memo[3], memo[4], memo[5]
-        proof = self._proof(block_table, seqlens_k, geometry[0], geometry[1])
+        proof = self._proof(block_table, seqlens_k, k.shape[0], k.shape[1])
         if proof is not None:
             snap_bt, snap_sl, max_len = proof
         else:
             snap_bt, snap_sl = block_table.clone(), seqlens_k.clone()
-            max_len = _check_paged_contents(snap_bt, snap_sl, geometry[0], geometry[1])
+            max_len = _check_paged_contents(snap_bt, snap_sl, k.shape[0], k.shape[1])
         self._store(block_table, seqlens_k, geometry, snap_bt, snap_sl, max_len)
         return snap_bt, snap_sl, max_len
+
+    def unchanged(self, block_table: torch.Tensor, seqlens_k: torch.Tensor,
+                  geometry: tuple) -> tuple | None:
+        """The hot path: ``(snap_bt, snap_sl, longest)`` if these are the tables checked
+        last, unchanged (see :class:`_Memo`), for the same ``(k.shape, batch, device)``;
+        else None, and :meth:`check` runs, the tables' types and shapes included."""
+        m = self._hit(block_table, seqlens_k, geometry)
+        return None if m is None else (m[3], m[4], m[5])
 
     def vouch(self, t: torch.Tensor, snapshot: torch.Tensor, fact: int) -> None:
         """Record a proof for a table the caller built from host data it checked:
