@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Callable
 
@@ -13,6 +14,7 @@ from ..hookspecs import hookimpl
 from .backend import AttentionOutput, Backend
 from .capabilities import ALL_MASKS, Capabilities
 from .device import DeviceInfo
+from .flash_conventions import natural_lse
 from .masking import allowed_mask, alibi_bias, doc_ranges
 from .paged import paged_to_varlen
 from .reference import _doc_params, reference_attention
@@ -89,15 +91,171 @@ class TorchSDPABackend(Backend):
              layout: str) -> AttentionOutput:
         if layout == "bshd":
             return _sdpa_bshd(q, k, v, p)
-        outs, lses = [], []
-        for i, ((qs, qe), (ks, ke)) in enumerate(zip(doc_ranges(p.cu_seqlens_q),
-                                                       doc_ranges(p.cu_seqlens_k))):
-            o, l = _sdpa_bshd(q[qs:qe][None], k[ks:ke][None], v[ks:ke][None],
-                              _doc_params(p, i, p.alibi_slopes))
-            outs.append(o[0])
-            lses.append(l[0] if l is not None else None)
-        lse = torch.cat(lses, -1) if p.return_lse else None
-        return AttentionOutput(torch.cat(outs, 0), lse)
+        return _sdpa_thd(q, k, v, p)
+
+
+#: Most (documents x longest query run x longest key run) elements the padded thd path
+#: materialises as a boolean mask (64 MiB); above it one SDPA call per document costs less
+#: memory and arithmetic (the padded call computes every padded score).
+PADDED_MASK_BUDGET = 1 << 26
+
+
+def _sdpa_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              p: AttnParams) -> AttentionOutput:
+    """Packed documents (thd), with no host sync and no Python loop over documents where a
+    loop-free form is exact:
+
+    1. CUDA, fp16/bf16, no mask or a bottom-right causal/window mask: torch's varlen
+       FlashAttention kernel (what ``torch.nn.attention.varlen`` calls; one launch, GQA
+       native, per-document Sq != Sk and empty documents handled by the kernel).
+    2. Otherwise, when documents x max_seqlen_q x max_seqlen_k fits ``PADDED_MASK_BUDGET``:
+       one SDPA call over a padded batch built by index ops from ``cu_seqlens`` and the
+       host-side max lengths the hub passes (``_sdpa_thd_padded``).
+    3. Otherwise one call per document (``_sdpa_thd_loop``, which reads ``cu_seqlens`` on
+       the host): for ``mask_mod`` callables and column-sparse ranges, whose indices are
+       per document, and above the budget, where a padded mask costs more than the loop.
+    """
+    b = p.cu_seqlens_q.numel() - 1
+    tq, tk = q.shape[0], k.shape[0]
+    if tq == 0 or tk == 0 or b == 0:  # nothing to attend to: 0 out, -inf LSE
+        lse = torch.full((q.shape[1], tq), float("-inf"), device=q.device) \
+            if p.return_lse else None
+        return AttentionOutput(q.new_zeros(tq, q.shape[1], v.shape[-1]), lse)
+    max_q, max_k = p.max_seqlen_q, p.max_seqlen_k
+    if max_q is None or max_k is None:  # a direct backend call: the hub always passes both
+        max_q = int(p.cu_seqlens_q.diff().max()) if max_q is None else max_q
+        max_k = int(p.cu_seqlens_k.diff().max()) if max_k is None else max_k
+    window = flash_varlen_window(p, q.device, q.dtype, q.shape[-1], v.shape[-1], max_q, max_k)
+    if window is not None:
+        return _flash_varlen(q, k, v, p, b, max_q, max_k, window)
+    if p.mask_mod is None and p.colmask_start is None and (
+            b * max_q * max_k <= PADDED_MASK_BUDGET):
+        return _sdpa_thd_padded(q, k, v, p, b, max_q, max_k)
+    return _sdpa_thd_loop(q, k, v, p)
+
+
+def flash_varlen_window(p: AttnParams, device: torch.device, dtype: torch.dtype, d: int,
+                        dv: int, max_q: int, max_k: int) -> tuple[int, int] | None:
+    """FlashAttention's ``(window_left, window_right)`` (-1 unbounded; causal is right = 0)
+    when torch's varlen flash kernel computes this call exactly, else None. Exact: no
+    mask, or causal/window under bottom-right alignment (FlashAttention's own, applied per
+    document). Declined: other devices and dtypes, head dims it lacks, ALiBi, prefix-LM,
+    column-sparse, mask_mod, top-left masks (their shift differs per document), and a
+    right window edge in [max_seqlen_k, max_seqlen_q - 1) (the kernel clamps an edge
+    >= max_seqlen_k to unbounded, which is exact only once it also covers every query)."""
+    if (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16)
+            or d != dv or d % 8 or d > 256 or p.alibi_slopes is not None or p.prefix_lens is not None or p.softcap
+            or p.colmask_start is not None or p.mask_mod is not None
+            or p.score_mod is not None or not _torch_flash_varlen(device.index)):
+        return None
+    left, right = p.window if p.window is not None else (-1, -1)
+    if p.alignment == "top_left" and (p.causal or p.window is not None):
+        return None
+    if p.causal:
+        right = 0 if right < 0 else min(right, 0)
+    if max_k <= right < max_q - 1:
+        return None
+    return left, right
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_flash_varlen(index: int | None) -> bool:
+    """torch's FlashAttention op takes packed sequences and windows here (a CUDA build of
+    torch, sm80+, not ROCm) and returns the LSE as (heads, tokens), checked once on meta
+    tensors (the op's schema and LSE layout changed across torch releases)."""
+    try:
+        if torch.version.hip or not torch.backends.cuda.is_flash_attention_available():
+            return False
+        if torch.cuda.get_device_capability(index)[0] < 8:
+            return False
+        q = torch.empty(3, 4, 64, device="meta", dtype=torch.bfloat16)
+        k = torch.empty(5, 2, 64, device="meta", dtype=torch.bfloat16)
+        cu = torch.tensor([0, 1, 3], dtype=torch.int32, device="meta")
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, k, cu, cu, 2, 3, 0.0, True, False, scale=0.125, window_size_left=-1,
+            window_size_right=0)
+        return tuple(out.shape) == (3, 4, 64) and tuple(lse.shape) == (4, 3)
+    except (RuntimeError, TypeError, AttributeError, AssertionError):
+        return False
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, b: int,
+                  max_q: int, max_k: int, window: tuple[int, int]) -> AttentionOutput:
+    """One launch of torch's varlen FlashAttention (forward and, through autograd, its
+    backward). Fully masked rows come back 0 with LSE +inf, turned into -inf."""
+    if max_q == 1 and q.shape[0] != b:
+        # FlashAttention's one-query GQA fast path reshapes q as one token per document,
+        # wrong when some documents hold none; max_seqlen is an upper bound, so 2 is exact
+        max_q = 2
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    left, right = window
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, max_q, max_k, 0.0,
+        p.causal and right == 0 and left < 0, False, scale=p.scale,
+        window_size_left=left, window_size_right=right)
+    return AttentionOutput(out, natural_lse(lse) if p.return_lse else None)
+
+
+def _sdpa_thd_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams,
+                     b: int, max_q: int, max_k: int) -> AttentionOutput:
+    """One SDPA call over the documents padded to (B, max_seqlen, H, D) by index ops (no
+    host sync). Under bottom-right alignment every document is right-aligned in its row,
+    under top-left left-aligned: then the padded row's own causal/window/ALiBi geometry is
+    the document's, and a key-validity mask hides the padding (rows that see no key come
+    back 0 with LSE -inf, as in ``_sdpa_masked``). Padded query rows are dropped."""
+    right = p.alignment == "bottom_right"
+    iq = _padded_index(p.cu_seqlens_q, q.shape[0], max_q, right)
+    ik = _padded_index(p.cu_seqlens_k, k.shape[0], max_k, right)
+    qp, kp, vp = (_pad(t, idx, b, m) for t, idx, m in ((q, iq, max_q), (k, ik, max_k),
+                                                        (v, ik, max_k)))
+    len_k = p.cu_seqlens_k.diff().to(torch.long)
+    kj = torch.arange(max_k, device=q.device)
+    key_ok = kj >= (max_k - len_k)[:, None] if right else kj < len_k[:, None]
+    prefix = p.prefix_lens
+    if prefix is not None and right:  # keys below the prefix, in padded positions
+        prefix = prefix.to(q.device) + (max_k - len_k)
+    pp = replace(p, cu_seqlens_q=None, cu_seqlens_k=None, prefix_lens=prefix)
+    hq, hkv = q.shape[1], k.shape[1]
+    allowed = allowed_mask(pp, b, hq, max_q, max_k, q.device, kv_heads=hkv)
+    key_ok = key_ok.view(b, 1, 1, max_k)
+    allowed = key_ok if allowed is None else allowed & key_ok
+    bias = alibi_bias(p.alibi_slopes, max_q, max_k, p.alignment, q.device) \
+        if p.alibi_slopes is not None else None
+    res = _sdpa_masked(qp, kp, vp, pp, allowed, bias)
+    out = res.out.reshape(b * max_q, hq, -1).index_select(0, iq)
+    lse = res.lse.transpose(0, 1).reshape(hq, b * max_q).index_select(1, iq) \
+        if res.lse is not None else None
+    return AttentionOutput(out, lse)
+
+
+def _padded_index(cu: torch.Tensor, total: int, m: int, right: bool) -> torch.Tensor:
+    """For each packed token, its row-major index in a (B, m) padded batch: document
+    ``searchsorted(cu[1:], t)``, position in it, right-aligned when ``right``."""
+    cu = cu.to(torch.long)
+    tok = torch.arange(total, device=cu.device)
+    doc = torch.searchsorted(cu[1:].contiguous(), tok, right=True)
+    start = cu[doc]
+    pos = tok - start + (m - (cu[doc + 1] - start) if right else 0)
+    return doc * m + pos
+
+
+def _pad(t: torch.Tensor, idx: torch.Tensor, b: int, m: int) -> torch.Tensor:
+    """Packed (T, H, D) into zeros (B, m, H, D) at ``idx`` (differentiable)."""
+    return t.new_zeros(b * m, *t.shape[1:]).index_copy(0, idx, t).view(b, m, *t.shape[1:])
+
+
+def _sdpa_thd_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   p: AttnParams) -> AttentionOutput:
+    """One SDPA call per document (reads ``cu_seqlens`` on the host: the slow path)."""
+    outs, lses = [], []
+    for i, ((qs, qe), (ks, ke)) in enumerate(zip(doc_ranges(p.cu_seqlens_q),
+                                                   doc_ranges(p.cu_seqlens_k))):
+        o, l = _sdpa_bshd(q[qs:qe][None], k[ks:ke][None], v[ks:ke][None],
+                          _doc_params(p, i, p.alibi_slopes))
+        outs.append(o[0])
+        lses.append(l[0] if l is not None else None)
+    lse = torch.cat(lses, -1) if p.return_lse else None
+    return AttentionOutput(torch.cat(outs, 0), lse)
 
 
 def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -123,6 +281,15 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     allowed = allowed_mask(p, b, hq, sq, sk, q.device, kv_heads=hkv)
     bias = alibi_bias(p.alibi_slopes, sq, sk, p.alignment, q.device) \
         if p.alibi_slopes is not None else None
+    return _sdpa_masked(q, k, v, p, allowed, bias)
+
+
+def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams,
+                 allowed: torch.Tensor | None, bias: torch.Tensor | None) -> AttentionOutput:
+    """SDPA on (B, S, H, D) with an explicit boolean mask of visible pairs and/or an additive
+    bias; rows that see no key come back 0 with LSE -inf."""
+    hq, hkv = q.shape[2], k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     row_ok = None
     mask = bias
     if allowed is not None:
