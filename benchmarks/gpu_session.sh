@@ -5,13 +5,15 @@
 # the files worth reading are copied to $OUT, with everything in results.tar.gz):
 #   session.log        what ran, when, with exit codes; env (date, commit, GPU, versions)
 #   overhead.json      host cost of attnhub over the bound backend called directly
+#   regret/            `attnhub bench --regret` over the standard grid (benchmarks/regret_session.sh:
+#                      regret.{md,json,png} and the re-measured profile pack), with step `regret`
 #   hf_generate.{json,md}  generate() with attn_implementation="attnhub" vs "sdpa"
 #   ring_sim2.{json,md}    ring attention, 2 virtual ranks on one GPU (issue 17)
 #   gpu_tests.txt      every test marked `gpu` (FlashInfer's included: it JIT-compiles)
 #   kit.txt            `attnhub check-plugin --all-available --quick` on the GPU
 # Usage (carry .whl, made by ../shared/gpu/wheels.sh all): COMMIT=abc1234 bash benchmarks/gpu_session.sh
 # STEPS picks steps (default: overhead hf ring tests kit; also: profile, a cProfile of
-# overhead.py's calls); KIT_BACKENDS names the kit's backends (default: --all-available).
+# overhead.py's calls; regret, REGRET_S seconds); KIT_BACKENDS names the kit's backends (default: --all-available).
 set -uo pipefail
 final=${OUT:-out/gpu_session}
 out=${WORK:-/tmp/gpu_session}
@@ -48,7 +50,9 @@ want() { [[ $steps == *" $1 "* ]]; }
 # -- timing, one at a time --------------------------------------------------------------
 want overhead && step overhead 60 python3 benchmarks/overhead.py --json
 cp "$out/overhead.out" "$out/overhead.json" 2>/dev/null
-want profile && step profile 90 python3 -m cProfile -s tottime benchmarks/overhead.py
+want profile && step profile 90 python3 benchmarks/overhead.py --profile
+want regret && step regret "${REGRET_S:-300}" env OUT="$out/regret" BUDGET_S="$(( ${REGRET_S:-300} - 10 ))" \
+  bash benchmarks/regret_session.sh
 want hf && step hf_generate "${HF_S:-170}" python3 benchmarks/hf_generate.py --budget-s "$(( ${HF_S:-170} - 25 ))" \
   --hard-timeout-s "$(( ${HF_S:-170} - 10 ))" --out "$out" ${HF_ARGS:-}
 want ring && step ring_sim2 "${RING_S:-90}" python3 benchmarks/ring_scaling.py --simulate 2 \
@@ -67,9 +71,11 @@ want tests && say "end gpu_tests: $(tail -2 "$out/gpu_tests.txt" | tr '\n' ' ')"
 want kit && say "end kit: $(tail -1 "$out/kit.err")"
 tail -25 "$out/gpu_tests.txt" "$out/hf_generate.out" "$out/overhead.out" 2>/dev/null
 grep -E "PASS|FAIL|CRASH" "$out/kit.txt" 2>/dev/null | grep -v "^|.*pass " | head -40
-head -45 "$out/profile.out" 2>/dev/null
+grep -B2 -A8 "attnhub adds" "$out/profile.out" 2>/dev/null
+tail -25 "$out/regret/regret.md" 2>/dev/null
 say "done"
 (cd "$out" && tar czf "$final/results.tar.gz" ./* 2>/dev/null)
-for f in session.log overhead.json hf_generate.md ring_sim2.md gpu_tests.txt kit.txt; do
+for f in session.log overhead.json hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
+    regret/regret.md regret/regret.png; do
   [[ -f "$out/$f" ]] && cp "$out/$f" "$final/"
 done
