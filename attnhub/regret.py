@@ -4,9 +4,17 @@ For each cell of a grid (a shape, mask and phase real clients run), the call is 
 the public API twice over: as the policy binds it, and forced onto every exact backend that
 accepts the cell, each checked against the fp64 reference first (a fast wrong kernel has no
 speed). Regret = policy time / best forced time; 1.00 means the policy picked the best.
-Timings are medians of CUDA-event-timed single calls after warm-up (host time included),
-taken in interleaved rounds (the minimum median of the rounds counts), so a clock change
-hits every backend alike. Training cells time forward + backward.
+Timing (``attnhub.timing.interleaved_ms``): within every repeat the policy's call, each
+forced backend and each raw library take one sample in turn (rotating order), so the policy
+and its own backend forced are timed under the same conditions; a sample is a batch of
+back-to-back calls between CUDA events when a call is under 0.1 ms (the same batch for every
+callable of the cell), otherwise one call from an idle GPU; no cache flush for any; median of
+the repeats, minimum over rounds. Training cells time forward + backward.
+
+Raw libraries called directly on the same inputs, checked like the backends and timed in the
+same rounds, for information: torch SDPA (bshd; paged cells on the contiguous copy of their
+cache), torch's varlen FlashAttention op (thd), and FA3 as the fa3 backend imports it (where
+the fa3 backend passed the cell). Absent where the library is not installed.
 
 ``attnhub bench --regret`` runs it; the forced timings are what a shipped profile pack holds
 (``--pack``), and what ``fastest`` rules then rank by.
@@ -24,10 +32,11 @@ from typing import Any
 import torch
 
 from .benchmark import Inputs, make_inputs, reference_rows
+from .core.flash_conventions import flash_dense_form, flash_kwargs, flash_varlen
 from .core.spec import AttentionSpec, MaskSpec
 from .errors import AttnhubError
 from .testing import fa_rule_error
-from .timing import median_ms
+from .timing import interleaved_ms
 
 #: The regret a cell may show and still count as "the policy picked the best".
 BOUND = 1.05
@@ -101,8 +110,28 @@ class CellResult:
     times: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
-    raw_sdpa_ms: float | None = None
+    #: raw libraries called directly (``SDPA``, ``torch varlen``, ``fa3``): ms, or why not
+    raw: dict[str, float] = field(default_factory=dict)
+    raw_failed: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    #: calls per timed sample (a batch of back-to-back calls for short ones)
+    batch: int = 1
+
+    @property
+    def raw_sdpa_ms(self) -> float | None:
+        return self.raw.get("SDPA")
+
+    @property
+    def policy_forced_ms(self) -> float | None:
+        """The bound backend's own time, forced, in the same rounds as the policy's call."""
+        return self.times.get(self.policy_backend) if self.policy_backend else None
+
+    @property
+    def path_ratio(self) -> float | None:
+        """Policy call over the same backend forced: the cost of the policy's call path plus
+        the timing noise between two figures of one kernel (1.00 when neither)."""
+        forced = self.policy_forced_ms
+        return self.policy_ms / forced if self.policy_ms is not None and forced else None
 
     @property
     def best(self) -> tuple[str, float] | None:
@@ -126,20 +155,27 @@ class CellResult:
         return {"cell": self.cell, "spec": self.spec.describe() if self.spec else None,
                 "policy": {"backend": self.policy_backend, "rule": self.policy_rule,
                            "source": self.policy_source, "ms": self.policy_ms,
+                           "forced_ms": self.policy_forced_ms, "path_ratio": self.path_ratio,
                            "error": self.policy_error},
                 "best": {"backend": best[0], "ms": best[1]} if best else None,
                 "regret": self.regret, "choice_regret": self.choice_regret,
                 "times_ms": self.times, "skipped": self.skipped, "failed": self.failed,
-                "raw_sdpa_ms": self.raw_sdpa_ms, "seconds": round(self.seconds, 1)}
+                "raw_ms": self.raw, "raw_failed": self.raw_failed,
+                "raw_sdpa_ms": self.raw_sdpa_ms, "batch": self.batch,
+                "seconds": round(self.seconds, 1)}
 
 
 def from_json(d: dict[str, Any]) -> CellResult:
     """A cell back from ``CellResult.to_json`` (to re-render or combine saved reports)."""
     pol = d.get("policy", {})
+    raw = dict(d.get("raw_ms") or {})
+    if not raw and d.get("raw_sdpa_ms") is not None:  # reports from before raw_ms
+        raw["SDPA"] = d["raw_sdpa_ms"]
     return CellResult(d["cell"], None, pol.get("backend"), pol.get("rule"),
                       pol.get("source") or "", pol.get("ms"), pol.get("error"),
                       dict(d.get("times_ms", {})), dict(d.get("skipped", {})),
-                      dict(d.get("failed", {})), d.get("raw_sdpa_ms"), d.get("seconds", 0.0))
+                      dict(d.get("failed", {})), raw, dict(d.get("raw_failed") or {}),
+                      d.get("seconds", 0.0), d.get("batch", 1))
 
 
 def regret(policy_ms: float | None, times: dict[str, float]) -> float | None:
@@ -219,19 +255,27 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
             fns[name] = fn
         if log:
             log(f"  {name}: {'ok' if not err else err[:120]}")
-    raw = None if train else _raw_sdpa(inp, cell.spec)
-    if raw is not None:
-        fns["raw SDPA"] = raw  # type: ignore[index]
-    best: dict[str | None, float] = {}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            ms = median_ms(fn, device, warmup=warmup, repeats=repeats)
-            best[name] = min(ms, best.get(name, math.inf))
-    res.policy_ms = best.pop(None, None)
-    res.raw_sdpa_ms = best.pop("raw SDPA", None)  # type: ignore[call-overload]
-    res.times = {k: v for k, v in best.items() if k is not None}
+    raws: dict[str, Callable[[], torch.Tensor]] = {}
+    if not train:
+        for lib, raw in _raw_peers(inp, cell.spec, "fa3" in fns).items():
+            try:
+                err = _check(inp, raw, ref64, same, rows)
+            except (RuntimeError, ValueError, TypeError, ImportError, AttnhubError) as exc:
+                err = _short(exc)
+                _free(device)
+            if err:
+                res.raw_failed[lib] = err
+            else:
+                raws[lib] = raw
+    timed: dict[Any, Callable[[], torch.Tensor]] = {**fns, **{("raw", k): f
+                                                              for k, f in raws.items()}}
+    t = interleaved_ms(timed, device, warmup=warmup, repeats=repeats, rounds=rounds)
+    res.batch = t.batch
+    res.policy_ms = t.ms.get(None)
+    res.times = {k: v for k, v in t.ms.items() if isinstance(k, str)}
+    res.raw = {k[1]: v for k, v in t.ms.items() if isinstance(k, tuple)}
     res.seconds = time.perf_counter() - t0
-    del inp, fns
+    del inp, fns, raws, timed
     _free(device)
     return res
 
@@ -267,14 +311,35 @@ def _check(inp: Inputs, fn: Callable[[], torch.Tensor], ref64: torch.Tensor,
     return None
 
 
+def _raw_peers(inp: Inputs, spec: AttentionSpec,
+               fa3_ok: bool) -> dict[str, Callable[[], torch.Tensor]]:
+    """The raw libraries that take this cell, called directly (forward only): torch SDPA,
+    torch's varlen FlashAttention op, and FA3 (only where the fa3 backend passed the cell:
+    a build without a feature can crash on it rather than refuse)."""
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    sdpa = _raw_sdpa(inp, spec)
+    if sdpa is not None:
+        out["SDPA"] = sdpa
+    varlen = _raw_torch_varlen(inp)
+    if varlen is not None:
+        out["torch varlen"] = varlen
+    fa = _fa3_interface() if fa3_ok else None
+    if fa is not None:
+        out["fa3"] = _raw_fa3(fa, inp, spec)
+    return out
+
+
 def _raw_sdpa(inp: Inputs, spec: AttentionSpec) -> Callable[[], torch.Tensor] | None:
-    """torch SDPA called directly, where the cell's mask has a native SDPA form (bshd)."""
+    """torch SDPA called directly, where the cell's mask has a native SDPA form: bshd, and
+    paged cells on the contiguous copy of their cache (a KV cache without pages)."""
     from torch.nn.attention.bias import causal_lower_right
 
     p, m = inp.params, spec.mask
-    if inp.layout != "bshd" or m.window is not None or m.softcap:
+    if inp.layout not in ("bshd", "paged") or m.window is not None or m.softcap:
         return None
-    sq, sk = inp.q.shape[1], inp.k.shape[1]
+    q, k, v = (inp.q, inp.k, inp.v) if inp.layout == "bshd" else (
+        inp.q, inp.k_dense, inp.v_dense)
+    sq, sk = q.shape[1], k.shape[1]
     mask, is_causal = None, False
     if p.causal and sq == sk:
         is_causal = True
@@ -282,12 +347,62 @@ def _raw_sdpa(inp: Inputs, spec: AttentionSpec) -> Callable[[], torch.Tensor] | 
         mask = causal_lower_right(sq, sk)
     elif p.causal and sq > sk:
         return None
-    qt, kt, vt = inp.q.transpose(1, 2), inp.k.transpose(1, 2), inp.v.transpose(1, 2)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = qt.shape[1] != kt.shape[1]
     F = torch.nn.functional
     return lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
                                                   is_causal=is_causal, scale=p.scale,
-                                                  enable_gqa=gqa)
+                                                  enable_gqa=gqa).transpose(1, 2)
+
+
+def _raw_torch_varlen(inp: Inputs) -> Callable[[], torch.Tensor] | None:
+    """torch's varlen FlashAttention op (``torch.nn.attention.varlen`` calls it) on a thd
+    cell, where it computes the cell exactly (``flash_varlen_window``)."""
+    from .core.builtin import flash_varlen_window
+
+    p = inp.params
+    if inp.layout != "thd":
+        return None
+    window = flash_varlen_window(p, inp.q.device, inp.q.dtype, inp.q.shape[-1],
+                                 inp.v.shape[-1], p.max_seqlen_q, p.max_seqlen_k)
+    if window is None:
+        return None
+    causal = p.causal and window == (-1, 0)
+    op = torch.ops.aten._flash_attention_forward
+    return lambda: op(inp.q, inp.k, inp.v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q,
+                      p.max_seqlen_k, 0.0, causal, False, scale=p.scale,
+                      window_size_left=window[0], window_size_right=window[1])[0]
+
+
+def _fa3_interface() -> Any:
+    """FA3's interface module, imported as the fa3 backend imports it; None when the plugin
+    or FA3 is not installed (the raw fa3 column is then absent)."""
+    try:
+        from attnhub_sm90_fa3.build import fa3_build, import_interface  # type: ignore
+
+        return import_interface(fa3_build())
+    except (ImportError, OSError, RuntimeError, AttributeError):
+        return None
+
+
+def _raw_fa3(fa: Any, inp: Inputs, spec: AttentionSpec) -> Callable[[], torch.Tensor]:
+    """FA3 called directly: ``flash_attn_varlen_func`` (thd), ``flash_attn_with_kvcache``
+    on the contiguous cache (decode), ``flash_attn_func`` (prefill); masks in
+    FlashAttention's terms as the fa3 backend passes them."""
+    p = inp.params
+
+    def first(res: Any) -> torch.Tensor:
+        return res[0] if isinstance(res, (tuple, list)) else res
+
+    if inp.layout == "thd":
+        return lambda: first(flash_varlen(fa.flash_attn_varlen_func, "fa3", inp.q, inp.k,
+                                          inp.v, p))
+    k, v = (inp.k, inp.v) if inp.layout == "bshd" else (inp.k_dense, inp.v_dense)
+    form, k, v = flash_dense_form("fa3", p, inp.q, k, v)
+    kw = flash_kwargs(p, form)
+    if spec.phase == "decode":
+        return lambda: first(fa.flash_attn_with_kvcache(inp.q, k, v, **kw))
+    return lambda: first(fa.flash_attn_func(inp.q, k, v, **kw))
 
 
 def _short(exc: BaseException) -> str:
@@ -304,9 +419,10 @@ def _free(device: torch.device) -> None:
 def markdown(results: list[CellResult], header: str = "", bound: float = BOUND) -> str:
     """The report: one row per cell, then the misses with their causes."""
     lines = [header] if header else []
-    lines += ["| cell | policy binds (rule, ranking) | policy ms | best ms (who) | regret | "
-              "choice regret | raw SDPA ms | every correct backend, ms |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [("| cell | policy binds (rule, ranking) | policy ms | its backend forced ms "
+               "(policy/forced) | best ms (who) | regret | choice regret | raw library ms | "
+               "every correct backend, ms | calls/sample |"),
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         best = r.best
         reg = r.regret
@@ -315,14 +431,17 @@ def markdown(results: list[CellResult], header: str = "", bound: float = BOUND) 
         others = ", ".join(f"{b} {ms:.4g}" for b, ms in sorted(r.times.items(),
                                                                key=lambda t: t[1]))
         bad = "; ".join(f"{b}: {w[:80]}" for b, w in r.failed.items())
+        forced, path = r.policy_forced_ms, r.path_ratio
+        raws = ", ".join(f"{lib} {ms:.4g}" for lib, ms in r.raw.items())
         lines.append(
             f"| {r.cell} | {r.policy_backend or '-'} ({r.policy_rule or '-'}, "
             f"{r.policy_source or '-'}) | "
             f"{f'{r.policy_ms:.4g}' if r.policy_ms is not None else 'failed'} | "
+            f"{f'{forced:.4g} ({path:.2f})' if forced and path else '-'} | "
             f"{f'{best[1]:.4g} ({best[0]})' if best else '-'} | {mark} | "
             f"{f'{r.choice_regret:.2f}' if r.choice_regret is not None else '-'} | "
-            f"{f'{r.raw_sdpa_ms:.4g}' if r.raw_sdpa_ms is not None else '-'} | "
-            f"{others or '-'}{' | FAILED ' + bad if bad else ''} |")
+            f"{raws or '-'} | {others or '-'}{' FAILED: ' + bad if bad else ''} | "
+            f"{r.batch} |")
     served = [r for r in results if r.times]
     worst = max((r.regret or math.inf for r in served), default=None)
     lines += ["", f"{len(served)} cells with at least one exact backend; worst regret "
@@ -332,6 +451,7 @@ def markdown(results: list[CellResult], header: str = "", bound: float = BOUND) 
         lines += ["", f"Cells over {bound}:"]
         lines += [f"- {r.cell}: regret {r.regret or math.inf:.2f}: {why}" for r, why in missed]
     failed = [(r.cell, b, w) for r in results for b, w in r.failed.items()]
+    failed += [(r.cell, f"raw {lib}", w) for r in results for lib, w in r.raw_failed.items()]
     if failed:
         lines += ["", "Backends that accepted a cell and then failed its check or raised:"]
         lines += [f"- {c}: {b}: {w}" for c, b, w in failed]
@@ -359,8 +479,8 @@ def plot(results: list[CellResult], path: str, title: str = "", bound: float = B
                  fontsize=8)
         for b, ms in r.times.items():
             ax2.scatter(ms, y, color=colors[b], s=28, zorder=3)
-        if r.raw_sdpa_ms is not None:
-            ax2.scatter(r.raw_sdpa_ms, y, marker="x", color="grey", s=30, zorder=3)
+        for ms in r.raw.values():
+            ax2.scatter(ms, y, marker="x", color="grey", s=30, zorder=3)
         if r.policy_ms is not None:
             ax2.scatter(r.policy_ms, y, facecolors="none", edgecolors="black", s=110,
                         linewidths=1.4, zorder=4)
@@ -377,7 +497,7 @@ def plot(results: list[CellResult], path: str, title: str = "", bound: float = B
     for b in names:
         ax2.scatter([], [], color=colors[b], label=b)
     ax2.scatter([], [], facecolors="none", edgecolors="black", label="policy")
-    ax2.scatter([], [], marker="x", color="grey", label="raw SDPA (info)")
+    ax2.scatter([], [], marker="x", color="grey", label="raw library (info)")
     ax2.legend(fontsize=7, loc="lower right")
     if title:
         fig.suptitle(title, fontsize=9)

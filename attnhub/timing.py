@@ -3,16 +3,19 @@
 GPU work is asynchronous: a wall clock around a launch measures the launch. ``Stopwatch``
 synchronises before reading the clock; ``median_ms`` times each repeat with CUDA events on a
 GPU (``perf_counter`` on the CPU) after warm-up runs, and reports the median, which one slow
-repeat (a compile, a clock change) does not move.
+repeat (a compile, a clock change) does not move. ``interleaved_ms`` times several callables
+so that their figures compare: in turn within every repeat, and short calls in batches.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -60,6 +63,68 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, *, warmup: i
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def sample_ms(fn: Callable[[], object], device: torch.device | str, calls: int = 1) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls of ``fn``, from an idle device
+    (synchronised first) to the end of the last one: CUDA events on a GPU (host time counts
+    wherever the GPU waits for it), ``perf_counter`` on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+@dataclass
+class Interleaved:
+    """``ms``: per callable, the median ms per call (the minimum over rounds); ``batch``:
+    the calls per timed sample (the same for every callable of one measurement)."""
+
+    ms: dict[Hashable, float]
+    batch: int
+
+
+def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.device | str, *,
+                   warmup: int = 3, repeats: int = 20, rounds: int = 2,
+                   batch_below_ms: float = 0.1, batch_ms: float = 0.5,
+                   max_batch: int = 64) -> Interleaved:
+    """Time several callables so that two of them running the same kernel get the same
+    figure: each repeat takes one sample of every callable in turn (the order rotates, so
+    none always follows a sync or another's cache state), so a clock, thermal or co-tenant
+    change hits all alike. When the fastest single call is under ``batch_below_ms``, a
+    sample is a batch of back-to-back calls lasting about ``batch_ms`` (the same count for
+    all), so launch jitter of a few microseconds averages out instead of deciding a ratio.
+    No cache flush between calls, for every callable alike (inputs stay where the previous
+    call left them, as in a model's step). Median of ``repeats`` samples, min over
+    ``rounds``."""
+    names = list(fns)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    batch = 1
+    if names:
+        one = min(min(sample_ms(fn, device) for _ in range(3)) for fn in fns.values())
+        if one < batch_below_ms:
+            batch = max(1, min(max_batch, math.ceil(batch_ms / max(one, 1e-6))))
+    best: dict[Hashable, float] = {}
+    for _ in range(rounds):
+        samples: dict[Hashable, list[float]] = {n: [] for n in names}
+        for i in range(max(1, repeats)):
+            shift = i % len(names)
+            for n in names[shift:] + names[:shift]:
+                samples[n].append(sample_ms(fns[n], device, batch))
+        for n in names:
+            best[n] = min(best.get(n, math.inf), statistics.median(samples[n]))
+    return Interleaved(best, batch)
 
 
 class CallClock:

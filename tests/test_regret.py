@@ -13,7 +13,7 @@ from attnhub.cli import main
 from attnhub.core.device import simulate
 from attnhub.core.spec import AttentionSpec, MaskSpec
 from attnhub.policy.profile import ProfileStore
-from attnhub.regret import BOUND, CellResult, markdown, misses, pack_data, plot, regret
+from attnhub.regret import BOUND, CellResult, from_json, markdown, misses, pack_data, plot, regret
 
 SPEC = AttentionSpec(phase="prefill", dtype="bf16", head_dim=64, num_q_heads=8,
                      num_kv_heads=2, mask=MaskSpec(causal=True), max_seqlen_q=4096,
@@ -106,6 +106,41 @@ def test_saved_reports_render_again(tmp_path: Path, capsys):
     assert "| 1.01 |" in text and "**2.00**" not in text
 
 
+def test_interleaved_timing_rotates_and_batches():
+    """Every callable is sampled in turn within each repeat, the order rotating; calls far
+    under 0.1 ms are timed in batches (the same count for all), slow ones one at a time."""
+    import time
+
+    from attnhub.timing import interleaved_ms
+
+    log: list[str] = []
+    t = interleaved_ms({"a": lambda: log.append("a"), "b": lambda: log.append("b")}, "cpu",
+                       warmup=1, repeats=3, rounds=1, max_batch=2)
+    assert t.batch == 2 and set(t.ms) == {"a", "b"}
+    # warm-up, then three single calls of each (calibration), then the samples
+    assert log[:2] == ["a", "b"] and sorted(log[2:8]) == ["a"] * 3 + ["b"] * 3
+    assert "".join(log[8:]) == "aabb" "bbaa" "aabb"
+    slow = interleaved_ms({"s": lambda: time.sleep(0.002)}, "cpu", warmup=0, repeats=1,
+                          rounds=1)
+    assert slow.batch == 1 and slow.ms["s"] >= 2.0
+
+
+def test_report_shows_the_policy_backend_forced_and_raw_libraries():
+    r = _cell("decode contiguous 1 x 32k", "torch_sdpa", 0.0957,
+              {"torch_sdpa": 0.0884, "fa3": 0.2}, raw={"SDPA": 0.0645, "fa3": 0.19},
+              raw_failed={"torch varlen": "wrong: x"}, batch=6)
+    assert r.policy_forced_ms == 0.0884 and r.path_ratio == pytest.approx(0.0957 / 0.0884)
+    md = markdown([r])
+    assert "| 0.0884 (1.08) |" in md and "SDPA 0.0645, fa3 0.19" in md and "| 6 |" in md
+    assert "raw torch varlen: wrong: x" in md
+    back = from_json(json.loads(json.dumps(r.to_json())))
+    assert (back.raw, back.raw_failed, back.batch, back.raw_sdpa_ms) == (
+        r.raw, r.raw_failed, 6, 0.0645)
+    old = r.to_json()
+    del old["raw_ms"], old["raw_failed"], old["batch"]  # a report from before raw_ms
+    assert from_json(old).raw == {"SDPA": 0.0645}
+
+
 @pytest.mark.parametrize("name", ["decode tiny", "varlen", "train", "paged/16 32 x 4k",
                                   "window"])
 def test_measure_cell_on_cpu_checks_times_and_binds(name):
@@ -149,3 +184,29 @@ def test_measure_cell_on_cpu_checks_times_and_binds(name):
     assert "wrong" in r.failed and r.failed["wrong"].startswith("wrong: max error")
     assert r.spec is not None and r.spec.phase == cell.spec.phase
     assert r.to_json()["regret"] == pytest.approx(r.policy_ms / r.times["torch_sdpa"])
+    assert r.to_json()["policy"]["forced_ms"] == r.times["torch_sdpa"] and r.batch >= 1
+    # raw SDPA where the cell has a native SDPA form (paged: on the contiguous cache); no
+    # FA3 or torch varlen kernel on the CPU: absent, not failed
+    want = {"SDPA"} if name in ("decode tiny", "paged/16 32 x 4k") else set()
+    assert set(r.raw) == want and not r.raw_failed
+
+
+def test_wrong_raw_peer_is_reported_not_timed(monkeypatch):
+    import torch
+
+    from attnhub import regret as rg
+    from attnhub.core.registry import Registry
+
+    real = rg._raw_peers
+
+    def peers(inp, spec, fa3_ok):
+        out = real(inp, spec, fa3_ok)
+        good = out["SDPA"]
+        out["bogus"] = lambda: good() * 1.01
+        return out
+
+    monkeypatch.setattr(rg, "_raw_peers", peers)
+    cell = next(c for c in rg.standard_grid("fp32", scale=256) if "decode tiny" in c.name)
+    r = rg.measure_cell(cell, ["torch_sdpa"], Registry.load(), torch.device("cpu"), warmup=0,
+                        repeats=1, rounds=1)
+    assert set(r.raw) == {"SDPA"} and r.raw_failed["bogus"].startswith("wrong: max error")

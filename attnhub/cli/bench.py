@@ -55,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--scale", type=int, default=None,
                    help="divide the grid's lengths (default 1 on a GPU, 64 on the CPU)")
     g.add_argument("--rounds", type=int, default=2,
-                   help="interleaved timing rounds, min of medians (default 2)")
+                   help="timing rounds, min of medians (default 2); within a round every "
+                        "callable of a cell is sampled in turn")
     g.add_argument("--out-json", default=None, metavar="FILE", help="write the report JSON")
     g.add_argument("--pack", default=None, metavar="FILE",
                    help="write a profile pack of the forced timings (attnhub/profiles/*.json)")
@@ -195,11 +196,14 @@ def run_regret(args: argparse.Namespace) -> int:
         write_data(complete=False)
     write_data(complete=True)
     head = (f"Regret report, {when}, {hub.device.describe()}, {args.header}\n\n"
-            f"median of {args.repeats} single calls (CUDA events on a GPU, host time included) "
-            f"after {args.warmup} warm-up, "
-            f"min over {args.rounds} interleaved rounds; through attnhub.attention "
-            "(policy, or backend= forced); each backend checked against the fp64 reference "
-            "first.\n")
+            f"through attnhub.attention (policy, or backend= forced), raw libraries called "
+            f"directly; each checked against the fp64 reference first. Per callable: median "
+            f"of {args.repeats} samples after {args.warmup} warm-up calls, min over "
+            f"{args.rounds} rounds; within each repeat the policy's call, every forced backend "
+            "and every raw library take one sample in turn (rotating order); a sample is one "
+            "call from an idle GPU, or, where a call is under 0.1 ms, a batch of back-to-back "
+            "calls (calls/sample) between CUDA events, per call; host time counts where the "
+            "GPU waits for it; no cache flush for any.\n")
     md = rg.markdown(results, head)
     print(md)
     if args.md:

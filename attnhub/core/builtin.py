@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,7 @@ from .backend import AttentionOutput, Backend
 from .capabilities import ALL_MASKS, Capabilities
 from .device import DeviceInfo
 from .flash_conventions import natural_lse
-from .masking import allowed_mask, alibi_bias, doc_ranges
+from .masking import alibi_bias, allowed_mask, doc_ranges
 from .paged import paged_to_varlen
 from .reference import _doc_params, reference_attention
 from .spec import AttentionSpec, AttnParams
@@ -144,9 +144,10 @@ def flash_varlen_window(p: AttnParams, device: torch.device, dtype: torch.dtype,
     right window edge in [max_seqlen_k, max_seqlen_q - 1) (the kernel clamps an edge
     >= max_seqlen_k to unbounded, which is exact only once it also covers every query)."""
     if (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16)
-            or d != dv or d % 8 or d > 256 or p.alibi_slopes is not None or p.prefix_lens is not None or p.softcap
-            or p.colmask_start is not None or p.mask_mod is not None
-            or p.score_mod is not None or not _torch_flash_varlen(device.index)):
+            or d != dv or d % 8 or d > 256 or p.alibi_slopes is not None
+            or p.prefix_lens is not None or p.softcap or p.colmask_start is not None
+            or p.mask_mod is not None or p.score_mod is not None
+            or not _torch_flash_varlen(device.index)):
         return None
     left, right = p.window if p.window is not None else (-1, -1)
     if p.alignment == "top_left" and (p.causal or p.window is not None):
@@ -158,7 +159,7 @@ def flash_varlen_window(p: AttnParams, device: torch.device, dtype: torch.dtype,
     return left, right
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_flash_varlen(index: int | None) -> bool:
     """torch's FlashAttention op takes packed sequences and windows here (a CUDA build of
     torch, sm80+, not ROCm) and returns the LSE as (heads, tokens), checked once on meta
@@ -383,7 +384,7 @@ def _lse(qt: torch.Tensor, kt: torch.Tensor, p: AttnParams, allowed: torch.Tenso
          row_ok: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """LSE by a second pass over the scores, in query chunks: on a GPU SDPA's fused kernels
     do not return it (on the CPU ``_cpu_flash_with_lse`` gets it in the same pass)."""
-    sq, sk = qt.shape[2], kt.shape[2]
+    sq = qt.shape[2]
     kt = kt.float().repeat_interleave(qt.shape[1] // kt.shape[1], dim=1)
     chunks = []
     for s0 in range(0, sq, 1024):
