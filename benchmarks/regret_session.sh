@@ -4,12 +4,17 @@
 #      write the shipped profile pack from the forced timings (nvidia-h200.json);
 #   2. put the pack in place (attnhub/profiles/) and measure the grid again: the regret report
 #      (regret.md / regret.json / regret.png);
-#   3. benchmarks/overhead.py: host cost of attnhub over the bound backend called directly.
+#   3. benchmarks/overhead.py: host cost of attnhub over the bound backend called directly;
+#   4. benchmarks/sdpa_thd.py: torch_sdpa's loop-free thd paths vs the per-document loop
+#      (thd_paths.md / thd_paths.json; skip with THD=0).
+# The regret report times the policy's call, every forced backend and the raw libraries
+# (SDPA, torch's varlen op, FA3) in turn within each repeat (see attnhub/regret.py).
 # FlashInfer and Flex are excluded from the grid (see docs/benchmarks/regret_h200.md):
 # FlashInfer compiles ~90 s per kernel on first use, Flex compiles per shape, and the
 # default policy binds neither for these cells (flex only for score_mod/mask_mod calls).
 # Usage on the H200 (wheels carried in .whl): COMMIT=abc1234 bash benchmarks/regret_session.sh
-# CPU dry run: DRY=1 bash benchmarks/regret_session.sh
+# CPU dry run: DRY=1 bash benchmarks/regret_session.sh (its pack goes to $out/packs, never
+# over the shipped attnhub/profiles/nvidia-h200.json)
 set -uo pipefail
 out=${OUT:-out/regret_session}
 mkdir -p "$out"
@@ -36,7 +41,11 @@ common=(bench --regret --no-store --exclude "${EXCLUDE:-flashinfer_decode,flashi
         --header "commit ${COMMIT:-?}" --warmup 3 --repeats "${REPEATS:-20}" --rounds 2)
 if [[ -n "${DRY:-}" ]]; then common+=(--backends torch_sdpa --scale 256 --repeats 2 --rounds 1 --warmup 1); fi
 
-pack=attnhub/profiles/${PACK:-nvidia-h200}.json
+packdir=attnhub/profiles
+if [[ -n "${DRY:-}" ]]; then
+  packdir="$out/packs"; mkdir -p "$packdir"; export ATTNHUB_PROFILE_PACKS="$packdir"
+fi
+pack=$packdir/${PACK:-nvidia-h200}.json
 rm -f "$pack"
 # STEP1_CELLS: measure only these cells in step 1 and merge the pack with PACK_FROM (a pack
 # of the other cells from an earlier run on the same machine image), to save device time.
@@ -73,11 +82,18 @@ timeout "$(cap 60)" python3 benchmarks/overhead.py --json --calls "$calls" --rou
   > "$out/overhead.json" 2>> "$log"
 say "step 3 rc=$?"
 cat "$out/overhead.json" >> "$log"
+if [[ "${THD:-1}" != 0 ]]; then
+  say "step 4: torch_sdpa thd paths (loop-free vs per-document loop)"
+  thd=(); [[ -n "${DRY:-}" ]] && thd=(--cpu)
+  timeout "$(cap 90)" python3 benchmarks/sdpa_thd.py "${thd[@]}" --json "$out/thd_paths.json" \
+    > "$out/thd_paths.md" 2>> "$log"
+  say "step 4 rc=$?"; cat "$out/thd_paths.md" >> "$log"
+fi
 if [[ -n "${REST_CELLS:-}" ]]; then  # the other cells again, with the merged pack, as time allows
-  say "step 4: regret report, cells $REST_CELLS"
+  say "step 5: regret report, cells $REST_CELLS"
   timeout "$(cap 170)" python3 -m attnhub "${common[@]}" --cells "$REST_CELLS" \
     --out-json "$out/regret_rest.json" >> "$log" 2>&1
-  say "step 4 rc=$?"
+  say "step 5 rc=$?"
 fi
 rm -f "$out/before.txt"
 say "done"

@@ -85,8 +85,10 @@ def _random_lens(gen: torch.Generator, b: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_padded_path_matches_reference(mask, monkeypatch):
-    """Random per-document lengths, Sq != Sk per document (both ways), GQA, LSE, grads."""
+    """Random per-document lengths, Sq != Sk per document (both ways), GQA, LSE, grads (the
+    padded path serves accelerators; forced here on the CPU)."""
     calls = []
+    monkeypatch.setattr(builtin, "_padded_fits", lambda device, n: True)
     monkeypatch.setattr(builtin, "_sdpa_thd_loop", lambda *a: calls.append(a))
     gen = torch.Generator().manual_seed(hash(mask) % 1000)
     for trial in range(2):
@@ -99,30 +101,34 @@ def test_padded_path_matches_reference(mask, monkeypatch):
 
 
 @pytest.mark.parametrize("mask", ["causal", "causal_top_left", "alibi"])
-def test_padded_path_bf16(mask):
+def test_padded_path_bf16(mask, monkeypatch):
+    monkeypatch.setattr(builtin, "_padded_fits", lambda device, n: True)
     gen = torch.Generator().manual_seed(7)
     lens_q, lens_k = _random_lens(gen, 4, 20), _random_lens(gen, 4, 9)
     q, k, v, cu_q, cu_k = _docs(lens_q, lens_k, 4, 1, 32, torch.bfloat16)
     _check(q, k, v, _params(mask, cu_q, cu_k, 4, 32, lens_q, lens_k), 4, grads=False)
 
 
-def test_loop_above_the_budget_and_for_mask_mod(monkeypatch):
-    """Above PADDED_MASK_BUDGET, and for mask_mod (per-document indices), the per-document
-    loop serves the call, with the same answer."""
+def test_loop_on_cpu_above_the_budget_and_for_mask_mod(monkeypatch):
+    """The per-document loop serves the CPU, calls above PADDED_MASK_BUDGET and mask_mod
+    (per-document indices), with the padded path's answer."""
+    assert not builtin._padded_fits(torch.device("cpu"), 1)
+    assert builtin._padded_fits(torch.device("cuda", 0), builtin.PADDED_MASK_BUDGET)
+    assert not builtin._padded_fits(torch.device("cuda", 0), builtin.PADDED_MASK_BUDGET + 1)
     lens_q, lens_k = [3, 0, 9, 1], [5, 2, 9, 11]
     q, k, v, cu_q, cu_k = _docs(lens_q, lens_k, 4, 2, 16, torch.float32)
     p = _params("causal_window", cu_q, cu_k, 4, 16, lens_q, lens_k)
-    padded = TorchSDPABackend().forward(q, k, v, _spec(p, q, k, 4), p)
     seen = []
     loop = builtin._sdpa_thd_loop
     monkeypatch.setattr(builtin, "_sdpa_thd_loop", lambda *a: seen.append(1) or loop(*a))
-    monkeypatch.setattr(builtin, "PADDED_MASK_BUDGET", 0)
     looped = TorchSDPABackend().forward(q, k, v, _spec(p, q, k, 4), p)
     assert seen
+    monkeypatch.setattr(builtin, "_padded_fits", lambda device, n: True)
+    seen.clear()
+    padded = TorchSDPABackend().forward(q, k, v, _spec(p, q, k, 4), p)
+    assert not seen
     torch.testing.assert_close(looped.out, padded.out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(looped.lse, padded.lse, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(builtin, "PADDED_MASK_BUDGET", 1 << 26)
-    seen.clear()
     pm = AttnParams(scale=0.25, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=9,
                     max_seqlen_k=11, mask_mod=lambda b, h, i, j: (i + j) % 3 != 0)
     out = TorchSDPABackend().forward(q, k, v, _spec(pm, q, k, 4), pm).out
