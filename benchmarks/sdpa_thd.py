@@ -4,8 +4,10 @@ they replace, through the public API, beside torch's varlen op called directly.
 Per case: each variant is checked against the fp64 reference (FlashAttention rule) and
 timed with ``attnhub.timing.interleaved_ms`` (variants sampled in turn); host syncs per call
 are counted with torch's sync debug mode. Variants: ``shipped`` (what torch_sdpa picks:
-varlen flash on CUDA where exact, else padded), ``padded`` (flash switched off), ``loop``
-(the old per-document path), ``raw varlen`` (``torch.ops.aten._flash_attention_forward``).
+equal documents as one bshd call, else varlen flash on CUDA where exact, else padded),
+``no uniform`` (the same without the bshd view: flash where exact, else padded; the loop on
+the CPU), ``padded`` (flash off), ``loop`` (the old per-document path), ``raw varlen``
+(``torch.ops.aten._flash_attention_forward``).
 
     python3 benchmarks/sdpa_thd.py [--json OUT.json] [--cpu]   # --cpu: tiny sizes, dry run
 """
@@ -32,14 +34,16 @@ from attnhub.timing import interleaved_ms, source_commit
 @contextmanager
 def variant(name: str):  # type: ignore[no-untyped-def]
     """Force one of torch_sdpa's thd paths for the calls inside."""
-    window, fits = builtin.flash_varlen_window, builtin._padded_fits
+    saved = builtin._uniform_docs, builtin.flash_varlen_window, builtin._padded_fits
+    if name != "shipped":
+        builtin._uniform_docs = lambda *a: False  # type: ignore[assignment]
     if name in ("padded", "loop"):
         builtin.flash_varlen_window = lambda *a, **k: None  # type: ignore[assignment]
         builtin._padded_fits = lambda device, n: name == "padded"  # type: ignore[assignment]
     try:
         yield
     finally:
-        builtin.flash_varlen_window, builtin._padded_fits = window, fits
+        builtin._uniform_docs, builtin.flash_varlen_window, builtin._padded_fits = saved
 
 
 def cases(cpu: bool) -> list[dict[str, Any]]:
@@ -89,7 +93,7 @@ def run_case(c: dict[str, Any], device: torch.device, repeats: int) -> dict[str,
                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=kw["max_seqlen_q"],
                    max_seqlen_k=kw["max_seqlen_k"])
     ref64, _, same = fa_references(q, k, v, p, layout="thd")
-    hubs = {name: attnhub.Hub() for name in ("shipped", "padded", "loop")}
+    hubs = {name: attnhub.Hub() for name in ("shipped", "no uniform", "padded", "loop")}
     fns: dict[str, Any] = {}
     row: dict[str, Any] = {"case": c["name"], "dtype": str(c["dtype"]).split(".")[-1],
                            "errors": {}, "syncs": {}}
@@ -140,7 +144,7 @@ def main() -> int:
     gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     rows = [run_case(c, device, args.repeats if gpu else 2) for c in cases(not gpu)]
-    names = ["shipped", "padded", "loop", "raw varlen"]
+    names = ["shipped", "no uniform", "padded", "loop", "raw varlen"]
     print(f"torch_sdpa thd paths, {torch.cuda.get_device_name() if gpu else 'CPU'}, torch "
           f"{torch.__version__}, commit {source_commit()}; ms per call (host syncs per call)")
     print("| case | " + " | ".join(names) + " | loop / shipped | calls/sample |")

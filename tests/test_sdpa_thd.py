@@ -100,6 +100,18 @@ def test_padded_path_matches_reference(mask, monkeypatch):
     assert not calls, "the padded path must not fall back to the per-document loop"
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_equal_documents_are_a_bshd_view(mask, monkeypatch):
+    """Documents all max_seqlen_q x max_seqlen_k (Sq != Sk) run as one bshd call: exact,
+    neither the loop nor the padded path."""
+    for name in ("_sdpa_thd_loop", "_sdpa_thd_padded"):
+        monkeypatch.setattr(builtin, name, lambda *a: pytest.fail("not the uniform path"))
+    q, k, v, cu_q, cu_k = _docs([7] * 3, [11] * 3, 6, 2, 16, torch.float32, grads=True)
+    _check(q, k, v, _params(mask, cu_q, cu_k, 6, 16, [7] * 3, [11] * 3), 3, grads=True)
+    q, k, v, cu_q, cu_k = _docs([9] * 2, [4] * 2, 4, 4, 8, torch.bfloat16)
+    _check(q, k, v, _params(mask, cu_q, cu_k, 4, 8, [9] * 2, [4] * 2), 2, grads=False)
+
+
 @pytest.mark.parametrize("mask", ["causal", "causal_top_left", "alibi"])
 def test_padded_path_bf16(mask, monkeypatch):
     monkeypatch.setattr(builtin, "_padded_fits", lambda device, n: True)

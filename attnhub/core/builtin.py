@@ -105,6 +105,9 @@ def _sdpa_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Packed documents (thd), with no host sync and no Python loop over documents where a
     loop-free form is exact:
 
+    0. Every document max_seqlen_q x max_seqlen_k (the packed lengths say so, on the host:
+       B x max_seqlen tokens, each at most max_seqlen): a (B, S, H, D) view, served as
+       bshd (SDPA's fastest kernels, masks native), any device.
     1. CUDA, fp16/bf16, no mask or a bottom-right causal/window mask: torch's varlen
        FlashAttention kernel (what ``torch.nn.attention.varlen`` calls; one launch, GQA
        native, per-document Sq != Sk and empty documents handled by the kernel).
@@ -128,6 +131,8 @@ def _sdpa_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if max_q is None or max_k is None:  # a direct backend call: the hub always passes both
         max_q = int(p.cu_seqlens_q.diff().max()) if max_q is None else max_q
         max_k = int(p.cu_seqlens_k.diff().max()) if max_k is None else max_k
+    if _uniform_docs(p, b, tq, tk, max_q, max_k):
+        return _sdpa_thd_uniform(q, k, v, p, b)
     window = flash_varlen_window(p, q.device, q.dtype, q.shape[-1], v.shape[-1], max_q, max_k)
     if window is not None:
         return _flash_varlen(q, k, v, p, b, max_q, max_k, window)
@@ -141,6 +146,24 @@ def _padded_fits(device: torch.device, elements: int) -> bool:
     """Whether the padded path serves a thd call of ``elements`` padded scores per head:
     on accelerators within ``PADDED_MASK_BUDGET``; never on the CPU (see ``_sdpa_thd``)."""
     return device.type != "cpu" and elements <= PADDED_MASK_BUDGET
+
+
+def _uniform_docs(p: AttnParams, b: int, tq: int, tk: int, max_q: int, max_k: int) -> bool:
+    """Every document holds max_q queries and max_k keys (B x max tokens, none longer), and
+    no mask reads per-document indices (``mask_mod``, column-sparse)."""
+    return (tq == b * max_q and tk == b * max_k and p.mask_mod is None
+            and p.colmask_start is None)
+
+
+def _sdpa_thd_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams,
+                      b: int) -> AttentionOutput:
+    """Documents of equal lengths as a (B, S, H, D) batch: a view (a copy only for strided
+    packed tensors), LSE back to (H, T)."""
+    res = _sdpa_bshd(q.reshape(b, -1, *q.shape[1:]), k.reshape(b, -1, *k.shape[1:]),
+                     v.reshape(b, -1, *v.shape[1:]),
+                     replace(p, cu_seqlens_q=None, cu_seqlens_k=None))
+    lse = res.lse.transpose(0, 1).reshape(q.shape[1], -1) if res.lse is not None else None
+    return AttentionOutput(res.out.reshape(q.shape[0], q.shape[1], -1), lse)
 
 
 def flash_varlen_window(p: AttnParams, device: torch.device, dtype: torch.dtype, d: int,
