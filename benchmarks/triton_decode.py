@@ -49,6 +49,8 @@ from attnhub_triton_portable.decode_configs import (
     decode_config,
 )
 
+from attnhub.timing import source_commit
+
 SHAPES = [(1, 64), (2, 32)] if SMOKE else [(1, 32768), (1, 131072), (16, 8192), (64, 4096),
                                            (64, 32768)]
 #: Flex compiles once per shape (tens of seconds): timed on one shape only.

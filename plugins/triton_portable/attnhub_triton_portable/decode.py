@@ -15,8 +15,9 @@ sequence its own balanced splits. Multi-token queries use the mask semantics of
 
 Whatever the block table and lengths hold, the kernel reads nothing outside the cache: it
 clamps lengths and page ids itself. An FP8 (e4m3) cache is read with per-(page or sequence,
-KV head) descales, widened to the query dtype in registers (``KV_FP8``); on an H200 that
-path saves memory, not time (docs/benchmarks/triton_decode_paged.md).
+KV head) descales, widened in registers (``KV_FP8``; to fp16 with ``FP8_F16``, V tiles a
+tile ahead with ``V_AHEAD``); on an H200 that path runs at about the bf16 cache's speed
+(0.98-1.05x), not twice it: it saves memory (docs/benchmarks/triton_decode_paged.md).
 """
 
 from __future__ import annotations
@@ -71,13 +72,23 @@ def _merge_row(OP, LP, prow, num_splits, Out, out_off, Lse, lse_off,
 @triton.jit
 def _page_ids(table, n, hi, num_pages, PAGE: tl.constexpr, LOAD: tl.constexpr):
     """Page id (int64) of each key ``n`` (< ``hi``) from a block-table row, clamped to
-    [0, num_pages); keys at or past ``hi`` get page 0 (their loads are masked anyway)."""
+    [0, num_pages); keys at or past ``hi`` get page 0 (their loads are masked anyway).
+    The clamp costs nothing measurable (H200: 1 x 32k/128k and 64 x 32k within 0.5% of
+    the same kernel without it, docs/benchmarks/triton_decode_paged.md)."""
     if LOAD:
         page = tl.load(table + n // PAGE, mask=n < hi, other=0)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
     else:
         page = (n * 0).to(tl.int64)
     return page
+
+
+@triton.jit
+def _v_rows(table, n, hi, num_pages, b64, svp, svs, PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """Row offsets of keys ``n`` in V (a page's rows through the table when paged)."""
+    if PAGED:
+        return _page_ids(table, n, hi, num_pages, PAGE, True) * svp + (n % PAGE) * svs
+    return b64 * svp + n.to(tl.int64) * svs
 
 
 @triton.jit
@@ -92,7 +103,8 @@ def _split_kernel(
     HAS_SEQLENS: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, CAUSAL: tl.constexpr,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, KV_FP8: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, PREFETCH: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, PREFETCH: tl.constexpr, FP8_F16: tl.constexpr,
+    V_AHEAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -130,6 +142,18 @@ def _split_kernel(
     b64 = b.to(tl.int64)
     q = tl.load(Q + b64 * sqb + t[:, None] * sqs + hq[:, None] * sqh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    # FP8 cache with fp16 dots (FP8_F16): e4m3 widens to fp16 in one conversion per two
+    # values (to bf16 it takes one more per value); q goes to fp16 divided by a power of two
+    # per row (its largest |q| lands in [1, 2): exact, nothing overflows), put back on qk
+    F16: tl.constexpr = KV_FP8 and FP8_F16
+    WDT: tl.constexpr = tl.float16 if F16 else Out.dtype.element_ty
+    q_pow = 1.0
+    if F16:
+        qf = q.to(tl.float32)
+        qa = tl.max(tl.abs(qf), 1)
+        q_pow = tl.where(qa > 0, tl.exp2(tl.floor(tl.log2(tl.maximum(qa, 1e-30)))), 1.0)
+        q_pow = q_pow[:, None]
+        q = (qf / q_pow).to(tl.float16)
     if UPCAST:
         q = q.to(tl.float32)
     slope = 0.0
@@ -163,6 +187,14 @@ def _split_kernel(
         vs_seq = tl.load(VScale + b64 * svsr + h * svsh)
     pages_next = _page_ids(table, lo + tl.arange(0, BLOCK_N), hi, num_pages, PAGE,
                            PAGED and PREFETCH)
+    # V_AHEAD (FP8): V tiles are loaded one iteration ahead into registers, not through the
+    # compiler's shared-memory pipeline, whose MMA-operand read of a transposed e4m3 tile
+    # goes byte by byte; widened here, the tile reaches the MMA as fp16 (ldmatrix.trans)
+    if V_AHEAD:
+        n1 = lo + tl.arange(0, BLOCK_N)
+        v_next = tl.load(v_head + _v_rows(table, n1, hi, num_pages, b64, svp, svs, PAGE,
+                                          PAGED)[:, None] + d[None, :],
+                         mask=(n1 < hi)[:, None] & d_ok[None, :], other=0.0)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < hi
@@ -182,14 +214,16 @@ def _split_kernel(
             v_rows = b64 * svp + n.to(tl.int64) * svs
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST or KV_FP8:
-            k = k.to(q.dtype)
+        if KV_FP8:
+            k = k.to(WDT)
+        if UPCAST:
+            k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if KV_FP8:
             if PAGED:
-                qk = qk * k_sc[None, :]
+                qk = qk * (k_sc[None, :] * q_pow)
             else:
-                qk = qk * ks_seq
+                qk = qk * (ks_seq * q_pow)
         s, _ = tiles.scores(qk, t[:, None], n[None, :], q_off, scale, softcap, slope,
                             SOFTCAP, ALIBI)
         ok = tiles.visible(t[:, None], n[None, :], seqlen_q, hi, q_off, 0, left, right, 0, 0,
@@ -200,24 +234,45 @@ def _split_kernel(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if V_AHEAD:
+            v = v_next
+            n2 = n + BLOCK_N
+            v_next = tl.load(v_head + _v_rows(table, n2, hi, num_pages, b64, svp, svs, PAGE,
+                                              PAGED)[:, None] + d[None, :],
+                             mask=(n2 < hi)[:, None] & d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         pw = p
+        v_max = 1.0
         if KV_FP8:  # V's scale goes on p (BLOCK_M x BLOCK_N) rather than on v (BLOCK_N x D)
             if PAGED:
-                pw = p * v_sc[None, :]
-            else:
+                if F16:  # fp16 p: the scales over the tile's largest, which goes on after
+                    v_max = tl.max(v_sc, 0)
+                    v_max = tl.where(v_max > 0, v_max, 1.0)
+                    pw = p * (v_sc / v_max)[None, :]
+                else:
+                    pw = p * v_sc[None, :]
+            elif not F16:
                 pw = p * vs_seq
-            v = v.to(Out.dtype.element_ty)
+            if V_AHEAD:  # between two transposes: the compiler keeps the widening before
+                v = tl.trans(tl.trans(v).to(WDT))  # the layout change to the MMA operand
+            else:
+                v = v.to(WDT)
         pv = pw.to(v.dtype)
         if UPCAST:  # same rounding of p as on the GPU, then an fp32 dot
             pv = pv.to(tl.float32)
             v = v.to(tl.float32)
-        acc = tl.dot(pv, v, acc * alpha[:, None], input_precision=DOT_PREC)
+        if F16:
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC) * v_max
+        else:
+            acc = tl.dot(pv, v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
     has = l_i > 0
     safe = tl.where(has, l_i, 1.0)
     o = acc / safe[:, None]
+    if F16 and not PAGED:  # the per-sequence V scale, once
+        o = o * vs_seq
     lse2 = tl.where(has, m_i + tl.log2(safe), float("-inf"))
     lse_rows = (b64 * num_q_heads + hq) * seqlen_q + t
     if ONE_SPLIT:
@@ -294,11 +349,12 @@ def _plan(device: torch.device, dtype: torch.dtype, batch: int, seqlen_q: int, h
           config: DecodeConfig | None, kv_fp8: bool = False) -> _Plan:
     arch = device_arch(device)
     dname = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    cfg = config or decode_config(arch, dname, paged, kv_fp8)
     rows = seqlen_q * (hq // hkv)
     bm = block_m(rows)
     m_blocks = triton.cdiv(rows, bm)
     sms = INTERPRETER_SM_COUNT if arch == "cpu" else _sm_count(device.index or 0)
+    cfg = config or decode_config(arch, dname, paged, kv_fp8,
+                                  programs=(batch * hkv * m_blocks, sms))
     splits = num_splits or choose_splits(batch, hkv, longest, sms, cfg, m_blocks)
     splits = max(1, min(splits, triton.cdiv(max(longest, 1), cfg.block_n)))
     # Triton 3.9's interpreter computes bf16 dots wrongly (garbage of order 1e10): the
@@ -400,8 +456,9 @@ class _Shape:
         split = Launcher(_split_kernel, (splits, batch * hkv * plan.m_blocks),
                          {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         split_tail = (*self.ints, plan.m_blocks, splits, *self.consts, splits == 1, fused,
-                      cfg.prefetch_pages, plan.block_m, cfg.block_n, bd, plan.block_s, prec,
-                      plan.upcast)
+                      cfg.prefetch_pages, cfg.fp8_dot == "fp16",
+                      cfg.fp8_v_ahead and self.consts[-1], plan.block_m, cfg.block_n, bd,
+                      plan.block_s, prec, plan.upcast)
         merge = None
         if splits > 1 and not fused:
             merge = Launcher(_merge_kernel, (batch * hq * seqlen_q,),
@@ -505,8 +562,9 @@ def decode_attention(
     FP8 cache: k/v ``torch.float8_e4m3fn`` with ``k_descale``/``v_descale`` float32 such
     that a key is ``k * k_descale``: per (page, KV head) (num_pages, Hkv) for a paged cache,
     per (sequence, KV head) (B, Hkv) for a contiguous one, or anything that broadcasts to
-    that (per head (Hkv,), one scalar). q stays 16-bit; the tiles are widened to q's dtype
-    in registers and the descales are applied to the scores and to p (not to the tiles).
+    that (per head (Hkv,), one scalar). q stays 16-bit; the tiles are widened in registers
+    (to q's dtype, or to fp16 with ``config.fp8_dot="fp16"``, the sm90 paged row) and the
+    descales are applied to the scores and to p (not to the tiles).
 
     Lengths and page ids are clamped inside the kernel (see ``_split_kernel``): whatever
     ``seqlens_k``/``block_table`` hold, nothing outside k/v is read.

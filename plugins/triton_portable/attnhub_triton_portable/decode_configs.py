@@ -33,6 +33,10 @@ class DecodeConfig:
     second launch (1 x 32k: 41.0 vs 36.0 us), so it is off by default. ``prefetch_pages``
     (paged caches) loads the next key tile's page ids one loop iteration early, so that a
     tile's K/V addresses never wait on a block-table load in the same iteration.
+    ``fp8_dot`` (FP8 caches): what e4m3 tiles are widened to for the dots: ``"q"`` the
+    query dtype, ``"fp16"`` fp16 (one native conversion per two values; q is scaled into
+    fp16 by a power of two per row, p by the tile's largest V descale). ``fp8_v_ahead``
+    (FP8 caches): V tiles are loaded one key tile ahead into registers and widened there.
     """
 
     block_n: int = 64
@@ -44,6 +48,8 @@ class DecodeConfig:
     max_splits: int = 128
     merge_warps: int = 4
     prefetch_pages: bool = False
+    fp8_dot: str = "q"
+    fp8_v_ahead: bool = False
 
     def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -73,15 +79,29 @@ _PAGED: dict[str, DecodeConfig] = {
     "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=4, ctas_per_sm=4,
                          prefetch_pages=True),
 }
-
-#: FP8 (e4m3) paged caches: half the bytes per key, tiles widened to bf16 in registers
-#: before the dots. H200, 2026-12-01, random table (docs/benchmarks/triton_decode_paged.md):
-#: 128-key tiles beat the bf16 row's 64 (64 x 32k 2880 -> 2397 us, 1 x 128k 196 -> 155 us,
-#: 1 x 32k 58.4 -> 52.7 us); still slower than the bf16 cache (1910-1960 us at 64 x 32k):
-#: the widening, not the bytes, bounds it.
-_FP8_PAGED: dict[str, DecodeConfig] = {
-    "sm90": DecodeConfig(block_n=128, num_warps=4, num_stages=4, ctas_per_sm=4,
+#: Paged caches with few (sequence, KV head) pairs (at most one per 16 SMs, see
+#: ``decode_config``): many short splits, each too short to fill a 4-stage pipeline.
+#: 3 stages (96 KB of shared memory: two programs per SM) and 128 splits, H200 2026-12-01,
+#: random table, GPU time (two runs): 1 x 32k 47.7-48.2 -> 44.3-44.5 us, 1 x 128k
+#: 139.2-140.0 -> 137.7-139.0 us; at 64 x 32k the same tiles lose (1923 -> 2419 us), so
+#: the row stops at small grids.
+_PAGED_FEW: dict[str, DecodeConfig] = {
+    "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=8,
                          prefetch_pages=True),
+}
+
+#: FP8 (e4m3) paged caches: half the bytes per key, tiles widened in registers before the
+#: dots. H200, 2026-12-01, random table, GPU time (docs/benchmarks/triton_decode_paged.md):
+#: e4m3 widened to bf16 through the compiler's pipeline ran 64 x 32k at 2384-2409 us (0.80x
+#: the bf16 cache): the V tile, the P.V dot's transposed operand, was read from shared
+#: memory one byte at a time (there is no 8-bit ldmatrix.trans). Widening to fp16 instead
+#: 2120-2137 us; V tiles loaded a tile ahead into registers and widened there
+#: (``fp8_v_ahead``) 1997 us, with 3 K stages 1967 us (bf16 cache 1921 us); 1 x 128k
+#: 130.8 us (bf16 137.7), 1 x 32k 43.6 us (bf16 44.5). 64-key tiles (2647 us), 8 warps
+#: (3101) and 256-key tiles (2397) lost.
+_FP8_PAGED: dict[str, DecodeConfig] = {
+    "sm90": DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=4,
+                         prefetch_pages=True, fp8_dot="fp16", fp8_v_ahead=True),
 }
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
@@ -102,9 +122,12 @@ def _family(arch: str) -> str:
 
 
 def decode_config(arch: str, dtype: str = "bf16", paged: bool = False,
-                  kv_fp8: bool = False) -> DecodeConfig:
+                  kv_fp8: bool = False, programs: tuple[int, int] | None = None
+                  ) -> DecodeConfig:
     """The table's configuration for ``arch`` (``cpu``, ``sm90``, ``gfx942``...); ``kv_fp8``
-    for an e4m3 cache (its own row where one was measured: paged on sm90).
+    for an e4m3 cache (its own row where one was measured: paged on sm90). ``programs``:
+    (batch x KV heads x row blocks, SM count); a 16-bit paged cache with at most one such
+    pair per 16 SMs takes the few-programs row where there is one (``_PAGED_FEW``).
 
     fp32 tiles take twice the shared memory of 16-bit ones, so the key tile is halved there
     (on GPUs) to keep the same number of programs resident.
@@ -113,6 +136,8 @@ def decode_config(arch: str, dtype: str = "bf16", paged: bool = False,
     cfg = _PAGED.get(family, _TABLE[family]) if paged else _TABLE[family]
     if kv_fp8 and paged:
         cfg = _FP8_PAGED.get(family, cfg)
+    elif paged and programs is not None and programs[0] * 16 <= programs[1]:
+        cfg = _PAGED_FEW.get(family, cfg)
     if dtype == "fp32" and arch != "cpu":
         cfg = cfg.with_(block_n=max(16, cfg.block_n // 2))
     return cfg

@@ -127,3 +127,16 @@ def test_choose_splits_small_cases():
     assert choose_splits(1, 8, 64, 132, cfg) == 1  # a single key tile is never split
     assert choose_splits(1, 8, 0, 132, cfg) == 1
     assert choose_splits(4, 8, 32768, 0, cfg) == 1  # unknown SM count: no split
+
+
+def test_few_sequences_take_the_few_programs_paged_row():
+    """A 16-bit paged cache with at most one (sequence, KV head) pair per 16 SMs takes the
+    3-stage row and more splits; bigger grids, contiguous and FP8 caches keep theirs."""
+    from attnhub_triton_portable.decode_configs import choose_splits, decode_config
+
+    few = decode_config("sm90", paged=True, programs=(8, 132))
+    assert few.num_stages == 3 and choose_splits(1, 8, 32768, 132, few) == 128
+    assert decode_config("sm90", paged=True, programs=(16, 132)) == decode_config(
+        "sm90", paged=True)
+    assert decode_config("sm90", programs=(8, 132)) == decode_config("sm90")
+    assert decode_config("sm90", paged=True, kv_fp8=True, programs=(8, 132)).fp8_dot == "fp16"

@@ -70,7 +70,11 @@ def test_paged_fp8_meets_the_fa_rule_on_the_stored_values(sq, heads, per_head, d
     assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
 
 
-def test_contiguous_fp8_with_per_sequence_descales():
+@pytest.mark.parametrize("variant", [{}, {"fp8_dot": "fp16", "fp8_v_ahead": True}])
+def test_contiguous_fp8_with_per_sequence_descales(variant):
+    from attnhub_triton_portable.decode_configs import decode_config
+
+    cfg = decode_config("sm90" if DEV != "cpu" else "cpu").with_(**variant)
     g = torch.Generator().manual_seed(5)
     b, sk, hq, hkv, d = 2, 45, 4, 2, 16
     q = torch.randn(b, 1, hq, d, generator=g).to(DEV, torch.bfloat16)
@@ -79,7 +83,7 @@ def test_contiguous_fp8_with_per_sequence_descales():
     kd = (torch.rand(b, hkv, generator=g) * 0.05 + 0.01).to(DEV)
     vd = (torch.rand(b, hkv, generator=g) * 0.05 + 0.01).to(DEV)
     out, lse = decode_attention(q, k8, v8, scale=d ** -0.5, k_descale=kd, v_descale=vd,
-                                num_splits=3)
+                                num_splits=3, config=cfg)
     kf = k8.cpu().float() * kd.cpu()[:, None, :, None]
     vf = v8.cpu().float() * vd.cpu()[:, None, :, None]
     p = AttnParams(scale=d ** -0.5)
@@ -166,10 +170,14 @@ def test_fp8_backend_refuses_without_descales_and_for_a_bf16_cache():
 
 
 @pytest.mark.parametrize("variant", [{"prefetch_pages": True},
-                                     {"prefetch_pages": True, "block_n": 32}])
+                                     {"prefetch_pages": True, "block_n": 32},
+                                     {"fp8_dot": "fp16"}, {"fp8_dot": "q"},
+                                     {"fp8_dot": "fp16", "fp8_v_ahead": True},
+                                     {"fp8_v_ahead": True, "block_n": 32}])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_tile_variants_give_the_same_answer(variant, fp8):
-    """Page-id prefetch and the tile size change the schedule, not the math: each variant meets
+    """Page-id prefetch, the tile size and the FP8 widening (fp16 dots) change the schedule or
+    the rounding, not the math: each variant meets
     the FA rule on a random table (3 query tokens, GQA 4, causal, a length-0 sequence) and
     agrees with the plain config to rounding."""
     from attnhub_triton_portable.decode_configs import decode_config
@@ -197,7 +205,7 @@ def test_tile_variants_give_the_same_answer(variant, fp8):
     call = lambda cfg: decode_attention(q, kin, vin, scale=d ** -0.5, causal=True,
                                         block_table=table, seqlens_k=seqlens, num_splits=2,
                                         config=cfg, **kw)
-    out0, lse0 = call(base)
+    out0, _ = call(base)
     out, lse = call(base.with_(**variant))
     ref64, same, ref_lse = _paged_reference(q, kc, vc, table, seqlens, True)
     assert_fa_rule(out.cpu(), ref64, same)
