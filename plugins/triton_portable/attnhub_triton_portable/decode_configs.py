@@ -162,7 +162,8 @@ def choose_splits(batch: int, kv_heads: int, max_seqlen_k: int, sm_count: int,
     rounds, each as long as one program's key tiles plus its fixed overhead; the merge adds
     one more overhead when splits > 1. The cheapest split count under that model wins, the
     smallest on ties (fewer partials to write and merge). Examples on an H200 (132 SMs, 32/8
-    heads): 1 x 32k context -> 16 splits contiguous, 64 paged; 64 x 32k -> 1 either way.
+    heads): 1 x 32k context -> 16 splits contiguous, 128 paged (the few-programs row); 64 x
+    32k -> 1 either way.
     """
     tiles = math.ceil(max(max_seqlen_k, 0) / cfg.block_n)
     base = max(1, batch * kv_heads * m_blocks)
