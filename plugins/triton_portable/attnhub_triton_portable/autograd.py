@@ -18,7 +18,7 @@ from attnhub.plugin import AttnParams, InputError, dtype_name
 from . import autotune
 from .bwd import flash_bwd
 from .configs import bwd_candidates, fwd_candidates
-from .fwd import flash_fwd
+from .fwd import flash_fwd, gluon_unsupported
 from .launch import DenseArgs, device_arch
 
 Config = dict[str, Any]
@@ -35,7 +35,10 @@ def fwd_config_for(args: DenseArgs) -> Config:
     """The forward tile config for this call (table entry, or tuned on a GPU)."""
     cands = fwd_candidates(device_arch(args.q.device), args.head_dim, dtype_name(args.q.dtype),
                            args.causal)
-    return autotune.pick(_key("fwd", args), cands, args.q.device,
+    if any(c.get("GLUON") for c in cands):  # drop the Gluon ones this call cannot take
+        cands = [c for c in cands if not c.get("GLUON") or gluon_unsupported(args, c) is None]
+    gluon_ok = tuple(bool(c.get("GLUON")) for c in cands)
+    return autotune.pick(_key("fwd", args, (gluon_ok,)), cands, args.q.device,
                          lambda cfg: flash_fwd(args, cfg))
 
 

@@ -43,7 +43,7 @@ class TritonDenseBackend(Backend):
     tier = "portable"
     description = ("own Triton flash attention (fwd+bwd, bshd+thd varlen): causal both "
                    "alignments, window, softcap, ALiBi, prefix-LM, documents, column-sparse; "
-                   "GQA in place; TMA tiles on sm90")
+                   "GQA in place; TMA tiles and a Gluon forward on sm90")
     capabilities = Capabilities(
         vendors=frozenset({"cpu", "cuda", "rocm"}),
         min_capability=(8, 0),

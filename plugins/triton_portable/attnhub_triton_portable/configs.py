@@ -8,7 +8,9 @@ one such dict per kernel: ``{"dkdv": {...}, "dq": {...}, "dq_mode": "separate"|"
 
 Measured: the sm90 rows for head dims 65..128 in 16-bit dtypes (H200, bf16, d=128; see
 docs/benchmarks/triton_dense.md), where 64x64 forward tiles on one warpgroup beat 128x128 on
-two because two CTAs per SM interleave softmax and MMAs. The other rows (sm80, d<=64, d=256,
+two because two CTAs per SM interleave softmax and MMAs; a sweep of seven forward configs
+(2026-12-01) found none faster. ``GLUON`` (with ``P_SMEM``) selects the Hopper Gluon forward
+(:mod:`.fwd_gluon`) instead of the portable kernel. The other rows (sm80, d<=64, d=256,
 AMD) follow the shapes FlashAttention-2-style Triton kernels use on those parts and are
 untuned starting points. ``WARP_SPECIALIZE`` is passed to ``tl.range``; Triton produces no
 warp-specialised code from it on sm90, so no sm90 entry sets it.
@@ -21,7 +23,8 @@ from typing import Any
 Config = dict[str, Any]
 
 #: Keys that are kernel constants; everything else in a config is a launch option.
-KERNEL_KEYS: frozenset[str] = frozenset({"BLOCK_M", "BLOCK_N", "WARP_SPECIALIZE", "USE_TMA"})
+KERNEL_KEYS: frozenset[str] = frozenset({"BLOCK_M", "BLOCK_N", "WARP_SPECIALIZE", "USE_TMA",
+                                        "GLUON", "P_SMEM"})
 
 AMD_ARCHS: frozenset[str] = frozenset({"gfx90a", "gfx942", "gfx950"})
 
@@ -144,7 +147,18 @@ def fwd_candidates(arch: str, head_dim: int, dtype: str, causal: bool) -> list[C
     if _family(arch) != "sm90" or dtype == "fp32" or block_d(head_dim) > 128:
         return [base]
     out = [base, _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 3)]
+    if block_d(head_dim) == head_dim:  # the Gluon kernel takes unpadded d = 64 / 128 only
+        out += GLUON_SM90
     return _unique(out)
+
+
+#: Hopper Gluon forward (:mod:`.fwd_gluon`), one candidate per cell it won on the H200
+#: (2026-12-01): 128x128 on two warpgroups with P through shared memory (16k full/causal,
+#: causal + window), with P in registers (1k full, 4k), and 64x64 on one warpgroup with P in
+#: registers (1k causal). Taken only where ``fwd.gluon_unsupported`` is None.
+GLUON_SM90: list[Config] = [_cfg(128, 128, 8, 1, GLUON=True, P_SMEM=True),
+                            _cfg(128, 128, 8, 1, GLUON=True, P_SMEM=False),
+                            _cfg(64, 64, 4, 1, GLUON=True, P_SMEM=False)]
 
 
 def bwd_candidates(arch: str, head_dim: int, dtype: str, causal: bool,

@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from attnhub.plugin import InputError
+
 from . import tiles
-from .launch import DenseArgs, launch_options
+from .launch import DenseArgs, device_arch, launch_options
 
 
 @triton.jit
@@ -138,6 +140,8 @@ def flash_fwd(args: DenseArgs, config: dict) -> tuple[torch.Tensor, torch.Tensor
     ``config`` is a tile config from :mod:`.configs` (or a caller's own of the same form).
     """
     consts, options = launch_options(config)
+    if consts.get("GLUON"):
+        return _gluon_fwd(args, config)
     bm, bn = consts["BLOCK_M"], consts["BLOCK_N"]
     q, k, v = args.q, args.k, args.v
     out = torch.zeros_like(q) if args.varlen else torch.empty_like(q)
@@ -157,3 +161,28 @@ def flash_fwd(args: DenseArgs, config: dict) -> tuple[torch.Tensor, torch.Tensor
         WARP_SPECIALIZE=bool(consts.get("WARP_SPECIALIZE", False)), **options,
     )
     return out, lse
+
+
+def gluon_unsupported(args: DenseArgs, config: dict) -> str | None:
+    """Why the Hopper Gluon forward (:mod:`.fwd_gluon`) cannot run this call with ``config``,
+    or None when it can."""
+    arch = device_arch(args.q.device)  # cached per device: no driver query per call
+    if not arch.startswith("sm"):
+        return f"the Gluon forward runs on NVIDIA GPUs only (this is {arch})"
+    if not arch.startswith("sm9"):
+        return f"the Gluon forward is written for sm90 (Hopper) wgmma, not {arch}"
+    try:
+        from . import fwd_gluon
+    except ImportError as exc:  # an older Triton without triton.experimental.gluon
+        return f"triton.experimental.gluon is not importable ({exc})"
+    return fwd_gluon.supports(args, config)
+
+
+def _gluon_fwd(args: DenseArgs, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    why = gluon_unsupported(args, config)
+    if why is not None:
+        raise InputError(f"tile config asks GLUON=True, but {why}; drop GLUON from the config "
+                         "(the portable kernel takes every call)")
+    from . import fwd_gluon
+
+    return fwd_gluon.flash_fwd(args, config)

@@ -1,0 +1,76 @@
+"""The Hopper Gluon forward's selection rules (the kernel itself runs only on an sm90 GPU:
+benchmarks/triton_dense_sweep.py checks it there by the FlashAttention rule)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attnhub_triton_portable import autograd, autotune, configs
+from attnhub_triton_portable.fwd import flash_fwd, gluon_unsupported
+from attnhub_triton_portable.launch import DenseArgs
+
+from attnhub.plugin import AttnParams, InputError
+
+GLUON = configs.GLUON_SM90[0]
+
+
+def _args(sq: int = 256, sk: int = 256, d: int = 128, dtype: torch.dtype = torch.bfloat16,
+          **kw: object) -> DenseArgs:
+    q = torch.randn(2, sq, 4, d, dtype=dtype)
+    k = torch.randn(2, sk, 2, d, dtype=dtype)
+    return DenseArgs.from_params(q, k, k.clone(), AttnParams(scale=d ** -0.5, **kw), "bshd")
+
+
+def test_candidates_only_where_the_kernel_exists() -> None:
+    assert all(c in configs.fwd_candidates("sm90", 128, "bf16", True) for c in configs.GLUON_SM90)
+    assert all(c.get("GLUON") and c["BLOCK_M"] % 64 == 0 for c in configs.GLUON_SM90)
+    for arch, d, dtype in (("sm90", 96, "bf16"), ("sm90", 128, "fp32"), ("sm80", 128, "bf16"),
+                           ("gfx942", 128, "bf16"), ("cpu", 128, "bf16")):
+        assert not any(c.get("GLUON") for c in configs.fwd_candidates(arch, d, dtype, False))
+
+
+def test_asking_for_it_off_hopper_names_the_reason() -> None:
+    args = _args()
+    assert "NVIDIA" in (gluon_unsupported(args, GLUON) or "")
+    with pytest.raises(InputError, match="GLUON=True.*NVIDIA"):
+        flash_fwd(args, GLUON)
+
+
+def test_autotuner_never_sees_a_gluon_candidate_the_call_cannot_take(monkeypatch) -> None:
+    seen: list = []
+    monkeypatch.setattr(autograd, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(autotune, "pick", lambda key, cands, device, run: seen.append(
+        (key, cands)) or cands[0])
+    autograd.fwd_config_for(_args(causal=True))
+    (key, cands), = seen
+    assert len(cands) > 1 and not any(c.get("GLUON") for c in cands)
+    assert key[-1] == (False,) * len(cands)  # eligibility is part of the tuning key
+
+
+@pytest.mark.parametrize(("kw", "reason"), [
+    ({"dtype": torch.float32}, "dtype"),
+    ({"d": 96}, "head dim"),
+    ({"sq": 200}, "multiple"),
+    ({"sk": 100}, "multiple"),
+    ({"sk": 0}, "empty key"),
+    ({"softcap": 30.0}, "softcap"),
+    ({"causal": True, "prefix_lens": torch.tensor([3, 4])}, "prefix-LM"),
+])
+def test_scope_of_the_kernel(kw: dict, reason: str) -> None:
+    fwd_gluon = pytest.importorskip("attnhub_triton_portable.fwd_gluon")
+    assert reason in (fwd_gluon.supports(_args(**kw), GLUON) or "")
+
+
+def test_scope_takes_masks_gqa_and_rejects_unpacked_heads() -> None:
+    fwd_gluon = pytest.importorskip("attnhub_triton_portable.fwd_gluon")
+    for kw in ({}, {"causal": True}, {"causal": True, "window": (64, 0)},
+               {"window": (100, 37), "alignment": "top_left"}):
+        assert fwd_gluon.supports(_args(**kw), GLUON) is None
+    q = torch.randn(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)  # bhsd storage
+    args = DenseArgs.from_params(q, q, q, AttnParams(scale=0.1), "bshd")
+    assert "packed" in (fwd_gluon.supports(args, GLUON) or "")
+    thd = torch.randn(512, 4, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 256, 512], dtype=torch.int32)
+    args = DenseArgs.from_params(thd, thd, thd, AttnParams(
+        scale=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=256, max_seqlen_k=256), "thd")
+    assert "varlen" in (fwd_gluon.supports(args, GLUON) or "")
