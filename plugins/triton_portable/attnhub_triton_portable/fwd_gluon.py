@@ -244,32 +244,27 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, sob, sos, soh, slb, slh,
                                           left, right, scale2, BLOCK_N, False, CAUSAL,
                                           WIN_LEFT, WIN_RIGHT, s_layout)
         p_op = _stage_p(p, p_smem, dtype, p_layout, P_SMEM)
-        if MASKED:
-            for i in range(1, t_lo):
-                acc, p_op, alpha, m_i, l_i = _tile_step(
-                    i, n_tiles, lo, acc, p_op, alpha, m_i, l_i, zero_s, q_smem, k_smem, v_smem,
-                    p_smem, k_bar, v_bar, k_desc, v_desc, k_row0, k_col, offs_m, seqlen_q,
-                    seqlen_k, q_off, left, right, scale2, BLOCK_N, True, CAUSAL, WIN_LEFT,
-                    WIN_RIGHT, s_layout, p_layout, row_o, P_SMEM)
-            for i in range(t_lo, t_hi):
-                acc, p_op, alpha, m_i, l_i = _tile_step(
-                    i, n_tiles, lo, acc, p_op, alpha, m_i, l_i, zero_s, q_smem, k_smem, v_smem,
-                    p_smem, k_bar, v_bar, k_desc, v_desc, k_row0, k_col, offs_m, seqlen_q,
-                    seqlen_k, q_off, left, right, scale2, BLOCK_N, False, CAUSAL, WIN_LEFT,
-                    WIN_RIGHT, s_layout, p_layout, row_o, P_SMEM)
-            for i in range(t_hi, n_tiles):
-                acc, p_op, alpha, m_i, l_i = _tile_step(
-                    i, n_tiles, lo, acc, p_op, alpha, m_i, l_i, zero_s, q_smem, k_smem, v_smem,
-                    p_smem, k_bar, v_bar, k_desc, v_desc, k_row0, k_col, offs_m, seqlen_q,
-                    seqlen_k, q_off, left, right, scale2, BLOCK_N, True, CAUSAL, WIN_LEFT,
-                    WIN_RIGHT, s_layout, p_layout, row_o, P_SMEM)
-        else:
-            for i in range(1, n_tiles):
-                acc, p_op, alpha, m_i, l_i = _tile_step(
-                    i, n_tiles, lo, acc, p_op, alpha, m_i, l_i, zero_s, q_smem, k_smem, v_smem,
-                    p_smem, k_bar, v_bar, k_desc, v_desc, k_row0, k_col, offs_m, seqlen_q,
-                    seqlen_k, q_off, left, right, scale2, BLOCK_N, False, CAUSAL, WIN_LEFT,
-                    WIN_RIGHT, s_layout, p_layout, row_o, P_SMEM)
+        for bnd in gl.static_range(3):  # tiles [1, t_lo) masked, [t_lo, t_hi) not, then masked
+            if MASKED or bnd == 1:
+                if not MASKED:
+                    start = 1
+                    end = n_tiles
+                elif bnd == 0:
+                    start = 1
+                    end = t_lo
+                elif bnd == 1:
+                    start = t_lo
+                    end = t_hi
+                else:
+                    start = t_hi
+                    end = n_tiles
+                for i in range(start, end):
+                    acc, p_op, alpha, m_i, l_i = _tile_step(
+                        i, n_tiles, lo, acc, p_op, alpha, m_i, l_i, zero_s, q_smem, k_smem,
+                        v_smem, p_smem, k_bar, v_bar, k_desc, v_desc, k_row0, k_col, offs_m,
+                        seqlen_q, seqlen_k, q_off, left, right, scale2, BLOCK_N,
+                        MASKED and bnd != 1, CAUSAL, WIN_LEFT, WIN_RIGHT, s_layout, p_layout,
+                        row_o, P_SMEM)
         last = n_tiles - 1
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_bar.index(last % 2), (last // 2) & 1)
