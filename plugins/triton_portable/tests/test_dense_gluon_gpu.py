@@ -1,0 +1,58 @@
+"""On an sm90 GPU: the Gluon forward (each shipped config) against the fp64 reference by the
+FlashAttention rule, LSE included, and the gradients of ``flash_attention`` when the forward
+ran on it (the backward recomputes from its output and LSE)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attnhub_triton_portable import configs
+
+from attnhub.plugin import AttnParams
+from attnhub.testing import assert_fa_rule, assert_grads_fa_rule, assert_lse, fa_references
+
+
+def _hopper_with_gluon() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    try:
+        import attnhub_triton_portable.fwd_gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _hopper_with_gluon(),
+                                 reason="needs an sm90 GPU and triton.experimental.gluon")]
+
+CASES = [  # (b, sq, sk, hq, hkv, d), params
+    ((2, 256, 256, 8, 2, 128), {}),
+    ((1, 256, 512, 4, 4, 128), {"causal": True}),
+    ((1, 512, 256, 4, 2, 128), {"causal": True}),  # bottom-right: 256 fully masked rows
+    ((2, 512, 512, 4, 1, 128), {"causal": True, "window": (128, 0)}),
+    ((1, 384, 384, 4, 2, 64), {"window": (100, 37), "alignment": "top_left"}),
+]
+
+
+@pytest.mark.parametrize("cfg", configs.GLUON_SM90, ids=str)
+@pytest.mark.parametrize(("shape", "kw"), CASES, ids=str)
+def test_gluon_forward_and_grads(cfg: dict, shape: tuple[int, ...], kw: dict) -> None:
+    from attnhub_triton_portable.autograd import flash_attention
+    from attnhub_triton_portable.fwd import flash_fwd, gluon_unsupported
+    from attnhub_triton_portable.launch import DenseArgs
+
+    b, sq, sk, hq, hkv, d = shape
+    torch.manual_seed(sum(shape))
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    params = AttnParams(scale=d ** -0.5, **kw)
+    args = DenseArgs.from_params(q.detach(), k.detach(), v.detach(), params, "bshd")
+    assert gluon_unsupported(args, cfg) is None
+    out, lse = flash_fwd(args, cfg)
+    ref64, ref_lse, ref_same = fa_references(q, k, v, params)
+    assert_fa_rule(out, ref64, ref_same)
+    assert_lse(lse, ref_lse)
+    out, _ = flash_attention(q, k, v, params, fwd_cfg=cfg)
+    assert_grads_fa_rule(out, ref64, ref_same, (q, k, v))
