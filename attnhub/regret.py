@@ -5,8 +5,8 @@ the public API twice over: as the policy binds it, and forced onto every exact b
 accepts the cell, each checked against the fp64 reference first (a fast wrong kernel has no
 speed). Regret = policy time / best forced time; 1.00 means the policy picked the best.
 Timing (``attnhub.timing.interleaved_ms``): within every repeat the policy's call, each
-forced backend and each raw library take one sample in turn (rotating order), so the policy
-and its own backend forced are timed under the same conditions; a sample is a batch of
+forced backend and each raw library take one sample in turn (in a fresh random order), so the
+policy and its own backend forced are timed under the same conditions; a sample is a batch of
 back-to-back calls between CUDA events when a call is under 0.1 ms (the same batch for every
 callable of the cell), otherwise one call from an idle GPU; no cache flush for any; median of
 the repeats, minimum over rounds. Training cells time forward + backward.

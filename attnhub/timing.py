@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import statistics
 import subprocess
 import time
@@ -98,9 +99,11 @@ def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.d
                    batch_below_ms: float = 0.1, batch_ms: float = 0.5,
                    max_batch: int = 64) -> Interleaved:
     """Time several callables so that two of them running the same kernel get the same
-    figure: each repeat takes one sample of every callable in turn (the order rotates, so
-    none always follows a sync or another's cache state), so a clock, thermal or co-tenant
-    change hits all alike. When the fastest single call is under ``batch_below_ms``, a
+    figure: each repeat takes one sample of every callable in turn, in a fresh (seeded)
+    random order, so a clock, thermal or co-tenant change hits all alike and no callable
+    always follows the same one. (A rotating order keeps every callable's predecessor
+    fixed: on the H200 the backend forced right after the policy's call of the same kernel
+    timed 5-14% faster than that call, from the caches it left warm.) When the fastest single call is under ``batch_below_ms``, a
     sample is a batch of back-to-back calls lasting about ``batch_ms`` (the same count for
     all), so launch jitter of a few microseconds averages out instead of deciding a ratio.
     No cache flush between calls, for every callable alike (inputs stay where the previous
@@ -116,11 +119,13 @@ def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.d
         if one < batch_below_ms:
             batch = max(1, min(max_batch, math.ceil(batch_ms / max(one, 1e-6))))
     best: dict[Hashable, float] = {}
+    rng = random.Random(0)
     for _ in range(rounds):
         samples: dict[Hashable, list[float]] = {n: [] for n in names}
-        for i in range(max(1, repeats)):
-            shift = i % len(names)
-            for n in names[shift:] + names[:shift]:
+        for _ in range(max(1, repeats)):
+            order = names[:]
+            rng.shuffle(order)
+            for n in order:
                 samples[n].append(sample_ms(fns[n], device, batch))
         for n in names:
             best[n] = min(best.get(n, math.inf), statistics.median(samples[n]))

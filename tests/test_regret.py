@@ -106,20 +106,27 @@ def test_saved_reports_render_again(tmp_path: Path, capsys):
     assert "| 1.01 |" in text and "**2.00**" not in text
 
 
-def test_interleaved_timing_rotates_and_batches():
-    """Every callable is sampled in turn within each repeat, the order rotating; calls far
-    under 0.1 ms are timed in batches (the same count for all), slow ones one at a time."""
+def test_interleaved_timing_shuffles_and_batches():
+    """Every callable is sampled once per repeat, in an order drawn afresh each repeat (no
+    callable always follows the same one: a fixed predecessor leaves it the same warm
+    caches); calls far under 0.1 ms are timed in batches (the same count for all), slow
+    ones one at a time."""
     import time
 
     from attnhub.timing import interleaved_ms
 
     log: list[str] = []
-    t = interleaved_ms({"a": lambda: log.append("a"), "b": lambda: log.append("b")}, "cpu",
-                       warmup=1, repeats=3, rounds=1, max_batch=2)
-    assert t.batch == 2 and set(t.ms) == {"a", "b"}
+    fns = {n: (lambda n=n: log.append(n)) for n in "abcd"}
+    t = interleaved_ms(fns, "cpu", warmup=1, repeats=40, rounds=1, max_batch=2)
+    assert t.batch == 2 and set(t.ms) == set("abcd")
     # warm-up, then three single calls of each (calibration), then the samples
-    assert log[:2] == ["a", "b"] and sorted(log[2:8]) == ["a"] * 3 + ["b"] * 3
-    assert "".join(log[8:]) == "aabb" "bbaa" "aabb"
+    assert log[:4] == list("abcd") and sorted(log[4:16]) == sorted("abcd" * 3)
+    samples = "".join(log[16:])
+    repeats = [samples[i:i + 8:2] for i in range(0, len(samples), 8)]
+    assert len(repeats) == 40 and all(sorted(r) == list("abcd") for r in repeats)
+    assert all(samples[i] == samples[i + 1] for i in range(0, len(samples), 2))  # batches
+    predecessors = {(r[i - 1], r[i]) for r in repeats for i in range(1, 4)}
+    assert len(predecessors) > 6  # a rotation of 4 names gives only 4 ordered pairs
     slow = interleaved_ms({"s": lambda: time.sleep(0.002)}, "cpu", warmup=0, repeats=1,
                           rounds=1)
     assert slow.batch == 1 and slow.ms["s"] >= 2.0

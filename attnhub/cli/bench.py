@@ -200,8 +200,8 @@ def run_regret(args: argparse.Namespace) -> int:
             f"directly; each checked against the fp64 reference first. Per callable: median "
             f"of {args.repeats} samples after {args.warmup} warm-up calls, min over "
             f"{args.rounds} rounds; within each repeat the policy's call, every forced backend "
-            "and every raw library take one sample in turn (rotating order); a sample is one "
-            "call from an idle GPU, or, where a call is under 0.1 ms, a batch of back-to-back "
+            "and every raw library take one sample in turn (in a fresh random order); a "
+            "sample is one call from an idle GPU, or, where a call is under 0.1 ms, a batch of back-to-back "
             "calls (calls/sample) between CUDA events, per call; host time counts where the "
             "GPU waits for it; no cache flush for any.\n")
     md = rg.markdown(results, head)

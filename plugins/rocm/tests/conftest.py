@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import os
 
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+
 # triton_portable's kernels are compiled for the interpreter only if this is set before they
-# are first imported (the triton_rocm tests run them on the CPU).
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import sys  # noqa: E402
-import types  # noqa: E402
-from typing import Any  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# are first imported (the triton_rocm tests run them on the CPU). Only without a GPU: set
+# on a GPU machine, it turns Triton's own library into interpreted functions for the whole
+# pytest process, and compiled kernels (Gluon's included) then fail to build.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
