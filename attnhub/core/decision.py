@@ -12,12 +12,22 @@ from .spec import AttentionSpec
 
 @dataclass(frozen=True)
 class BindContext:
-    """Where in a model a call comes from; rules can bind per model, layer and layer kind."""
+    """Where in a model a call comes from; rules can bind per model, layer and layer kind.
+
+    Its hash is computed once: a layer's context is part of every call's exact-shape key."""
 
     model: str | None = None
     layer: int | None = None
     layer_kind: str = "softmax"
     world_size: int = 1
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.model, self.layer, self.layer_kind,
+                                                self.world_size)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) in,
     (B, Sq, Hq, Dv) out and no attention weights."""
-    _refuse_unsupported(dropout, kwargs)
+    if dropout or not _REFUSED.isdisjoint(kwargs):
+        _refuse_unsupported(dropout, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # transformers' windows: causal keeps kv > q - w; bidirectional keeps |q - kv| <= w, and
@@ -120,16 +121,26 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # transformers drops the mask only for a prefill into an empty static cache, whose
         # keys past the queries are unused slots: keep the keys the queries can see
         k, v, sk = k[:, :sq], v[:, :sq], sq
+    # the module's own hub (set by bind_model) or the registered one; read from the
+    # instance dict: nn.Module's __getattr__ raises (slowly) for a missing name
+    hub = module.__dict__.get("_attnhub_hub") or _hub or default_hub()
+    # phase left to the hub: one query over a longer cache is decode, else prefill or train
+    if attention_mask is None:  # decode without padding: no mask to translate
+        out = hub.attention(q, k, v, causal=causal and sq > 1, window=window, scale=scaling,
+                            softcap=softcap, context=_context(module))
+        return out, None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.device != q.device:
         raise InputError(f"attention_mask is on {attention_mask.device} but the queries are on "
                          f"{q.device}: move the mask to {q.device}")
     mask = mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk, module,
                      heads=q.shape[2], other_windows=other)
-    # phase left to the hub: one query over a longer cache is decode, else prefill or train
-    hub = getattr(module, "_attnhub_hub", None) or _hub or default_hub()
     out = hub.attention(q, k, v, scale=scaling, softcap=softcap, context=_context(module),
                         **mask)
     return out, None
+
+
+#: Keyword arguments ``_refuse_unsupported`` looks at (the common call has none of them).
+_REFUSED = frozenset({"output_attentions", "position_bias", "s_aux"})
 
 
 def _refuse_unsupported(dropout: float, kwargs: dict[str, Any]) -> None:
@@ -148,7 +159,7 @@ def _refuse_unsupported(dropout: float, kwargs: dict[str, Any]) -> None:
 
 def _context(module: torch.nn.Module) -> BindContext:
     """The layer's bind context, built once and kept on the module."""
-    ctx = getattr(module, "_attnhub_context", None)
+    ctx = module.__dict__.get("_attnhub_context")
     if ctx is None:
         cfg = getattr(module, "config", None)
         model = (getattr(cfg, "_name_or_path", None) or getattr(cfg, "model_type", None)
