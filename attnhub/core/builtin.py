@@ -84,6 +84,8 @@ class TorchSDPABackend(Backend):
     def forward(self, q, k, v, spec, params):  # type: ignore[override]
         if spec.layout == "bshd":  # the common case, without the layout plumbing
             return _sdpa_bshd(q, k, v, params)
+        if spec.layout == "paged" and _paged_gather_serves(q, params):
+            return _sdpa_paged(q, k, v, params)
         return _serve_layouts(q, k, v, spec, params, self._run)
 
     @staticmethod
@@ -259,6 +261,52 @@ def _sdpa_thd_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
     lse = res.lse.transpose(0, 1).reshape(hq, b * max_q).index_select(1, iq) \
         if res.lse is not None else None
     return AttentionOutput(out, lse)
+
+
+def _paged_gather_serves(q: torch.Tensor, p: AttnParams) -> bool:
+    """Whether ``_sdpa_paged`` serves this paged call: on an accelerator (on the CPU the
+    varlen route is cheaper and syncs nothing anyway), with the longest length known (the
+    hub always passes it), for masks given by positions alone (``mask_mod`` and column
+    ranges index per sequence: they take the varlen route)."""
+    return (q.device.type != "cpu" and p.max_seqlen_k is not None and p.mask_mod is None
+            and p.colmask_start is None)
+
+
+def _sdpa_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                p: AttnParams) -> AttentionOutput:
+    """A paged cache read as one padded batch by index ops, then one SDPA call: no host
+    sync (``paged_to_varlen`` reads the lengths on the host) and no loop over sequences.
+
+    Key ``j`` of sequence ``b`` lands in padded position ``j + max_k - L_b`` under
+    bottom-right alignment (position ``j`` under top-left), so the padded row's causal,
+    window and ALiBi geometry is the sequence's own; a key-validity mask hides the rest.
+    Page ids outside the cache (unused table entries) are clamped: their keys are masked.
+    """
+    b, sq, hq, _ = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    max_k = max(int(p.max_seqlen_k or 0), 1)
+    right = p.alignment == "bottom_right"
+    lens = p.seqlens_k.to(torch.long).view(b, 1)
+    pos = torch.arange(max_k, device=q.device).view(1, max_k)
+    shift = (max_k - lens) if right else torch.zeros_like(lens)
+    key = pos - shift  # the sequence's key index at each padded position
+    key_ok = (key >= 0) & (key < lens)
+    key = key.clamp(0, page * p.block_table.shape[1] - 1)
+    pages = p.block_table.to(torch.long).gather(1, key // page)
+    flat = (pages.clamp(0, k_cache.shape[0] - 1) * page + key % page).view(-1)
+    kp = k_cache.reshape(-1, hkv, k_cache.shape[-1]).index_select(0, flat)
+    vp = v_cache.reshape(-1, hkv, v_cache.shape[-1]).index_select(0, flat)
+    kp, vp = kp.view(b, max_k, hkv, -1), vp.view(b, max_k, hkv, -1)
+    prefix = p.prefix_lens
+    if prefix is not None and right:  # keys below the prefix, in padded positions
+        prefix = prefix.to(q.device) + shift.view(b)
+    pp = replace(p, block_table=None, seqlens_k=None, prefix_lens=prefix)
+    allowed = allowed_mask(pp, b, hq, sq, max_k, q.device, kv_heads=hkv)
+    key_ok = key_ok.view(b, 1, 1, max_k)
+    allowed = key_ok if allowed is None else allowed & key_ok
+    bias = alibi_bias(p.alibi_slopes, sq, max_k, p.alignment, q.device) \
+        if p.alibi_slopes is not None else None
+    return _sdpa_masked(q, kp, vp, pp, allowed, bias)
 
 
 def _padded_index(cu: torch.Tensor, total: int, m: int, right: bool) -> torch.Tensor:
