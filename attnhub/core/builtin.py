@@ -64,7 +64,9 @@ class ReferenceBackend(Backend):
 class TorchSDPABackend(Backend):
     """torch's scaled_dot_product_attention. Causal masks without a materialised tensor where
     SDPA has a native form (no mask for one bottom-right query, ``is_causal``,
-    ``causal_lower_right``); explicit masks/biases for the other kinds it can express."""
+    ``causal_lower_right``); explicit masks/biases for the other kinds it can express.
+    Packed documents (thd) and paged caches run without host syncs or loops over sequences
+    on accelerators (``_sdpa_thd``, ``_sdpa_paged``)."""
 
     name = "torch_sdpa"
     tier = "portable"
