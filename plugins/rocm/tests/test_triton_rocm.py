@@ -29,6 +29,14 @@ from attnhub_rocm.triton_rocm import TritonRocmBackend, uses_decode_kernel
 
 ARCHS = ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201"]
 
+#: These run the kernels on CPU tensors in Triton's interpreter, which the conftest turns on
+#: only without a GPU (on a GPU it would make Triton's own library interpreted for the whole
+#: pytest process); on a ROCm GPU, test_on_amd_gpu.py runs them for real.
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="interpreter tests of the ROCm kernels (CPU tensors); on a GPU the interpreter "
+           "is off (see plugins/rocm/tests/conftest.py)")
+
 
 def _target(arch: str) -> RocmTarget:
     return rocm_target(attnhub.simulate(arch))
