@@ -29,6 +29,11 @@ class BindContext:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:
+        # rebuilt through __init__: a string's hash differs between processes, so a pickled
+        # hash would break dict lookups in the process that loads it
+        return (BindContext, (self.model, self.layer, self.layer_kind, self.world_size))
+
 
 @dataclass(frozen=True)
 class Rejection:

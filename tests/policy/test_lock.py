@@ -140,3 +140,23 @@ def test_provider_change_is_drift(write, tmp_path, make_registry, fake):
     drift = check_lock(lock, policy, after)
     assert drift.drifted
     assert any("backend mykernel: provider" in c and "evil-kernels" in c for c in drift.changed)
+
+
+def test_bind_context_hash_survives_another_process() -> None:
+    """BindContext caches its hash (it is in every exact-shape key); a pickled context is
+    rebuilt in the loading process, whose string hashes differ (PYTHONHASHSEED), so equal
+    contexts still hash equal there."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    ctx = BindContext(model="llama", layer=3, layer_kind="sliding")
+    code = ("import pickle, sys; from attnhub.core.decision import BindContext as B; "
+            "c = pickle.loads(sys.stdin.buffer.read()); "
+            "print(hash(c) == hash(B(model='llama', layer=3, layer_kind='sliding')) "
+            "and c == B(model='llama', layer=3, layer_kind='sliding'))")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(ctx),
+                         capture_output=True, timeout=120, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert out.stdout.strip() == b"True", out.stderr
