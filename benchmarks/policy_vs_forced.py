@@ -3,6 +3,10 @@ cell, the backend each call path runs (decision, runner chain, fallbacks), the C
 each launches (torch.profiler), and their times sampled in turn.
 
     python benchmarks/policy_vs_forced.py [--cell "decode contiguous 16 x 4k"] [--backend torch_sdpa]
+        [--profile N]
+
+``--profile N`` adds torch.profiler's table of N back-to-back policy calls (host and CUDA
+time per op): where a call's time goes when it is far above its kernels' time.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main() -> None:
     ap.add_argument("--cell", default="decode contiguous 16 x 4k")
     ap.add_argument("--backend", default="torch_sdpa")
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--profile", type=int, default=0, metavar="N")
     args = ap.parse_args()
     cell = next(c for c in rg.standard_grid("bf16") if c.name == args.cell)
     dev = torch.device("cuda")
@@ -60,6 +65,20 @@ def main() -> None:
     for name, t in times.items():
         print(f"{name}: median {statistics.median(t):.1f} us, p10 "
               f"{sorted(t)[len(t) // 10]:.1f} us over {len(t)} single calls")
+    if args.profile:
+        print(profile_table(calls["policy"], args.profile))
+
+
+def profile_table(fn, n: int) -> str:
+    """torch.profiler over ``n`` back-to-back calls: ops by self CPU time, with CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
 
 if __name__ == "__main__":
