@@ -22,6 +22,7 @@ the fa3 backend passed the cell). Absent where the library is not installed.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -243,32 +244,24 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
         if reasons:
             res.skipped[name] = "; ".join(reasons)
             continue
-        try:
-            fn = _caller(forced_hub, inp, name, train)
-            err = _check(inp, fn, ref64, same, rows)
-        except (AttnhubError, RuntimeError, ValueError, TypeError) as exc:
-            err = _short(exc)
-            _free(device)
-        if err:
+        fn, err = _checked(functools.partial(_caller, forced_hub, inp, name, train), inp,
+                           ref64, same, rows, device)
+        if fn is None:
             res.failed[name] = err
         else:
             fns[name] = fn
         if log:
-            log(f"  {name}: {'ok' if not err else err[:120]}")
+            log(f"  {name}: {err[:120] if err else 'ok'}")
     raws: dict[str, Callable[[], torch.Tensor]] = {}
     if not train:
-        for lib, raw in _raw_peers(inp, cell.spec, "fa3" in fns).items():
-            try:
-                err = _check(inp, raw, ref64, same, rows)
-            except (RuntimeError, ValueError, TypeError, ImportError, AttnhubError) as exc:
-                err = _short(exc)
-                _free(device)
-            if err:
+        for lib, peer in _raw_peers(inp, cell.spec, "fa3" in fns).items():
+            raw, err = _checked(lambda peer=peer: peer, inp, ref64, same, rows, device)
+            if raw is None:
                 res.raw_failed[lib] = err
             else:
                 raws[lib] = raw
             if log:
-                log(f"  raw {lib}: {'ok' if not err else err[:120]}")
+                log(f"  raw {lib}: {err[:120] if err else 'ok'}")
     timed: dict[Any, Callable[[], torch.Tensor]] = {**fns, **{("raw", k): f
                                                               for k, f in raws.items()}}
     t = interleaved_ms(timed, device, warmup=warmup, repeats=repeats, rounds=rounds)
@@ -300,6 +293,20 @@ def _caller(hub: Any, inp: Inputs, backend: str | None,
         return out.detach()
 
     return step
+
+
+def _checked(make: Callable[[], Callable[[], torch.Tensor]], inp: Inputs,
+             ref64: torch.Tensor, same: torch.Tensor, rows: int,
+             device: torch.device) -> tuple[Callable[[], torch.Tensor] | None, str]:
+    """``make()``'s callable if it builds and passes the FlashAttention rule, else None and
+    why (a raise is the callable failing, its memory freed)."""
+    try:
+        fn = make()
+        err = _check(inp, fn, ref64, same, rows)
+    except (AttnhubError, RuntimeError, ValueError, TypeError, ImportError) as exc:
+        _free(device)
+        return None, _short(exc)
+    return (None, err) if err else (fn, "")
 
 
 def _check(inp: Inputs, fn: Callable[[], torch.Tensor], ref64: torch.Tensor,

@@ -2,10 +2,41 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 import attnhub
+from attnhub.core.builtin import ReferenceBackend
+from attnhub.core.registry import Registry
+from attnhub.hookspecs import hookimpl
+
+
+class WrongBackend(ReferenceBackend):
+    """Fast-looking and wrong (the reference's output x 1.01): correctness gates must report
+    it as failed and never time it."""
+
+    name = "wrong"
+    tier = "portable"
+
+    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
+        out = super().forward(q, k, v, spec, params)
+        return out._replace(out=out.out * 1.01)
+
+
+@pytest.fixture
+def wrong_registry() -> Registry:
+    """The installed plugins plus ``WrongBackend`` as the plugin ``wrong_plugin``."""
+
+    @hookimpl
+    def attnhub_register_backends(register):  # type: ignore[no-untyped-def]
+        register(WrongBackend())
+
+    reg = Registry.load()
+    reg.add_plugin(types.SimpleNamespace(attnhub_register_backends=attnhub_register_backends),
+                   "wrong_plugin")
+    return reg
 
 
 @pytest.fixture(autouse=True)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import types
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,10 +11,8 @@ import torch
 from attnhub import Hub
 from attnhub.benchmark import measure
 from attnhub.cli import main
-from attnhub.core.builtin import ReferenceBackend
 from attnhub.core.registry import Registry
 from attnhub.core.spec import AttentionSpec, MaskSpec
-from attnhub.hookspecs import hookimpl
 from attnhub.policy import load_policy
 from attnhub.policy.profile import ProfileStore
 
@@ -70,28 +66,8 @@ def test_bench_checks_times_stores_and_plots(tmp_path: Path, capsys) -> None:  #
     assert ProfileStore(store).speed(Hub(policy=load_policy()).device, spec, "torch_sdpa") > 0
 
 
-class Wrong(ReferenceBackend):
-    """Fast and wrong: must be reported, never timed."""
-
-    name = "wrong"
-    tier = "portable"
-    capabilities = replace(ReferenceBackend.capabilities, layouts=frozenset({"bshd", "paged"}))
-
-    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
-        out = super().forward(q, k, v, spec, params)
-        return out._replace(out=out.out * 1.01)
-
-
-@hookimpl
-def attnhub_register_backends(register):  # type: ignore[no-untyped-def]
-    register(Wrong())
-
-
-def test_bench_reports_a_wrong_backend_and_does_not_time_it() -> None:
-    reg = Registry.load()
-    reg.add_plugin(types.SimpleNamespace(attnhub_register_backends=attnhub_register_backends),
-                   "wrong_plugin")
-    hub = Hub(policy=load_policy(), registry=reg)
+def test_bench_reports_a_wrong_backend_and_does_not_time_it(wrong_registry) -> None:
+    hub = Hub(policy=load_policy(), registry=wrong_registry)
     spec = AttentionSpec(phase="decode", dtype="fp32", head_dim=16, num_q_heads=4,
                          num_kv_heads=2, layout="paged", max_seqlen_q=1, max_seqlen_k=24,
                          batch=2, page_size=8)

@@ -150,37 +150,17 @@ def test_report_shows_the_policy_backend_forced_and_raw_libraries():
 
 @pytest.mark.parametrize("name", ["decode tiny", "varlen", "train", "paged/16 32 x 4k",
                                   "window"])
-def test_measure_cell_on_cpu_checks_times_and_binds(name):
+def test_measure_cell_on_cpu_checks_times_and_binds(name, wrong_registry):
     """One real cell per layout/phase at CPU sizes: the policy's call and a forced backend
     are checked against the fp64 reference and timed; a backend that returns a wrong answer
     is reported as failed, never timed."""
-    import types
     from dataclasses import replace as dc_replace
 
     import torch
 
-    from attnhub.core.builtin import ReferenceBackend
-    from attnhub.core.registry import Registry
-    from attnhub.hookspecs import hookimpl
     from attnhub.regret import measure_cell, standard_grid
 
-    class Wrong(ReferenceBackend):
-        name = "wrong"
-        tier = "portable"
-        capabilities = dc_replace(ReferenceBackend.capabilities, layouts=frozenset(
-            {"bshd", "thd", "paged"}))
-
-        def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
-            out = super().forward(q, k, v, spec, params)
-            return out._replace(out=out.out * 1.01)
-
-    @hookimpl
-    def attnhub_register_backends(register):  # type: ignore[no-untyped-def]
-        register(Wrong())
-
-    reg = Registry.load()
-    reg.add_plugin(types.SimpleNamespace(attnhub_register_backends=attnhub_register_backends),
-                   "wrong_plugin")
+    reg = wrong_registry
     cell = next(c for c in standard_grid("fp32", scale=256) if name in c.name)
     cell = dc_replace(cell, spec=dc_replace(cell.spec, num_q_heads=4, num_kv_heads=2,
                                             head_dim=16, head_dim_v=16))
