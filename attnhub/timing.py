@@ -46,24 +46,11 @@ class Stopwatch:
 
 def median_ms(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 3,
               repeats: int = 10) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, each
+    from an idle device (``sample_ms``)."""
     for _ in range(warmup):
         fn()
-    times = []
-    if torch.device(device).type == "cuda":
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(sample_ms(fn, device) for _ in range(repeats))
 
 
 def sample_ms(fn: Callable[[], object], device: torch.device | str, calls: int = 1) -> float:
@@ -103,9 +90,10 @@ def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.d
     random order, so a clock, thermal or co-tenant change hits all alike and no callable
     always follows the same one. (A rotating order keeps every callable's predecessor
     fixed: on the H200 the backend forced right after the policy's call of the same kernel
-    timed 5-14% faster than that call, from the caches it left warm.) When the fastest single call is under ``batch_below_ms``, a
-    sample is a batch of back-to-back calls lasting about ``batch_ms`` (the same count for
-    all), so launch jitter of a few microseconds averages out instead of deciding a ratio.
+    timed 5-14% faster than that call, from the caches it left warm.) When the fastest
+    single call is under ``batch_below_ms``, a sample is a batch of back-to-back calls
+    lasting about ``batch_ms`` (the same count for all), so launch jitter of a few
+    microseconds averages out instead of deciding a ratio.
     No cache flush between calls, for every callable alike (inputs stay where the previous
     call left them, as in a model's step). Median of ``repeats`` samples, min over
     ``rounds``."""
