@@ -246,19 +246,10 @@ def _sdpa_thd_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
     qp, kp, vp = (_pad(t, idx, b, m) for t, idx, m in ((q, iq, max_q), (k, ik, max_k),
                                                         (v, ik, max_k)))
     len_k = p.cu_seqlens_k.diff().to(torch.long)
-    kj = torch.arange(max_k, device=q.device)
-    key_ok = kj >= (max_k - len_k)[:, None] if right else kj < len_k[:, None]
-    prefix = p.prefix_lens
-    if prefix is not None and right:  # keys below the prefix, in padded positions
-        prefix = prefix.to(q.device) + (max_k - len_k)
-    pp = replace(p, cu_seqlens_q=None, cu_seqlens_k=None, prefix_lens=prefix)
-    hq, hkv = q.shape[1], k.shape[1]
-    allowed = allowed_mask(pp, b, hq, max_q, max_k, q.device, kv_heads=hkv)
-    key_ok = key_ok.view(b, 1, 1, max_k)
-    allowed = key_ok if allowed is None else allowed & key_ok
-    bias = alibi_bias(p.alibi_slopes, max_q, max_k, p.alignment, q.device) \
-        if p.alibi_slopes is not None else None
-    res = _sdpa_masked(qp, kp, vp, pp, allowed, bias)
+    shift = (max_k - len_k) if right else torch.zeros_like(len_k)
+    res = _sdpa_key_padded(qp, kp, vp, replace(p, cu_seqlens_q=None, cu_seqlens_k=None),
+                           len_k, shift)
+    hq = q.shape[1]
     out = res.out.reshape(b * max_q, hq, -1).index_select(0, iq)
     lse = res.lse.transpose(0, 1).reshape(hq, b * max_q).index_select(1, iq) \
         if res.lse is not None else None
@@ -284,31 +275,43 @@ def _sdpa_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     window and ALiBi geometry is the sequence's own; a key-validity mask hides the rest.
     Page ids outside the cache (unused table entries) are clamped: their keys are masked.
     """
-    b, sq, hq, _ = q.shape
+    b = q.shape[0]
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     max_k = max(int(p.max_seqlen_k or 0), 1)
     right = p.alignment == "bottom_right"
     lens = p.seqlens_k.to(torch.long).view(b, 1)
     pos = torch.arange(max_k, device=q.device).view(1, max_k)
     shift = (max_k - lens) if right else torch.zeros_like(lens)
-    key = pos - shift  # the sequence's key index at each padded position
-    key_ok = (key >= 0) & (key < lens)
-    key = key.clamp(0, page * p.block_table.shape[1] - 1)
+    # the sequence's key index at each padded position (outside [0, L_b): masked)
+    key = (pos - shift).clamp(0, page * p.block_table.shape[1] - 1)
     pages = p.block_table.to(torch.long).gather(1, key // page)
     flat = (pages.clamp(0, k_cache.shape[0] - 1) * page + key % page).view(-1)
     kp = k_cache.reshape(-1, hkv, k_cache.shape[-1]).index_select(0, flat)
     vp = v_cache.reshape(-1, hkv, v_cache.shape[-1]).index_select(0, flat)
     kp, vp = kp.view(b, max_k, hkv, -1), vp.view(b, max_k, hkv, -1)
+    return _sdpa_key_padded(q, kp, vp, replace(p, block_table=None, seqlens_k=None),
+                            lens.view(b), shift.view(b))
+
+
+def _sdpa_key_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams,
+                     lens: torch.Tensor, shift: torch.Tensor) -> AttentionOutput:
+    """SDPA over a padded batch (B, Sq, Hq, D) x (B, max_k, Hkv, D) whose sequence ``b``
+    holds ``lens[b]`` keys moved ``shift[b]`` positions right (so that its own causal,
+    window and ALiBi geometry is the padded row's); the other positions are masked."""
+    b, sq, hq, _ = q.shape
+    max_k = k.shape[1]
+    kj = torch.arange(max_k, device=q.device)
+    key_ok = (kj >= shift[:, None]) & (kj < (shift + lens)[:, None])
     prefix = p.prefix_lens
-    if prefix is not None and right:  # keys below the prefix, in padded positions
-        prefix = prefix.to(q.device) + shift.view(b)
-    pp = replace(p, block_table=None, seqlens_k=None, prefix_lens=prefix)
-    allowed = allowed_mask(pp, b, hq, sq, max_k, q.device, kv_heads=hkv)
+    if prefix is not None:  # keys below the prefix, in padded positions
+        prefix = prefix.to(q.device) + shift
+    pp = replace(p, prefix_lens=prefix)
+    allowed = allowed_mask(pp, b, hq, sq, max_k, q.device, kv_heads=k.shape[2])
     key_ok = key_ok.view(b, 1, 1, max_k)
     allowed = key_ok if allowed is None else allowed & key_ok
     bias = alibi_bias(p.alibi_slopes, sq, max_k, p.alignment, q.device) \
         if p.alibi_slopes is not None else None
-    return _sdpa_masked(q, kp, vp, pp, allowed, bias)
+    return _sdpa_masked(q, k, v, pp, allowed, bias)
 
 
 def _padded_index(cu: torch.Tensor, total: int, m: int, right: bool) -> torch.Tensor:
