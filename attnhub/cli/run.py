@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also time decode with each available decode backend")
     g.add_argument("--compare-rounds", type=int, default=1,
                    help="with --compare-decode: decode each backend this many times, in a "
-                        "rotated order, and report the median (default 1)")
+                        "random order per round, and report the median (default 1)")
     g.add_argument("--warmup", type=int, default=2,
                    help="untimed decode steps before each timed decode (default 2)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

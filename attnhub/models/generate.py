@@ -8,6 +8,7 @@ state.
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -149,18 +150,22 @@ def compare_decode(model: Decoder, hub: Hub, table: BindingTable, cache: PagedKV
     """Decode tokens/s of the policy's binding and of each candidate decode backend forced on
     the exact layers, all from the same prefill, each after ``warmup`` untimed steps.
 
-    With ``rounds`` > 1 every backend decodes once per round, in an order rotated each round,
-    and the median is reported: a decode loop is host-bound at small per-layer work, and one
-    slow stretch of the host must not decide a comparison.
+    With ``rounds`` > 1 every backend decodes once per round, in a fresh (seeded) random
+    order each round, and the median is reported: a decode loop is host-bound at small
+    per-layer work, and one slow stretch of the host must not decide a comparison; a random
+    order also gives no backend a fixed predecessor (``attnhub.timing.interleaved_ms``).
     """
     names, skipped = decode_candidates(hub, table)
     only = exact_layers(hub, table)
     runs: dict[str | None, list[float]] = {n: [] for n in [None, *names]}
     errors: dict[str | None, str] = {}
     tokens: dict[str | None, torch.Tensor] = {}
+    rng = random.Random(0)
     for r in range(rounds):
-        order = [None, *names]
-        for name in order[r % len(order):] + order[: r % len(order)]:
+        order: list[str | None] = [None, *names]
+        if r:  # the first round in list order (the policy first), then shuffled
+            rng.shuffle(order)
+        for name in order:
             if name in errors:
                 continue
             with override_backend(model, name, only=only):
