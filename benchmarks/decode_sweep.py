@@ -141,6 +141,31 @@ def run_variant(c: PagedCase, table: str, cfg: DecodeConfig, splits: int, ref: t
     return r
 
 
+def eager_times(hub: Any, c: PagedCase, row: DecodeConfig, row_splits: int,
+                best: tuple[str, DecodeConfig, int] | None, fp8: bool) -> dict[str, Any]:
+    """Eager us, host included (random table): SDPA on the contiguous copy, the hub (policy
+    and forced ``triton_decode``; ``triton_decode_fp8`` with ``fp8``), the row's kernel
+    call and the fastest variant's."""
+    kw = {"layout": "paged", "block_table": c.tables["random"], "seqlens_k": c.seqlens}
+    calls = {"sdpa_contiguous": c.sdpa_contiguous("random"),
+             "hub": lambda: hub.attention(c.q, c.kc, c.vc, **kw),
+             "hub_forced": lambda: hub.attention(c.q, c.kc, c.vc, backend="triton_decode",
+                                                 **kw),
+             "kernel_row": c.ours("random", config=row, num_splits=row_splits)}
+    if fp8:
+        calls["hub_fp8"] = lambda: hub.attention(
+            c.q, c.k8, c.v8, backend="triton_decode_fp8",
+            extra={"k_descale": c.kd, "v_descale": c.vd}, **kw)
+    if best is not None:
+        name, cfg, s = best
+        calls[f"kernel_best_{name}_{s}"] = c.ours("random", config=cfg, num_splits=s)
+    ev: dict[str, Any] = {}
+    for key, fn in calls.items():
+        fn()  # first call binds and compiles
+        ev[f"{key}_us"] = eager_us(fn)
+    return ev
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/decode_sweep")
@@ -231,25 +256,11 @@ def main() -> None:
                     refs["random"], None, e, nbytes, fp8=True)}
                 cell["fp8"].append(r)
                 print("fp8", batch, ctx, json.dumps(r), flush=True)
-        # eager, host included: SDPA, the hub (policy and forced), the fastest variant's call
-        kw = {"layout": "paged", "block_table": c.tables["random"], "seqlens_k": c.seqlens}
-        calls = {"sdpa_contiguous": c.sdpa_contiguous("random"),
-                 "hub": lambda: hub.attention(c.q, c.kc, c.vc, **kw),
-                 "hub_forced": lambda: hub.attention(c.q, c.kc, c.vc,
-                                                     backend="triton_decode", **kw),
-                 "kernel_row": c.ours("random", config=base, num_splits=row_splits)}
-        if args.fp8:
-            calls["hub_fp8"] = lambda: hub.attention(
-                c.q, c.k8, c.v8, backend="triton_decode_fp8",
-                extra={"k_descale": c.kd, "v_descale": c.vd}, **kw)
+        best = None
         if top:
             name, s = top[0]
-            cfg = base.with_(**next(ch for n, ch, *_ in (FEW + MANY) if n == name))
-            calls[f"kernel_best_{name}_{s}"] = c.ours("random", config=cfg, num_splits=s)
-        ev: dict[str, Any] = {}
-        for key, fn in calls.items():
-            fn()  # first call binds and compiles
-            ev[f"{key}_us"] = eager_us(fn)
+            best = (name, base.with_(**next(ch for n, ch, *_ in (FEW + MANY) if n == name)), s)
+        ev = eager_times(hub, c, base, row_splits, best, args.fp8)
         cell["eager"] = ev
         print("eager", batch, ctx, json.dumps(ev), flush=True)
         res["cells"].append(cell)
