@@ -130,7 +130,7 @@ def _sdpa_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if tq == 0 or tk == 0 or b == 0:  # nothing to attend to: 0 out, -inf LSE
         lse = torch.full((q.shape[1], tq), float("-inf"), device=q.device) \
             if p.return_lse else None
-        return AttentionOutput(q.new_zeros(tq, q.shape[1], v.shape[-1]), lse)
+        return AttentionOutput(_attends_nothing(q, k, v), lse)
     max_q, max_k = p.max_seqlen_q, p.max_seqlen_k
     if max_q is None or max_k is None:  # a direct backend call: the hub always passes both
         max_q = int(p.cu_seqlens_q.diff().max()) if max_q is None else max_q
@@ -350,9 +350,8 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sk, hkv = k.shape[1], k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if sq == 0 or sk == 0:
-        out = q.new_zeros(b, sq, hq, v.shape[-1])
         lse = torch.full((b, hq, sq), float("-inf"), device=q.device) if p.return_lse else None
-        return AttentionOutput(out, lse)
+        return AttentionOutput(_attends_nothing(q, k, v), lse)
     native = _native_causal(p, sq, sk)
     if native is not None and not (p.return_lse and q.device.type == "cpu"):
         is_causal, bias_obj = native
@@ -370,6 +369,15 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _sdpa_masked(q, k, v, p, allowed, bias)
 
 
+def _attends_nothing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The zero output ``q.shape[:-1] + (Dv,)`` of a call in which no query sees a key, in
+    the autograd graph of q, k and v (zero gradients, as the maths gives; a bare
+    ``new_zeros`` would cut a training step's graph). Sums over empty slices: exactly 0,
+    even where an input holds NaN or inf."""
+    zero = q[..., :0].sum(-1, keepdim=True) + k[..., :0].sum() + v[..., :0].sum()
+    return zero.expand(*q.shape[:-1], v.shape[-1]).contiguous()
+
+
 def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams,
                  allowed: torch.Tensor | None, bias: torch.Tensor | None) -> AttentionOutput:
     """SDPA on (B, S, H, D) with an explicit boolean mask of visible pairs and/or an additive
@@ -382,7 +390,8 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParam
         row_ok = allowed.any(dim=-1, keepdim=True)
         allowed = allowed | ~row_ok  # fully masked rows attend everywhere, then are zeroed
         mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
-    if p.return_lse and q.device.type == "cpu" and (bias is None or q.dtype == torch.float32):
+    if (p.return_lse and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+            and (bias is None or q.dtype == torch.float32)):
         out, lse = _cpu_flash_with_lse(qt, kt, vt, mask, p.scale)
         if row_ok is not None:
             lse = lse.masked_fill(~row_ok.squeeze(-1), float("-inf"))
@@ -452,7 +461,8 @@ def _cpu_flash_with_lse(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and natural-log LSE in one pass: the CPU flash kernel SDPA runs returns both
     (GQA native); it takes an additive mask of the query's dtype, not a boolean one, so a
-    float bias (ALiBi) takes this path only in fp32, where the cast loses nothing."""
+    float bias (ALiBi) takes this path only in fp32, where the cast loses nothing, and one
+    head dim for q, k and v (Dv != D takes SDPA and the LSE pass)."""
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=qt.dtype, device=qt.device).masked_fill(
             ~mask, float("-inf"))

@@ -1,0 +1,142 @@
+"""Review of torch_sdpa's layout routes (bshd, thd padded/loop, paged gather) on the edges a
+wide suite hits: a value head dim other than the key's with the LSE asked for (the CPU
+one-pass LSE kernel takes one head dim only), and calls with nothing to attend to (no keys,
+no queries) under autograd, whose zero output must still be differentiable (zero
+gradients, as the reference gives), not a tensor cut from the graph."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnhub import Hub
+from attnhub.core import builtin
+from attnhub.core.paged import paged_to_varlen
+from attnhub.core.spec import AttnParams
+from attnhub.testing import assert_fa_rule, assert_lse, fa_references
+
+MASKS = {
+    "none": {},
+    "causal": {"causal": True},
+    "causal_top_left": {"causal": True, "causal_alignment": "top_left"},
+    "window": {"window": (2, 1)},
+    "alibi": {"alibi_slopes": "rand"},
+}
+
+
+@pytest.fixture(scope="module")
+def hub() -> Hub:
+    return Hub()
+
+
+def _params(kw: dict, d: int, **extra: object) -> AttnParams:
+    return AttnParams(scale=1 / math.sqrt(d), causal=kw.get("causal", False),
+                      alignment=kw.get("causal_alignment", "bottom_right"),
+                      window=kw.get("window"), alibi_slopes=kw.get("alibi_slopes"),
+                      return_lse=True, **extra)  # type: ignore[arg-type]
+
+
+def _mask(name: str, b: int, hq: int) -> dict:
+    kw = dict(MASKS[name])
+    if kw.get("alibi_slopes") == "rand":
+        kw["alibi_slopes"] = torch.rand(b, hq) * 0.3
+    return kw
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_head_dim_with_lse_bshd_and_thd(hub: Hub, mask: str, dtype: torch.dtype) -> None:
+    """torch_sdpa declares ``different_v_dim``: Dv != D with ``return_lse`` is served (it
+    raised on the CPU, and a policy silently fell back to the reference), exactly."""
+    torch.manual_seed(len(mask))
+    b, sq, sk, hq, hkv, d, dv = 2, 5, 7, 4, 2, 16, 24
+    kw = _mask(mask, b, hq)
+    q = torch.randn(b, sq, hq, d, dtype=dtype)
+    k, v = torch.randn(b, sk, hkv, d, dtype=dtype), torch.randn(b, sk, hkv, dv, dtype=dtype)
+    out, lse = hub.attention(q, k, v, backend="torch_sdpa", return_lse=True, **kw)
+    ref64, ref_lse, same = fa_references(q, k, v, _params(kw, d))
+    assert_fa_rule(out, ref64, same, what=f"bshd {mask}")
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    assert_lse(lse, ref_lse, atol=tol)
+    # the same documents packed (thd), one document shorter
+    lq, lk = [sq, sq - 2], [sk, sk - 3]
+    qt = torch.cat([q[0], q[1, :lq[1]]])
+    kt, vt = torch.cat([k[0], k[1, :lk[1]]]), torch.cat([v[0], v[1, :lk[1]]])
+    cu_q = torch.tensor([0, lq[0], sum(lq)], dtype=torch.int32)
+    cu_k = torch.tensor([0, lk[0], sum(lk)], dtype=torch.int32)
+    out, lse = hub.attention(qt, kt, vt, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             backend="torch_sdpa", return_lse=True, **kw)
+    ref64, ref_lse, same = fa_references(
+        qt, kt, vt, _params(kw, d, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), layout="thd")
+    assert_fa_rule(out, ref64, same, what=f"thd {mask}")
+    assert_lse(lse, ref_lse, atol=tol)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_value_head_dim_with_lse_paged(hub: Hub, monkeypatch, gather: bool) -> None:
+    """Paged Dv != D with the LSE, on the varlen route and on the accelerator's gather route
+    (forced on the CPU)."""
+    if gather:
+        monkeypatch.setattr(builtin, "_paged_gather_serves", lambda q, p: True)
+    torch.manual_seed(3)
+    b, sq, hq, hkv, d, dv, page = 3, 2, 4, 2, 16, 8, 4
+    kc, vc = torch.randn(9, page, hkv, d), torch.randn(9, page, hkv, dv)
+    table = torch.randperm(9)[:6].view(b, 2).to(torch.int32)
+    lens = torch.tensor([0, 5, 8], dtype=torch.int32)
+    q = torch.randn(b, sq, hq, d)
+    out, lse = hub.attention(q, kc, vc, layout="paged", block_table=table, seqlens_k=lens,
+                             causal=True, backend="torch_sdpa", return_lse=True)
+    qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, lens)
+    ref64, ref_lse, same = fa_references(
+        qv, kv, vv, _params({"causal": True}, d, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+        layout="thd")
+    assert_fa_rule(out.reshape(b * sq, hq, dv), ref64, same)
+    assert_lse(lse.transpose(0, 1).reshape(hq, b * sq), ref_lse)
+
+
+def _grads_match_reference(out: torch.Tensor, ref64: torch.Tensor,
+                           inputs: tuple[torch.Tensor, ...]) -> None:
+    """``out`` is in the graph of every input, and its gradients equal the reference's
+    (zeros where nothing is attended to)."""
+    assert out.requires_grad and out.grad_fn is not None
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, inputs, g)
+    want = torch.autograd.grad(ref64, inputs, g.double())
+    for name, a, r in zip("qkv", got, want):
+        assert a.shape == r.shape and torch.allclose(a.double(), r.double(), atol=1e-5), f"d{name}"
+
+
+@pytest.mark.parametrize("sq,sk", [(3, 0), (0, 4)])
+def test_nothing_to_attend_is_differentiable_bshd(hub: Hub, sq: int, sk: int) -> None:
+    b, hq, hkv, d = 2, 4, 2, 8
+    q = torch.randn(b, sq, hq, d, requires_grad=True)
+    k = torch.randn(b, sk, hkv, d, requires_grad=True)
+    v = torch.randn(b, sk, hkv, d, requires_grad=True)
+    out = hub.attention(q, k, v, causal=True, backend="torch_sdpa")
+    ref64, _, _ = fa_references(q, k, v, _params({"causal": True}, d))
+    assert out.shape == (b, sq, hq, d) and not out.any()
+    _grads_match_reference(out, ref64, (q, k, v))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("lq,lk", [([3, 3], [0, 0]), ([0, 3], [3, 0]), ([0, 0], [2, 5])])
+def test_nothing_to_attend_is_differentiable_thd(hub: Hub, monkeypatch, padded: bool,
+                                                 lq: list[int], lk: list[int]) -> None:
+    """Packed documents none of which sees a key (or holds a query): the loop (CPU) and the
+    padded (accelerator, forced) routes."""
+    if padded:
+        monkeypatch.setattr(builtin, "_padded_fits", lambda device, n: True)
+    hq, hkv, d = 2, 1, 8
+    q = torch.randn(sum(lq), hq, d, requires_grad=True)
+    k = torch.randn(sum(lk), hkv, d, requires_grad=True)
+    v = torch.randn(sum(lk), hkv, d, requires_grad=True)
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
+    out, lse = hub.attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             backend="torch_sdpa", return_lse=True)
+    ref64, ref_lse, _ = fa_references(
+        q, k, v, _params({}, d, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), layout="thd")
+    assert not out.any() and torch.isneginf(lse).all()
+    _grads_match_reference(out, ref64, (q, k, v))
