@@ -335,16 +335,25 @@ class _Memo:
         memo = self._memo
         if not memo or memo[0] is not a or memo[1] is not b or memo[2] != geometry:
             return None
-        if a.is_cpu:  # the contents themselves
+        if a.is_cpu or memo[-1] is None:  # the contents themselves (no stamp: _stamp)
             return memo if torch.equal(memo[3], a) and torch.equal(memo[4], b) else None
-        return memo if memo[-1] == (a._version, b._version, a.data_ptr(),
-                                    b.data_ptr()) else None
+        return memo if memo[-1] == _stamp(a, b) else None
 
     def _store(self, a: torch.Tensor, b: torch.Tensor, geometry: tuple, snap_a: torch.Tensor,
                snap_b: torch.Tensor, *facts: Any) -> None:
-        stamp = (a._version, b._version, a.data_ptr(), b.data_ptr())
+        stamp = _stamp(a, b)
         with self._lock:
             self._memo = (a, b, geometry, snap_a, snap_b, *facts, stamp)
+
+
+def _stamp(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
+    """(versions, data pointers) of a pair; None for inference tensors (made under
+    ``torch.inference_mode``), which keep no version counter and are edited in place
+    unrecorded: only their contents prove them unchanged (a host sync on an accelerator)."""
+    try:
+        return (a._version, b._version, a.data_ptr(), b.data_ptr())
+    except RuntimeError:
+        return None
 
 
 class CuSeqlens(_Memo):
@@ -451,6 +460,8 @@ class PagedTables(_Memo):
         lengths the longest length (all >= 0). ``snapshot`` is a private copy of ``t``
         (same values) that backends will read. The proof holds while ``t`` is unchanged
         (stamp as in :class:`_Memo`); only the last few proofs are kept."""
+        if t.is_inference():  # no version counter to hold the proof: checked by reading
+            return
         entry = (weakref.ref(t), t._version, t.data_ptr(), tuple(t.shape), snapshot, fact)
         with self._lock:
             self._vouched[id(t)] = entry

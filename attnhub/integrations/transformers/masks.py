@@ -94,7 +94,7 @@ def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] |
                          "attn_implementation='flex_attention')")
     _check_shape(mask, batch, sq, sk, heads)
     key = (causal, window, other_windows, batch, sq, sk)
-    proof = (mask._version, mask.data_ptr())
+    proof = _proof(mask)
     memo = getattr(mask, _MEMO_ATTR, None)
     if memo is None or memo["proof"] != proof:
         memo = {"proof": proof}
@@ -115,6 +115,16 @@ def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] |
 
 
 _fallback_owner: list[Any] = []
+
+
+def _proof(mask: torch.Tensor) -> tuple[Any, int]:
+    """(version, data pointer) of a mask; an inference tensor (``torch.inference_mode``)
+    keeps no version counter, so only its data pointer and the second-ask rule (a new
+    forward) stand for it, as for an edit through ``.data``."""
+    try:
+        return mask._version, mask.data_ptr()
+    except RuntimeError:
+        return None, mask.data_ptr()
 
 
 def _check_shape(mask: torch.Tensor, batch: int, sq: int, sk: int, heads: int | None) -> None:
