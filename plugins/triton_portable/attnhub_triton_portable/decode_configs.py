@@ -37,6 +37,9 @@ class DecodeConfig:
     query dtype, ``"fp16"`` fp16 (one native conversion per two values; q is scaled into
     fp16 by a power of two per row, p by the tile's largest V descale). ``fp8_v_ahead``
     (FP8 caches): V tiles are loaded one key tile ahead into registers and widened there.
+    ``one_round``: ``choose_splits`` only considers split counts whose programs fit one
+    round of ``ctas_per_sm`` per SM, so that every program is resident from the start (no
+    second, partly filled round whose tail leaves SMs idle), and takes the most on ties.
     """
 
     block_n: int = 64
@@ -50,6 +53,7 @@ class DecodeConfig:
     prefetch_pages: bool = False
     fp8_dot: str = "q"
     fp8_v_ahead: bool = False
+    one_round: bool = False
 
     def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -79,15 +83,19 @@ _PAGED: dict[str, DecodeConfig] = {
     "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=4, ctas_per_sm=4,
                          prefetch_pages=True),
 }
-#: Paged caches with few (sequence, KV head) pairs (at most one per 16 SMs, see
-#: ``decode_config``): many short splits, each too short to fill a 4-stage pipeline.
-#: 3 stages (96 KB of shared memory: two programs per SM) and 128 splits, H200 2026-12-01,
-#: random table, GPU time (two runs): 1 x 32k 47.7-48.2 -> 44.3-44.5 us, 1 x 128k
-#: 139.2-140.0 -> 137.7-139.0 us; at 64 x 32k the same tiles lose (1923 -> 2419 us), so
-#: the row stops at small grids.
+#: Paged caches whose (sequence, KV head) pairs all fit in one round of two programs per SM
+#: (``decode_config``): 3 stages (70 KB of shared memory and 110 registers in the sm90
+#: binary: up to three programs per SM), splits that fill one round of two programs per SM
+#: (``one_round``; 1 x 8 KV heads: 33 splits, 264 programs). H200 2026-12-01, random table,
+#: GPU time (docs/benchmarks/triton_decode_paged.md, sweep 3): 1 x 32k 44.4-44.7 -> 40.2 us,
+#: 1 x 128k 137.6-137.8 -> 129.4-129.5 us (4.15 TB/s), 32 x 4k (1 split) 135.8-135.9 ->
+#: 127.6-127.7 us. More programs lose whenever they make a second, partly filled round
+#: (1 x 128k at 64 / 128 splits: 162 / 138 us); 32-key tiles with 2 warps at 66 splits, 2
+#: stages at 64, 4 stages at 33 ran within 0.5-2% of this. At 64 x 32k (512 pairs, this
+#: row would make 1.3 rounds) these tiles lose (1922 -> 2414 us): the 4-stage row stays.
 _PAGED_FEW: dict[str, DecodeConfig] = {
-    "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=8,
-                         prefetch_pages=True),
+    "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2,
+                         prefetch_pages=True, one_round=True),
 }
 
 #: FP8 (e4m3) paged caches: half the bytes per key, tiles widened in registers before the
@@ -126,8 +134,8 @@ def decode_config(arch: str, dtype: str = "bf16", paged: bool = False,
                   ) -> DecodeConfig:
     """The table's configuration for ``arch`` (``cpu``, ``sm90``, ``gfx942``...); ``kv_fp8``
     for an e4m3 cache (its own row where one was measured: paged on sm90). ``programs``:
-    (batch x KV heads x row blocks, SM count); a 16-bit paged cache with at most one such
-    pair per 16 SMs takes the few-programs row where there is one (``_PAGED_FEW``).
+    (batch x KV heads x row blocks, SM count); a 16-bit paged cache whose pairs all fit in
+    one round of the few-programs row (``_PAGED_FEW``, where there is one) takes it.
 
     fp32 tiles take twice the shared memory of 16-bit ones, so the key tile is halved there
     (on GPUs) to keep the same number of programs resident.
@@ -136,8 +144,10 @@ def decode_config(arch: str, dtype: str = "bf16", paged: bool = False,
     cfg = _PAGED.get(family, _TABLE[family]) if paged else _TABLE[family]
     if kv_fp8 and paged:
         cfg = _FP8_PAGED.get(family, cfg)
-    elif paged and programs is not None and programs[0] * 16 <= programs[1]:
-        cfg = _PAGED_FEW.get(family, cfg)
+    elif paged and programs is not None:
+        few = _PAGED_FEW.get(family)
+        if few is not None and programs[0] <= programs[1] * few.ctas_per_sm:
+            cfg = few
     if dtype == "fp32" and arch != "cpu":
         cfg = cfg.with_(block_n=max(16, cfg.block_n // 2))
     return cfg
@@ -161,9 +171,11 @@ def choose_splits(batch: int, kv_heads: int, max_seqlen_k: int, sm_count: int,
     ctas_per_sm`` programs per round, the run takes ``ceil(programs / capacity)``
     rounds, each as long as one program's key tiles plus its fixed overhead; the merge adds
     one more overhead when splits > 1. The cheapest split count under that model wins, the
-    smallest on ties (fewer partials to write and merge). Examples on an H200 (132 SMs, 32/8
-    heads): 1 x 32k context -> 16 splits contiguous, 128 paged (the few-programs row); 64 x
-    32k -> 1 either way.
+    smallest on ties (fewer partials to write and merge). A ``one_round`` config stays in one
+    round and takes the most splits on ties: there a tie means the same longest program,
+    and the extra split only evens out the others. Examples on an H200 (132 SMs, 32/8 heads):
+    1 x 32k context -> 16 splits contiguous, 33 paged (the few-programs row); 64 x 32k -> 1
+    either way.
     """
     tiles = math.ceil(max(max_seqlen_k, 0) / cfg.block_n)
     base = max(1, batch * kv_heads * m_blocks)
@@ -171,12 +183,14 @@ def choose_splits(batch: int, kv_heads: int, max_seqlen_k: int, sm_count: int,
     if tiles <= 1 or sm_count <= 0:
         return 1
     limit = max(1, min(cfg.max_splits, tiles))
+    if cfg.one_round:
+        limit = max(1, min(limit, capacity // base))
     best, best_cost = 1, math.inf
     for s in range(1, limit + 1):
         rounds = math.ceil(base * s / capacity)
         cost = rounds * (math.ceil(tiles / s) + cfg.overhead_tiles)
         if s > 1:
             cost += cfg.overhead_tiles
-        if cost < best_cost - 1e-9:
+        if cost < best_cost - 1e-9 or (cfg.one_round and cost <= best_cost + 1e-9):
             best, best_cost = s, cost
     return best

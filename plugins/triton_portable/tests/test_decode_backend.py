@@ -130,13 +130,17 @@ def test_choose_splits_small_cases():
 
 
 def test_few_sequences_take_the_few_programs_paged_row():
-    """A 16-bit paged cache with at most one (sequence, KV head) pair per 16 SMs takes the
-    3-stage row and more splits; bigger grids, contiguous and FP8 caches keep theirs."""
+    """A 16-bit paged cache whose (sequence, KV head) pairs fit in one round of two programs
+    per SM takes the 3-stage row, split to fill that round; bigger grids, contiguous and FP8
+    caches keep theirs."""
     from attnhub_triton_portable.decode_configs import choose_splits, decode_config
 
     few = decode_config("sm90", paged=True, programs=(8, 132))
-    assert few.num_stages == 3 and choose_splits(1, 8, 32768, 132, few) == 128
-    assert decode_config("sm90", paged=True, programs=(16, 132)) == decode_config(
+    assert few.num_stages == 3 and choose_splits(1, 8, 32768, 132, few) == 33
+    assert choose_splits(1, 8, 131072, 132, few) == 33  # 264 programs: one round of 2 per SM
+    assert choose_splits(32, 8, 4096, 132, few) == 1  # 256 pairs already fill the round
+    assert decode_config("sm90", paged=True, programs=(264, 132)) == few
+    assert decode_config("sm90", paged=True, programs=(265, 132)) == decode_config(
         "sm90", paged=True)
     assert decode_config("sm90", programs=(8, 132)) == decode_config("sm90")
     assert decode_config("sm90", paged=True, kv_fp8=True, programs=(8, 132)).fp8_dot == "fp16"
