@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from attnhub import Hub
 from attnhub.core import builtin
 from attnhub.core.paged import paged_to_varlen
@@ -140,3 +142,55 @@ def test_nothing_to_attend_is_differentiable_thd(hub: Hub, monkeypatch, padded: 
         q, k, v, _params({}, d, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), layout="thd")
     assert not out.any() and torch.isneginf(lse).all()
     _grads_match_reference(out, ref64, (q, k, v))
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the most elements any op's output holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def test_gather_route_reads_a_strided_cache_without_copying_it(monkeypatch) -> None:
+    """K and V views of one interleaved (pages, 2, page, H, D) cache: the gather route gives
+    the reference's answer and no op materialises a tensor of the cache's size (it copied
+    the whole cache per call to flatten it)."""
+    torch.manual_seed(4)
+    b, sq, hq, hkv, d, page, pages = 2, 1, 4, 2, 8, 4, 64
+    kv = torch.randn(pages, 2, page, hkv, d)
+    kc, vc = kv[:, 0], kv[:, 1]
+    table = torch.tensor([[5, 9, 0], [60, 2, 33]], dtype=torch.int32)
+    lens = torch.tensor([7, 12], dtype=torch.int32)
+    q = torch.randn(b, sq, hq, d)
+    p = AttnParams(scale=1 / math.sqrt(d), causal=True, block_table=table, seqlens_k=lens,
+                   max_seqlen_q=sq, max_seqlen_k=12)
+    with _LargestTensor() as seen:
+        out, _ = builtin._sdpa_paged(q, kc, vc, p)
+    assert seen.most < kc.numel(), seen.most
+    qv, kv_, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, lens)
+    ref64, _, same = fa_references(
+        qv, kv_, vv, _params({"causal": True}, d, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+        layout="thd")
+    assert_fa_rule(out.reshape(b * sq, hq, d), ref64, same)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_table_without_pages(hub: Hub, monkeypatch, gather: bool) -> None:
+    """A (B, 0) block table with zero lengths (a batch before its first token): every row
+    sees nothing, 0 out and -inf LSE, on both routes."""
+    if gather:
+        monkeypatch.setattr(builtin, "_paged_gather_serves", lambda q, p: True)
+    q = torch.randn(2, 3, 4, 8)
+    kc, vc = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8)
+    out, lse = hub.attention(q, kc, vc, layout="paged", causal=True, return_lse=True,
+                             block_table=torch.zeros(2, 0, dtype=torch.int32),
+                             seqlens_k=torch.zeros(2, dtype=torch.int32), backend="torch_sdpa")
+    assert not out.any() and torch.isneginf(lse).all()

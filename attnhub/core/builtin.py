@@ -276,7 +276,11 @@ def _sdpa_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Page ids outside the cache (unused table entries) are clamped: their keys are masked.
     """
     b = q.shape[0]
-    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    page = k_cache.shape[1]
+    if p.block_table.shape[1] == 0:  # a table without pages: every length is 0
+        lse = torch.full((b, q.shape[2], q.shape[1]), float("-inf"), device=q.device) \
+            if p.return_lse else None
+        return AttentionOutput(_attends_nothing(q, k_cache, v_cache), lse)
     max_k = max(int(p.max_seqlen_k or 0), 1)
     right = p.alignment == "bottom_right"
     lens = p.seqlens_k.to(torch.long).view(b, 1)
@@ -284,11 +288,11 @@ def _sdpa_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     shift = (max_k - lens) if right else torch.zeros_like(lens)
     # the sequence's key index at each padded position (outside [0, L_b): masked)
     key = (pos - shift).clamp(0, page * p.block_table.shape[1] - 1)
-    pages = p.block_table.to(torch.long).gather(1, key // page)
-    flat = (pages.clamp(0, k_cache.shape[0] - 1) * page + key % page).view(-1)
-    kp = k_cache.reshape(-1, hkv, k_cache.shape[-1]).index_select(0, flat)
-    vp = v_cache.reshape(-1, hkv, v_cache.shape[-1]).index_select(0, flat)
-    kp, vp = kp.view(b, max_k, hkv, -1), vp.view(b, max_k, hkv, -1)
+    pages = p.block_table.to(torch.long).gather(1, key // page).clamp(0, k_cache.shape[0] - 1)
+    slot = key % page
+    # indexed by (page, slot), whatever the caches' strides: a flattening reshape would copy
+    # a whole strided cache (K and V interleaved per page) on every call
+    kp, vp = k_cache[pages, slot], v_cache[pages, slot]  # (B, max_k, Hkv, D)
     return _sdpa_key_padded(q, kp, vp, replace(p, block_table=None, seqlens_k=None),
                             lens.view(b), shift.view(b))
 
