@@ -72,10 +72,11 @@ def flash_dense_form(backend: str, params: AttnParams, q: torch.Tensor, k: torch
 def flash_varlen(fn: Callable[..., Any], backend: str, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, params: AttnParams, **kw: Any) -> Any:
     """Call a ``flash_attn_varlen_func`` on packed (thd) sequences. Only bottom-right masks
-    arrive here (``top_left_reason`` refuses the others for thd); ``kw`` is passed on."""
+    arrive here (``top_left_reason`` refuses the others for thd); ``kw`` is passed on. The
+    form is checked at the max lengths: the kernel clamps window edges against them."""
+    form = flash_form(backend, params, params.max_seqlen_q, params.max_seqlen_k)
     return fn(q, k, v, params.cu_seqlens_q, params.cu_seqlens_k, params.max_seqlen_q,
-              params.max_seqlen_k, **flash_kwargs(params, flash_form(backend, params, 1, 1)),
-              **kw)
+              params.max_seqlen_k, **flash_kwargs(params, form), **kw)
 
 
 def flash_output_kwargs(params: AttnParams) -> dict[str, Any]:

@@ -1,0 +1,53 @@
+"""Review: FlashAttention-2 clamps a window edge >= max_seqlen_k to "unbounded" in its
+varlen entry point (``mha_varlen_fwd``: ``if (window_size_right >= max_seqlen_k)
+window_size_right = -1``), for every document of the batch. Under bottom-right alignment a
+document with more queries than keys needs exactly such an edge for its first queries, so
+the call must be refused rather than answered with keys the window excludes. The fake below
+clamps as the library does; every answer ``flash_varlen`` gives must equal the reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from attnhub.core.flash_conventions import flash_varlen
+from attnhub.core.reference import reference_attention
+from attnhub.core.spec import AttnParams
+from attnhub.errors import BackendUnavailableError
+from attnhub.testing import flash_reference
+
+
+def _fa2_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale, causal=False,
+                window_size=(-1, -1), **_):  # type: ignore[no-untyped-def]
+    """flash_attn_varlen_func's maths: windows clamped against max_seqlen_k, then each
+    document bottom-right."""
+    window = tuple(-1 if w >= max_k else w for w in window_size)
+    outs = []
+    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q.tolist()),
+                                  itertools.pairwise(cu_k.tolist())):
+        o, _ = flash_reference(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
+                               softmax_scale=softmax_scale, causal=causal, window_size=window)
+        outs.append(o[0])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window", [(1, 3), (-1, 3), (2, 0), (0, 5), (4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_window_answers_exactly_or_refuses(window: tuple[int, int],
+                                                   causal: bool) -> None:
+    torch.manual_seed(0)
+    lq, lk = [7, 2, 3], [2, 3, 3]  # a document with more queries than keys
+    cu_q = torch.tensor([0, *itertools.accumulate(lq)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lk)], dtype=torch.int32)
+    q, k, v = torch.randn(sum(lq), 2, 8), torch.randn(sum(lk), 1, 8), torch.randn(sum(lk), 1, 8)
+    p = AttnParams(scale=0.3, causal=causal, window=window, cu_seqlens_q=cu_q,
+                   cu_seqlens_k=cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+    try:
+        out = flash_varlen(_fa2_varlen, "fa2", q, k, v, p)
+    except BackendUnavailableError as exc:
+        assert "window" in str(exc)
+        return
+    ref, _ = reference_attention(q, k, v, p, layout="thd")
+    torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
