@@ -4,8 +4,10 @@ Cells: 1 x 32k, 1 x 128k (the few-programs row), 64 x 32k and 32 x 4k (the paged
 query / 8 KV heads, d=128, random page table (the table row, and the fastest variants of a
 one-sequence cell, also on a sequential one). Per variant and split count: GPU time
 (CUDA-graph replay, ``triton_decode.gpu_us``) and the FlashAttention-rule check against
-fp32. A one-sequence cell tries, per tile config, the split counts that fill whole waves of
-programs (``programs = splits x 8`` a multiple of ``132 x programs-per-SM``) beside 64/128.
+fp32. A one-sequence cell tries, per tile config, the split counts that make one round of
+1, 2, ... programs per SM (as many as its binary fits) and those that fill whole waves
+(``programs = splits x 8`` a multiple of ``132 x programs per SM``), beside 64/128; a
+many-sequence cell tries variants of the 4-stage paged row (its own row is timed first).
 Then, per cell, eager time with host work included (``triton.testing.do_bench`` median, L2
 flushed) through ``Hub.attention(layout="paged")`` and for the fastest variant's kernel
 call, beside raw SDPA over a gathered contiguous copy of the same KV. Every compiled split
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if "--smoke" in sys.argv:  # before anything imports Triton (as triton_decode does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch
-from attnhub_triton_portable import decode, decode_configs
+from attnhub_triton_portable import decode
 from attnhub_triton_portable.decode_configs import DecodeConfig, choose_splits, decode_config
 from triton_decode import (
     HKV,
@@ -55,22 +57,22 @@ from triton_decode import (
 CELLS = ([(1, 256, 0.4), (1, 128, 0.3), (4, 64, 0.3)] if SMOKE else
          [(1, 32768, 0.33), (1, 131072, 0.33), (64, 32768, 0.17), (32, 4096, 0.17)])
 #: One-sequence cells, on top of the few-programs row: (name, config changes, programs per
-#: SM its shared memory allows, nominally: 64-key bf16 K+V tiles are 32 KB a stage).
+#: SM that its sm90 binary fits: shared memory and registers, sweep 3's ``kernels``).
 FEW = [
-    ("row", {}, 2),
-    ("s4", {"num_stages": 4}, 1),
-    ("w2", {"num_warps": 2}, 2),
-    ("mw8", {"merge_warps": 8}, 2),
-    ("s2", {"num_stages": 2}, 3),
-    ("n32_s3_w2", {"block_n": 32, "num_stages": 3, "num_warps": 2}, 4),
-    ("n32_s4_w2", {"block_n": 32, "num_stages": 4, "num_warps": 2}, 3),
-    ("n128_s2_w8", {"block_n": 128, "num_stages": 2, "num_warps": 8}, 1),
+    ("row", {}, 3),
+    ("s4", {"num_stages": 4}, 2),
+    ("w2", {"num_warps": 2}, 3),
+    ("mw8", {"merge_warps": 8}, 3),
+    ("s2", {"num_stages": 2}, 4),
+    ("n32_s3_w2", {"block_n": 32, "num_stages": 3, "num_warps": 2}, 6),
+    ("n32_s4_w2", {"block_n": 32, "num_stages": 4, "num_warps": 2}, 4),
+    ("n128_s2_w8", {"block_n": 128, "num_stages": 2, "num_warps": 8}, 2),
     ("n128_s3_w8", {"block_n": 128, "num_stages": 3, "num_warps": 8}, 1),
 ]
-#: Many-sequence cells, on top of the paged row: (name, changes, split counts; None: the
-#: heuristic's).
+#: Many-sequence cells, on top of the 4-stage paged row: (name, changes, split counts;
+#: None: the heuristic's).
 MANY = [
-    ("row", {}, [None, 1, 2, 4]),
+    ("paged", {}, [None, 1, 2, 4]),
     ("s3", {"num_stages": 3}, [1, 2]),
     ("s5", {"num_stages": 5}, [1, 2]),
     ("no_prefetch", {"prefetch_pages": False}, [None]),
@@ -86,18 +88,17 @@ FP8 = [
 
 
 def wave_splits(ctx: int, cfg: DecodeConfig, per_sm: int, sms: int) -> list[int]:
-    """Split counts of a one-sequence cell: whole waves of ``per_sm`` programs per SM (8 KV
-    heads), at least two key tiles a split, then 64 and 128 (the earlier rows)."""
+    """Split counts of a one-sequence cell (8 KV heads): one round of 1..``per_sm``
+    programs per SM, whole waves of ``per_sm`` per SM, at least two key tiles a split; then
+    64 and 128 (earlier rows)."""
     tiles = -(-ctx // cfg.block_n)
     if SMOKE:
         return sorted({2, 3, 4} & set(range(1, tiles + 1)))
     wave = sms * per_sm
+    rounds = [sms * k // HKV for k in range(1, per_sm + 1)]
     whole = [p // HKV for p in range(wave, 264 * HKV + 1, wave) if p % HKV == 0]
-    return [s for s in whole if s * 2 <= tiles] + [s for s in (64, 128) if s not in whole]
-
-
-_ROWS = (decode_configs._PAGED, decode_configs._PAGED_FEW, decode_configs._FP8_PAGED)
-_SAVED = [dict(r) for r in _ROWS]
+    ss = sorted({s for s in rounds + whole if s * 2 <= tiles})
+    return ss + [s for s in (64, 128) if s not in ss]
 
 
 def kernel_info() -> list[dict[str, Any]]:
@@ -216,16 +217,19 @@ def main() -> None:
                                                sdpa_outs[table], e, nbytes)
         print(json.dumps({k: v for k, v in cell.items() if k not in ("bf16", "fp8")}),
               flush=True)
-        few = batch == 1 if SMOKE else batch * HKV * 16 <= sms
+        few = batch == 1
         if few:
-            plan = [(name, ch, wave_splits(ctx, base.with_(**ch), per_sm, sms))
-                    for name, ch, per_sm in FEW]
+            cfgs = {name: base.with_(**ch) for name, ch, _ in FEW}
+            plan = [(name, wave_splits(ctx, cfgs[name], per_sm, sms))
+                    for name, _, per_sm in FEW]
         else:
-            plan = [(name, ch, list(dict.fromkeys(row_splits if s is None else s
-                                                  for s in ss)))
-                    for name, ch, ss in MANY]
-        for name, changes, split_list in plan:
-            cfg = base.with_(**changes)
+            paged = decode_config(arch, paged=True)
+            cfgs = {name: paged.with_(**ch) for name, ch, _ in MANY}
+            paged_splits = choose_splits(batch, HKV, ctx, sms, paged)
+            plan = [(name, list(dict.fromkeys(paged_splits if s is None else s for s in ss)))
+                    for name, _, ss in MANY]
+        for name, split_list in plan:
+            cfg = cfgs[name]
             for s in split_list:
                 if time.time() > deadline:
                     break
@@ -240,7 +244,7 @@ def main() -> None:
             if (r["name"], r["splits"]) not in top:
                 top.append((r["name"], r["splits"]))
         for name, s in top[:3] if few else top[:1]:
-            cfg = base.with_(**next(ch for n, ch, *_ in (FEW + MANY) if n == name))
+            cfg = cfgs[name]
             for table in ("random", "sequential"):
                 r = {"name": name, "repeat": True, **run_variant(
                     c, table, cfg, s, refs[table], sdpa_outs[table], e, nbytes)}
@@ -259,7 +263,7 @@ def main() -> None:
         best = None
         if top:
             name, s = top[0]
-            best = (name, base.with_(**next(ch for n, ch, *_ in (FEW + MANY) if n == name)), s)
+            best = (name, cfgs[name], s)
         ev = eager_times(hub, c, base, row_splits, best, args.fp8)
         cell["eager"] = ev
         print("eager", batch, ctx, json.dumps(ev), flush=True)
