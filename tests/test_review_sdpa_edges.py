@@ -194,3 +194,17 @@ def test_table_without_pages(hub: Hub, monkeypatch, gather: bool) -> None:
                              block_table=torch.zeros(2, 0, dtype=torch.int32),
                              seqlens_k=torch.zeros(2, dtype=torch.int32), backend="torch_sdpa")
     assert not out.any() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("backend", ["torch_sdpa", "reference", "torch_sdpa gather"])
+def test_paged_batch_of_none(hub: Hub, monkeypatch, backend: str) -> None:
+    """B=0 paged, as bshd takes it: an empty output (and LSE), not a backend crash (torch.cat
+    of no sequences) that a policy then falls back from."""
+    if backend.endswith("gather"):
+        monkeypatch.setattr(builtin, "_paged_gather_serves", lambda q, p: True)
+    kc, vc = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 16)
+    out, lse = hub.attention(torch.randn(0, 2, 4, 8), kc, vc, layout="paged", return_lse=True,
+                             block_table=torch.zeros(0, 2, dtype=torch.int32),
+                             seqlens_k=torch.zeros(0, dtype=torch.int32),
+                             backend=backend.split()[0])
+    assert out.shape == (0, 2, 4, 16) and lse.shape == (0, 4, 2)

@@ -30,6 +30,10 @@ def _serve_layouts(
     """Turn a paged call into varlen, then hand bshd or thd to ``run``."""
     if spec.layout == "paged":
         b, sq = q.shape[:2]
+        if b == 0:  # no sequences (thd has no form for an empty batch)
+            lse = q.new_empty(0, q.shape[2], sq, dtype=torch.float32) if params.return_lse \
+                else None
+            return AttentionOutput(_attends_nothing(q, k, v), lse)
         qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, k, v, params.block_table, params.seqlens_k)
         p = replace(params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=None)
         out, lse = run(qv, kv, vv, p, "thd")

@@ -27,4 +27,6 @@ def paged_to_varlen(
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=dev)
     cu_k = torch.zeros(b + 1, dtype=torch.int32, device=dev)
     cu_k[1:] = torch.cumsum(torch.tensor(lens, device=dev), 0)
+    if not ks:  # an empty batch
+        ks, vs = [k_cache[:0].flatten(0, 1)], [v_cache[:0].flatten(0, 1)]
     return q.reshape(b * sq, *q.shape[2:]), torch.cat(ks), torch.cat(vs), cu_q, cu_k
