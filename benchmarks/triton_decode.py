@@ -291,7 +291,10 @@ def measure_shape(batch: int, ctx: int, arch: str, sms: int,
     cases = copies_of(batch, ctx)
     c = cases[0]
     ref, sdpa_out = c.reference(), c.sdpa()()
-    cfg_c, cfg_p = decode_config(arch), decode_config(arch, paged=True)
+    # the rows decode_attention picks for this grid (paged: the few-programs row when the
+    # (sequence, KV head) pairs fit one round)
+    cfg_c = decode_config(arch)
+    cfg_p = decode_config(arch, paged=True, programs=(batch * HKV, sms))
     fused_c, fused_p = cfg_c.with_(fused_merge=True), cfg_p.with_(fused_merge=True)
     row: dict[str, Any] = {"batch": batch, "ctx": ctx, "kv_MB": kv_bytes(batch, ctx) / 1e6,
                            "splits": choose_splits(batch, HKV, ctx, sms, cfg_c),
