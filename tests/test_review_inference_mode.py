@@ -96,7 +96,15 @@ def test_transformers_under_inference_mode() -> None:
     from attnhub.integrations import transformers as hf
     from attnhub.integrations.transformers.testing import one_intraop_thread, twin_models
 
+    before = hf._hub
     hf.register(Hub())
+    try:
+        _generate_under_inference_mode(transformers, twin_models, one_intraop_thread)
+    finally:
+        hf.register(before)  # the other modules' registered hub
+
+
+def _generate_under_inference_mode(transformers, twin_models, one_intraop_thread) -> None:  # type: ignore[no-untyped-def]
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=32)
