@@ -120,3 +120,31 @@ def _generate_under_inference_mode(transformers, twin_models, one_intraop_thread
             assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
             kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
             assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+def test_kv_cache_tables_keep_their_proof_in_inference_mode(hub: Hub, monkeypatch) -> None:
+    """A cache's tables made under inference_mode are still vouched for: the hub reads
+    nothing back (no host sync per step on an accelerator), and an edit is still seen."""
+    from attnhub.core import contract
+
+    reads = []
+    real = contract._check_paged_contents
+    monkeypatch.setattr(contract, "_check_paged_contents",
+                        lambda *a: reads.append(1) or real(*a))
+    with torch.inference_mode():
+        cache = PagedKVCache(num_layers=1, num_pages=8, page_size=4, num_kv_heads=2,
+                             head_dim=8)
+        seqs = [cache.allocate() for _ in range(2)]
+        for s, n in zip(seqs, (3, 6)):
+            kv = torch.randn(n, 2, 8)
+            cache.write(0, cache.reserve([s], n), kv, torch.randn_like(kv))
+        bt, sl = cache.block_table(seqs), cache.seqlens(seqs)
+        q = torch.randn(2, 1, 4, 8)
+        kc, vc = cache.k_cache(0), cache.v_cache(0)
+        out = hub.attention(q, kc, vc, layout="paged", block_table=bt, seqlens_k=sl)
+        _check_paged(out, q, kc, vc, bt, sl)
+        assert reads == []
+        sl[0] = 1  # an edit inside inference mode: the tables are checked again
+        out = hub.attention(q, kc, vc, layout="paged", block_table=bt, seqlens_k=sl)
+        _check_paged(out, q, kc, vc, bt, sl)
+        assert reads == [1]

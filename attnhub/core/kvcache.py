@@ -364,8 +364,9 @@ class PagedKVCache:
         ``PagedTables.vouch``): the tables a step hands every layer are checked from these
         host values, so the hub reads nothing back (no host sync on an accelerator). The
         snapshot backends read is one device copy (asynchronous on an accelerator)."""
-        t = host.to(self.device)
-        PAGED.vouch(t, t.clone(), fact)
+        with torch.inference_mode(False):  # a version counter for the proof, even when the
+            t = host.to(self.device, copy=True)  # step runs under torch.inference_mode
+            PAGED.vouch(t, t.clone(), fact)
         return t
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
