@@ -148,3 +148,46 @@ def test_kv_cache_tables_keep_their_proof_in_inference_mode(hub: Hub, monkeypatc
         out = hub.attention(q, kc, vc, layout="paged", block_table=bt, seqlens_k=sl)
         _check_paged(out, q, kc, vc, bt, sl)
         assert reads == [1]
+
+
+def test_backends_get_tables_with_a_version_counter() -> None:
+    """The snapshots a backend reads keep a version counter under inference_mode: backends
+    stamp their plans with it (FlashInfer's plan cache, the CSR tables of the sm80 plugin),
+    which raised on inference tensors."""
+    import attnhub
+    from attnhub.core.backend import AttentionOutput, Backend
+    from attnhub.core.capabilities import ALL_MASKS, Capabilities
+    from attnhub.core.registry import Registry
+    from attnhub.hookspecs import hookimpl
+
+    stamps: list[tuple[int, ...]] = []
+
+    class Stamping(Backend):
+        name = "stamping"
+        tier = "portable"
+        capabilities = Capabilities(dtypes=frozenset({"fp32"}), max_head_dim=256, gqa=True,
+                                    layouts=frozenset({"thd", "paged"}), masks=ALL_MASKS)
+
+        def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
+            tables = (params.block_table, params.seqlens_k) if spec.layout == "paged" else (
+                params.cu_seqlens_q, params.cu_seqlens_k)
+            stamps.append(tuple(t._version for t in tables))
+            return AttentionOutput(q.new_zeros(*q.shape[:-1], v.shape[-1]), None)
+
+    class Plugin:
+        @hookimpl
+        def attnhub_register_backends(self, register):  # type: ignore[no-untyped-def]
+            register(Stamping())
+
+    reg = Registry.load(entry_points=False, modules=[])
+    reg.add_plugin(Plugin(), "stamping")
+    hub = attnhub.Hub(registry=reg, hardware="cpu")
+    with torch.inference_mode():
+        kc = torch.randn(4, 4, 2, 8)
+        hub.attention(torch.randn(2, 1, 4, 8), kc, kc, layout="paged", backend="stamping",
+                      block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                      seqlens_k=torch.tensor([3, 8], dtype=torch.int32))
+        cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+        hub.attention(torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8),
+                      layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, backend="stamping")
+    assert len(stamps) == 2

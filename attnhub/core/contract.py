@@ -356,6 +356,13 @@ def _stamp(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
         return None
 
 
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A private copy backends read, with a version counter even when the caller's tensor
+    was made under ``torch.inference_mode`` (backends may stamp the tables they get)."""
+    with torch.inference_mode(False):
+        return t.clone()
+
+
 class CuSeqlens(_Memo):
     """Checks ``cu_seqlens_q``/``cu_seqlens_k`` of a ``thd`` call once per change (a host
     copy then) and hands backends a private snapshot (see :class:`_Memo`)."""
@@ -380,7 +387,7 @@ class CuSeqlens(_Memo):
         memo = self._hit(cu_q, cu_k, geometry)
         if memo is not None:
             return memo[3], memo[4], memo[5], memo[6]
-        snap_q, snap_k = cu_q.clone(), cu_k.clone()
+        snap_q, snap_k = _snapshot(cu_q), _snapshot(cu_k)
         mq = _check_cu_contents("cu_seqlens_q", snap_q, total_q)
         mk = _check_cu_contents("cu_seqlens_k", snap_k, total_k)
         self._store(cu_q, cu_k, geometry, snap_q, snap_k, mq, mk)
@@ -441,7 +448,7 @@ class PagedTables(_Memo):
         if proof is not None:
             snap_bt, snap_sl, max_len = proof
         else:
-            snap_bt, snap_sl = block_table.clone(), seqlens_k.clone()
+            snap_bt, snap_sl = _snapshot(block_table), _snapshot(seqlens_k)
             max_len = _check_paged_contents(snap_bt, snap_sl, k.shape[0], k.shape[1])
         self._store(block_table, seqlens_k, geometry, snap_bt, snap_sl, max_len)
         return snap_bt, snap_sl, max_len
