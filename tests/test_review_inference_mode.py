@@ -191,3 +191,19 @@ def test_backends_get_tables_with_a_version_counter() -> None:
         hub.attention(torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8),
                       layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, backend="stamping")
     assert len(stamps) == 2
+
+
+@pytest.mark.xfail(strict=True, raises=Exception,
+                   reason="triton_portable flex.py _token reads t._version of side tensors "
+                          "(prefix_lens, alibi_slopes, colmask): raises on inference tensors; "
+                          "reported to the plugin's owner")
+def test_flex_side_tensors_made_in_inference_mode(hub: Hub) -> None:
+    if "flex" not in hub.registry.backends:
+        pytest.skip("flex backend not installed")
+    with torch.inference_mode():
+        q, k = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16)
+        slopes = torch.rand(4) * 0.3
+        out = hub.attention(q, k, k, alibi_slopes=slopes, backend="flex")
+        p = AttnParams(scale=0.25, alibi_slopes=slopes)
+        ref64, _, same = fa_references(q, k, k, p)
+        assert_fa_rule(out, ref64, same)
