@@ -101,19 +101,22 @@ def counts(fn: Callable[[], Any], stubs: dict[str, list[StubKernel]],
 
 
 def per_call_us(fn: Callable[[], Any], calls: int, repeats: int,
-                sync: Callable[[], None] = lambda: None) -> float:
+                sync: Callable[[], None] = lambda: None,
+                clock: Callable[[], float] = time.perf_counter) -> float:
     """Median over ``repeats`` of the mean time of ``calls`` back-to-back calls (and one
-    ``sync`` at the end, so that on a GPU a call's time is max(host, GPU) per call)."""
+    ``sync`` at the end, so that on a GPU a call's time is max(host, GPU) per call).
+    ``clock``: wall time by default; ``time.thread_time`` counts only this thread's CPU
+    time, which other work on a shared machine inflates far less."""
     for _ in range(min(calls, 200)):
         fn()
     sync()
     runs = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         for _ in range(calls):
             fn()
         sync()
-        runs.append((time.perf_counter() - t) / calls * 1e6)
+        runs.append((clock() - t) / calls * 1e6)
     return statistics.median(runs)
 
 
@@ -163,13 +166,17 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024, help="context length (1 sequence)")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                    help="cpu (stubbed runs): this thread's CPU time, steadier on a shared "
+                         "machine; wall: elapsed time")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--profile", default=None, help="cProfile this case name, print top 25")
     ap.add_argument("--check", action="store_true",
                     help="verify each launch's specialization against its binary's")
     args = ap.parse_args()
     results: dict[str, Any] = {"triton": triton.__version__, "torch": torch.__version__,
-                               "device": args.device, "ctx": args.ctx, "cases": {}}
+                               "device": args.device, "ctx": args.ctx, "cases": {},
+                               "clock": "wall" if args.device == "cuda" else args.clock}
     if args.device == "cuda":
         gpu_main(args, results)
     else:
@@ -279,7 +286,9 @@ def eager_32k(decode: Any, fastlaunch: Any, F: Any) -> dict[str, Any]:
 def measure(name: str, fn: Callable[[], Any], stubs: dict[str, list[StubKernel]],
             args: argparse.Namespace) -> dict[str, Any]:
     """Time, count and optionally profile one case; prints one line."""
-    res = {"us_per_call": per_call_us(fn, args.calls, args.repeats), **counts(fn, stubs)}
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    res = {"us_per_call": per_call_us(fn, args.calls, args.repeats, clock=clock),
+           **counts(fn, stubs)}
     print(f"{name:30s} {res['us_per_call']:7.2f} us/call  allocs {res['allocs']:.0f}  "
           f"syncs {res['syncs']:.0f}  launches {res['launches']:.0f}", flush=True)
     if args.profile == name:

@@ -62,10 +62,13 @@ class TritonDecodeBackend(Backend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
-        return self._run(q, k, v, spec, params)
+        """The LSE is returned when ``params.return_lse`` asks for it, else None (the
+        kernels then write it to scratch: one allocation less per call)."""
+        return self._run(q, k, v, spec, params, None, None)
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-             params: AttnParams, **descales: torch.Tensor) -> AttentionOutput:
+             params: AttnParams, k_descale: torch.Tensor | None,
+             v_descale: torch.Tensor | None) -> AttentionOutput:
         _refuse_unserved(params, spec.layout)
         paged = spec.layout == "paged"
         out, lse = self._decode(
@@ -73,7 +76,8 @@ class TritonDecodeBackend(Backend):
             window=params.window, softcap=params.softcap, alibi_slopes=params.alibi_slopes,
             block_table=params.block_table if paged else None,
             seqlens_k=params.seqlens_k if paged else None,
-            max_seqlen_k=params.max_seqlen_k if paged else None, **descales)
+            max_seqlen_k=params.max_seqlen_k if paged else None, k_descale=k_descale,
+            v_descale=v_descale, return_lse=params.return_lse)
         return AttentionOutput(out, lse)
 
 
@@ -121,7 +125,7 @@ class TritonDecodeFp8Backend(TritonDecodeBackend):
                              "..., 'v_descale': ...} float32 tensors ((num_pages, Hkv) for a "
                              "paged cache, e.g. PagedKVCache.scales.descales(layer))")
         try:
-            return self._run(q, k, v, spec, params, k_descale=kd, v_descale=vd)
+            return self._run(q, k, v, spec, params, kd, vd)
         except ValueError as exc:  # the descales' shape/device: the caller's input
             raise InputError(f"triton_decode_fp8: {exc}") from None
 

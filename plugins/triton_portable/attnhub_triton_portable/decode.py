@@ -23,6 +23,7 @@ tile ahead with ``V_AHEAD``); on an H200 that path runs at about the bf16 cache'
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from . import scratch, tiles
+from . import fastlaunch, scratch, tiles
 from .configs import block_d
 from .decode_configs import (
     INTERPRETER_SM_COUNT,
@@ -370,7 +371,10 @@ class _Launches(NamedTuple):
     split_tail: tuple[Any, ...]
     merge: Launcher | None
     merge_tail: tuple[Any, ...]
-    partial_rows: int  # rows of partial outputs; 0 with one split (none written)
+    #: fp32 scratch sizes: the partial outputs and their LSEs, () with one split (none
+    #: written); ``no_lse`` adds the LSE rows, for calls whose LSE nobody reads
+    partials: tuple[int, ...]
+    no_lse: tuple[int, ...]
     counters: int  # fused-merge tickets; 0 without the fused merge
 
 
@@ -388,8 +392,9 @@ class _Shape:
     the same specialization, which is what lets ``Launcher`` skip Triton's dispatch.
     """
 
-    __slots__ = ("by_longest", "by_splits", "cap_k", "consts", "copy", "device", "dtype",
-                 "empty", "ints", "lse_shape", "out_shape", "plan_args", "plan_opts", "strides")
+    __slots__ = ("by_longest", "by_splits", "cap_k", "consts", "copy", "device", "dim",
+                 "empty", "interpreted", "ints", "new_lse", "new_out", "plan_args",
+                 "plan_opts", "strides")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  alignment: str, window: tuple[int, int] | None, softcap: bool,
@@ -402,9 +407,10 @@ class _Shape:
             raise ValueError("decode_attention: a paged cache needs seqlens_k (B,) int32")
         batch, seqlen_q, hq, dim = q.shape
         _check_shapes(q, k, v, paged, slopes, block_table, seqlens_k)
-        self.device, self.dtype = q.device, q.dtype
-        self.out_shape = (batch, seqlen_q, hq, dim)
-        self.lse_shape = (batch, hq, seqlen_q)
+        self.device, self.dim = q.device, dim
+        self.interpreted = isinstance(_split_kernel, InterpretedFunction)
+        self.new_out = _allocator((batch, seqlen_q, hq, dim), q.dtype, q.device)
+        self.new_lse = _allocator((batch, hq, seqlen_q), torch.float32, q.device)
         self.empty = batch * seqlen_q * hq * dim == 0
         self.copy = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -464,12 +470,33 @@ class _Shape:
             merge = Launcher(_merge_kernel, (batch * hq * seqlen_q,),
                              {"num_warps": cfg.merge_warps})
         merge_tail = (*self.strides[9:12], seqlen_q, hq, splits, dim, plan.block_s, bd)
-        return _Launches(split, split_tail, merge, merge_tail,
-                         batch * hq * seqlen_q * splits if splits > 1 else 0,
+        rows = batch * hq * seqlen_q
+        partials = (rows * splits * dim, rows * splits) if splits > 1 else ()
+        return _Launches(split, split_tail, merge, merge_tail, partials, (*partials, rows),
                          batch * hkv * plan.m_blocks if fused else 0)
 
 
 _shapes: dict[tuple[Any, ...], _Shape] = {}
+
+
+@functools.cache
+def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One element that the allocation templates of all shapes broadcast."""
+    return torch.empty((), dtype=dtype, device=device)
+
+
+def _allocator(shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> Callable[[], torch.Tensor]:
+    """A maker of new contiguous ``shape`` tensors, as ``torch.empty`` but cheaper per call:
+    ``torch.empty_like`` of one element broadcast to ``shape`` (a broadcast is not dense,
+    so the new tensor gets contiguous strides) skips parsing size, dtype and device (on this
+    box 2.5-5 us against 5-7 us). Where that would not give ``torch.empty``'s strides
+    (one element or none: ``empty_like`` copies the broadcast's zero strides), ``torch.empty``."""
+    template = _one(dtype, device).expand(shape)
+    want = torch.empty(shape, dtype=dtype, device="meta").stride()
+    if torch.empty_like(template).stride() == want:
+        return functools.partial(torch.empty_like, template)
+    return functools.partial(torch.empty, shape, dtype=dtype, device=device)
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool,
@@ -537,10 +564,6 @@ def _aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
     return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _meta(t: torch.Tensor | None) -> Any:
-    return None if t is None else (t.shape, t.stride(), t.dtype)
-
-
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
     causal: bool = False, alignment: str = "bottom_right",
@@ -549,8 +572,11 @@ def decode_attention(
     seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None,
     k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
     num_splits: int | None = None, config: DecodeConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention; returns (out like q, LSE (B, Hq, Sq) fp32, natural log).
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode attention; returns (out like q, LSE (B, Hq, Sq) fp32, natural log); the LSE
+    is None with ``return_lse=False`` (the kernels then write it to reused scratch, which
+    saves an allocation per call).
 
     q (B, Sq, Hq, D). Contiguous cache: k/v (B, Sk, Hkv, D), optionally ``seqlens_k`` (B,)
     int32 for per-sequence lengths <= Sk. Paged cache: k/v (num_pages, page_size, Hkv, D)
@@ -571,32 +597,46 @@ def decode_attention(
 
     Host work per call is kept small for eager decode loops: everything that follows from
     shapes, strides, dtypes, flags and pointer alignment is computed once per such key
-    (``_Shape``), the kernels are launched through ``Launcher`` (Triton's dispatch skipped
-    once the binary is known), and the partial outputs live in reused per-thread, per-stream
-    scratch (``scratch.partials``); ``out`` and ``lse`` are new tensors on every call.
+    (``_Shape``, which also holds cheap allocators for the outputs); the device's stream and
+    the launch-hook state are read once per call and shared by both launches; the kernels
+    are launched through ``Launcher`` (Triton's dispatch skipped once the binary is known);
+    and the partial outputs live in reused per-thread, per-stream scratch (``scratch.fp32``).
+    ``out``, and ``lse`` when returned, are new tensors on every call. A q on a CUDA device
+    other than the current one is run under ``torch.cuda.device(q.device)``.
     """
     if window is not None and type(window) is not tuple:
         window = tuple(window)
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
-    # the kernel indexes tables and lengths with unit inner stride: strided views are copied
-    if block_table is not None and block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
-    if seqlens_k is not None and seqlens_k.dim() == 1 and seqlens_k.stride(0) != 1:
-        seqlens_k = seqlens_k.contiguous()
+    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()
+    # block table and lengths as (shape, strides, dtype), each read once; the kernel indexes
+    # them with unit inner stride: strided views are copied
+    table_meta = lens_meta = None
+    if block_table is not None:
+        strides = block_table.stride()
+        if strides and strides[-1] != 1:
+            block_table = block_table.contiguous()
+            strides = block_table.stride()
+        table_meta = (block_table.shape, strides, block_table.dtype)
+        ptrs |= block_table.data_ptr()
+    if seqlens_k is not None:
+        strides = seqlens_k.stride()
+        if len(strides) == 1 and strides[0] != 1:
+            seqlens_k = seqlens_k.contiguous()
+            strides = seqlens_k.stride()
+        lens_meta = (seqlens_k.shape, strides, seqlens_k.dtype)
+        ptrs |= seqlens_k.data_ptr()
     descales = None
     if k_descale is not None or v_descale is not None or k.dtype in FP8_KV_DTYPES:
         descales = _descales(k, block_table is not None, q.shape[0], k_descale, v_descale)
-    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()
-    for t in (block_table, seqlens_k, slopes):
-        if t is not None:
-            ptrs |= t.data_ptr()
-    if descales is not None:
-        ptrs |= descales[0].data_ptr() | descales[1].data_ptr()
+        if descales is not None:
+            ptrs |= descales[0].data_ptr() | descales[1].data_ptr()
+    if slopes is not None:
+        ptrs |= slopes.data_ptr()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
            v.dtype, q.device, causal, alignment, window, bool(softcap), num_splits, config,
-           _meta(block_table), _meta(seqlens_k), None if slopes is None else slopes.shape,
+           table_meta, lens_meta, None if slopes is None else slopes.shape,
            None if descales is None else (descales[0].stride(), descales[1].stride()),
            ptrs % 16 == 0 or _aligned(q, k, v, block_table, seqlens_k, slopes,
                                       *(descales or ())))
@@ -609,25 +649,41 @@ def decode_attention(
         if len(_shapes) >= _CACHE_LIMIT:
             _shapes.clear()
         _shapes[key] = shape
-    out = torch.empty(shape.out_shape, dtype=shape.dtype, device=shape.device)
-    lse = torch.empty(shape.lse_shape, dtype=torch.float32, device=shape.device)
+    if shape.interpreted:
+        device, stream, direct = -1, 0, False  # the interpreter launches on neither
+    else:
+        state = fastlaunch.launch_state(shape.device)
+        if state is None:  # q is not on the current device: launch where it is
+            with torch.cuda.device(shape.device):
+                return decode_attention(
+                    q, k, v, scale=scale, causal=causal, alignment=alignment, window=window,
+                    softcap=softcap, alibi_slopes=slopes, block_table=block_table,
+                    seqlens_k=seqlens_k, max_seqlen_k=max_seqlen_k, k_descale=k_descale,
+                    v_descale=v_descale, num_splits=num_splits, config=config,
+                    return_lse=return_lse)
+        device, stream, direct = state
+    out = shape.new_out()
     if shape.empty:
-        return out, lse
+        return out, shape.new_lse() if return_lse else None
     if shape.copy:
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     longest = shape.cap_k if max_seqlen_k is None else min(max_seqlen_k, shape.cap_k)
     run = shape.by_longest.get(longest) or shape.launches(longest)
-    if run.partial_rows:
-        opart, lpart = scratch.partials(shape.device, run.partial_rows, shape.out_shape[3])
-    else:
-        opart = lpart = lse  # unused by the kernel
-    counters = scratch.zeroed_counters(shape.device, run.counters) if run.counters else lse
+    if return_lse:
+        lse = shape.new_lse()
+        bufs = scratch.fp32(shape.device, stream, run.partials) if run.partials else ()
+    else:  # the kernels still write one: to scratch
+        bufs = scratch.fp32(shape.device, stream, run.no_lse)
+        lse = bufs[-1]
+    # tensors the kernel does not read (no split, no fused merge...) are passed as lse
+    opart, lpart = bufs[:2] if run.partials else (lse, lse)
+    counters = scratch.zeroed_counters(shape.device, stream, run.counters) if run.counters \
+        else lse
     ks, vs = descales if descales is not None else (lse, lse)
-    run.split(q, k, v, out, lse, opart, lpart, counters,
-              lse if block_table is None else block_table,
-              lse if seqlens_k is None else seqlens_k, lse if slopes is None else slopes,
-              ks, vs, *shape.strides, float(scale), float(softcap) if softcap else 1.0,
-              *run.split_tail)
+    run.split(device, stream, direct, (
+        q, k, v, out, lse, opart, lpart, counters, lse if block_table is None else block_table,
+        lse if seqlens_k is None else seqlens_k, lse if slopes is None else slopes, ks, vs,
+        *shape.strides, float(scale), float(softcap) if softcap else 1.0, *run.split_tail))
     if run.merge is not None:
-        run.merge(opart, lpart, out, lse, *run.merge_tail)
-    return out, lse
+        run.merge(device, stream, direct, (opart, lpart, out, lse, *run.merge_tail))
+    return out, lse if return_lse else None

@@ -4,18 +4,26 @@
 ``JITFunction.run``): read three knobs, ask the driver for device and stream, bind and
 specialize every argument (dtype and 16-byte alignment of each pointer, divisibility of
 each integer), build a cache key from the specialization and the options, look it up,
-re-check the kernel's global variables, then call the C launcher. For a decode kernel with
-~45 arguments that is tens of microseconds per launch, more than the kernel itself at small
+re-check the kernel's global variables, then call the launcher. For a decode kernel with
+~60 arguments that is tens of microseconds per launch, more than the kernel itself at small
 contexts. None of it changes while the arguments' types, integer values and pointer
 alignments stay the same; the C launcher, which reads the arguments, is the only part each
 call needs.
 
 ``Launcher`` is one kernel at one specialization: the caller builds it under a key that
 fixes everything Triton specializes on (all integer arguments and constexprs, tensor dtypes
-and pointer alignment, launch options), so its first call goes through Triton's JIT, which
-compiles or finds the binary and launches it, and later calls on the same device launch
-that binary directly. When a launch hook is registered (a profiler such as proton) every
-call takes Triton's full path, so profilers see what they expect.
+and pointer alignment, launch options), so its first call on a device goes through Triton's
+JIT, which compiles or finds the binary and launches it, and later calls on that device
+launch the binary directly (``_direct``). The caller reads the device's current stream and
+whether the direct path is allowed once per call (``launch_state``) and passes them to each
+of its launches. When a launch hook is registered (a profiler such as proton) every launch
+takes Triton's full path, so profilers see what they expect.
+
+The direct path calls Triton's C launcher itself where Triton's Python wrapper around it
+(``CudaLauncher.__call__``) would only pass constants through: for a binary that needs no
+global or profile scratch, no GSan, on a Triton whose wrapper this module knows (3.6, 3.9).
+Anything else keeps the wrapper. ``launch_state`` reads the device and stream from torch
+without Triton's driver wrappers (``torch.cuda.current_device`` re-runs ``_lazy_init``).
 
 Assumes what Triton itself reads once per process stays fixed after the first launch:
 ``TRITON_DEBUG``/``knobs.runtime.debug`` and the instrumentation mode.
@@ -25,17 +33,75 @@ through Triton's dispatch, to compare or to rule this path out.
 
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
+import torch
+import triton
 from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.knobs import HookChain
 from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
 
+try:
+    from triton.backends.nvidia.driver import CudaLauncher
+except ImportError:  # a Triton without the NVIDIA backend: every launch keeps its wrapper
+    CudaLauncher = None
+
 #: Launch known binaries directly (see the module docstring); False: always Triton's path.
 DIRECT = os.environ.get("ATTNHUB_TRITON_DIRECT_LAUNCH", "1") != "0"
+
+#: (device index, raw stream) -> None: one direct launch of a fixed grid.
+DirectLaunch = Callable[[int, tuple[Any, ...]], None]
+
+#: ``CudaLauncher.__call__``'s parameters -> the order its C launcher takes arguments in,
+#: for the Triton versions whose wrapper was read (the versions below): "3.9" (hooks,
+#: then scratch, then the kernel's arguments as one tuple with their annotations) or "3.6"
+#: (scratch, then hooks, then the kernel's arguments spread).
+_WRAPPERS = {
+    ("3.9", ("self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
+             "launch_metadata", "launch_enter_hook", "launch_exit_hook", "args")): "3.9",
+    ("3.6", ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")): "3.6",
+}
+
+
+def _c_layout() -> str | None:
+    """The argument order of this Triton's C launcher, or None if its wrapper is unknown."""
+    if CudaLauncher is None:
+        return None
+    params = tuple(inspect.signature(CudaLauncher.__call__).parameters)
+    return _WRAPPERS.get((".".join(triton.__version__.split(".")[:2]), params))
+
+
+#: See ``_c_layout``; read by ``launch_stub`` to parse what its stub C launcher receives.
+C_LAYOUT = _c_layout()
+
+if torch.cuda.is_available():
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+    from torch._C import _cuda_getDevice as _current_device
+
+
+def launch_state(device: torch.device) -> tuple[int, int, bool] | None:
+    """What a call's launches on tensors on ``device`` share, read once per call: (device
+    index, raw handle of its current stream, whether launches may skip Triton's dispatch:
+    the switch is on and no launch hook is registered). None when ``device`` is a CUDA
+    device other than the current one: the caller then runs under
+    ``torch.cuda.device(device)`` (Triton launches on the current device's context).
+    Tensors of another type only reach compiled kernels under ``launch_stub``, whose driver
+    answers."""
+    runtime = knobs.runtime
+    direct = DIRECT and _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
+    if device.type == "cuda":
+        index = device.index
+        if _current_device() != index:
+            return None
+        return index, _raw_stream(index), direct
+    active = driver.active
+    index = active.get_current_device()
+    return index, active.get_current_stream(index), direct
 
 
 class Launcher:
@@ -47,39 +113,65 @@ class Launcher:
     pointer alignment, and pass floats as Python floats.
     """
 
-    __slots__ = ("_bins", "fn", "grid", "interpreted", "options")
+    __slots__ = ("_bins", "_direct", "fn", "grid", "interpreted", "options")
 
     def __init__(self, fn: Any, grid: tuple[int, ...], options: dict[str, Any]):
         self.fn = fn
         self.grid = (grid + (1, 1))[:3]
         self.options = options
         self.interpreted = isinstance(fn, InterpretedFunction)
-        #: device index -> (C launcher, function handle, packed metadata, the binary kept
-        #: alive so that Triton never unloads it while it is cached here)
-        self._bins: dict[int, tuple[Any, Any, Any, CompiledKernel]] = {}
+        #: device index -> the direct launch of its binary
+        self._direct: dict[int, DirectLaunch] = {}
+        #: device index -> the binary, kept alive so that Triton never unloads it while a
+        #: direct launch holds its function handle
+        self._bins: dict[int, CompiledKernel] = {}
 
-    def __call__(self, *args: Any) -> None:
+    def __call__(self, device: int, stream: int, direct: bool, args: tuple[Any, ...]) -> None:
+        """Launch on ``device`` (the current one) and ``stream`` (its current stream), with
+        ``direct`` as ``launch_state`` gives them."""
         if self.interpreted:
             self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
             return
-        active = driver.active
-        device = active.get_current_device()
-        hit = self._bins.get(device)
-        if hit is None or not (DIRECT and _idle(knobs.runtime.launch_enter_hook)
-                               and _idle(knobs.runtime.launch_exit_hook)):
+        go = self._direct.get(device)
+        if go is None or not direct:
             self._slow(device, args)
             return
-        run, function, metadata, _ = hit
-        g0, g1, g2 = self.grid
-        # No hook to call: no launch metadata to build (Triton builds it on every launch)
-        run(g0, g1, g2, active.get_current_stream(device), function, metadata, None, None,
-            None, *args)
+        go(stream, args)
 
     def _slow(self, device: int, args: tuple[Any, ...]) -> None:
         """Triton's own dispatch; keeps the binary it returns for the direct path."""
         kernel = self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
-        if isinstance(kernel, CompiledKernel) and device not in self._bins:
-            self._bins[device] = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
+        if isinstance(kernel, CompiledKernel) and device not in self._direct:
+            self._direct[device] = _direct(kernel, self.grid)
+            self._bins[device] = kernel
+
+
+def _direct(kernel: CompiledKernel, grid: tuple[int, ...]) -> DirectLaunch:
+    """A launch of ``kernel`` over ``grid`` without Triton's dispatch: no launch metadata
+    and ``None`` hooks (the launchers skip a ``None`` hook, so with no hook registered it is
+    the same launch), and, where ``_c_layout`` allows, without the Python wrapper."""
+    run = kernel.run
+    g0, g1, g2 = grid
+    function, metadata = kernel.function, kernel.packed_metadata
+    if (C_LAYOUT is None or not isinstance(run, CudaLauncher) or run.global_scratch_size
+            or run.profile_scratch_size or getattr(run, "gsan_enabled", False)):
+        def wrapped(stream: int, args: tuple[Any, ...]) -> None:
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+
+        return wrapped
+    # The wrapper would allocate no scratch (sizes 0: it passes None) and pass these through
+    launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+    if C_LAYOUT == "3.9":
+        annotations, signature = run.arg_annotations, run.kernel_signature
+
+        def c_launch(stream: int, args: tuple[Any, ...]) -> None:
+            launch(g0, g1, g2, stream, function, coop, pdl, metadata, None, None, None, None,
+                   None, annotations, signature, args)
+    else:
+        def c_launch(stream: int, args: tuple[Any, ...]) -> None:
+            launch(g0, g1, g2, stream, function, coop, pdl, None, None, metadata, None, None,
+                   None, *args)
+    return c_launch
 
 
 def _idle(hook: Any) -> bool:

@@ -2,9 +2,10 @@
 
 ``stub_triton(kernels)`` makes Triton's active driver report an sm90 GPU (device 0, stream
 0) and makes each given ``JITFunction`` "compile" to a ``StubKernel``, stored in Triton's
-own kernel cache, whose launcher only counts. Everything before the C launcher runs for
-real: ``JITFunction.run`` (binding, specialization, cache key), ``fastlaunch.Launcher`` and
-the callers' Python. With ``check=True`` each stub launch is also logged (grid and
+own kernel cache, whose C launcher only counts. Everything before the C launcher runs for
+real: ``JITFunction.run`` (binding, specialization, cache key), Triton's Python launcher
+wrapper (``CudaLauncher.__call__``, where ``fastlaunch`` knows it), ``fastlaunch.Launcher``
+and the callers' Python. With ``check=True`` each stub launch is also logged (grid and
 arguments, to compare launch paths) and asks Triton's binder how it would specialize the
 arguments it received, raising if that is not the specialization the binary was built for:
 a launch path that skips Triton's dispatch is then checked, call by call, to launch each
@@ -26,10 +27,12 @@ from triton.compiler.compiler import LazyDict
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
+from .fastlaunch import C_LAYOUT, CudaLauncher
+
 
 class StubDriver:
-    """What ``JITFunction.run`` and ``Launcher`` ask of Triton's driver: device 0, stream 0,
-    an sm90 target."""
+    """What ``JITFunction.run`` and ``fastlaunch.place`` ask of Triton's driver: device 0,
+    stream 0, an sm90 target."""
 
     def get_current_device(self) -> int:
         return 0
@@ -45,30 +48,40 @@ class StubKernel(CompiledKernel):
     """A "binary" for one specialization: launching it counts, and checks the arguments.
 
     A ``CompiledKernel`` without a binary (``__init__`` reads none), so code that checks
-    for the type accepts it; ``module`` stays None, so ``__del__`` unloads nothing.
+    for the type accepts it; ``module`` stays None, so ``__del__`` unloads nothing. Its
+    ``run`` is a ``StubLauncher``: Triton's own Python launcher wrapper around a C launcher
+    (``launched``) that only counts, so a launch through the wrapper and one that calls the
+    C launcher directly both end there.
     """
 
     function = None
     packed_metadata = None
     module = None
+    run = None  # type: ignore[assignment]  # an instance attribute here, not the property
 
     def __init__(self, fn: JITFunction, specialization: list[Any], binder: Any,
                  log: list[tuple[str, tuple[int, ...], tuple[Any, ...]]] | None):
         self.fn, self.specialization, self._binder, self._log = fn, specialization, binder, log
         self.launches = 0
+        #: every argument of the last C launch, to compare launch paths (``c_split``)
+        self.last_c_call: tuple[Any, ...] = ()
+        self.run = StubLauncher(self) if C_LAYOUT else self.launched  # type: ignore[assignment]
 
-    def run(self, *launch: Any) -> None:  # type: ignore[override]  # the launcher itself
-        """``launch`` is (grid x3, stream, function, metadata, launch metadata, enter hook,
-        exit hook, *kernel arguments), as Triton's launchers take it."""
-        if self._log is not None:
-            self._log.append((self.fn.__name__, launch[:3], launch[9:]))
-            got = self._binder(*launch[9:])[1]
-            if got != self.specialization:
-                diff = [(name, want, have) for name, want, have in
-                        zip(self.fn.arg_names, self.specialization, got) if want != have]
-                raise AssertionError(f"{self.fn.__name__}: launched with arguments specialized "
-                                     f"as {diff} (name, binary, arguments)")
+    def launched(self, *c_args: Any) -> None:
+        """The C launcher: counts; with ``check``, logs the launch and raises unless Triton
+        would specialize its arguments as this binary."""
         self.launches += 1
+        self.last_c_call = c_args
+        if self._log is None:
+            return
+        head, args = c_split(c_args)
+        self._log.append((self.fn.__name__, head[:3], args))
+        got = self._binder(*args)[1]
+        if got != self.specialization:
+            diff = [(name, want, have) for name, want, have in
+                    zip(self.fn.arg_names, self.specialization, got) if want != have]
+            raise AssertionError(f"{self.fn.__name__}: launched with arguments specialized "
+                                 f"as {diff} (name, binary, arguments)")
 
     def launch_metadata(self, grid: Any, stream: Any, *args: Any) -> LazyDict | None:
         """As ``CompiledKernel.launch_metadata`` for a kernel without its own: Triton builds
@@ -76,6 +89,34 @@ class StubKernel(CompiledKernel):
         if knobs.runtime.launch_enter_hook is None:
             return None
         return LazyDict({"name": self.fn.__name__, "function": None, "stream": stream})
+
+
+def c_split(c_args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """A stub C launch's arguments as (what comes before the kernel's arguments: grid,
+    stream, function, hooks, scratch..., the kernel's arguments), in ``C_LAYOUT``'s order:
+    3.9 passes them as one tuple after 15 others, 3.6 spread after 13, and where the wrapper
+    itself is the stub (an unknown wrapper) they come spread after 9."""
+    if C_LAYOUT == "3.9":
+        return c_args[:15], tuple(c_args[15])
+    split = 13 if C_LAYOUT == "3.6" else 9
+    return c_args[:split], c_args[split:]
+
+
+if C_LAYOUT is not None:
+    class StubLauncher(CudaLauncher):  # type: ignore[misc,valid-type]
+        """Triton's ``CudaLauncher`` (its ``__call__`` runs as is) over the stub C launcher,
+        with the metadata of a binary that needs no scratch. Annotations and signature are
+        markers, so that a test can see each lands where Triton's wrapper puts it."""
+
+        def __init__(self, kernel: StubKernel):  # no source to build a C launcher from
+            self.launch = kernel.launched
+            self.gsan_enabled = False
+            self.num_ctas = 1
+            self.global_scratch_size = self.profile_scratch_size = 0
+            self.global_scratch_align = self.profile_scratch_align = 1
+            self.launch_cooperative_grid = self.launch_pdl = False
+            self.arg_annotations = ("annotations", kernel.fn.__name__)
+            self.kernel_signature = ("signature", kernel.fn.__name__)
 
 
 class _Recorder:

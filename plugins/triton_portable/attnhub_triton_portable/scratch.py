@@ -16,9 +16,15 @@ A buffer lives as long as its thread, at the size of the largest request so far.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
-from triton.runtime.driver import driver
+
+try:  # torch.cuda.is_current_stream_capturing without its Python frame (a hot path)
+    from torch._C import _cuda_isCurrentStreamCapturing as _stream_capturing
+except ImportError:  # a torch without CUDA: nothing is ever captured
+    def _stream_capturing() -> bool:
+        return False
 
 _tls = threading.local()
 
@@ -26,18 +32,15 @@ _tls = threading.local()
 class _Entry:
     """One thread's buffers on one (device, stream)."""
 
-    __slots__ = ("buf", "counters", "views")
+    __slots__ = ("buf", "counters")
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
-        self.views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.counters: torch.Tensor | None = None
 
 
-def _entry(device: torch.device) -> _Entry:
-    """This thread's entry for ``device`` and its current stream."""
-    # Triton's driver asks torch for the raw stream handle without building a Stream object
-    stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
+def _entry(device: torch.device, stream: int) -> _Entry:
+    """This thread's entry for ``device`` and ``stream``."""
     table: dict[tuple[torch.device, int], _Entry] | None = getattr(_tls, "table", None)
     if table is None:
         table = _tls.table = {}
@@ -49,37 +52,49 @@ def _entry(device: torch.device) -> _Entry:
 
 
 def capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` is capturing a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether the current stream of ``device`` (the current device) is capturing a CUDA
+    graph."""
+    return device.type == "cuda" and _stream_capturing()
 
 
-def partials(device: torch.device, rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (rows, dim) and (rows,) buffers, each 16-byte aligned, contents undefined."""
+def fp32(device: torch.device, stream: int,
+         sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """For one call's kernels on ``stream`` (the raw handle of the current stream of
+    ``device``, the current device; 0 off CUDA): flat fp32 buffers of ``sizes`` elements,
+    each 16-byte aligned, none overlapping another, contents undefined."""
     if capturing(device):
-        return (torch.empty((rows, dim), dtype=torch.float32, device=device),
-                torch.empty((rows,), dtype=torch.float32, device=device))
-    entry = _entry(device)
-    hit = entry.views.get((rows, dim))
+        return tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
+    # this thread's views by (device, stream, sizes): one lookup per call
+    views: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] | None = getattr(_tls, "views", None)
+    if views is None:
+        views = _tls.views = {}
+    key = (device, stream, sizes)
+    hit = views.get(key)
     if hit is not None:
         return hit
-    off = -(-rows * dim // 4) * 4  # 16-byte aligned start of the second view
-    need = off + rows
+    starts = []
+    need = 0
+    for n in sizes:
+        starts.append(need)
+        need += -(-n // 4) * 4  # the next view starts 16-byte aligned
+    entry = _entry(device, stream)
     if entry.buf is None or entry.buf.numel() < need:
         entry.buf = torch.empty(need, dtype=torch.float32, device=device)
-        entry.views.clear()  # views of the old buffer
-    elif len(entry.views) >= 256:
-        entry.views.clear()  # bounded: with many shapes, views are just made again
-    views = (entry.buf[: rows * dim].view(rows, dim), entry.buf[off: off + rows])
-    entry.views[(rows, dim)] = views
-    return views
+        views.clear()  # views of the old buffer (others are just made again)
+    elif len(views) >= 256:
+        views.clear()  # bounded: with many shapes, views are just made again
+    buf = entry.buf
+    made = views[key] = tuple(buf[a: a + n] for a, n in zip(starts, sizes))
+    return made
 
 
-def zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 zeros for kernels that return every counter they use to 0, so
-    that the buffer stays zero between calls (and across CUDA-graph replays)."""
+def zeroed_counters(device: torch.device, stream: int, n: int) -> torch.Tensor:
+    """At least ``n`` int32 zeros on ``stream`` (as in ``fp32``) for kernels that return
+    every counter they use to 0, so that the buffer stays zero between calls (and across
+    CUDA-graph replays)."""
     if capturing(device):
         return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
-    entry = _entry(device)
+    entry = _entry(device, stream)
     if entry.counters is None or entry.counters.numel() < n:
         entry.counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return entry.counters

@@ -217,23 +217,32 @@ def test_hooks_and_switch_send_launches_through_triton(stubbed: dict[str, Any],
     assert count() == start + 4
 
 
-def test_scratch_is_reused_per_thread_and_aligned() -> None:
-    """Same (rows, dim): the same buffers; another thread: its own; views 16-byte aligned
-    after the buffer grows."""
+def test_scratch_is_reused_per_thread_and_stream_and_aligned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same sizes on the same stream: the same buffers; another stream or thread: its own;
+    views 16-byte aligned and disjoint after the buffer grows; while capturing: fresh ones."""
     dev = torch.device("cpu")
-    o1, l1 = scratch.partials(dev, 6, 10)
-    o2, l2 = scratch.partials(dev, 6, 10)
-    assert o1.data_ptr() == o2.data_ptr() and l1.data_ptr() == l2.data_ptr()
-    big_o, big_l = scratch.partials(dev, 999, 33)
-    assert big_o.shape == (999, 33) and big_l.shape == (999,)
-    assert big_o.data_ptr() % 16 == 0 and big_l.data_ptr() % 16 == 0
-    assert big_l.data_ptr() >= big_o.data_ptr() + big_o.numel() * 4  # no overlap
+    sizes = (60, 6, 3)
+    first = scratch.fp32(dev, 0, sizes)
+    assert [t.data_ptr() for t in scratch.fp32(dev, 0, sizes)] == [t.data_ptr() for t in first]
+    assert scratch.fp32(dev, 7, sizes)[0].data_ptr() != first[0].data_ptr()
+    big = scratch.fp32(dev, 0, (999 * 33, 999, 5))
+    assert [t.numel() for t in big] == [999 * 33, 999, 5]
+    assert all(t.data_ptr() % 16 == 0 and t.dtype == torch.float32 for t in big)
+    spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in big)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     other: list[int] = []
-    t = threading.Thread(target=lambda: other.append(scratch.partials(dev, 999, 33)[0]
-                                                     .data_ptr()))
+    t = threading.Thread(target=lambda: other.append(
+        scratch.fp32(dev, 0, (999 * 33, 999, 5))[0].data_ptr()))
     t.start()
     t.join()
-    assert other[0] != big_o.data_ptr()
+    assert other[0] != big[0].data_ptr()
+    monkeypatch.setattr(scratch, "capturing", lambda device: True)
+    fresh = [scratch.fp32(dev, 0, sizes)[0] for _ in range(2)]  # both alive
+    ptrs = {big[0].data_ptr(), first[0].data_ptr(), *(f.data_ptr() for f in fresh)}
+    assert len(ptrs) == 4
+    counters = [scratch.zeroed_counters(dev, 0, 4) for _ in range(2)]
+    assert counters[0].data_ptr() != counters[1].data_ptr()
 
 
 def test_outputs_survive_later_calls() -> None:
