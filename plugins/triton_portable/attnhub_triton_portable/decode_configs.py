@@ -91,7 +91,7 @@ _PAGED: dict[str, DecodeConfig] = {
 #: 1 x 128k 137.6-137.8 -> 129.4-129.5 us (4.15 TB/s), 32 x 4k (1 split) 135.8-135.9 ->
 #: 127.6-127.7 us. More programs lose whenever they make a second, partly filled round
 #: (1 x 128k at 64 / 128 splits: 162 / 138 us); 32-key tiles with 2 warps at 66 splits, 2
-#: stages at 64, 4 stages at 33 ran within 0.5-2% of this. At 64 x 32k (512 pairs, this
+#: stages at 64, 4 stages at 33 ran 0.6% faster to 3.2% slower. At 64 x 32k (512 pairs, this
 #: row would make 1.3 rounds) these tiles lose (1922 -> 2414 us): the 4-stage row stays.
 _PAGED_FEW: dict[str, DecodeConfig] = {
     "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2,
