@@ -9,7 +9,8 @@ For each: raw torch SDPA (tiny decode only), the backend the policy binds called
 (``backend.forward`` with a prepared spec and params: no attnhub call path at all), and
 ``attnhub.attention`` through the policy and with that backend forced. Each figure is the
 median host time per call (``perf_counter`` around the call, no synchronisation: the GPU
-queue absorbs the kernels), in interleaved rounds. Target (issue 15): policy - direct <= 5 us.
+queue absorbs the kernels), the cases interleaved in chunks of 100 calls in a random order
+(see ``measure``). Target (issue 15): policy - direct <= 5 us.
 
     python benchmarks/overhead.py [--device cuda] [--calls 20000] [--json] [--profile]
 
@@ -25,6 +26,7 @@ import io
 import json
 import math
 import pstats
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -39,28 +41,31 @@ from attnhub.core.spec import AttnParams
 BOUND_US = 5.0
 
 
-def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
-    """Median host microseconds per call of ``fn`` (after up to 200 warm-up calls)."""
-    for _ in range(min(200, calls)):
-        fn()
-    sync()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    sync()
-    return statistics.median(times) / 1e3
-
-
 def measure(cases: dict[str, Callable[[], object]], calls: int, rounds: int,
-            sync: Callable[[], None]) -> dict[str, float]:
-    """Min over interleaved rounds of each case's median (one drift hits all alike)."""
-    best = {k: math.inf for k in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            best[name] = min(best[name], host_us(fn, calls, sync))
-    return best
+            sync: Callable[[], None], chunk: int = 100, seed: int = 0) -> dict[str, float]:
+    """Median host microseconds per call of each case (``perf_counter`` around each call,
+    no synchronisation: the GPU queue absorbs the kernels), over ``rounds`` x ``calls``
+    calls taken in chunks of ``chunk`` calls, the cases in a fresh random order per chunk
+    step. Every case samples every stretch of the run, so a drift of the host (clock,
+    neighbours) hits all cases alike instead of whichever case ran in a bad second."""
+    order = list(cases)
+    rng = random.Random(seed)
+    for fn in cases.values():  # warm-up: caches, allocator, compiled kernels
+        for _ in range(min(200, calls)):
+            fn()
+    sync()
+    times: dict[str, list[int]] = {name: [] for name in cases}
+    clock = time.perf_counter_ns
+    for _ in range(max(1, rounds * calls // chunk)):
+        rng.shuffle(order)
+        for name in order:
+            fn, out = cases[name], times[name]
+            for _ in range(chunk):
+                t0 = clock()
+                fn()
+                out.append(clock() - t0)
+        sync()
+    return {name: statistics.median(t) / 1e3 for name, t in times.items()}
 
 
 def profile_calls(fn: Callable[[], object], calls: int, top: int = 18) -> str:
@@ -131,7 +136,7 @@ def main() -> None:
     table, lens = cache.block_table(seqs), cache.seqlens(seqs)
     kc, vc = cache.k_cache(0), cache.v_cache(0)
     qp = torch.randn(b, 1, 32, 128, device=dev, dtype=dtype)
-    paged = dict(layout="paged", block_table=table, seqlens_k=lens, causal=True)
+    paged = {"layout": "paged", "block_table": table, "seqlens_k": lens, "causal": True}
     hub.attention(qp, kc, vc, **paged)
     pparams = AttnParams(scale=scale, causal=True, block_table=table, seqlens_k=lens,
                          max_seqlen_q=1, max_seqlen_k=ctx)
