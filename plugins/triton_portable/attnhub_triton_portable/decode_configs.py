@@ -79,6 +79,8 @@ _TABLE: dict[str, DecodeConfig] = {
 #: Prefetching the next tile's page ids (``prefetch_pages``) measured on an H200 on
 #: 2026-12-01 (docs/benchmarks/triton_decode_paged.md), random table: 1 x 128k at 64 splits
 #: 174.6 -> 138.4 us, 1 x 32k 50.7 -> 47.7 us, 64 x 32k 1928 -> 1926 us (no loss anywhere).
+#: Its sm90 binary (104 KB of shared memory) fits two programs per SM, not four: grids it
+#: plans as one round run as two; those that fit one round take ``_PAGED_FEW`` (sweep 3).
 _PAGED: dict[str, DecodeConfig] = {
     "sm90": DecodeConfig(block_n=64, num_warps=4, num_stages=4, ctas_per_sm=4,
                          prefetch_pages=True),
