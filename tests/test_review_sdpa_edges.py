@@ -208,3 +208,64 @@ def test_paged_batch_of_none(hub: Hub, monkeypatch, backend: str) -> None:
                              seqlens_k=torch.zeros(0, dtype=torch.int32),
                              backend=backend.split()[0])
     assert out.shape == (0, 2, 4, 16) and lse.shape == (0, 4, 2)
+
+
+def _strided(*shape: int) -> torch.Tensor:
+    """A view whose last dimension has stride 2 (every other element of a wider tensor)."""
+    return torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2]
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("mask", ["none", "causal", "alibi"])
+def test_last_dim_stride_is_not_garbage(hub: Hub, which: str, mask: str) -> None:
+    """A last-dim stride != 1 (checklist: copied or refused, never garbage) with the LSE
+    asked for on the CPU: the one-pass LSE kernel reads such a tensor as if it were dense
+    (errors ~2.7 vs fp64 in fp32); bshd, thd (per document) and a strided paged cache."""
+    torch.manual_seed(5)
+    b, sq, sk, hq, hkv, d = 2, 5, 7, 4, 2, 16
+    t = {"q": torch.randn(b, sq, hq, d), "k": torch.randn(b, sk, hkv, d),
+         "v": torch.randn(b, sk, hkv, d)}
+    t[which] = _strided(*t[which].shape)
+    q, k, v = t["q"], t["k"], t["v"]
+    kw = _mask(mask, b, hq)
+    out, lse = hub.attention(q, k, v, backend="torch_sdpa", return_lse=True, **kw)
+    ref64, ref_lse, same = fa_references(q, k, v, _params(kw, d))
+    assert_fa_rule(out, ref64, same, what=f"bshd {which}")
+    assert_lse(lse, ref_lse)
+    cu = torch.tensor([0, sq, 2 * sq], dtype=torch.int32)
+    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32)
+    qt, kt, vt = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # views, stride kept
+    out, lse = hub.attention(qt, kt, vt, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu_k,
+                             max_seqlen_q=sq + 1, backend="torch_sdpa", return_lse=True, **kw)
+    ref64, ref_lse, same = fa_references(
+        qt, kt, vt, _params(kw, d, cu_seqlens_q=cu, cu_seqlens_k=cu_k), layout="thd")
+    assert_fa_rule(out, ref64, same, what=f"thd {which}")
+    assert_lse(lse, ref_lse)
+
+
+def test_strided_paged_cache_varlen_route(hub: Hub) -> None:
+    torch.manual_seed(6)
+    kc, vc = _strided(6, 4, 2, 16), _strided(6, 4, 2, 16)
+    q = torch.randn(2, 3, 4, 16)
+    table = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
+    lens = torch.tensor([6, 8], dtype=torch.int32)
+    out, lse = hub.attention(q, kc, vc, layout="paged", block_table=table, seqlens_k=lens,
+                             causal=True, backend="torch_sdpa", return_lse=True)
+    qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, lens)
+    ref64, ref_lse, same = fa_references(
+        qv, kv, vv, _params({"causal": True}, 16, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+        layout="thd")
+    assert_fa_rule(out.reshape(6, 4, 16), ref64, same)
+    assert_lse(lse.transpose(0, 1).reshape(4, 6), ref_lse)
+
+
+@pytest.mark.xfail(strict=True, reason="ring plugin's torch_flash_cpu calls the raw CPU flash "
+                   "op on a last dim of stride != 1 (garbage); reported to its owner")
+def test_torch_flash_cpu_last_dim_stride(hub: Hub) -> None:
+    if "torch_flash_cpu" not in hub.registry.backends:
+        pytest.skip("ring plugin not installed")
+    torch.manual_seed(7)
+    q, k, v = _strided(2, 5, 4, 16), torch.randn(2, 5, 2, 16), torch.randn(2, 5, 2, 16)
+    out = hub.attention(q, k, v, causal=True, backend="torch_flash_cpu")
+    ref64, _, same = fa_references(q, k, v, _params({"causal": True}, 16))
+    assert_fa_rule(out, ref64, same)

@@ -470,7 +470,10 @@ def _cpu_flash_with_lse(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
     """Output and natural-log LSE in one pass: the CPU flash kernel SDPA runs returns both
     (GQA native); it takes an additive mask of the query's dtype, not a boolean one, so a
     float bias (ALiBi) takes this path only in fp32, where the cast loses nothing, and one
-    head dim for q, k and v (Dv != D takes SDPA and the LSE pass)."""
+    head dim for q, k and v (Dv != D takes SDPA and the LSE pass). Unlike SDPA, the raw op
+    reads a last dimension of stride != 1 as if it were dense (garbage): such a tensor is
+    copied first."""
+    qt, kt, vt = (t if t.stride(-1) == 1 else t.contiguous() for t in (qt, kt, vt))
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=qt.dtype, device=qt.device).masked_fill(
             ~mask, float("-inf"))
