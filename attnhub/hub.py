@@ -85,26 +85,54 @@ class Runner:
             device = q.device
         if dtype is None:
             dtype = q.dtype
-        i = 0
+        backend = self.chain[0]
+        try:
+            if backend._loaded and not self.hub.debug:  # the hot path: first candidate
+                res = backend.forward(q, k, v, spec, params)
+                out = res[0]
+                # metadata only, the cheap test first (dtypes are singletons), details when
+                # it fails or an LSE is asked for
+                if (out.dtype is dtype and out.device == device and not params.return_lse
+                        and out.shape == want and res.__class__ is AttentionOutput):
+                    return res
+                return self._checked(backend, res, q, v, spec, params, want, device, dtype)
+        except InputError:
+            raise  # the call was checked before any backend ran: never retried
+        except Exception as exc:
+            return self._fallback(self.hub._on_failure(self, 0, exc), q, k, v, spec, params,
+                                  want, device, dtype)
+        return self._fallback(0, q, k, v, spec, params, want, device, dtype)
+
+    def _fallback(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  spec: AttentionSpec, params: AttnParams, want: tuple[int, ...],
+                  device: torch.device, dtype: torch.dtype) -> AttentionOutput:
+        """The chain from candidate ``i``: load, run, check (and NaN-check in debug mode)."""
         while True:
             backend = self.chain[i]
             try:
                 if not backend._loaded:
                     backend.load()
                 res = backend.forward(q, k, v, spec, params)
-                out, lse = res
-                # metadata only, the cheap test first (dtypes are singletons), details when
-                # it fails or an LSE is asked for
-                if (out.dtype is not dtype or out.shape != want or out.device != device
-                        or params.return_lse):
-                    check_output(backend.name, out, lse, q, v, spec.layout, params.return_lse)
+                out, lse = self._checked(backend, res, q, v, spec, params, want, device,
+                                         dtype)
                 if self.hub.debug and (bad := nan_violation(backend.name, out, q, k, v)):
                     raise bad
-                return res if res.__class__ is AttentionOutput else AttentionOutput(out, lse)
+                return AttentionOutput(out, lse)
             except InputError:
-                raise  # the call was checked before any backend ran: never retried
+                raise
             except Exception as exc:
                 i = self.hub._on_failure(self, i, exc)
+
+    @staticmethod
+    def _checked(backend: Backend, res: Any, q: torch.Tensor, v: torch.Tensor,
+                 spec: AttentionSpec, params: AttnParams, want: tuple[int, ...],
+                 device: torch.device, dtype: torch.dtype) -> AttentionOutput:
+        """``res`` against the output contract (raises ``OutputContractError``)."""
+        out, lse = res
+        if (out.dtype is not dtype or out.shape != want or out.device != device
+                or params.return_lse):
+            check_output(backend.name, out, lse, q, v, spec.layout, params.return_lse)
+        return res if res.__class__ is AttentionOutput else AttentionOutput(out, lse)
 
 
 class Hub:
