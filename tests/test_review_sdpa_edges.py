@@ -269,3 +269,23 @@ def test_torch_flash_cpu_last_dim_stride(hub: Hub) -> None:
     out = hub.attention(q, k, v, causal=True, backend="torch_flash_cpu")
     ref64, _, same = fa_references(q, k, v, _params({"causal": True}, 16))
     assert_fa_rule(out, ref64, same)
+
+
+def test_gather_route_pads_to_the_tables_capacity_at_most(hub: Hub, monkeypatch) -> None:
+    """``max_seqlen_k`` is allowed to be a loose upper bound; the gather pads every sequence
+    to it, so a bound far past the tables' capacity must not size the padded batch (it would
+    allocate B x bound keys per call: an out-of-memory from a legal argument)."""
+    monkeypatch.setattr(builtin, "_paged_gather_serves", lambda q, p: True)
+    torch.manual_seed(8)
+    kc, vc = torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)
+    q = torch.randn(2, 1, 4, 8)
+    table = torch.tensor([[1, 3], [5, 0]], dtype=torch.int32)
+    lens = torch.tensor([5, 8], dtype=torch.int32)
+    with _LargestTensor() as seen:
+        out = hub.attention(q, kc, vc, layout="paged", block_table=table, seqlens_k=lens,
+                            max_seqlen_k=100_000, backend="torch_sdpa")
+    assert seen.most <= 2 * 8 * 4 * 8, seen.most  # B x capacity x Hq x D
+    qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, lens)
+    ref64, _, same = fa_references(
+        qv, kv, vv, _params({}, 8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), layout="thd")
+    assert_fa_rule(out.reshape(2, 4, 8), ref64, same)

@@ -285,7 +285,8 @@ def _sdpa_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         lse = torch.full((b, q.shape[2], q.shape[1]), float("-inf"), device=q.device) \
             if p.return_lse else None
         return AttentionOutput(_attends_nothing(q, k_cache, v_cache), lse)
-    max_k = max(int(p.max_seqlen_k or 0), 1)
+    # max_seqlen_k may be a caller's upper bound: no length exceeds the tables' capacity
+    max_k = max(min(int(p.max_seqlen_k or 0), page * p.block_table.shape[1]), 1)
     right = p.alignment == "bottom_right"
     lens = p.seqlens_k.to(torch.long).view(b, 1)
     pos = torch.arange(max_k, device=q.device).view(1, max_k)
