@@ -63,6 +63,9 @@ class StubKernel(CompiledKernel):
                  log: list[tuple[str, tuple[int, ...], tuple[Any, ...]]] | None):
         self.fn, self.specialization, self._binder, self._log = fn, specialization, binder, log
         self.launches = 0
+        # markers where a binary has its handle and packed metadata, so that a test can
+        # see each lands where Triton's wrapper puts it
+        self.function, self.packed_metadata = ("function", fn.__name__), ("metadata", fn.__name__)
         #: every argument of the last C launch, to compare launch paths (``c_split``)
         self.last_c_call: tuple[Any, ...] = ()
         self.run = StubLauncher(self) if C_LAYOUT else self.launched  # type: ignore[assignment]
@@ -105,8 +108,8 @@ def c_split(c_args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
 if C_LAYOUT is not None:
     class StubLauncher(CudaLauncher):  # type: ignore[misc,valid-type]
         """Triton's ``CudaLauncher`` (its ``__call__`` runs as is) over the stub C launcher,
-        with the metadata of a binary that needs no scratch. Annotations and signature are
-        markers, so that a test can see each lands where Triton's wrapper puts it."""
+        with the metadata of a binary that needs no scratch. Launch flags, annotations and
+        signature are markers, as the binary's handle and metadata are."""
 
         def __init__(self, kernel: StubKernel):  # no source to build a C launcher from
             self.launch = kernel.launched
@@ -114,7 +117,7 @@ if C_LAYOUT is not None:
             self.num_ctas = 1
             self.global_scratch_size = self.profile_scratch_size = 0
             self.global_scratch_align = self.profile_scratch_align = 1
-            self.launch_cooperative_grid = self.launch_pdl = False
+            self.launch_cooperative_grid, self.launch_pdl = ("cooperative",), ("pdl",)
             self.arg_annotations = ("annotations", kernel.fn.__name__)
             self.kernel_signature = ("signature", kernel.fn.__name__)
 

@@ -54,6 +54,37 @@ def test_paged_call_through_hub_matches_reference(hub: Hub):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+@pytest.mark.parametrize("backend_name", ["triton_decode", "triton_decode_fp8"])
+def test_lse_returned_when_asked_only(hub: Hub, backend_name: str):
+    """``return_lse`` decides: asked, the LSE comes back (and the hub checks it); not
+    asked, the backend returns none (its kernels write it to scratch), with the same out."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 4, 16, generator=g).to(DEV, torch.bfloat16)
+    kc = torch.randn(6, 8, 2, 16, generator=g).to(DEV, torch.bfloat16)
+    table = torch.arange(6, dtype=torch.int32, device=DEV).view(2, 3)
+    seqlens = torch.tensor([20, 7], dtype=torch.int32, device=DEV)
+    extra = {}
+    if backend_name.endswith("fp8"):
+        kc = kc.to(torch.float8_e4m3fn)
+        extra = {"k_descale": torch.ones(6, 2, device=DEV), "v_descale": torch.ones(6, 2,
+                                                                                  device=DEV)}
+    backend = hub.registry.get(backend_name)
+    backend.load()
+    spec = AttentionSpec(phase="decode", dtype="bf16", head_dim=16, num_q_heads=4,
+                         num_kv_heads=2, layout="paged", max_seqlen_q=1, max_seqlen_k=24,
+                         batch=2, page_size=8, kv_dtype="fp8_e4m3" if extra else None)
+    outs = []
+    for asked in (True, False):
+        p = AttnParams(scale=0.25, block_table=table, seqlens_k=seqlens, max_seqlen_q=1,
+                       max_seqlen_k=24, return_lse=asked, extra=extra)
+        out, lse = backend.forward(q, kc, kc, spec, p)
+        assert (lse is not None) == asked
+        if asked:
+            assert lse.shape == (2, 4, 1) and lse.dtype == torch.float32
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_bshd_with_seqlens_is_refused(hub: Hub):
     q = torch.randn(1, 1, 4, 16, device=DEV)
     k = torch.randn(1, 9, 2, 16, device=DEV)

@@ -259,3 +259,59 @@ def test_outputs_survive_later_calls() -> None:
     again = decode.decode_attention(q, k, v, scale=0.25, num_splits=3)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
     assert out.data_ptr() != again[0].data_ptr()
+
+
+def test_no_lse_asked_same_out_and_binaries(stubbed: dict[str, Any]) -> None:
+    """``return_lse=False`` (the LSE goes to scratch): the same launches, binaries and grids
+    as with the LSE returned, and no LSE back."""
+    q, kc = torch.randn(2, 3, 8, 32), torch.randn(20, 16, 2, 32)
+    kw = {"block_table": torch.randperm(20)[:8].view(2, 4).to(torch.int32),
+          "seqlens_k": torch.tensor([50, 9], dtype=torch.int32), "causal": True}
+    log = stubbed["log"]
+    for splits in (1, 3):
+        log.clear()
+        decode.decode_attention(q, kc, kc, scale=0.2, num_splits=splits, **kw)
+        with_lse = [(name, grid) for name, grid, _ in log]
+        made = {name: len(b) for name, b in stubbed["made"].items()}
+        log.clear()
+        _, lse = decode.decode_attention(q, kc, kc, scale=0.2, num_splits=splits,
+                                         return_lse=False, **kw)
+        assert lse is None
+        assert [(name, grid) for name, grid, _ in log] == with_lse
+        assert {name: len(b) for name, b in stubbed["made"].items()} == made
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_no_lse_asked_computes_the_same_out(splits: int) -> None:
+    """Interpreter: the output with the LSE kept in scratch is bit for bit the output with
+    it returned, a fresh tensor each call."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(*s, generator=g).to(DEV) for s in
+               ((2, 1, 4, 16), (2, 40, 2, 16), (2, 40, 2, 16)))
+    out, lse = decode.decode_attention(q, k, v, scale=0.25, num_splits=splits)
+    first, none = decode.decode_attention(q, k, v, scale=0.25, num_splits=splits,
+                                          return_lse=False)
+    again, _ = decode.decode_attention(q, k, v, scale=0.25, num_splits=splits,
+                                       return_lse=False)
+    assert none is None and lse is not None
+    assert torch.equal(first, out) and torch.equal(again, out)
+    assert len({out.data_ptr(), first.data_ptr(), again.data_ptr()}) == 3
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 32, 128), (2, 3, 4, 8), (1, 1, 1, 1), (0, 1, 4, 8),
+                                   (3, 2, 0), (1,)])
+def test_output_allocators_make_fresh_contiguous_tensors(shape: tuple[int, ...]) -> None:
+    """What ``_Shape`` allocates outputs with: torch.empty's shape, dtype and strides, a
+    new tensor per call (no aliasing of the template or of each other)."""
+    make = decode._allocator(shape, torch.bfloat16, torch.device("cpu"))
+    a, b = make(), make()
+    want = torch.empty(shape, dtype=torch.bfloat16)
+    for t in (a, b):
+        assert (t.shape, t.stride(), t.dtype, t.device) == (
+            want.shape, want.stride(), want.dtype, want.device)
+        assert t.is_contiguous() and t._base is None
+    if a.numel():
+        assert a.data_ptr() != b.data_ptr()
+        a.fill_(1.0)
+        b.fill_(2.0)
+        assert bool((a == 1.0).all())
