@@ -289,3 +289,21 @@ def test_gather_route_pads_to_the_tables_capacity_at_most(hub: Hub, monkeypatch)
     ref64, _, same = fa_references(
         qv, kv, vv, _params({}, 8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), layout="thd")
     assert_fa_rule(out.reshape(2, 4, 8), ref64, same)
+
+
+def test_thd_padded_route_is_not_sized_by_a_loose_bound(hub: Hub, monkeypatch) -> None:
+    """The same for packed documents: ``max_seqlen_q`` far past the packed total must not
+    size the padded batch (the budget check multiplies it with a short max_seqlen_k)."""
+    monkeypatch.setattr(builtin, "_padded_fits", lambda device, n: True)
+    torch.manual_seed(9)
+    q, k, v = torch.randn(7, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    cu_q = torch.tensor([0, 4, 7], dtype=torch.int32)
+    cu_k = torch.tensor([0, 1, 3], dtype=torch.int32)
+    with _LargestTensor() as seen:
+        out = hub.attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            max_seqlen_q=100_000, causal=True, backend="torch_sdpa")
+    assert seen.most <= 2 * 7 * 4 * 8, seen.most
+    ref64, _, same = fa_references(
+        q, k, v, _params({"causal": True}, 8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+        layout="thd")
+    assert_fa_rule(out, ref64, same)

@@ -139,6 +139,9 @@ def _sdpa_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if max_q is None or max_k is None:  # a direct backend call: the hub always passes both
         max_q = int(p.cu_seqlens_q.diff().max()) if max_q is None else max_q
         max_k = int(p.cu_seqlens_k.diff().max()) if max_k is None else max_k
+    # a caller's max_seqlen may be a loose upper bound: no document is longer than the total
+    # (the padded route sizes its batch by these)
+    max_q, max_k = min(max_q, tq), min(max_k, tk)
     if _uniform_docs(p, b, tq, tk, max_q, max_k):
         return _sdpa_thd_uniform(q, k, v, p, b)
     window = flash_varlen_window(p, q.device, q.dtype, q.shape[-1], v.shape[-1], max_q, max_k)
