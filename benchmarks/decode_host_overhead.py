@@ -4,20 +4,24 @@ Eager decode at small contexts is bound by the host: on the H200 one call cost ~
 host work against 38 us for SDPA (docs/benchmarks/triton_decode.md). This script measures
 that work on a machine without a GPU (``attnhub_triton_portable.launch_stub``): the decode
 kernels are ordinary (compiled, not interpreted) Triton kernels, Triton's driver reports an
-sm90 GPU, compiling yields a stub binary whose launcher only counts, and the plugin's
-device queries answer "sm90, 132 SMs". Everything else runs for real: the backend's
-forward, the plan and split choice, the allocations, Triton's per-launch Python where it
-runs (binding, specialization, cache key, launch metadata), so the figure is a call's host
-time minus the C launcher's work (reading the arguments, ``cuLaunchKernel``): the part
-Python code can cut. Cases: the kernel entry ``decode_attention``, the backend's
-``forward``, and ``Hub.attention`` with the backend forced (1 sequence, 32/8 heads, d=128,
-bf16; contiguous and 16-key pages).
+sm90 GPU, compiling yields a stub binary whose C launcher only counts (behind Triton's own
+Python launcher wrapper, ``CudaLauncher.__call__``, which a launch through Triton's dispatch
+runs as on a GPU), and the plugin's device queries answer "sm90, 132 SMs". Everything else
+runs for real: the backend's forward, the plan and split choice, the allocations, Triton's
+per-launch Python where it runs (binding, specialization, cache key, launch metadata, the
+wrapper), so the figure is a call's host time minus the C launcher's work (reading the
+arguments, ``cuLaunchKernel``) and minus the CUDA calls that torch makes (stream, device,
+capture status): the part Python code can cut. Cases: the kernel entry
+``decode_attention``, the backend's ``forward``, and ``Hub.attention`` with the backend
+forced (1 sequence, 32/8 heads, d=128, bf16; contiguous and 16-key pages).
 
 Per case it prints microseconds per call (median of ``--repeats`` runs of ``--calls``
-calls), torch allocations and host-sync calls per call (``.item()``, ``.tolist()``,
-``int(t)``..., counted with a TorchFunctionMode) and kernel launches per call. ``--check``
-also has every stub launch verify that Triton would specialize its arguments exactly as
-the binary it launches (slower; a correctness check of the direct launch path).
+calls; by default this thread's CPU time, which the other work of a shared machine inflates
+far less than wall time: ``--clock wall`` for elapsed time), torch allocations and
+host-sync calls per call (``.item()``, ``.tolist()``, ``int(t)``..., counted with a
+TorchFunctionMode) and kernel launches per call. ``--check`` also has every stub launch
+verify that Triton would specialize its arguments exactly as the binary it launches
+(slower; a correctness check of the direct launch path).
 
     python benchmarks/decode_host_overhead.py [--calls 2000] [--check] [--json out.json]
 """
@@ -121,8 +125,9 @@ def per_call_us(fn: Callable[[], Any], calls: int, repeats: int,
 
 
 def cases(decode: Any, ctx: int, dev: str = "cpu") -> dict[str, Callable[[], Any]]:
-    """Contiguous and paged calls: the kernel entry, the backend's forward, and the hub."""
-    from attnhub_triton_portable.backend_decode import TritonDecodeBackend
+    """Contiguous and paged calls: the kernel entry, the backend's forward (and the FP8
+    backend's over an e4m3 paged cache), and the hub."""
+    from attnhub_triton_portable.backend_decode import TritonDecodeBackend, TritonDecodeFp8Backend
 
     from attnhub import AttentionSpec, Hub
     from attnhub.plugin import AttnParams
@@ -135,14 +140,22 @@ def cases(decode: Any, ctx: int, dev: str = "cpu") -> dict[str, Callable[[], Any
     table = torch.randperm(pages, generator=g).view(1, pages).to(dev, torch.int32)
     lens = torch.full((1,), ctx, dtype=torch.int32, device=dev)
     scale = D ** -0.5
-    backend = TritonDecodeBackend()
+    backend, fp8 = TritonDecodeBackend(), TritonDecodeFp8Backend()
     backend.load()
+    fp8.load()
+    # an e4m3 cache with per-(page, KV head) descales, as core.kvquant keeps it
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    descales = {"k_descale": torch.rand(pages, HKV, generator=g).to(dev) + 0.5,
+                "v_descale": torch.rand(pages, HKV, generator=g).to(dev) + 0.5}
     spec = AttentionSpec(phase="decode", dtype="bf16", head_dim=D, num_q_heads=HQ,
                          num_kv_heads=HKV, layout="bshd", max_seqlen_q=1, max_seqlen_k=ctx,
                          batch=1).bucketed()
     pspec = AttentionSpec(phase="decode", dtype="bf16", head_dim=D, num_q_heads=HQ,
                           num_kv_heads=HKV, layout="paged", max_seqlen_q=1,
                           max_seqlen_k=ctx, batch=1, page_size=PAGE).bucketed()
+    pspec8 = AttentionSpec(phase="decode", dtype="bf16", kv_dtype="fp8_e4m3", head_dim=D,
+                           num_q_heads=HQ, num_kv_heads=HKV, layout="paged", max_seqlen_q=1,
+                           max_seqlen_k=ctx, batch=1, page_size=PAGE).bucketed()
     # on the CPU a simulated sm90, so that the backend's checks pass for CPU tensors
     hub = Hub(hardware="sm90" if dev == "cpu" else None)
     return {
@@ -152,6 +165,9 @@ def cases(decode: Any, ctx: int, dev: str = "cpu") -> dict[str, Callable[[], Any
         "backend.forward paged16": lambda: backend.forward(
             q, kc, vc, pspec, AttnParams(scale=scale, block_table=table, seqlens_k=lens,
                                          max_seqlen_q=1, max_seqlen_k=ctx)),
+        "backend.forward paged16 fp8": lambda: fp8.forward(
+            q, kc8, vc8, pspec8, AttnParams(scale=scale, block_table=table, seqlens_k=lens,
+                                            max_seqlen_q=1, max_seqlen_k=ctx, extra=descales)),
         "hub.attention contiguous": lambda: hub.attention(q, k, v, backend="triton_decode"),
         "hub.attention paged16": lambda: hub.attention(
             q, kc, vc, layout="paged", block_table=table, seqlens_k=lens,

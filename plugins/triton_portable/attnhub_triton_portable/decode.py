@@ -417,8 +417,8 @@ class _Shape:
         hkv = k.shape[2]
         page = k.shape[1] if paged else 1
         self.cap_k = block_table.shape[1] * page if paged else k.shape[1]
-        scale_strides = (0, 0, 0, 0) if descales is None else (
-            *descales[0].stride(), *descales[1].stride())
+        scale_strides = (0, 0, 0, 0) if descales is None else _broadcast_descales(
+            k, paged, batch, descales)
         # q, k, v, out (a new tensor: contiguous), block table and ALiBi batch strides, then
         # the (row, head) strides of the K and V descales
         self.strides = (
@@ -531,12 +531,12 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 
-def _descales(k: torch.Tensor, paged: bool, batch: int, k_descale: torch.Tensor | None,
+def _descales(k: torch.Tensor, paged: bool, k_descale: torch.Tensor | None,
               v_descale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The descales of an FP8 cache broadcast to (rows, Hkv) fp32 (rows: pages when paged,
-    sequences otherwise); None for a 16/32-bit cache. Broadcast rows/heads get stride 0."""
-    fp8 = k.dtype in FP8_KV_DTYPES
-    if not fp8:
+    """Per call: the descales of an FP8 cache as float32 tensors (as given, or converted);
+    None for a 16/32-bit cache. Their shapes and devices are checked once per shape key
+    (``_broadcast_descales``)."""
+    if k.dtype not in FP8_KV_DTYPES:
         if k_descale is not None or v_descale is not None:
             raise ValueError(f"decode_attention: k_descale/v_descale given for a {k.dtype} "
                              "cache; descales belong to an FP8 (e4m3) cache only")
@@ -544,19 +544,28 @@ def _descales(k: torch.Tensor, paged: bool, batch: int, k_descale: torch.Tensor 
     if k_descale is None or v_descale is None:
         raise ValueError(f"decode_attention: an {k.dtype} cache needs k_descale and v_descale "
                          f"(float32, broadcastable to ({'num_pages' if paged else 'B'}, Hkv))")
+    return (k_descale if k_descale.dtype is torch.float32 else k_descale.float(),
+            v_descale if v_descale.dtype is torch.float32 else v_descale.float())
+
+
+def _broadcast_descales(k: torch.Tensor, paged: bool, batch: int,
+                        descales: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, ...]:
+    """The (row, head) strides of the K and V descales broadcast to (rows, Hkv) (rows:
+    pages when paged, sequences otherwise; broadcast rows/heads get stride 0). A broadcast
+    keeps the data pointer, so the kernel reads the given tensors with these strides."""
     rows = k.shape[0] if paged else batch
-    out = []
-    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+    strides: list[int] = []
+    for name, x in zip(("k_descale", "v_descale"), descales):
         if x.device != k.device:
             raise ValueError(f"decode_attention: {name} is on {x.device}, the cache on "
                              f"{k.device}")
         try:
-            out.append(torch.broadcast_to(x.float(), (rows, k.shape[2])))
+            strides += torch.broadcast_to(x, (rows, k.shape[2])).stride()
         except RuntimeError:
             raise ValueError(f"decode_attention: {name} {tuple(x.shape)} does not broadcast "
                              f"to ({rows}, {k.shape[2]}) = ({'num_pages' if paged else 'B'}, "
                              "Hkv)") from None
-    return out[0], out[1]
+    return tuple(strides)
 
 
 def _aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
@@ -629,7 +638,7 @@ def decode_attention(
         ptrs |= seqlens_k.data_ptr()
     descales = None
     if k_descale is not None or v_descale is not None or k.dtype in FP8_KV_DTYPES:
-        descales = _descales(k, block_table is not None, q.shape[0], k_descale, v_descale)
+        descales = _descales(k, block_table is not None, k_descale, v_descale)
         if descales is not None:
             ptrs |= descales[0].data_ptr() | descales[1].data_ptr()
     if slopes is not None:
@@ -637,7 +646,9 @@ def decode_attention(
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
            v.dtype, q.device, causal, alignment, window, bool(softcap), num_splits, config,
            table_meta, lens_meta, None if slopes is None else slopes.shape,
-           None if descales is None else (descales[0].stride(), descales[1].stride()),
+           None if descales is None else (descales[0].shape, descales[0].stride(),
+                                          descales[0].device, descales[1].shape,
+                                          descales[1].stride(), descales[1].device),
            ptrs % 16 == 0 or _aligned(q, k, v, block_table, seqlens_k, slopes,
                                       *(descales or ())))
     shape = _shapes.get(key)

@@ -315,3 +315,20 @@ def test_output_allocators_make_fresh_contiguous_tensors(shape: tuple[int, ...])
         a.fill_(1.0)
         b.fill_(2.0)
         assert bool((a == 1.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensors_on_another_device_than_the_current_one() -> None:
+    """q/k/v on cuda:1 while cuda:0 is current: launched on cuda:1 (under a device guard),
+    the same result as on cuda:0, and cuda:0 stays current."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in
+               ((2, 1, 8, 64), (2, 500, 2, 64), (2, 500, 2, 64)))
+    torch.cuda.set_device(0)
+    here = decode.decode_attention(q.cuda(0), k.cuda(0), v.cuda(0), scale=0.125)
+    for _ in range(2):  # the second call takes the cached shape
+        there = decode.decode_attention(q.cuda(1), k.cuda(1), v.cuda(1), scale=0.125)
+        assert torch.cuda.current_device() == 0 and there[0].device == torch.device("cuda", 1)
+        assert torch.equal(there[0].cpu(), here[0].cpu())
+        assert torch.equal(there[1].cpu(), here[1].cpu())
