@@ -124,7 +124,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # the module's own hub (set by bind_model) or the registered one; read from the
     # instance dict: nn.Module's __getattr__ raises (slowly) for a missing name
     bound = module.__dict__.get("_attnhub_hub")
-    hub = (bound.hub if bound is not None else None) or _hub or default_hub()
+    if bound.__class__ is _HubRef:
+        bound = bound.hub
+    hub = bound or _hub or default_hub()
     # phase left to the hub: one query over a longer cache is decode, else prefill or train
     if attention_mask is None:  # decode without padding: no mask to translate
         out = hub.attention(q, k, v, causal=causal and sq > 1, window=window, scale=scaling,
