@@ -392,9 +392,9 @@ class _Shape:
     the same specialization, which is what lets ``Launcher`` skip Triton's dispatch.
     """
 
-    __slots__ = ("by_longest", "by_splits", "cap_k", "consts", "copy", "device", "dim",
-                 "empty", "interpreted", "ints", "new_lse", "new_out", "plan_args",
-                 "plan_opts", "strides")
+    __slots__ = ("by_longest", "by_splits", "cap_k", "consts", "copy", "cuda_index",
+                 "device", "dim", "empty", "interpreted", "ints", "new_lse", "new_out",
+                 "plan_args", "plan_opts", "strides")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  alignment: str, window: tuple[int, int] | None, softcap: bool,
@@ -408,6 +408,7 @@ class _Shape:
         batch, seqlen_q, hq, dim = q.shape
         _check_shapes(q, k, v, paged, slopes, block_table, seqlens_k)
         self.device, self.dim = q.device, dim
+        self.cuda_index = q.device.index if q.device.type == "cuda" else None
         self.interpreted = isinstance(_split_kernel, InterpretedFunction)
         self.new_out = _allocator((batch, seqlen_q, hq, dim), q.dtype, q.device)
         self.new_lse = _allocator((batch, hq, seqlen_q), torch.float32, q.device)
@@ -663,7 +664,7 @@ def decode_attention(
     if shape.interpreted:
         device, stream, direct = -1, 0, False  # the interpreter launches on neither
     else:
-        state = fastlaunch.launch_state(shape.device)
+        state = fastlaunch.launch_state(shape.cuda_index)
         if state is None:  # q is not on the current device: launch where it is
             with torch.cuda.device(shape.device):
                 return decode_attention(
@@ -680,21 +681,34 @@ def decode_attention(
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     longest = shape.cap_k if max_seqlen_k is None else min(max_seqlen_k, shape.cap_k)
     run = shape.by_longest.get(longest) or shape.launches(longest)
+    cuda = shape.cuda_index is not None
     if return_lse:
         lse = shape.new_lse()
-        bufs = scratch.fp32(shape.device, stream, run.partials) if run.partials else ()
+        bufs = scratch.fp32(shape.device, stream, run.partials, cuda) if run.partials else ()
     else:  # the kernels still write one: to scratch
-        bufs = scratch.fp32(shape.device, stream, run.no_lse)
+        bufs = scratch.fp32(shape.device, stream, run.no_lse, cuda)
         lse = bufs[-1]
     # tensors the kernel does not read (no split, no fused merge...) are passed as lse
     opart, lpart = bufs[:2] if run.partials else (lse, lse)
-    counters = scratch.zeroed_counters(shape.device, stream, run.counters) if run.counters \
-        else lse
+    counters = lse
+    if run.counters:
+        counters = scratch.zeroed_counters(shape.device, stream, run.counters, cuda)
     ks, vs = descales if descales is not None else (lse, lse)
-    run.split(device, stream, direct, (
-        q, k, v, out, lse, opart, lpart, counters, lse if block_table is None else block_table,
-        lse if seqlens_k is None else seqlens_k, lse if slopes is None else slopes, ks, vs,
-        *shape.strides, float(scale), float(softcap) if softcap else 1.0, *run.split_tail))
+    args = (q, k, v, out, lse, opart, lpart, counters,
+            lse if block_table is None else block_table, lse if seqlens_k is None else seqlens_k,
+            lse if slopes is None else slopes, ks, vs, *shape.strides, float(scale),
+            float(softcap) if softcap else 1.0, *run.split_tail)
+    # the binaries' direct launches where known and allowed (``Launcher`` without its frame)
+    go = run.split.ready.get(device) if direct else None
+    if go is None:
+        run.split(device, stream, direct, args)
+    else:
+        go(stream, args)
     if run.merge is not None:
-        run.merge(device, stream, direct, (opart, lpart, out, lse, *run.merge_tail))
+        args = (opart, lpart, out, lse, *run.merge_tail)
+        go = run.merge.ready.get(device) if direct else None
+        if go is None:
+            run.merge(device, stream, direct, args)
+        else:
+            go(stream, args)
     return out, lse if return_lse else None

@@ -79,26 +79,27 @@ def _c_layout() -> str | None:
 #: See ``_c_layout``; read by ``launch_stub`` to parse what its stub C launcher receives.
 C_LAYOUT = _c_layout()
 
-if torch.cuda.is_available():
+try:  # CUDA (and ROCm) builds of torch; a CPU build has no CUDA tensors to launch on
     from torch._C import _cuda_getCurrentRawStream as _raw_stream
     from torch._C import _cuda_getDevice as _current_device
+except ImportError:
+    pass
 
 
-def launch_state(device: torch.device) -> tuple[int, int, bool] | None:
-    """What a call's launches on tensors on ``device`` share, read once per call: (device
-    index, raw handle of its current stream, whether launches may skip Triton's dispatch:
-    the switch is on and no launch hook is registered). None when ``device`` is a CUDA
-    device other than the current one: the caller then runs under
-    ``torch.cuda.device(device)`` (Triton launches on the current device's context).
-    Tensors of another type only reach compiled kernels under ``launch_stub``, whose driver
-    answers."""
+def launch_state(cuda_index: int | None) -> tuple[int, int, bool] | None:
+    """What a call's launches on tensors on CUDA device ``cuda_index`` share, read once per
+    call: (device index, raw handle of its current stream, whether launches may skip
+    Triton's dispatch: the switch is on and no launch hook is registered). None when that
+    device is not the current one: the caller then runs under ``torch.cuda.device`` (Triton
+    launches on the current device's context). ``cuda_index`` None: tensors of another
+    type, which only reach compiled kernels under ``launch_stub``, whose driver answers.
+    (The caller keeps the index: ``torch.device.type`` formats a string on every read.)"""
     runtime = knobs.runtime
     direct = DIRECT and _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
-    if device.type == "cuda":
-        index = device.index
-        if _current_device() != index:
+    if cuda_index is not None:
+        if _current_device() != cuda_index:
             return None
-        return index, _raw_stream(index), direct
+        return cuda_index, _raw_stream(cuda_index), direct
     active = driver.active
     index = active.get_current_device()
     return index, active.get_current_stream(index), direct
@@ -113,15 +114,16 @@ class Launcher:
     pointer alignment, and pass floats as Python floats.
     """
 
-    __slots__ = ("_bins", "_direct", "fn", "grid", "interpreted", "options")
+    __slots__ = ("_bins", "fn", "grid", "interpreted", "options", "ready")
 
     def __init__(self, fn: Any, grid: tuple[int, ...], options: dict[str, Any]):
         self.fn = fn
         self.grid = (grid + (1, 1))[:3]
         self.options = options
         self.interpreted = isinstance(fn, InterpretedFunction)
-        #: device index -> the direct launch of its binary
-        self._direct: dict[int, DirectLaunch] = {}
+        #: device index -> the direct launch of its binary, once known. A caller may call
+        #: it itself (``ready[device](stream, args)``) where ``launch_state`` allows it.
+        self.ready: dict[int, DirectLaunch] = {}
         #: device index -> the binary, kept alive so that Triton never unloads it while a
         #: direct launch holds its function handle
         self._bins: dict[int, CompiledKernel] = {}
@@ -132,7 +134,7 @@ class Launcher:
         if self.interpreted:
             self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
             return
-        go = self._direct.get(device)
+        go = self.ready.get(device)
         if go is None or not direct:
             self._slow(device, args)
             return
@@ -141,8 +143,8 @@ class Launcher:
     def _slow(self, device: int, args: tuple[Any, ...]) -> None:
         """Triton's own dispatch; keeps the binary it returns for the direct path."""
         kernel = self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
-        if isinstance(kernel, CompiledKernel) and device not in self._direct:
-            self._direct[device] = _direct(kernel, self.grid)
+        if isinstance(kernel, CompiledKernel) and device not in self.ready:
+            self.ready[device] = _direct(kernel, self.grid)
             self._bins[device] = kernel
 
 

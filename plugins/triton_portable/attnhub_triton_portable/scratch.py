@@ -20,11 +20,9 @@ from typing import Any
 
 import torch
 
-try:  # torch.cuda.is_current_stream_capturing without its Python frame (a hot path)
-    from torch._C import _cuda_isCurrentStreamCapturing as _stream_capturing
-except ImportError:  # a torch without CUDA: nothing is ever captured
-    def _stream_capturing() -> bool:
-        return False
+# torch.cuda.is_current_stream_capturing without its Python frame (a hot path); asked only
+# for CUDA tensors (a CPU build's stand-in raises when called)
+from torch._C import _cuda_isCurrentStreamCapturing as _stream_capturing
 
 _tls = threading.local()
 
@@ -51,18 +49,20 @@ def _entry(device: torch.device, stream: int) -> _Entry:
     return entry
 
 
-def capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` (the current device) is capturing a CUDA
-    graph."""
-    return device.type == "cuda" and _stream_capturing()
+def capturing(cuda: bool) -> bool:
+    """Whether the current stream of the current device is capturing a CUDA graph, for
+    buffers on a CUDA device (``cuda``: the caller knows it; ``torch.device.type`` formats a
+    string on every read)."""
+    return cuda and _stream_capturing()
 
 
-def fp32(device: torch.device, stream: int,
-         sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+def fp32(device: torch.device, stream: int, sizes: tuple[int, ...],
+         cuda: bool) -> tuple[torch.Tensor, ...]:
     """For one call's kernels on ``stream`` (the raw handle of the current stream of
-    ``device``, the current device; 0 off CUDA): flat fp32 buffers of ``sizes`` elements,
-    each 16-byte aligned, none overlapping another, contents undefined."""
-    if capturing(device):
+    ``device``, the current device; 0 off CUDA; ``cuda``: whether ``device`` is a CUDA
+    device): flat fp32 buffers of ``sizes`` elements, each 16-byte aligned, none
+    overlapping another, contents undefined."""
+    if capturing(cuda):
         return tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
     # this thread's views by (device, stream, sizes): one lookup per call
     views: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] | None = getattr(_tls, "views", None)
@@ -88,11 +88,11 @@ def fp32(device: torch.device, stream: int,
     return made
 
 
-def zeroed_counters(device: torch.device, stream: int, n: int) -> torch.Tensor:
+def zeroed_counters(device: torch.device, stream: int, n: int, cuda: bool) -> torch.Tensor:
     """At least ``n`` int32 zeros on ``stream`` (as in ``fp32``) for kernels that return
     every counter they use to 0, so that the buffer stays zero between calls (and across
     CUDA-graph replays)."""
-    if capturing(device):
+    if capturing(cuda):
         return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
     entry = _entry(device, stream)
     if entry.counters is None or entry.counters.numel() < n:

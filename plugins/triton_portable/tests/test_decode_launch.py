@@ -223,25 +223,26 @@ def test_scratch_is_reused_per_thread_and_stream_and_aligned(
     views 16-byte aligned and disjoint after the buffer grows; while capturing: fresh ones."""
     dev = torch.device("cpu")
     sizes = (60, 6, 3)
-    first = scratch.fp32(dev, 0, sizes)
-    assert [t.data_ptr() for t in scratch.fp32(dev, 0, sizes)] == [t.data_ptr() for t in first]
-    assert scratch.fp32(dev, 7, sizes)[0].data_ptr() != first[0].data_ptr()
-    big = scratch.fp32(dev, 0, (999 * 33, 999, 5))
+    first = scratch.fp32(dev, 0, sizes, False)
+    again = scratch.fp32(dev, 0, sizes, False)
+    assert [t.data_ptr() for t in again] == [t.data_ptr() for t in first]
+    assert scratch.fp32(dev, 7, sizes, False)[0].data_ptr() != first[0].data_ptr()
+    big = scratch.fp32(dev, 0, (999 * 33, 999, 5), False)
     assert [t.numel() for t in big] == [999 * 33, 999, 5]
     assert all(t.data_ptr() % 16 == 0 and t.dtype == torch.float32 for t in big)
     spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in big)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     other: list[int] = []
     t = threading.Thread(target=lambda: other.append(
-        scratch.fp32(dev, 0, (999 * 33, 999, 5))[0].data_ptr()))
+        scratch.fp32(dev, 0, (999 * 33, 999, 5), False)[0].data_ptr()))
     t.start()
     t.join()
     assert other[0] != big[0].data_ptr()
-    monkeypatch.setattr(scratch, "capturing", lambda device: True)
-    fresh = [scratch.fp32(dev, 0, sizes)[0] for _ in range(2)]  # both alive
+    monkeypatch.setattr(scratch, "capturing", lambda cuda: True)
+    fresh = [scratch.fp32(dev, 0, sizes, False)[0] for _ in range(2)]  # both alive
     ptrs = {big[0].data_ptr(), first[0].data_ptr(), *(f.data_ptr() for f in fresh)}
     assert len(ptrs) == 4
-    counters = [scratch.zeroed_counters(dev, 0, 4) for _ in range(2)]
+    counters = [scratch.zeroed_counters(dev, 0, 4, False) for _ in range(2)]
     assert counters[0].data_ptr() != counters[1].data_ptr()
 
 
