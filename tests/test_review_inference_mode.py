@@ -54,17 +54,21 @@ def test_paged_tables_made_in_inference_mode(hub: Hub) -> None:
                           causal=True)
 
 
+def _filled_cache(lens: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """(block_table, seqlens, k cache, v cache) of a one-layer cache holding random keys for
+    sequences of ``lens`` tokens, its tables as the cache builds them."""
+    cache = PagedKVCache(num_layers=1, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8)
+    seqs = [cache.allocate() for _ in lens]
+    for s, n in zip(seqs, lens):
+        kv = torch.randn(n, 2, 8)
+        cache.write(0, cache.reserve([s], n), kv, torch.randn_like(kv))
+    return cache.block_table(seqs), cache.seqlens(seqs), cache.k_cache(0), cache.v_cache(0)
+
+
 def test_kv_cache_tables_in_inference_mode(hub: Hub) -> None:
     torch.manual_seed(1)
     with torch.inference_mode():
-        cache = PagedKVCache(num_layers=1, num_pages=8, page_size=4, num_kv_heads=2,
-                             head_dim=8)
-        seqs = [cache.allocate() for _ in range(2)]
-        for s, n in zip(seqs, (5, 9)):
-            kv = torch.randn(n, 2, 8)
-            cache.write(0, cache.reserve([s], n), kv, torch.randn_like(kv))
-        bt, sl = cache.block_table(seqs), cache.seqlens(seqs)
-        kc, vc = cache.k_cache(0), cache.v_cache(0)
+        bt, sl, kc, vc = _filled_cache((5, 9))
         q = torch.randn(2, 1, 4, 8)
         out = hub.attention(q, kc, vc, layout="paged", block_table=bt, seqlens_k=sl,
                             causal=True)
@@ -132,15 +136,8 @@ def test_kv_cache_tables_keep_their_proof_in_inference_mode(hub: Hub, monkeypatc
     monkeypatch.setattr(contract, "_check_paged_contents",
                         lambda *a: reads.append(1) or real(*a))
     with torch.inference_mode():
-        cache = PagedKVCache(num_layers=1, num_pages=8, page_size=4, num_kv_heads=2,
-                             head_dim=8)
-        seqs = [cache.allocate() for _ in range(2)]
-        for s, n in zip(seqs, (3, 6)):
-            kv = torch.randn(n, 2, 8)
-            cache.write(0, cache.reserve([s], n), kv, torch.randn_like(kv))
-        bt, sl = cache.block_table(seqs), cache.seqlens(seqs)
+        bt, sl, kc, vc = _filled_cache((3, 6))
         q = torch.randn(2, 1, 4, 8)
-        kc, vc = cache.k_cache(0), cache.v_cache(0)
         out = hub.attention(q, kc, vc, layout="paged", block_table=bt, seqlens_k=sl)
         _check_paged(out, q, kc, vc, bt, sl)
         assert reads == []
@@ -193,10 +190,6 @@ def test_backends_get_tables_with_a_version_counter() -> None:
     assert len(stamps) == 2
 
 
-@pytest.mark.xfail(strict=True, raises=Exception,
-                   reason="triton_portable flex.py _token reads t._version of side tensors "
-                          "(prefix_lens, alibi_slopes, colmask): raises on inference tensors; "
-                          "reported to the plugin's owner")
 def test_flex_side_tensors_made_in_inference_mode(hub: Hub) -> None:
     if "flex" not in hub.registry.backends:
         pytest.skip("flex backend not installed")
