@@ -189,14 +189,3 @@ def test_backends_get_tables_with_a_version_counter() -> None:
                       layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, backend="stamping")
     assert len(stamps) == 2
 
-
-def test_flex_side_tensors_made_in_inference_mode(hub: Hub) -> None:
-    if "flex" not in hub.registry.backends:
-        pytest.skip("flex backend not installed")
-    with torch.inference_mode():
-        q, k = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16)
-        slopes = torch.rand(4) * 0.3
-        out = hub.attention(q, k, k, alibi_slopes=slopes, backend="flex")
-        p = AttnParams(scale=0.25, alibi_slopes=slopes)
-        ref64, _, same = fa_references(q, k, k, p)
-        assert_fa_rule(out, ref64, same)
