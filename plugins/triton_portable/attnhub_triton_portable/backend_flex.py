@@ -28,16 +28,27 @@ DECODE_REASON = ("decode is not served: compiled flex_attention measured 10-40x 
                  "compile at batch 64 x 32k; use triton_decode, fa3 or torch_sdpa")
 
 
+#: Why flex runs eagerly on the CPU by default. Measured on the 2-core x86 CI box (AVX2),
+#: torch 2.13.0+cpu, 2026-12-01: ``torch.compile(flex_attention, dynamic=False)`` against
+#: SDPA, B=2, H=4, fp32, no mask and no score_mod, 3-4 random inputs per shape: with head
+#: dim 8/16, every key length of 8 mod 16 (8, 24, 40, 72, 136, 264) returned wrong outputs
+#: (max error 0.2-31) in at least one call, varying from call to call; eager flex was exact
+#: at all of them. Eager flex materialises the scores, which the CPU's shapes afford.
+CPU_EAGER_REASON = ("on the CPU flex runs eagerly: Inductor's compiled CPU flex template "
+                    "(torch 2.13) returned wrong outputs at key lengths of 8 mod 16")
+
+
 class FlexBackend(Backend):
     """FlexAttention through torch.compile: the variant tier for masks and score functions
-    that no fused kernel has. ``compiled=False`` runs flex eagerly (tests of the mask
-    translation only: eager flex materialises the whole score matrix)."""
+    that no fused kernel has. ``compiled``: None (default) compiles on GPUs and runs eagerly
+    on the CPU (``CPU_EAGER_REASON``); True compiles everywhere, False nowhere (eager flex
+    materialises the whole score matrix)."""
 
     name = "flex"
     tier = "variant"
     description = ("torch.compile(flex_attention): every attnhub mask kind plus arbitrary "
                    "score_mod/mask_mod; BlockMask built once per (mask, shape), compiled once "
-                   "per static shape")
+                   "per static shape on GPUs; " + CPU_EAGER_REASON)
     capabilities = Capabilities(
         vendors=frozenset({"cpu", "cuda", "rocm"}),
         dtypes=frozenset({"fp32", "fp16", "bf16"}),
@@ -54,9 +65,13 @@ class FlexBackend(Backend):
         top_left_causal=True,
     )
 
-    def __init__(self, compiled: bool = True) -> None:
+    def __init__(self, compiled: bool | None = None) -> None:
         super().__init__()
         self.compiled = compiled
+
+    def compiles(self, vendor: str) -> bool:
+        """Whether calls on this device vendor (``cpu``, ``cuda``...) run compiled flex."""
+        return self.compiled if self.compiled is not None else vendor != "cpu"
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         """Decode, the CPU limits of Inductor's flex lowering, and what compile needs."""
@@ -68,10 +83,10 @@ class FlexBackend(Backend):
                      "thd documents use layout='bshd' or the triton backend")
         if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
             r.append(f"torch {torch.__version__} has no flex_attention (needs torch >= 2.5)")
-        if device.vendor == "cpu" and self.compiled:
-            if spec.needs_grad:
-                r.append("torch.compile(flex_attention) on the CPU is inference-only (Inductor: "
-                         "'torch.compile on CPU only supports inference'); no gradients")
+        if device.vendor == "cpu" and spec.needs_grad:
+            r.append("flex_attention on the CPU is inference-only (torch: 'FlexAttention does "
+                     "not support backward on CPU'); no gradients")
+        if device.vendor == "cpu" and self.compiles("cpu"):
             if spec.return_lse:
                 r.append("torch.compile(flex_attention) on the CPU cannot return the LSE "
                          "(Inductor: 'return_lse is not supported yet')")
@@ -79,7 +94,7 @@ class FlexBackend(Backend):
                                                                            "clang++")):
                 r.append("torch.compile on the CPU needs a C++ compiler (c++/g++/clang++) on "
                          "PATH; none found")
-        if device.vendor != "cpu" and not device.simulated and self.compiled and \
+        if device.vendor != "cpu" and not device.simulated and self.compiles(device.vendor) and \
                 importlib.util.find_spec("triton") is None:
             r.append("torch.compile(flex_attention) on GPUs generates Triton kernels: "
                      "triton is not installed (pip install triton)")
@@ -99,6 +114,7 @@ class FlexBackend(Backend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
         out, lse = self._flex.flex_attention(
-            q, k, v, params, spec.layout, self._mods, compiled=self.compiled,
+            q, k, v, params, spec.layout, self._mods,
+            compiled=self.compiles("cpu" if q.device.type == "cpu" else "cuda"),
             want_lse=params.return_lse)
         return AttentionOutput(out, lse)

@@ -185,14 +185,24 @@ def build_score_mod(params: AttnParams, pos: _Positions, device: torch.device) -
     return score_mod
 
 
+#: The token of a tensor whose content nothing cheap can vouch for: its call is not cached.
+_UNPROVEN = ("unproven",)
+
+
 def _token(t: torch.Tensor | None) -> tuple[Any, ...] | None:
-    """Proof of a tensor's content: identity, version, storage, and bytes when cheap."""
+    """Proof of a tensor's content: identity, version, storage, and bytes when cheap.
+
+    A tensor made under ``torch.inference_mode`` has no version counter (in-place edits
+    leave no trace): only its bytes can vouch for it, so a large or device one is
+    ``_UNPROVEN`` and its call builds its masks afresh."""
     if t is None:
         return None
     content = None
     if t.device.type == "cpu" and t.numel() <= _HASHED_NUMEL:
         content = hash(t.detach().contiguous().numpy().tobytes()) if t.dtype != torch.bfloat16 \
             else hash(tuple(t.reshape(-1).tolist()))
+    if t.is_inference():
+        return _UNPROVEN if content is None else (id(t), None, t.data_ptr(), content)
     return (id(t), t._version, t.data_ptr(), content)
 
 
@@ -218,6 +228,10 @@ class ModCache:
         key = (packed, batch, hq, hkv, sq, sk, str(device), params.causal, params.alignment,
                params.window, params.softcap, tuple(id(f) for f in fns),
                tuple(_token(t) for t in tensors))
+        if _UNPROVEN in key[-1]:
+            with self._lock:
+                self.builds += 1
+            return _build(params, batch, hq, hkv, sq, sk, packed, device)
         with self._lock:
             hit = self._items.get(key)
             if hit is not None and all(a is b for a, b in zip(hit[1], fns)) and all(
@@ -303,7 +317,8 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
     """attnhub-layout attention through flex. bshd: (B,S,H,D); thd: (T,H,D) with cu_seqlens.
 
     Returns (out in q's layout, LSE (B,Hq,Sq) or (Hq,T) natural log, or None unless asked).
-    ``compiled=False`` runs flex eagerly (it materialises the scores: tests only).
+    ``compiled=False`` runs flex eagerly (it materialises the scores; the backend's choice
+    on the CPU, see ``backend_flex.CPU_EAGER_REASON``).
     """
     packed = layout == "thd"
     qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) if packed else x.transpose(1, 2)

@@ -153,10 +153,32 @@ def test_refuses_decode_with_the_measured_reason():
     assert FlexBackend().check(spec.with_(phase="prefill"), simulate("sm90")) == []
 
 
-def test_cpu_compile_limits_are_reasons():
+def test_cpu_limits_are_reasons():
+    """On the CPU flex has no backward (eager or compiled); compiled flex has no LSE there,
+    and the default runs eagerly on the CPU (compiled: wrong outputs, CPU_EAGER_REASON)."""
     cpu = DeviceInfo(vendor="cpu", arch="cpu")
     spec = AttentionSpec(phase="train", dtype="fp32", head_dim=64, needs_grad=True,
                          return_lse=True)
-    reasons = " | ".join(FlexBackend().check(spec, cpu))
+    reasons = " | ".join(FlexBackend(compiled=True).check(spec, cpu))
     assert "inference-only" in reasons and "cannot return the LSE" in reasons
-    assert FlexBackend(compiled=False).check(spec, cpu) == []  # eager flex has neither limit
+    for eager in (FlexBackend(), FlexBackend(compiled=False)):
+        assert not eager.compiles("cpu")
+        reasons = " | ".join(eager.check(spec, cpu))
+        assert "inference-only" in reasons and "LSE" not in reasons
+        assert eager.check(spec.with_(phase="prefill", needs_grad=False), cpu) == []
+    assert FlexBackend().compiles("cuda") and not FlexBackend(compiled=False).compiles("cuda")
+
+
+def test_default_backend_is_exact_on_the_cpu_where_compiled_flex_was_not():
+    """Key lengths of 8 mod 16 with a small head dim: compiled CPU flex (torch 2.13) gave
+    wrong outputs there; the default backend runs eagerly on the CPU and meets the rule."""
+    backend = FlexBackend()
+    backend.load()
+    for sk in (8, 24):
+        q, k, v = _qkv(4, sk, sk, seed=sk)
+        params = AttnParams(scale=0.25)
+        spec = _spec(q, k)
+        out = backend.forward(q, k, v, spec, params).out
+        ref64, _ = reference_attention(q, k, v, params)
+        same, _ = reference_attention(q, k, v, params, compute_dtype=q.dtype)
+        assert_fa_rule(out, ref64, same)

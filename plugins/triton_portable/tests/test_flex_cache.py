@@ -84,10 +84,32 @@ def test_small_cpu_tensor_edited_through_data_is_rebuilt(eager) -> None:
     _check(second, q, k, v, params)
 
 
+def test_inference_tensors_are_proven_by_content_or_not_cached(eager, monkeypatch) -> None:
+    """Tensors made under ``torch.inference_mode`` have no version counter: a small CPU one
+    is cached by its bytes (an in-place edit is seen), one too large to hash is rebuilt on
+    every call (nothing cheap can vouch for it)."""
+    q, k, v = _qkv(16, seed=4)
+    spec = _spec(causal=True, prefix_lm=True)
+    with torch.inference_mode():
+        prefix = torch.tensor([2, 3])
+        params = AttnParams(scale=0.25, causal=True, prefix_lens=prefix)
+        first = eager.forward(q, k, v, spec, params).out
+        eager.forward(q, k, v, spec, params)
+        assert eager.mask_builds == 1  # same bytes: cached
+        prefix.copy_(torch.tensor([12, 9]))
+        second = eager.forward(q, k, v, spec, params).out
+        assert eager.mask_builds == 2 and not torch.allclose(first, second)
+        _check(second, q, k, v, params)
+        monkeypatch.setattr(flex, "_HASHED_NUMEL", 1)  # as a device tensor: no byte proof
+        for _ in range(2):
+            _check(eager.forward(q, k, v, spec, params).out, q, k, v, params)
+        assert eager.mask_builds == 4
+
+
 def test_compiled_per_static_shape_then_loud_at_the_limit(monkeypatch) -> None:
     """The second shape compiles as reliably as the first (dynamic shapes broke Inductor's
     CPU template); past the recompile limit the call raises instead of running uncompiled."""
-    backend = FlexBackend()
+    backend = FlexBackend(compiled=True)  # the default runs eagerly on the CPU
     spec = _spec(causal=True, softcap=True)
     assert backend.check(spec, DeviceInfo(vendor="cpu", arch="cpu")) == []
     backend.load()
