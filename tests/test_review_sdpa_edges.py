@@ -259,8 +259,6 @@ def test_strided_paged_cache_varlen_route(hub: Hub) -> None:
     assert_lse(lse.transpose(0, 1).reshape(4, 6), ref_lse)
 
 
-@pytest.mark.xfail(strict=True, reason="ring plugin's torch_flash_cpu calls the raw CPU flash "
-                   "op on a last dim of stride != 1 (garbage); reported to its owner")
 def test_torch_flash_cpu_last_dim_stride(hub: Hub) -> None:
     if "torch_flash_cpu" not in hub.registry.backends:
         pytest.skip("ring plugin not installed")
@@ -269,6 +267,21 @@ def test_torch_flash_cpu_last_dim_stride(hub: Hub) -> None:
     out = hub.attention(q, k, v, causal=True, backend="torch_flash_cpu")
     ref64, _, same = fa_references(q, k, v, _params({"causal": True}, 16))
     assert_fa_rule(out, ref64, same)
+    # the backward reads the same strided tensors (saved for it): gradients vs fp64
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    views = [x.detach().new_zeros(*x.shape[:-1], 32)[..., ::2] for x in leaves]
+    for view, leaf in zip(views, leaves):
+        view.copy_(leaf.detach())
+    views = [view.requires_grad_() for view in views]
+    dout = torch.randn_like(out)
+    (hub.attention(*views, causal=True, backend="torch_flash_cpu") * dout).sum().backward()
+    q64, k64, v64 = (x.double().transpose(1, 2) for x in leaves)
+    k64, v64 = k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True)
+    (ref.transpose(1, 2) * dout.double()).sum().backward()
+    for view, leaf in zip(views, leaves):
+        err = (view.grad - leaf.grad).abs().max()
+        assert err < 1e-4, err
 
 
 def test_gather_route_pads_to_the_tables_capacity_at_most(hub: Hub, monkeypatch) -> None:
