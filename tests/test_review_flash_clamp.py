@@ -51,3 +51,48 @@ def test_varlen_window_answers_exactly_or_refuses(window: tuple[int, int],
         return
     ref, _ = reference_attention(q, k, v, p, layout="thd")
     torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
+
+
+def _fa2_paged(q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale,
+               causal=False, window_size=(-1, -1), **_):  # type: ignore[no-untyped-def]
+    """flash_attn_with_kvcache's maths on a paged cache: window edges clamped against the
+    tables' capacity (pages per row x page size), then each sequence bottom-right."""
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    window = tuple(-1 if w >= capacity else w for w in window_size)
+    outs = []
+    for b, n in enumerate(cache_seqlens.tolist()):
+        k = k_cache[block_table[b].long()].flatten(0, 1)[:n]
+        v = v_cache[block_table[b].long()].flatten(0, 1)[:n]
+        pb = AttnParams(scale=softmax_scale, causal=causal,
+                        window=None if window == (-1, -1) else window)
+        outs.append(reference_attention(q[b:b + 1], k[None], v[None], pb)[0].float())
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window", [(1, 3), (-1, 4), (2, 0), (0, 6), (4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_window_answers_exactly_or_refuses(window: tuple[int, int],
+                                                  causal: bool) -> None:
+    """The same clamp on a paged cache, against its capacity: 7 queries on a capacity of 4
+    keys (one page of 4 per row), sequences of 2 and 4 keys."""
+    from attnhub.core.flash_conventions import flash_kwargs, flash_paged_form
+    from attnhub.core.paged import paged_to_varlen
+
+    torch.manual_seed(1)
+    kc, vc = torch.randn(3, 4, 1, 8), torch.randn(3, 4, 1, 8)
+    table = torch.tensor([[2], [0]], dtype=torch.int32)
+    lens = torch.tensor([2, 4], dtype=torch.int32)
+    q = torch.randn(2, 7, 2, 8)
+    p = AttnParams(scale=0.3, causal=causal, window=window, block_table=table, seqlens_k=lens)
+    try:
+        form = flash_paged_form("fa2", p, q, kc)
+    except BackendUnavailableError as exc:
+        assert "window" in str(exc)
+        return
+    out = _fa2_paged(q, kc, vc, cache_seqlens=lens, block_table=table,
+                     **flash_kwargs(p, form))
+    qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, lens)
+    pv = AttnParams(scale=0.3, causal=causal, window=window, cu_seqlens_q=cu_q,
+                    cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=4)
+    ref, _ = reference_attention(qv, kv, vv, pv, layout="thd")
+    torch.testing.assert_close(out.reshape(ref.shape), ref.float(), atol=1e-5, rtol=1e-5)

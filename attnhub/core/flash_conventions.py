@@ -69,12 +69,26 @@ def flash_dense_form(backend: str, params: AttnParams, q: torch.Tensor, k: torch
     return form, k, v
 
 
+def flash_varlen_form(backend: str, params: AttnParams) -> BottomRightForm:
+    """``flash_form`` of a packed (thd) call, checked at the max lengths: FlashAttention's
+    varlen entry clamps window edges against them for every document."""
+    return flash_form(backend, params, params.max_seqlen_q or 1, params.max_seqlen_k or 1)
+
+
+def flash_paged_form(backend: str, params: AttnParams, q: torch.Tensor,
+                     k_cache: torch.Tensor) -> BottomRightForm:
+    """``flash_form`` of a paged call, checked at q's length and the tables' capacity
+    (pages per row x page size): ``flash_attn_with_kvcache`` clamps window edges against
+    that capacity, which a call with more queries than the capacity could expose."""
+    capacity = params.block_table.shape[1] * k_cache.shape[1]
+    return flash_form(backend, params, q.shape[1], max(capacity, 1))
+
+
 def flash_varlen(fn: Callable[..., Any], backend: str, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, params: AttnParams, **kw: Any) -> Any:
     """Call a ``flash_attn_varlen_func`` on packed (thd) sequences. Only bottom-right masks
-    arrive here (``top_left_reason`` refuses the others for thd); ``kw`` is passed on. The
-    form is checked at the max lengths: the kernel clamps window edges against them."""
-    form = flash_form(backend, params, params.max_seqlen_q, params.max_seqlen_k)
+    arrive here (``top_left_reason`` refuses the others for thd); ``kw`` is passed on."""
+    form = flash_varlen_form(backend, params)
     return fn(q, k, v, params.cu_seqlens_q, params.cu_seqlens_k, params.max_seqlen_q,
               params.max_seqlen_k, **flash_kwargs(params, form), **kw)
 

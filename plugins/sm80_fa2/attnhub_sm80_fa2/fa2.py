@@ -21,9 +21,9 @@ from attnhub.plugin import (
     Capabilities,
     DeviceInfo,
     flash_dense_form,
-    flash_form,
     flash_kwargs,
     flash_output_kwargs,
+    flash_paged_form,
     flash_varlen,
     natural_lse,
     top_left_reason,
@@ -114,7 +114,7 @@ class FlashAttn2Backend(Backend):
             raise BackendUnavailableError(self.name, [
                 f"page size {k.shape[1]} is not a multiple of {FA2_PAGE_MULTIPLE} "
                 "(flash_attn_with_kvcache); use flashinfer_decode or fa3 for small pages"])
-        form = flash_form(self.name, params, 1, 1)  # bottom-right only (checked)
+        form = flash_paged_form(self.name, params, q, k)  # bottom-right only (checked)
         out, lse = self._fa.flash_attn_with_kvcache(
             q, k, v, cache_seqlens=params.seqlens_k, block_table=params.block_table,
             return_softmax_lse=True, **flash_kwargs(params, form))

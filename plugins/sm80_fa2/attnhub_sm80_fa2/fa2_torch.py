@@ -25,7 +25,7 @@ from attnhub.plugin import (
     Capabilities,
     DeviceInfo,
     flash_dense_form,
-    flash_form,
+    flash_varlen_form,
     natural_lse,
     top_left_reason,
 )
@@ -74,7 +74,7 @@ class TorchFlashBackend(Backend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
         if spec.layout == "thd":
-            form = flash_form(self.name, params, 1, 1)  # bottom-right only (checked)
+            form = flash_varlen_form(self.name, params)  # bottom-right only (checked)
             return self._op(q, k, v, params, form, params.cu_seqlens_q, params.cu_seqlens_k,
                             params.max_seqlen_q or 0, params.max_seqlen_k or 0)
         sq = q.shape[1]

@@ -23,9 +23,9 @@ from attnhub.plugin import (
     Capabilities,
     DeviceInfo,
     flash_dense_form,
-    flash_form,
     flash_kwargs,
     flash_output_kwargs,
+    flash_paged_form,
     flash_varlen,
     natural_lse,
     top_left_reason,
@@ -86,7 +86,7 @@ class Fa3Runner:
         fa = self.fa
         splits = self.splits
         if spec.layout == "paged":
-            kw = flash_kwargs(params, flash_form(self.name, params, 1, 1))
+            kw = flash_kwargs(params, flash_paged_form(self.name, params, q, k))
             res = fa.flash_attn_with_kvcache(
                 q, k, v, cache_seqlens=params.seqlens_k, page_table=params.block_table,
                 num_splits=splits, return_softmax_lse=True, **kw, **extra)
