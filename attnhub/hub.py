@@ -436,6 +436,24 @@ class Hub:
         return bind(model, self, **shapes)
 
 
+class HubRef:
+    """A hub held by a model's layer (``attnhub.bind``, ``bind_model``), so that the model
+    stays an ordinary module: a deep copy shares the hub (a ``Hub`` holds locks and plugin
+    modules, which neither copy nor pickle), and pickling (``torch.save(model)``) drops it,
+    so a loaded model is served by the default hub until it is bound again."""
+
+    __slots__ = ("hub",)
+
+    def __init__(self, hub: Hub | None) -> None:
+        self.hub = hub
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HubRef:
+        return self
+
+    def __reduce__(self) -> tuple[type, tuple[None]]:
+        return (HubRef, (None,))
+
+
 #: The fast key's side entry of a paged call: its tables are vouched for by ``PAGED``.
 _PAGED_TABLES = ("paged tables",)
 

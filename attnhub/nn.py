@@ -25,7 +25,7 @@ from .core.decision import BindContext
 from .core.kvcache import CacheStep, PagedKVCache
 from .core.seqstate import StateGeometry
 from .core.spec import AttentionSpec, MaskSpec, dtype_name
-from .hub import Hub, default_hub
+from .hub import Hub, HubRef, default_hub
 
 #: How a layer reads the cache in decode: ``paged`` hands block tables to the backend,
 #: ``gather`` copies the context into contiguous tensors first (for a backend bound to the
@@ -75,8 +75,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
         self.context = BindContext(model=model, layer=layer_idx, layer_kind=layer_kind)
-        #: The hub this layer is bound to (``attnhub.bind`` sets it); None: the default hub.
-        self.hub: Hub | None = None
+        self._hub_ref = HubRef(None)
         self.decode_layout = "paged"
         #: Force a backend for this layer (reference checks, decode comparisons).
         self.backend_override: str | None = None
@@ -117,6 +116,16 @@ class Attention(nn.Module):
         return self.causal and new_tokens > 1
 
     # -- the call ---------------------------------------------------------------------------
+    @property
+    def hub(self) -> Hub | None:
+        """The hub this layer is bound to (``attnhub.bind`` sets it); None: the default hub.
+        Held through ``HubRef``: the layer deep-copies (sharing it) and pickles (dropping it)."""
+        return self._hub_ref.hub
+
+    @hub.setter
+    def hub(self, hub: Hub | None) -> None:
+        self._hub_ref = HubRef(hub)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: CacheStep | None = None) -> torch.Tensor:
         if _timer is not None:

@@ -26,7 +26,7 @@ import torch
 
 from ...core.decision import BindContext
 from ...errors import InputError
-from ...hub import Hub, default_hub
+from ...hub import Hub, HubRef, default_hub
 from .masks import DenseMask, mask_args
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # the module's own hub (set by bind_model) or the registered one; read from the
     # instance dict: nn.Module's __getattr__ raises (slowly) for a missing name
     bound = module.__dict__.get("_attnhub_hub")
-    if bound.__class__ is _HubRef:
+    if bound.__class__ is HubRef:
         bound = bound.hub
     hub = bound or _hub or default_hub()
     # phase left to the hub: one query over a longer cache is decode, else prefill or train
@@ -140,24 +140,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = hub.attention(q, k, v, scale=scaling, softcap=softcap, context=_context(module),
                         **mask)
     return out, None
-
-
-class _HubRef:
-    """The hub ``bind_model`` gives a layer, held so that the model stays copyable: a deep
-    copy shares the hub (a ``Hub`` holds locks and plugin modules, which neither copy nor
-    pickle), and pickling (``torch.save(model)``) drops it, so a loaded model is served by
-    the registered hub until it is bound again."""
-
-    __slots__ = ("hub",)
-
-    def __init__(self, hub: Hub | None) -> None:
-        self.hub = hub
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _HubRef:
-        return self
-
-    def __reduce__(self) -> tuple[type, tuple[None]]:
-        return (_HubRef, (None,))
 
 
 #: Keyword arguments ``_refuse_unsupported`` looks at (the common call has none of them).
@@ -216,7 +198,7 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
         hkv = getattr(cfg, "num_key_value_heads", None) or hq
         d = getattr(m, "head_dim", None) or cfg.hidden_size // hq
         sw = getattr(m, "sliding_window", None)
-        m._attnhub_hub = _HubRef(hub)  # type: ignore[assignment]
+        m._attnhub_hub = HubRef(hub)  # type: ignore[assignment]
         ctx = _context(m)
         for phase in phases:
             lens = ([(prompt_len, prompt_len)] if phase != "decode" else
