@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .spec import AttentionSpec
@@ -30,9 +30,9 @@ class BindContext:
         return self._hash
 
     def __reduce__(self) -> tuple:
-        # rebuilt through __init__: a string's hash differs between processes, so a pickled
-        # hash would break dict lookups in the process that loads it
-        return (BindContext, (self.model, self.layer, self.layer_kind, self.world_size))
+        # rebuilt through __init__ (of a subclass too, with its own fields): a string's hash
+        # differs between processes, so a pickled hash would break dict lookups there
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self) if f.init))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -160,3 +161,19 @@ def test_bind_context_hash_survives_another_process() -> None:
                          capture_output=True, timeout=120, check=True,
                          env={**os.environ, "PYTHONHASHSEED": "123"})
     assert out.stdout.strip() == b"True", out.stderr
+
+
+@dataclasses.dataclass(frozen=True)
+class _TaggedContext(BindContext):
+    """A caller's subclass with a field of its own."""
+
+    tag: str = "x"
+
+
+def test_bind_context_subclass_pickles_as_itself() -> None:
+    import pickle
+
+    ctx = _TaggedContext(model="m", layer=1, tag="draft")
+    back = pickle.loads(pickle.dumps(ctx))
+    assert type(back) is _TaggedContext and back == ctx and back.tag == "draft"
+    assert hash(back) == hash(ctx)
