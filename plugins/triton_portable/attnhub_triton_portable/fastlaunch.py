@@ -38,7 +38,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import triton
 from triton import knobs
 from triton.compiler import CompiledKernel

@@ -10,6 +10,7 @@ the interpreter on a CPU.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import threading
@@ -231,7 +232,7 @@ def test_scratch_is_reused_per_thread_and_stream_and_aligned(
     assert [t.numel() for t in big] == [999 * 33, 999, 5]
     assert all(t.data_ptr() % 16 == 0 and t.dtype == torch.float32 for t in big)
     spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in big)
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
     other: list[int] = []
     t = threading.Thread(target=lambda: other.append(
         scratch.fp32(dev, 0, (999 * 33, 999, 5), False)[0].data_ptr()))

@@ -72,7 +72,7 @@ def test_direct_c_launch_gets_what_tritons_wrapper_passes(stubbed: dict[str, lis
         kw = {}
     calls = []
     for _ in range(2):
-        out, lse = decode.decode_attention(q, k, v, scale=0.3, num_splits=3, **kw)
+        out, _ = decode.decode_attention(q, k, v, scale=0.3, num_splits=3, **kw)
         calls.append({name: [c_split(b.last_c_call) for b in bins]
                       for name, bins in stubbed.items()})
         for name, bins in stubbed.items():  # the outputs by role: each call has its own
