@@ -182,3 +182,21 @@ def test_default_backend_is_exact_on_the_cpu_where_compiled_flex_was_not():
         ref64, _ = reference_attention(q, k, v, params)
         same, _ = reference_attention(q, k, v, params, compute_dtype=q.dtype)
         assert_fa_rule(out, ref64, same)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [16, 64])
+def test_compiled_flex_on_the_gpu_at_the_cpu_template_s_bad_lengths(d: int) -> None:
+    """Compiled flex on a GPU at the key lengths where Inductor's CPU template was wrong
+    (8 mod 16, CPU_EAGER_REASON): the GPU keeps the compiled default only if it is exact."""
+    backend = FlexBackend()
+    backend.load()
+    assert backend.compiles("cuda")
+    for sk in (8, 24, 40):
+        q, k, v = (x.cuda() for x in _qkv(2, sk, sk, d=d, seed=sk))
+        params = AttnParams(scale=d ** -0.5)
+        out = backend.forward(q, k, v, _spec(q, k), params).out
+        ref64, _ = reference_attention(q, k, v, params)
+        same, _ = reference_attention(q, k, v, params, compute_dtype=q.dtype)
+        assert_fa_rule(out, ref64, same)
