@@ -84,7 +84,7 @@ class Interleaved:
 def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.device | str, *,
                    warmup: int = 3, repeats: int = 20, rounds: int = 2,
                    batch_below_ms: float = 0.1, batch_ms: float = 0.5,
-                   max_batch: int = 64) -> Interleaved:
+                   max_batch: int = 64, drop_above: float | None = None) -> Interleaved:
     """Time several callables so that two of them running the same kernel get the same
     figure: each repeat takes one sample of every callable in turn, in a fresh (seeded)
     random order, so a clock, thermal or co-tenant change hits all alike and no callable
@@ -96,7 +96,10 @@ def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.d
     microseconds averages out instead of deciding a ratio.
     No cache flush between calls, for every callable alike (inputs stay where the previous
     call left them, as in a model's step). Median of ``repeats`` samples, min over
-    ``rounds``."""
+    ``rounds``. ``drop_above``: after a round, a callable slower than that many times the
+    fastest keeps its figure and is not timed again: a call 50x slower than the rest takes
+    most of a round's time, and whatever clock or heat change it causes lands on the calls
+    that follow it."""
     names = list(fns)
     for fn in fns.values():
         for _ in range(warmup):
@@ -109,6 +112,9 @@ def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.d
     best: dict[Hashable, float] = {}
     rng = random.Random(0)
     for _ in range(rounds):
+        if drop_above is not None and best:
+            fastest = min(best.values())
+            names = [n for n in names if best[n] <= drop_above * fastest]
         samples: dict[Hashable, list[float]] = {n: [] for n in names}
         for _ in range(max(1, repeats)):
             order = names[:]

@@ -132,6 +132,28 @@ def test_interleaved_timing_shuffles_and_batches():
     assert slow.batch == 1 and slow.ms["s"] >= 2.0
 
 
+def test_interleaved_timing_drops_far_slower_callables_after_a_round():
+    """A callable over ``drop_above`` x the fastest keeps its first round's figure and is
+    not sampled again; the others are sampled in every round."""
+    import time
+
+    from attnhub.timing import interleaved_ms
+
+    calls = {"fast": 0, "near": 0, "slow": 0}
+    naps = {"fast": 0.001, "near": 0.0015, "slow": 0.006}
+
+    def fn(name: str):  # type: ignore[no-untyped-def]
+        def call() -> None:
+            calls[name] += 1
+            time.sleep(naps[name])
+        return call
+
+    t = interleaved_ms({n: fn(n) for n in naps}, "cpu", warmup=0, repeats=3, rounds=3,
+                       drop_above=3.0)
+    assert calls["fast"] == calls["near"] == 3 + 9 and calls["slow"] == 3 + 3
+    assert t.ms["slow"] >= 6.0 and set(t.ms) == set(naps)
+
+
 def test_report_shows_the_policy_backend_forced_and_raw_libraries():
     r = _cell("decode contiguous 1 x 32k", "torch_sdpa", 0.0957,
               {"torch_sdpa": 0.0884, "fa3": 0.2}, raw={"SDPA": 0.0645, "fa3": 0.19},
