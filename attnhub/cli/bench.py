@@ -201,8 +201,9 @@ def run_regret(args: argparse.Namespace) -> int:
             f"of {args.repeats} samples after {args.warmup} warm-up calls, min over "
             f"{args.rounds} rounds; within each repeat the policy's call, every forced backend "
             "and every raw library take one sample in turn (in a fresh random order); a "
-            "sample is one call from an idle GPU, or, where a call is under 0.1 ms, a batch of back-to-back "
-            "calls (calls/sample) between CUDA events, per call; host time counts where the "
+            "sample is one call from an idle GPU, or, where a call is under 0.1 ms, a batch of "
+            "back-to-back calls (calls/sample) between CUDA events, per call; host time counts "
+            "where the "
             f"GPU waits for it; no cache flush for any; a callable over {rg.DROP_ABOVE:g}x the "
             "fastest after a round keeps that figure and sits out the next.\n")
     md = rg.markdown(results, head)
