@@ -99,6 +99,18 @@ class NoisyForward(Honest):
         return AttentionOutput(out + 1e-9 * torch.randn_like(out), lse)
 
 
+class DenseHeadDim(Honest):
+    """Reads every tensor as if its head dim were dense (a raw kernel on a strided view)."""
+
+    name = "dense_head_dim"
+
+    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
+        def dense(t):  # type: ignore[no-untyped-def]
+            return t if t.stride(-1) == 1 else torch.as_strided(
+                t, t.shape, (*t.stride()[:-1], 1))
+        return super().forward(dense(q), dense(k), dense(v), spec, params)
+
+
 def _features(report) -> dict[str, str]:
     return {f["feature"]: f["status"] for f in report.features()}
 
@@ -108,7 +120,8 @@ def test_honest_backend_passes_every_declared_feature() -> None:
     assert rep.ok, [r.to_json() for r in rep.results if r.status != "pass"]
     feats = _features(rep)
     for f in ("mask softcap", "mask causal top_left (Sq != Sk)", "layout thd", "lse",
-              "backward", "deterministic forward", "gqa 4:1 (MQA)", "layout bhsd"):
+              "backward", "deterministic forward", "gqa 4:1 (MQA)", "layout bhsd",
+              "head dim stride 2 (bshd views)"):
         assert feats[f] == "pass", f
     assert any(f.startswith("layout paged page=") for f in feats)
 
@@ -122,6 +135,7 @@ def test_honest_backend_passes_every_declared_feature() -> None:
     (NoLse(), "lse", "lse is None"),
     (Exits(), "basic", "SystemExit: kernel gave up"),
     (NoisyForward(), "deterministic forward", "two runs differ"),
+    (DenseHeadDim(), "head dim stride 2 (bshd views)", "max error"),
 ])
 def test_broken_backends_fail_on_what_they_break(backend, feature, words) -> None:
     cases = [c for c in grid(backend.capabilities, quick=True) if c.feature == feature]
@@ -143,7 +157,8 @@ def test_grid_follows_the_declaration() -> None:
     """Nothing declared, nothing but the basic contract is tested; each claim adds cases."""
     bare = {c.feature for c in grid(Capabilities(dtypes=frozenset({"fp16"})))}
     assert bare == {"basic", "head_dim 16", "head_dim 64", "head_dim 128", "head_dim 256",
-                    "layout bhsd", "Sq < Sk", "Sq > Sk", "phase decode"}
+                    "layout bhsd", "head dim stride 2 (bshd views)", "Sq < Sk", "Sq > Sk",
+                    "phase decode"}
     full = {c.feature for c in grid(HONEST)}
     assert {"mask alibi", "mask prefix_lm", "mask column_sparse", "mask score_mod",
             "mask mask_mod", "mask document", "deterministic backward"} <= full

@@ -58,6 +58,9 @@ class Case:
     backward: bool = False
     deterministic: bool = False
     repeat: bool = False  # run twice, outputs (and gradients) must be bitwise equal
+    #: q/k/v as views whose head dim has stride 2 (every other element of wider tensors):
+    #: the API passes such views on, and a kernel reading the head dim as dense is wrong
+    strided: bool = False
     seed: int = 0
     #: A declaration the kit finds inconsistent by itself (reported as a failure).
     notes: tuple[str, ...] = field(default=())
@@ -69,7 +72,7 @@ class Case:
                 f"{self.heads[1]}", self.layout + (f"/{self.page_size}" if self.page_size else ""),
                 f"sq={list(self.seqlens_q)}", f"sk={list(self.seqlens_k)}"]
         for flag in ("causal", "alibi", "prefix_lm", "column_sparse", "score_mod", "mask_mod",
-                     "return_lse", "backward", "deterministic", "repeat"):
+                     "return_lse", "backward", "deterministic", "repeat", "strided"):
             if getattr(self, flag):
                 bits.append(flag)
         if self.causal and self.alignment != "bottom_right":
@@ -244,6 +247,10 @@ def _layouts(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
                 base.phase != "decode" or layout != "thd"):
             out.append(_fit(replace(base, feature=f"layout {layout}", layout=layout,
                                     causal=causal, page_size=0), caps))
+    if "bshd" in caps.layouts:
+        out.append(_fit(replace(base, feature="head dim stride 2 (bshd views)", layout="bshd",
+                                causal=causal, page_size=0, strided=True,
+                                return_lse=caps.returns_lse), caps))
     if "paged" in caps.layouts:
         for ps in _page_sizes(caps, quick):
             phase = "decode" if "decode" in caps.phases else base.phase

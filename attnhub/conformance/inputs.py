@@ -52,6 +52,9 @@ def build(case: Case, device: torch.device) -> Inputs:
         q, k, v = (to(torch.stack(x)) for x in (qs, ks, vs))
         if case.layout == "bhsd":  # what the API hands a backend: a transposed bshd view
             q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+        if case.strided:  # the same values, every other element of a tensor twice as wide
+            q, k, v = (x.new_zeros(*x.shape[:-1], 2 * x.shape[-1])[..., ::2].copy_(x)
+                       for x in (q, k, v))
         layout_args: dict = {}
         ref = ("bshd", q, k, v, {})
         out_shape, lse_shape = (b, qs[0].shape[0], hq, dv), (b, hq, qs[0].shape[0])
