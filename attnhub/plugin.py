@@ -6,7 +6,7 @@ third-party distribution would.
 
 from __future__ import annotations
 
-from .core.backend import TIERS, AttentionOutput, Backend, module_available
+from .core.backend import TIERS, AttentionOutput, Backend, module_available, unit_head_stride
 from .core.capabilities import ALL_MASKS, FLOAT_DTYPES, HALF_DTYPES, Capabilities
 from .core.device import DeviceInfo
 from .core.flash_conventions import (
@@ -77,4 +77,5 @@ __all__ = [
     "reference_attention",
     "top_left_reason",
     "torch_dtype",
+    "unit_head_stride",
 ]

@@ -23,6 +23,14 @@ TIERS: tuple[str, ...] = ("reference", "portable", "vendor", "serving", "variant
                           "distributed")
 
 
+def unit_head_stride(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors with a head dim (last dim) of stride 1, copied where it is not. The API
+    passes views on as they come; a raw kernel that reads the head dim as dense returns
+    garbage for any other stride (compiled flex on the H200: error 3.06; torch's CPU flash
+    op: 2.7), and cuDNN / FlashAttention refuse them."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
+
+
 def module_available(name: str) -> bool:
     """Whether top-level module ``name`` can be imported, found without importing it (a module
     already in ``sys.modules`` counts, also one a test put there without a spec)."""

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from attnhub.plugin import InputError
+from attnhub.plugin import InputError, unit_head_stride
 
 BlockBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -94,20 +94,13 @@ def block_backward_kernel(q: torch.Tensor, v: torch.Tensor, softcap: float | Non
     raise InputError(f"ring: block_backward={want!r} cannot serve this call: {passed[-1]}")
 
 
-def unit_last(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors with a last dim of stride 1 (copied where not): the raw fused ops read
-    the head dim as dense and return garbage for any other stride (torch's CPU flash op:
-    errors ~2.7 vs fp64 on a strided q, found by review)."""
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
-
-
 def cudnn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one bshd block by cuDNN, given the (global) ``out`` and ``lse``
     (B, Hq, M) fp32; called as torch's own context parallelism calls it (BHSD views, the LSE
     with cuDNN's trailing unit axis). Returns dq (B,M,Hq,D), dk/dv (B,N,Hkv,D)."""
-    dout, q, k, v, out = unit_last(dout, q, k, v, out)
+    dout, q, k, v, out = unit_head_stride(dout, q, k, v, out)
     m, hq = q.shape[1], q.shape[2]
     n, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -127,7 +120,7 @@ def cudnn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 def flash_forward_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """bshd in, (out bshd, lse (B, Hq, Sq) fp32) out, from the CPU flash kernel."""
-    q, k, v = unit_last(q, k, v)
+    q, k, v = unit_head_stride(q, k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
     return out.transpose(1, 2), lse
@@ -139,7 +132,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """Gradients of one bshd block given the (global) ``out`` and ``lse`` (B, Hq, M) fp32.
 
     Returns dq (B,M,Hq,D), dk/dv (B,N,Hkv,D) in the input dtype."""
-    dout, q, k, v, out = unit_last(dout, q, k, v, out)
+    dout, q, k, v, out = unit_head_stride(dout, q, k, v, out)
     if q.device.type == "cuda":
         m, n = q.shape[1], k.shape[1]
         rng = torch.empty(2, dtype=torch.uint64, device=q.device)

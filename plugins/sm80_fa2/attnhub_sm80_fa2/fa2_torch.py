@@ -28,6 +28,7 @@ from attnhub.plugin import (
     flash_varlen_form,
     natural_lse,
     top_left_reason,
+    unit_head_stride,
 )
 
 from .probe import torch_flash_schema
@@ -73,6 +74,7 @@ class TorchFlashBackend(Backend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        q, k, v = unit_head_stride(q, k, v)  # the flash op refuses another head-dim stride
         if spec.layout == "thd":
             form = flash_varlen_form(self.name, params)  # bottom-right only (checked)
             return self._op(q, k, v, params, form, params.cu_seqlens_q, params.cu_seqlens_k,

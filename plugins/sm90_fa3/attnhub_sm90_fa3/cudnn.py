@@ -26,6 +26,7 @@ from attnhub.plugin import (
     BackendUnavailableError,
     Capabilities,
     DeviceInfo,
+    unit_head_stride,
 )
 
 CUDNN_CAPABILITIES = Capabilities(
@@ -69,6 +70,7 @@ class CudnnBackend(Backend):
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
+        q, k, v = unit_head_stride(q, k, v)  # cuDNN refuses another head-dim stride
         refusal = bottom_right_refusal(params.causal, params.alignment, sq, sk)
         if refusal:
             raise BackendUnavailableError(self.name, [refusal])

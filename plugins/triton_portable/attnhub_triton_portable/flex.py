@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.nn.attention import flex_attention as _fa
 
-from attnhub.plugin import AttnParams, query_offset
+from attnhub.plugin import AttnParams, query_offset, unit_head_stride
 
 Mod = Callable[..., torch.Tensor]
 
@@ -321,6 +321,8 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
     on the CPU, see ``backend_flex.CPU_EAGER_REASON``).
     """
     packed = layout == "thd"
+    # compiled flex reads the head dim as dense (H200: error 3.06 on a stride-2 view)
+    q, k, v = unit_head_stride(q, k, v)
     qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) if packed else x.transpose(1, 2)
                   for x in (q, k, v))
     batch, hq, sq, _ = qt.shape
