@@ -200,3 +200,19 @@ def test_compiled_flex_on_the_gpu_at_the_cpu_template_s_bad_lengths(d: int) -> N
         ref64, _ = reference_attention(q, k, v, params)
         same, _ = reference_attention(q, k, v, params, compute_dtype=q.dtype)
         assert_fa_rule(out, ref64, same)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_flex_on_the_gpu_takes_a_strided_head_dim() -> None:
+    """q/k/v views whose head dim has stride 2: compiled flex on the H200 read them as dense
+    (error 3.06 in the kit) until ``unit_head_stride`` copied them."""
+    backend = FlexBackend()
+    backend.load()
+    q, k, v = (x.cuda() for x in _qkv(2, 21, 21, d=32, seed=5))
+    q, k, v = (x.new_zeros(*x.shape[:-1], 64)[..., ::2].copy_(x) for x in (q, k, v))
+    params = AttnParams(scale=32 ** -0.5, causal=True)
+    out = backend.forward(q, k, v, _spec(q, k, causal=True), params).out
+    ref64, _ = reference_attention(q, k, v, params)
+    same, _ = reference_attention(q, k, v, params, compute_dtype=q.dtype)
+    assert_fa_rule(out, ref64, same)
