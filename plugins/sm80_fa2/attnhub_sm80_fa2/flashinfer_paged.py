@@ -31,6 +31,7 @@ from attnhub.plugin import (
     BackendUnavailableError,
     Capabilities,
     DeviceInfo,
+    unit_head_stride,
 )
 
 from .decode_choice import choose_tensor_cores
@@ -200,6 +201,11 @@ class FlashInferPagedBackend(Backend):
     # -- the hot path ------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise BackendUnavailableError(self.name, [
+                f"the paged cache's head dim has stride {k.stride(-1)}/{v.stride(-1)}: "
+                "FlashInfer reads it as dense; pass caches whose last dim is contiguous"])
+        (q,) = unit_head_stride(q)
         plan = self.plan(q, k, params)
         b, sq, hq, d = q.shape
         if plan.hnd:

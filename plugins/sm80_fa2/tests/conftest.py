@@ -112,7 +112,8 @@ class _FakeWrapper:
             causal=causal)))
 
     def run(self, q, paged_kv_cache, return_lse=False):
-        self.rec.calls.append((f"{self.kind}.run", dict(q_shape=tuple(q.shape))))
+        self.rec.calls.append((f"{self.kind}.run", dict(q_shape=tuple(q.shape),
+                                                        q_head_stride=q.stride(-1))))
         kc, vc = paged_kv_cache
         outs, lses = [], []
         for b in range(len(self.last)):

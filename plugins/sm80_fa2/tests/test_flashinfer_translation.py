@@ -63,6 +63,24 @@ def test_hnd_storage_is_detected_from_strides(fake_flashinfer, helpers):
                                atol=2e-5, rtol=1e-5)
 
 
+def test_strided_head_dims_are_copied_or_refused(fake_flashinfer, helpers):
+    """FlashInfer reads the head dim as dense: a strided q is copied (the kernel gets a unit
+    stride), a strided cache is refused with the reason (copying it would cost a whole
+    cache per call)."""
+    kc, vc, table, seqlens = helpers.paged(2, [20, 33], 8, 2, 16)
+    q = torch.randn(2, 1, 4, 32)[..., ::2]
+    p = AttnParams(scale=0.3, block_table=table, seqlens_k=seqlens, max_seqlen_k=33)
+    spec = helpers.spec(q, kc, "paged", phase="decode")
+    out, _ = small(FlashInferDecodeBackend).forward(q, kc, vc, spec, p)
+    assert fake_flashinfer.last("decode.run")["q_head_stride"] == 1
+    torch.testing.assert_close(out, paged_reference(q, kc, vc, table, seqlens, p)[0],
+                               atol=2e-5, rtol=1e-5)
+    wide = torch.zeros(*kc.shape[:-1], 32)
+    wide[..., ::2] = kc
+    with pytest.raises(BackendUnavailableError, match="stride 2/1"):
+        small(FlashInferDecodeBackend).forward(q, wide[..., ::2], vc, spec, p)
+
+
 def test_plan_is_cached_per_batch_layout(fake_flashinfer, helpers, monkeypatch):
     choices = []
     monkeypatch.setattr(flashinfer_paged, "choose_tensor_cores",
