@@ -344,24 +344,37 @@ class _Plan(NamedTuple):
     upcast: bool
 
 
-@functools.lru_cache(maxsize=1024)
-def _plan(device: torch.device, dtype: torch.dtype, batch: int, seqlen_q: int, hq: int,
-          hkv: int, longest: int, paged: bool, num_splits: int | None,
-          config: DecodeConfig | None, kv_fp8: bool = False) -> _Plan:
+@functools.lru_cache(maxsize=256)
+def _plan_base(device: torch.device, dtype: torch.dtype, batch: int, seqlen_q: int, hq: int,
+               hkv: int, paged: bool, config: DecodeConfig | None,
+               kv_fp8: bool) -> tuple[DecodeConfig, int, int, int, bool]:
+    """What a plan takes from everything but the context length: (config, block_m, row
+    blocks, SM count, bf16 upcast)."""
     arch = device_arch(device)
     dname = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     rows = seqlen_q * (hq // hkv)
     bm = block_m(rows)
-    m_blocks = triton.cdiv(rows, bm)
+    m_blocks = -(-rows // bm)
     sms = INTERPRETER_SM_COUNT if arch == "cpu" else _sm_count(device.index or 0)
     cfg = config or decode_config(arch, dname, paged, kv_fp8,
                                   programs=(batch * hkv * m_blocks, sms))
-    splits = num_splits or choose_splits(batch, hkv, longest, sms, cfg, m_blocks)
-    splits = max(1, min(splits, triton.cdiv(max(longest, 1), cfg.block_n)))
     # Triton 3.9's interpreter computes bf16 dots wrongly (garbage of order 1e10): the
     # interpreter path feeds them fp32 copies instead, keeping the bf16 rounding of p.
     upcast = arch == "cpu" and dtype == torch.bfloat16
-    return _Plan(cfg, bm, m_blocks, splits, max(2, triton.next_power_of_2(splits)), upcast)
+    return cfg, bm, m_blocks, sms, upcast
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(device: torch.device, dtype: torch.dtype, batch: int, seqlen_q: int, hq: int,
+          hkv: int, longest: int, paged: bool, num_splits: int | None,
+          config: DecodeConfig | None, kv_fp8: bool = False) -> _Plan:
+    # integer maths here, not triton.cdiv/next_power_of_2 (Triton functions, slow to call
+    # from Python): a growing cache plans a new length every step
+    cfg, bm, m_blocks, sms, upcast = _plan_base(device, dtype, batch, seqlen_q, hq, hkv,
+                                                paged, config, kv_fp8)
+    splits = num_splits or choose_splits(batch, hkv, longest, sms, cfg, m_blocks)
+    splits = max(1, min(splits, -(-max(longest, 1) // cfg.block_n)))
+    return _Plan(cfg, bm, m_blocks, splits, max(2, 1 << (splits - 1).bit_length()), upcast)
 
 
 class _Launches(NamedTuple):
@@ -393,8 +406,8 @@ class _Shape:
     """
 
     __slots__ = ("by_longest", "by_splits", "cap_k", "consts", "copy", "cuda_index",
-                 "device", "dim", "empty", "interpreted", "ints", "new_lse", "new_out",
-                 "plan_args", "plan_opts", "strides")
+                 "device", "dim", "empty", "interpreted", "ints", "launchers", "new_lse",
+                 "new_out", "plan_args", "plan_opts", "strides")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  alignment: str, window: tuple[int, int] | None, softcap: bool,
@@ -442,12 +455,37 @@ class _Shape:
                        descales is not None)
         self.by_longest: dict[int, _Launches] = {}
         self.by_splits: dict[int, _Launches] = {}
+        #: (split count, config) -> the split and merge ``Launcher``: shared with the shapes
+        #: ``rebased`` from this one, which launch the same binaries
+        self.launchers: dict[tuple[Any, ...], tuple[Launcher, Launcher | None]] = {}
+
+    def rebased(self, k: torch.Tensor, v: torch.Tensor) -> _Shape:
+        """This shape for a contiguous cache of another length (a cache that grows by a key
+        per decode step), sharing its launchers: the caller's family key guarantees that
+        every integer that changes with the length (the capacity and the k/v strides) keeps
+        its Triton specialization (== 1, divisible by 16, integer width), so the binaries
+        stay valid and only the arguments change."""
+        if k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"decode_attention: k {tuple(k.shape)} and v {tuple(v.shape)} "
+                             "must be 4-D and agree in all but the head dim")
+        new = object.__new__(_Shape)
+        for name in _Shape.__slots__:
+            setattr(new, name, getattr(self, name))
+        new.cap_k = k.shape[1]
+        new.strides = (*self.strides[:3], *k.stride()[:3], *v.stride()[:3], *self.strides[9:])
+        new.ints = (*self.ints[:3], new.cap_k, *self.ints[4:])
+        new.by_longest, new.by_splits = {}, {}
+        return new
 
     def launches(self, longest: int) -> _Launches:
         """The launches for a call whose longest sequence is ``longest`` keys."""
         if len(self.by_longest) >= _CACHE_LIMIT:
             self.by_longest.clear()
-        plan = _plan(*self.plan_args, longest, *self.plan_opts)
+        # a plan depends on the length only through its key tiles: lengths rounded up to
+        # whole tiles share one (a growing cache plans anew once per tile, not per key)
+        paged, _, config, kv_fp8 = self.plan_opts
+        block_n = _plan_base(*self.plan_args, paged, config, kv_fp8)[0].block_n
+        plan = _plan(*self.plan_args, -(-longest // block_n) * block_n, *self.plan_opts)
         hit = self.by_splits.get(plan.splits)
         if hit is None:
             hit = self.by_splits[plan.splits] = self._build(plan)
@@ -460,16 +498,21 @@ class _Shape:
         fused = cfg.fused_merge and splits > 1
         bd = block_d(dim)
         prec = "ieee" if dtype == torch.float32 or plan.upcast else "tf32"
-        split = Launcher(_split_kernel, (splits, batch * hkv * plan.m_blocks),
-                         {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        shared = self.launchers.get((splits, cfg))
+        split = shared[0] if shared else Launcher(
+            _split_kernel, (splits, batch * hkv * plan.m_blocks),
+            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         split_tail = (*self.ints, plan.m_blocks, splits, *self.consts, splits == 1, fused,
                       cfg.prefetch_pages, cfg.fp8_dot == "fp16",
                       cfg.fp8_v_ahead and self.consts[-1], plan.block_m, cfg.block_n, bd,
                       plan.block_s, prec, plan.upcast)
         merge = None
-        if splits > 1 and not fused:
+        if shared:
+            merge = shared[1]
+        elif splits > 1 and not fused:
             merge = Launcher(_merge_kernel, (batch * hq * seqlen_q,),
                              {"num_warps": cfg.merge_warps})
+        self.launchers[(splits, cfg)] = (split, merge)
         merge_tail = (*self.strides[9:12], seqlen_q, hq, splits, dim, plan.block_s, bd)
         rows = batch * hq * seqlen_q
         partials = (rows * splits * dim, rows * splits) if splits > 1 else ()
@@ -478,6 +521,25 @@ class _Shape:
 
 
 _shapes: dict[tuple[Any, ...], _Shape] = {}
+#: Contiguous caches by everything but their length (see ``_family``): a new length of a
+#: growing cache is ``rebased`` from the shape of an earlier one, not built afresh (which
+#: cost ~200 us a call on the CPU box, each call launching through Triton's dispatch).
+_families: dict[tuple[Any, ...], _Shape] = {}
+
+
+def _spec_class(x: int) -> tuple[bool, bool, int]:
+    """What Triton specializes an integer argument on: == 1, divisibility by 16, and its
+    width (i32, i64, u64)."""
+    width = 32 if -2**31 <= x < 2**31 else 64 if x < 2**63 else 65
+    return x == 1, x % 16 == 0, width
+
+
+def _family(key: tuple[Any, ...], k: torch.Tensor, v: torch.Tensor) -> tuple[Any, ...]:
+    """``key`` of a contiguous-cache call with the length and the k/v strides replaced by
+    their Triton specialization (the length is the kernel's capacity argument)."""
+    return (key[:2], k.shape[0], k.shape[2:], v.shape[0], v.shape[2:],
+            _spec_class(k.shape[1]), tuple(map(_spec_class, k.stride())),
+            tuple(map(_spec_class, v.stride())), key[6:])
 
 
 @functools.cache
@@ -654,10 +716,21 @@ def decode_attention(
                                       *(descales or ())))
     shape = _shapes.get(key)
     if shape is None:
-        shape = _Shape(q, k, v, causal=causal, alignment=alignment, window=window,
-                       softcap=bool(softcap), slopes=slopes, block_table=block_table,
-                       seqlens_k=seqlens_k, descales=descales, num_splits=num_splits,
-                       config=config)
+        # (a cache copied for its last dim keeps the copy's strides: not rebased)
+        family = _family(key, k, v) if (block_table is None and k.dim() == 4 == v.dim()
+                                        and k.stride(-1) == 1 == v.stride(-1)) else None
+        base = _families.get(family) if family is not None else None
+        if base is not None:
+            shape = base.rebased(k, v)
+        else:
+            shape = _Shape(q, k, v, causal=causal, alignment=alignment, window=window,
+                           softcap=bool(softcap), slopes=slopes, block_table=block_table,
+                           seqlens_k=seqlens_k, descales=descales, num_splits=num_splits,
+                           config=config)
+            if family is not None:
+                if len(_families) >= _CACHE_LIMIT:
+                    _families.clear()
+                _families[family] = shape
         if len(_shapes) >= _CACHE_LIMIT:
             _shapes.clear()
         _shapes[key] = shape

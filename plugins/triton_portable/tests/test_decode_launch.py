@@ -49,12 +49,15 @@ def stubbed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     monkeypatch.setattr(decode, "device_arch", lambda device: "sm90")
     monkeypatch.setattr(decode, "_sm_count", lambda index: 132)
     monkeypatch.setattr(decode, "_shapes", {})
+    monkeypatch.setattr(decode, "_families", {})
     decode._plan.cache_clear()  # its plans for CPU tensors would say sm90 after the test
+    decode._plan_base.cache_clear()
     try:
         with stub_triton(kernels, check=True) as stubs:
             yield {"made": stubs.made, "log": stubs.log, "dispatched": dispatched}
     finally:
         decode._plan.cache_clear()
+        decode._plan_base.cache_clear()
 
 
 def _launches(made: dict[str, list[Any]]) -> int:
@@ -160,10 +163,12 @@ def test_cached_launches_equal_fresh_ones(stubbed: dict[str, Any]) -> None:
             before = sum(dispatched.values())
             again = launched(args, kw)
             assert sum(dispatched.values()) == before, aspects  # the repeat went direct
-            kept = dict(decode._shapes)
+            kept, families = dict(decode._shapes), dict(decode._families)
             decode._shapes.clear()
+            decode._families.clear()
             fresh = launched(args, kw)
             decode._shapes.update(kept)
+            decode._families.update(families)
             assert cached == fresh == again, aspects
 
 
@@ -181,6 +186,35 @@ def test_context_length_picks_its_split_count(stubbed: dict[str, Any]) -> None:
         grids.append(stubbed["log"][0][1])
     assert grids[0] == grids[2] != grids[1]
     assert grids[0][0] > 1 and grids[1][0] == 1  # splits
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd view"])
+def test_growing_cache_is_rebased_and_launches_as_cold(stubbed: dict[str, Any],
+                                                       layout: str) -> None:
+    """A contiguous cache one key longer every call (a DynamicCache decode loop; HF's bhsd
+    cache reaches the kernel as a transposed view): each new length reuses the launchers of
+    an earlier one (the capacity and strides change, their Triton specialization does not),
+    launches exactly what a cold cache launches (the stub checks every argument's
+    specialization against the binary), and Triton's dispatch runs once per binary only."""
+    log, dispatched = stubbed["log"], stubbed["dispatched"]
+    big = torch.randn(2, 90, 2, 32), torch.randn(2, 90, 2, 32)
+    q = torch.randn(2, 1, 8, 32)
+    for n in range(30, 75):
+        k, v = (x[:, :n].contiguous() if layout == "bshd"
+                else x[:, :n].transpose(1, 2).contiguous().transpose(1, 2) for x in big)
+        log.clear()
+        got = _tokens(log, *decode.decode_attention(q, k, v, scale=0.2))
+        kept, families = dict(decode._shapes), dict(decode._families)
+        decode._shapes.clear()
+        decode._families.clear()
+        log.clear()
+        cold = _tokens(log, *decode.decode_attention(q, k, v, scale=0.2))
+        decode._shapes.update(kept)
+        decode._families.update(families)
+        assert got == cold, n
+    binaries = sum(len(m) for m in stubbed["made"].values())
+    # the cold calls above dispatch every time; the rebased ones at most once per binary
+    assert dispatched["_split_kernel"] <= 45 + len(stubbed["made"]["_split_kernel"]), binaries
 
 
 def test_alignment_and_strides_pick_their_own_binary(stubbed: dict[str, Any]) -> None:
