@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from attnhub_triton_portable.launch_stub import stub_triton
-from decode_host_overhead import D, HKV, HQ, load_decode
+from decode_host_overhead import HKV, HQ, D, load_decode
 
 
 def main() -> None:
