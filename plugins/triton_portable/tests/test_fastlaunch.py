@@ -38,12 +38,15 @@ def stubbed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[StubKern
     monkeypatch.setattr(decode, "device_arch", lambda device: "sm90")
     monkeypatch.setattr(decode, "_sm_count", lambda index: 132)
     monkeypatch.setattr(decode, "_shapes", {})
+    monkeypatch.setattr(decode, "_families", {})
     decode._plan.cache_clear()
+    decode._plan_base.cache_clear()
     try:
         with stub_triton(kernels, check=True) as stubs:
             yield stubs.made
     finally:
         decode._plan.cache_clear()
+        decode._plan_base.cache_clear()
 
 
 def test_layout_known_for_this_triton() -> None:
