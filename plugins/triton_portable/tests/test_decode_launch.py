@@ -14,7 +14,6 @@ import itertools
 import os
 import random
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,7 +23,6 @@ if not torch.cuda.is_available():  # Triton reads this when a kernel is decorate
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attnhub_triton_portable import decode, fastlaunch, scratch
-from attnhub_triton_portable.launch_stub import stub_triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
@@ -32,10 +30,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture()
-def stubbed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
-    """decode with compiled kernels launched on a stub sm90 (132 SMs), every launch checked
-    and logged; counts Triton's dispatch (``JITFunction.run``) per kernel."""
-    kernels = [JITFunction(decode._split_kernel.fn), JITFunction(decode._merge_kernel.fn)]
+def stubbed(stub_decode: tuple[list[Any], Any]) -> dict[str, Any]:
+    """decode on the stub sm90 (``stub_decode``), every launch logged; counts Triton's
+    dispatch (``JITFunction.run``) per kernel."""
+    kernels, stubs = stub_decode
     dispatched = {fn.__name__: 0 for fn in kernels}
     for fn in kernels:
         def counted(*args: Any, _fn: JITFunction = fn, _run: Any = fn.run, **kw: Any) -> Any:
@@ -43,21 +41,7 @@ def stubbed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
             return _run(*args, **kw)
 
         fn.run = counted  # type: ignore[method-assign]
-    monkeypatch.setattr(decode, "_split_kernel", kernels[0])
-    monkeypatch.setattr(decode, "_merge_kernel", kernels[1])
-    monkeypatch.setattr(decode, "_check_interpreter", lambda device: None)
-    monkeypatch.setattr(decode, "device_arch", lambda device: "sm90")
-    monkeypatch.setattr(decode, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(decode, "_shapes", {})
-    monkeypatch.setattr(decode, "_families", {})
-    decode._plan.cache_clear()  # its plans for CPU tensors would say sm90 after the test
-    decode._plan_base.cache_clear()
-    try:
-        with stub_triton(kernels, check=True) as stubs:
-            yield {"made": stubs.made, "log": stubs.log, "dispatched": dispatched}
-    finally:
-        decode._plan.cache_clear()
-        decode._plan_base.cache_clear()
+    return {"made": stubs.made, "log": stubs.log, "dispatched": dispatched}
 
 
 def _launches(made: dict[str, list[Any]]) -> int:

@@ -10,7 +10,6 @@ arguments, so both paths end in the same place and can be compared argument by a
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,32 +20,16 @@ if not torch.cuda.is_available():  # Triton reads this when a kernel is decorate
 
 import triton
 from attnhub_triton_portable import decode, fastlaunch
-from attnhub_triton_portable.launch_stub import StubKernel, c_split, stub_triton
+from attnhub_triton_portable.launch_stub import StubKernel, c_split
 from triton.compiler.compiler import LazyDict
 from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
 
 
 @pytest.fixture()
-def stubbed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[StubKernel]]]:
-    """decode with compiled kernels launched on a stub sm90 (132 SMs), every launch
-    checked against its binary's specialization."""
-    kernels = [JITFunction(decode._split_kernel.fn), JITFunction(decode._merge_kernel.fn)]
-    monkeypatch.setattr(decode, "_split_kernel", kernels[0])
-    monkeypatch.setattr(decode, "_merge_kernel", kernels[1])
-    monkeypatch.setattr(decode, "_check_interpreter", lambda device: None)
-    monkeypatch.setattr(decode, "device_arch", lambda device: "sm90")
-    monkeypatch.setattr(decode, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(decode, "_shapes", {})
-    monkeypatch.setattr(decode, "_families", {})
-    decode._plan.cache_clear()
-    decode._plan_base.cache_clear()
-    try:
-        with stub_triton(kernels, check=True) as stubs:
-            yield stubs.made
-    finally:
-        decode._plan.cache_clear()
-        decode._plan_base.cache_clear()
+def stubbed(stub_decode: tuple[list[Any], Any]) -> dict[str, list[StubKernel]]:
+    """decode on the stub sm90 (``stub_decode``): the binaries made, by kernel name."""
+    return stub_decode[1].made
 
 
 def test_layout_known_for_this_triton() -> None:

@@ -1,0 +1,34 @@
+"""Shared fixtures of the triton_portable tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from attnhub_triton_portable import decode
+from attnhub_triton_portable.launch_stub import Stubs, stub_triton
+from triton.runtime.jit import JITFunction
+
+
+@pytest.fixture()
+def stub_decode(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[Any], Stubs]]:
+    """``decode`` with compiled kernels launched on a stub sm90 (132 SMs), every launch
+    checked against its binary's specialization; its shape caches and plans isolated (a
+    stubbed shape must never serve a later interpreter test). Yields (kernels, stubs)."""
+    kernels = [JITFunction(decode._split_kernel.fn), JITFunction(decode._merge_kernel.fn)]
+    monkeypatch.setattr(decode, "_split_kernel", kernels[0])
+    monkeypatch.setattr(decode, "_merge_kernel", kernels[1])
+    monkeypatch.setattr(decode, "_check_interpreter", lambda device: None)
+    monkeypatch.setattr(decode, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(decode, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(decode, "_shapes", {})
+    monkeypatch.setattr(decode, "_families", {})
+    decode._plan.cache_clear()  # its plans for CPU tensors would say sm90 after the test
+    decode._plan_base.cache_clear()
+    try:
+        with stub_triton(kernels, check=True) as stubs:
+            yield kernels, stubs
+    finally:
+        decode._plan.cache_clear()
+        decode._plan_base.cache_clear()
