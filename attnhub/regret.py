@@ -246,31 +246,29 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
         res.policy_error = _short(exc)
     spec = res.spec or cell.spec.bucketed()
     forced_hub = Hub(policy, registry=registry)
+    timed: dict[Any, Callable[[], torch.Tensor]] = dict(fns)
+
+    def admit(key: Any, make: Callable[[], Callable[[], torch.Tensor]],
+              failed: dict[str, str], label: str, inp: Inputs = inp) -> None:
+        """Time ``make()``'s callable under ``key`` if it passes the check, else record why."""
+        fn, err = _checked(make, inp, ref64, same, rows, device)
+        if fn is None:
+            failed[label] = err
+        else:
+            timed[key] = fn
+        if log:
+            log(f"  {'raw ' if isinstance(key, tuple) else ''}{label}: "
+                f"{err[:120] if err else 'ok'}")
+
     for name in backends:
         reasons = registry.get(name).check(spec, forced_hub.device)
         if reasons:
             res.skipped[name] = "; ".join(reasons)
             continue
-        fn, err = _checked(functools.partial(_caller, forced_hub, inp, name, train), inp,
-                           ref64, same, rows, device)
-        if fn is None:
-            res.failed[name] = err
-        else:
-            fns[name] = fn
-        if log:
-            log(f"  {name}: {err[:120] if err else 'ok'}")
-    raws: dict[str, Callable[[], torch.Tensor]] = {}
+        admit(name, functools.partial(_caller, forced_hub, inp, name, train), res.failed, name)
     if not train:
-        for lib, peer in _raw_peers(inp, cell.spec, "fa3" in fns).items():
-            raw, err = _checked(lambda peer=peer: peer, inp, ref64, same, rows, device)
-            if raw is None:
-                res.raw_failed[lib] = err
-            else:
-                raws[lib] = raw
-            if log:
-                log(f"  raw {lib}: {err[:120] if err else 'ok'}")
-    timed: dict[Any, Callable[[], torch.Tensor]] = {**fns, **{("raw", k): f
-                                                              for k, f in raws.items()}}
+        for lib, peer in _raw_peers(inp, cell.spec, "fa3" in timed).items():
+            admit(("raw", lib), lambda peer=peer: peer, res.raw_failed, lib)
     t = interleaved_ms(timed, device, warmup=warmup, repeats=repeats, rounds=rounds,
                        drop_above=DROP_ABOVE)
     res.batch = t.batch
@@ -278,7 +276,8 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
     res.times = {k: v for k, v in t.ms.items() if isinstance(k, str)}
     res.raw = {k[1]: v for k, v in t.ms.items() if isinstance(k, tuple)}
     res.seconds = time.perf_counter() - t0
-    del inp, fns, raws, timed
+    timed.clear()  # the inputs and callables go before the next cell's
+    del inp, fns, admit
     _free(device)
     return res
 
