@@ -669,7 +669,9 @@ def decode_attention(
 
     Host work per call is kept small for eager decode loops: everything that follows from
     shapes, strides, dtypes, flags and pointer alignment is computed once per such key
-    (``_Shape``, which also holds cheap allocators for the outputs); the device's stream and
+    (``_Shape``, which also holds cheap allocators for the outputs; a contiguous cache of a
+    new length, as a decode loop's growing cache, is ``rebased`` from an earlier length's
+    shape and keeps its launchers); the device's stream and
     the launch-hook state are read once per call and shared by both launches; the kernels
     are launched through ``Launcher`` (Triton's dispatch skipped once the binary is known);
     and the partial outputs live in reused per-thread, per-stream scratch (``scratch.fp32``).
