@@ -121,7 +121,7 @@ def test_honest_backend_passes_every_declared_feature() -> None:
     feats = _features(rep)
     for f in ("mask softcap", "mask causal top_left (Sq != Sk)", "layout thd", "lse",
               "backward", "deterministic forward", "gqa 4:1 (MQA)", "layout bhsd",
-              "head dim stride 2 (bshd views)"):
+              "head dim stride 2 (bshd views)", "head dim stride 2 (thd views)"):
         assert feats[f] == "pass", f
     assert any(f.startswith("layout paged page=") for f in feats)
 

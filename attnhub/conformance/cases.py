@@ -247,10 +247,11 @@ def _layouts(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
                 base.phase != "decode" or layout != "thd"):
             out.append(_fit(replace(base, feature=f"layout {layout}", layout=layout,
                                     causal=causal, page_size=0), caps))
-    if "bshd" in caps.layouts:
-        out.append(_fit(replace(base, feature="head dim stride 2 (bshd views)", layout="bshd",
-                                causal=causal, page_size=0, strided=True,
-                                return_lse=caps.returns_lse), caps))
+    for layout in ("bshd", "thd"):
+        if layout in caps.layouts and (layout == "bshd" or base.phase != "decode"):
+            out.append(_fit(replace(base, feature=f"head dim stride 2 ({layout} views)",
+                                    layout=layout, causal=causal, page_size=0, strided=True,
+                                    return_lse=caps.returns_lse), caps))
     if "paged" in caps.layouts:
         for ps in _page_sizes(caps, quick):
             phase = "decode" if "decode" in caps.phases else base.phase

@@ -32,6 +32,12 @@ class Inputs:
     batched: bool
 
 
+def _head_strided(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same values as views whose head dim has stride 2 (every other element of a
+    tensor twice as wide)."""
+    return tuple(x.new_zeros(*x.shape[:-1], 2 * x.shape[-1])[..., ::2].copy_(x) for x in ts)
+
+
 def build(case: Case, device: torch.device) -> Inputs:
     """Random inputs for ``case`` on ``device`` (seeded), in the case's layout."""
     gen = torch.Generator().manual_seed(1234 + case.seed)
@@ -52,9 +58,8 @@ def build(case: Case, device: torch.device) -> Inputs:
         q, k, v = (to(torch.stack(x)) for x in (qs, ks, vs))
         if case.layout == "bhsd":  # what the API hands a backend: a transposed bshd view
             q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
-        if case.strided:  # the same values, every other element of a tensor twice as wide
-            q, k, v = (x.new_zeros(*x.shape[:-1], 2 * x.shape[-1])[..., ::2].copy_(x)
-                       for x in (q, k, v))
+        if case.strided:
+            q, k, v = _head_strided(q, k, v)
         layout_args: dict = {}
         ref = ("bshd", q, k, v, {})
         out_shape, lse_shape = (b, qs[0].shape[0], hq, dv), (b, hq, qs[0].shape[0])
@@ -65,7 +70,8 @@ def build(case: Case, device: torch.device) -> Inputs:
                                             "max_seqlen_q": max(case.seqlens_q),
                                             "max_seqlen_k": max(case.seqlens_k)})
         if case.layout == "thd":
-            q, k, v = ref_q, ref_k, ref_v
+            q, k, v = _head_strided(ref_q, ref_k, ref_v) if case.strided else (ref_q, ref_k,
+                                                                                ref_v)
             layout_args = dict(ref[4])
             out_shape = (ref_q.shape[0], hq, dv)
             lse_shape = (hq, ref_q.shape[0])
