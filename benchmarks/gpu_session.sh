@@ -13,7 +13,7 @@
 #   kit.txt            `attnhub check-plugin --all-available --quick` on the GPU
 # Usage (carry .whl, made by ../shared/gpu/wheels.sh all): COMMIT=abc1234 bash benchmarks/gpu_session.sh
 # STEPS picks steps (default: overhead hf ring tests kit; also: profile, a cProfile of
-# overhead.py's calls; dho, benchmarks/decode_host_overhead.py on the GPU; pvf, benchmarks/policy_vs_forced.py on PVF_CELLS; regret, REGRET_S seconds); KIT_BACKENDS names the kit's backends (default: --all-available).
+# overhead.py's calls; dho, benchmarks/decode_host_overhead.py on the GPU; grow, benchmarks/decode_growing_gpu.py; pvf, benchmarks/policy_vs_forced.py on PVF_CELLS; regret, REGRET_S seconds); KIT_BACKENDS names the kit's backends (default: --all-available).
 set -uo pipefail
 final=${OUT:-out/gpu_session}
 out=${WORK:-/tmp/gpu_session}
@@ -59,6 +59,7 @@ if want pvf; then  # policy call vs the same backend forced, per cell (PVF_CELLS
 fi
 want dho && step dho 120 python3 benchmarks/decode_host_overhead.py --device cuda \
   --json "$out/decode_host_overhead.json"
+want grow && step grow 120 python3 benchmarks/decode_growing_gpu.py --json "$out/grow.json"
 want regret && step regret "${REGRET_S:-300}" env OUT="$out/regret" BUDGET_S="$(( ${REGRET_S:-300} - 10 ))" \
   bash benchmarks/regret_session.sh
 want hf && step hf_generate "${HF_S:-170}" python3 benchmarks/hf_generate.py --budget-s "$(( ${HF_S:-170} - 25 ))" \
@@ -83,7 +84,7 @@ grep -B2 -A8 "attnhub adds" "$out/profile.out" 2>/dev/null
 tail -25 "$out/regret/regret.md" 2>/dev/null
 say "done"
 (cd "$out" && tar czf "$final/results.tar.gz" ./* 2>/dev/null)
-for f in session.log overhead.json pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
+for f in session.log overhead.json grow.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
     regret/regret.md regret/regret.png; do
   [[ -f "$out/$f" ]] && cp "$out/$f" "$final/"
 done

@@ -1,0 +1,133 @@
+"""Decode on a contiguous KV cache that grows by one key per step, as transformers'
+DynamicCache hands it over, timed on the GPU through the public API: the policy's call, each
+decode backend forced, and raw SDPA, per call with host time included.
+
+Per shape and method: ``--steps`` steps, each over a cache one key longer than the last
+(transformers' layout: a contiguous (B, Hkv, S, D) tensor seen as bshd), ``--layers`` calls
+per step with one ``BindContext`` per layer (the first layer of a step meets a new length,
+the others reuse it, as in a model). Methods take turns by step and each walks its own
+lengths (method m of M gets L + M*s + m), so no method meets a length another has warmed.
+It prints host enqueue and device time per call over the whole walk (back to back, CUDA
+events), checks every method's first output against raw SDPA in fp32, and writes JSON.
+
+    python benchmarks/decode_growing_gpu.py [--steps 150] [--layers 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attnhub
+from attnhub.core.decision import BindContext
+from attnhub.timing import source_commit
+
+#: (name, batch, context, query heads, KV heads, head dim): Llama-3-8B's tiny decode and
+#: the two cells of benchmarks/hf_generate.py (a 1.1B model, d64)
+SHAPES = [("llama8b 1 x 1k d128", 1, 1024, 32, 8, 128),
+          ("hf 8 x 2k d64", 8, 2048, 32, 8, 64),
+          ("hf 1 x 16k d64", 1, 16384, 32, 8, 64)]
+
+
+def views(buf: torch.Tensor, b: int, hkv: int, s: int, d: int) -> torch.Tensor:
+    """A contiguous (b, hkv, s, d) tensor over ``buf``'s storage, seen as bshd."""
+    return buf.as_strided((b, hkv, s, d), (hkv * s * d, s * d, d, 1)).transpose(1, 2)
+
+
+def raw_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                          v.transpose(1, 2), enable_gqa=True).transpose(1, 2)
+
+
+def run_shape(name: str, b: int, ctx: int, hq: int, hkv: int, d: int, steps: int,
+              layers: int, backends: list[str]) -> dict:
+    dev = torch.device("cuda")
+    methods = ["policy", *backends, "raw SDPA"]
+    m = len(methods)
+    top = ctx + m * steps + m
+    kbuf = torch.randn(b * hkv * top * d, device=dev, dtype=torch.bfloat16)
+    vbuf = torch.randn_like(kbuf)
+    q = torch.randn(b, 1, hq, d, device=dev, dtype=torch.bfloat16)
+    ctxs = [BindContext(model="growing", layer=i) for i in range(layers)]
+    hub = attnhub.Hub()
+    calls = {}
+    for meth in methods:
+        if meth == "raw SDPA":
+            calls[meth] = lambda k, v, c: raw_sdpa(q, k, v)
+        else:
+            forced = None if meth == "policy" else meth
+            calls[meth] = (lambda f: lambda k, v, c: hub.attention(
+                q, k, v, context=c, backend=f))(forced)
+    walks = {meth: [(views(kbuf, b, hkv, ctx + m * s + i, d), views(vbuf, b, hkv, ctx + m * s + i, d))
+                    for s in range(steps)] for i, meth in enumerate(methods)}
+    row: dict = {"shape": name, "batch": b, "ctx": ctx, "heads": f"{hq}:{hkv}", "d": d,
+                 "steps": steps, "layers": layers, "methods": {}}
+    k0, v0 = views(kbuf, b, hkv, ctx - 1, d), views(vbuf, b, hkv, ctx - 1, d)
+    want = raw_sdpa(q.float(), k0.float(), v0.float())
+    for meth in methods:  # warm-up on a length no walk uses, and the check
+        try:
+            got = calls[meth](k0, v0, ctxs[0]).float()
+            err = (got - want).abs().max().item()
+            row["methods"][meth] = {"max_err_vs_fp32": err}
+            if meth == "policy":
+                row["policy_binds"] = hub.bound()[-1].decision.backend
+        except Exception as e:  # noqa: BLE001 - a method that cannot serve is reported
+            row["methods"][meth] = {"error": f"{type(e).__name__}: {e}"[:200]}
+    live = [x for x in methods if "error" not in row["methods"][x]]
+    host = {x: 0.0 for x in live}
+    dev_t = {x: 0.0 for x in live}
+    for s in range(steps):  # methods take turns by step; each step timed as a block
+        for x in (live if s % 2 == 0 else live[::-1]):
+            k, v = walks[x][s]
+            fn = calls[x]
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            t0 = time.perf_counter()
+            for c in ctxs:
+                fn(k, v, c)
+            host[x] += time.perf_counter() - t0
+            e1.record()
+            e1.synchronize()
+            dev_t[x] += e0.elapsed_time(e1) * 1e-3
+    n = steps * layers
+    for x in live:
+        row["methods"][x].update(host_us=host[x] / n * 1e6, call_us=dev_t[x] / n * 1e6)
+    print(f"\n{name} (batch {b}, {ctx}+ keys, {hq}:{hkv} heads, d{d}; {steps} steps x "
+          f"{layers} layers; policy binds {row.get('policy_binds')})")
+    for x in methods:
+        r = row["methods"][x]
+        if "error" in r:
+            print(f"  {x:16s} cannot serve: {r['error']}")
+        else:
+            print(f"  {x:16s} {r['call_us']:8.1f} us/call  host {r['host_us']:7.1f} us/call  "
+                  f"err {r['max_err_vs_fp32']:.1e}")
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--backends", nargs="*", default=["torch_sdpa", "triton_decode"])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_growing_gpu.py needs a CUDA GPU (benchmarks/decode_growing_cache.py "
+                 "measures the host path on the CPU)")
+    rows = [run_shape(*s, args.steps, args.layers, args.backends) for s in SHAPES]
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "gpu": torch.cuda.get_device_name(), "commit": source_commit(),
+           "torch": torch.__version__, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
