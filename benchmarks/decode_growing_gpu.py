@@ -8,7 +8,8 @@ per step with one ``BindContext`` per layer (the first layer of a step meets a n
 the others reuse it, as in a model). Methods take turns by step and each walks its own
 lengths (method m of M gets L + M*s + m), so no method meets a length another has warmed.
 It prints host enqueue and device time per call over the whole walk (back to back, CUDA
-events), checks every method's first output against raw SDPA in fp32, and writes JSON.
+events), checks every method's first output against raw SDPA in fp32, and writes JSON. Then one prefill per new prompt length per backend:
+whether a backend pays a build per shape.
 
     python benchmarks/decode_growing_gpu.py [--steps 150] [--layers 4] [--json out.json]
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -81,6 +83,7 @@ def run_shape(name: str, b: int, ctx: int, hq: int, hkv: int, d: int, steps: int
     live = [x for x in methods if "error" not in row["methods"][x]]
     host = {x: 0.0 for x in live}
     dev_t = {x: 0.0 for x in live}
+    per_step: dict[str, list[float]] = {x: [] for x in live}
     for s in range(steps):  # methods take turns by step; each step timed as a block
         for x in (live if s % 2 == 0 else live[::-1]):
             k, v = walks[x][s]
@@ -95,9 +98,12 @@ def run_shape(name: str, b: int, ctx: int, hq: int, hkv: int, d: int, steps: int
             e1.record()
             e1.synchronize()
             dev_t[x] += e0.elapsed_time(e1) * 1e-3
+            per_step[x].append(e0.elapsed_time(e1) * 1e3 / layers)
     n = steps * layers
     for x in live:
-        row["methods"][x].update(host_us=host[x] / n * 1e6, call_us=dev_t[x] / n * 1e6)
+        row["methods"][x].update(host_us=host[x] / n * 1e6, call_us=dev_t[x] / n * 1e6,
+                                 median_step_call_us=statistics.median(per_step[x]),
+                                 max_step_call_us=max(per_step[x]))
     print(f"\n{name} (batch {b}, {ctx}+ keys, {hq}:{hkv} heads, d{d}; {steps} steps x "
           f"{layers} layers; policy binds {row.get('policy_binds')})")
     for x in methods:
@@ -105,9 +111,43 @@ def run_shape(name: str, b: int, ctx: int, hq: int, hkv: int, d: int, steps: int
         if "error" in r:
             print(f"  {x:16s} cannot serve: {r['error']}")
         else:
-            print(f"  {x:16s} {r['call_us']:8.1f} us/call  host {r['host_us']:7.1f} us/call  "
-                  f"err {r['max_err_vs_fp32']:.1e}")
+            print(f"  {x:16s} mean {r['call_us']:8.1f} us/call (host {r['host_us']:7.1f})  "
+                  f"median step {r['median_step_call_us']:7.1f} us/call  worst step "
+                  f"{r['max_step_call_us']:9.1f}  err {r['max_err_vs_fp32']:.1e}")
     return row
+
+
+def prefill_new_lengths(backends: list[str], n: int = 4) -> dict:
+    """Causal prefill of a prompt of a new length per call (1 x 4096+i, 32/8 heads, d128):
+    whether a backend pays a per-shape build (cuDNN builds a graph per shape)."""
+    dev = torch.device("cuda")
+    hub = attnhub.Hub()
+    res: dict = {}
+    print("\nprefill, causal, a new prompt length per call (1 x 4096+i, 32:8 heads, d128)")
+    for name in backends:
+        times = []
+        try:
+            for i in range(n + 1):
+                sq = 4096 + 7 * i + 1
+                q = torch.randn(1, sq, 32, 128, device=dev, dtype=torch.bfloat16)
+                k, v = (torch.randn(1, sq, 8, 128, device=dev, dtype=torch.bfloat16)
+                        for _ in range(2))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                hub.attention(q, k, v, causal=True, backend=name)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e6)
+            again = time.perf_counter()
+            hub.attention(q, k, v, causal=True, backend=name)
+            torch.cuda.synchronize()
+            res[name] = {"new_length_us": times[1:],
+                         "repeat_us": (time.perf_counter() - again) * 1e6}
+            print(f"  {name:14s} new lengths {', '.join(f'{t:.0f}' for t in times[1:])} us; "
+                  f"same length again {res[name]['repeat_us']:.0f} us")
+        except Exception as e:  # noqa: BLE001 - reported
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            print(f"  {name:14s} cannot serve: {res[name]['error']}")
+    return res
 
 
 def main() -> None:
@@ -115,15 +155,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--backends", nargs="*", default=["torch_sdpa", "triton_decode"])
+    ap.add_argument("--prefill-backends", nargs="*",
+                    default=["torch_sdpa", "cudnn", "fa3", "triton"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_growing_gpu.py needs a CUDA GPU (benchmarks/decode_growing_cache.py "
                  "measures the host path on the CPU)")
     rows = [run_shape(*s, args.steps, args.layers, args.backends) for s in SHAPES]
+    prefill = prefill_new_lengths(args.prefill_backends)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "gpu": torch.cuda.get_device_name(), "commit": source_commit(),
-           "torch": torch.__version__, "rows": rows}
+           "torch": torch.__version__, "rows": rows, "prefill_new_lengths": prefill}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 from dataclasses import replace
 
 import torch
@@ -356,6 +357,24 @@ def _sdpa_thd_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return AttentionOutput(torch.cat(outs, 0), lse)
 
 
+def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with SDPA's cuDNN kernel left out on CUDA.
+
+    cuDNN builds a graph for every new shape: on the H200 (torch 2.11) a decode call on a
+    cache one key longer than the last took 47-68 ms, against 51 us once built
+    (``benchmarks/decode_growing_gpu.py``), so a growing KV cache or a prompt of a new length
+    would pay it every call. SDPA's other kernels have no per-shape build; the ``cudnn``
+    backend serves cuDNN where shapes repeat. SDPA's flags are process-wide: while one call
+    runs, another thread's SDPA may also skip cuDNN (a kernel choice, never a result)."""
+    if qt.device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return F.scaled_dot_product_attention(qt, kt, vt, **kw)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return F.scaled_dot_product_attention(qt, kt, vt, **kw)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                p: AttnParams) -> AttentionOutput:
     b, sq, hq, _ = q.shape
@@ -367,8 +386,8 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     native = _native_causal(p, sq, sk)
     if native is not None and not (p.return_lse and q.device.type == "cpu"):
         is_causal, bias_obj = native
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal,
-                                             scale=p.scale, enable_gqa=hq != hkv)
+        out = sdpa(qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal, scale=p.scale,
+                   enable_gqa=hq != hkv)
         lse = _lse(qt, kt, p, _causal_allowed(p, sq, sk, q.device), None, None) \
             if p.return_lse else None
         out, lse = _keep_nan(out, lse, qt, lambda: F.scaled_dot_product_attention(
@@ -410,8 +429,7 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParam
     else:
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=p.scale,
-                                             enable_gqa=hq != hkv)
+        out = sdpa(qt, kt, vt, attn_mask=mask, scale=p.scale, enable_gqa=hq != hkv)
         lse = _lse(qt, kt, p, allowed, row_ok, bias) if p.return_lse else None
     out, lse = _keep_nan(out, lse, qt, lambda: F.scaled_dot_product_attention(
         qt, kt, vt, attn_mask=mask if mask is None or mask.dtype == torch.bool
