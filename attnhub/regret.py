@@ -57,6 +57,9 @@ class Cell:
     name: str
     spec: AttentionSpec
     softcap: float | None = None
+    #: decode on a contiguous cache one key longer every call (transformers' DynamicCache):
+    #: each timed callable walks its own lengths (``_Walk``)
+    grow: bool = False
 
 
 def standard_grid(dtype: str = "bf16", scale: int = 1) -> list[Cell]:
@@ -69,14 +72,14 @@ def standard_grid(dtype: str = "bf16", scale: int = 1) -> list[Cell]:
     def cell(name: str, phase: str = "prefill", b: int = 1, sq: int = 1, sk: int = 1,
              heads: tuple[int, int] = (32, 8), d: int = 128, layout: str = "bshd",
              causal: bool = True, window: tuple[int, int] | None = None,
-             softcap: float | None = None, page: int = 0) -> Cell:
+             softcap: float | None = None, page: int = 0, grow: bool = False) -> Cell:
         mask = MaskSpec(causal=causal, window=window, softcap=softcap is not None,
                         document=layout == "thd")
         spec = AttentionSpec(phase=phase, dtype=dtype, kv_dtype=dtype, head_dim=d,
                              head_dim_v=d, num_q_heads=heads[0], num_kv_heads=heads[1],
                              layout=layout, mask=mask, max_seqlen_q=sq, max_seqlen_k=sk,
                              batch=b, needs_grad=phase == "train", page_size=page)
-        return Cell(name, spec, softcap)
+        return Cell(name, spec, softcap, grow)
 
     k4, k16 = n(4096), n(16384)
     return [
@@ -101,6 +104,11 @@ def standard_grid(dtype: str = "bf16", scale: int = 1) -> list[Cell]:
         cell("prefill causal 1 x 4k, 8/2 heads, d64", sq=k4, sk=k4, heads=(8, 2), d=64),
         cell("prefill causal b16 x 1k", b=16, sq=n(1024), sk=n(1024)),
         cell("decode tiny 1 query, 1k keys", phase="decode", sk=n(1024)),
+        # what generate() with a DynamicCache runs: lengths from 2k + 1 up, one more per call
+        cell("decode growing cache 1 x 2k+ (DynamicCache)", phase="decode", sk=n(2048) + 1,
+             grow=True),
+        cell("decode growing cache 8 x 2k+, d64 (DynamicCache)", phase="decode", b=8,
+             sk=n(2048) + 1, d=64, grow=True),
     ]
 
 
@@ -229,8 +237,12 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
     train = cell.spec.phase == "train"
     policy_hub = Hub(policy, registry=registry)
     fns: dict[str | None, Callable[[], torch.Tensor]] = {}
+    spec0 = cell.spec.bucketed()
+    serving = [b for b in backends if not registry.get(b).check(spec0, policy_hub.device)]
+    # policy, the backends and raw SDPA each walk their own lengths
+    walks = _Walks(inp, len(serving) + 2) if cell.grow else None
     try:
-        fn = _caller(policy_hub, inp, None, train)
+        fn = _caller(policy_hub, walks.next() if walks else inp, None, train)
         err = _check(inp, fn, ref64, same, rows)
         d = policy_hub.bound()[-1].decision
         res.spec, res.policy_backend, res.policy_rule = d.spec, d.backend, d.rule
@@ -265,12 +277,17 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
         if reasons:
             res.skipped[name] = "; ".join(reasons)
             continue
-        admit(name, functools.partial(_caller, forced_hub, inp, name, train), res.failed, name)
-    if not train:
+        admit(name, functools.partial(_caller, forced_hub, walks.next() if walks else inp,
+                                      name, train), res.failed, name)
+    if walks:
+        admit(("raw", "SDPA"), functools.partial(_raw_sdpa_walk, walks.next()),
+              res.raw_failed, "SDPA")
+    elif not train:
         for lib, peer in _raw_peers(inp, cell.spec, "fa3" in timed).items():
             admit(("raw", lib), lambda peer=peer: peer, res.raw_failed, lib)
+    # a growing cell's callables walk WALK_CALLS lengths each: fewer calls per sample
     t = interleaved_ms(timed, device, warmup=warmup, repeats=repeats, rounds=rounds,
-                       drop_above=DROP_ABOVE)
+                       drop_above=DROP_ABOVE, max_batch=4 if walks else 64)
     res.batch = t.batch
     res.policy_ms = t.ms.get(None)
     res.times = {k: v for k, v in t.ms.items() if isinstance(k, str)}
@@ -300,6 +317,66 @@ def _caller(hub: Any, inp: Inputs, backend: str | None,
         return out.detach()
 
     return step
+
+
+class _Walk:
+    """One timed callable's growing cache: the first read of ``k``/``v`` gives the cell's
+    own inputs (the checked call), each later call a contiguous (B, Hkv, S, D) cache seen
+    as bshd (what transformers hands over) one step longer: lengths ``sk + first + stride*j``,
+    so no two callables meet the same length and none reuses another's cache entries."""
+
+    def __init__(self, inp: Inputs, kbuf: torch.Tensor, vbuf: torch.Tensor, first: int,
+                 stride: int):
+        self.inp, self.q, self.params, self.layout = inp, inp.q, inp.params, inp.layout
+        b, sk, hkv, d = inp.k.shape
+        self._views = [(inp.k, inp.v)] + [
+            tuple(buf.as_strided((b, hkv, s, d), (hkv * s * d, s * d, d, 1)).transpose(1, 2)
+                  for buf in (kbuf, vbuf))
+            for s in range(sk + first, sk + first + stride * WALK_CALLS, stride)]
+        self._i = -1
+
+    @property
+    def k(self) -> torch.Tensor:  # read first in every call: it takes the next length
+        self._i = (self._i + 1) % len(self._views)
+        return self._views[self._i][0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._views[self._i][1]
+
+    def api_kwargs(self) -> dict[str, Any]:
+        return self.inp.api_kwargs()
+
+
+
+#: Calls a growing cell's callable takes before its lengths start over (check, warm-up, the
+#: batch estimate and two rounds of 20 samples of at most 4 calls: under 200).
+WALK_CALLS = 200
+
+
+class _Walks:
+    """The walks of one growing cell: one buffer pair (random data), a residue each."""
+
+    def __init__(self, inp: Inputs, count: int):
+        b, sk, hkv, d = inp.k.shape
+        self.inp, self.count, self._n = inp, count, 0
+        size = b * hkv * (sk + count * (WALK_CALLS + 1)) * d
+        self.kbuf = torch.randn(size, device=inp.k.device).to(inp.k.dtype)
+        self.vbuf = torch.randn(size, device=inp.k.device).to(inp.k.dtype)
+
+    def next(self) -> _Walk:
+        self._n += 1
+        return _Walk(self.inp, self.kbuf, self.vbuf, self._n, self.count)
+
+
+def _raw_sdpa_walk(walk: _Walk) -> Callable[[], torch.Tensor]:
+    """torch SDPA called directly on a growing cache (its default kernel choice)."""
+    F = torch.nn.functional
+    qt = walk.q.transpose(1, 2)
+    gqa = qt.shape[1] != walk.inp.k.shape[2]
+    return lambda: F.scaled_dot_product_attention(
+        qt, walk.k.transpose(1, 2), walk.v.transpose(1, 2), scale=walk.params.scale,
+        enable_gqa=gqa).transpose(1, 2)
 
 
 def _checked(make: Callable[[], Callable[[], torch.Tensor]], inp: Inputs,

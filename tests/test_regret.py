@@ -219,3 +219,45 @@ def test_wrong_raw_peer_is_reported_not_timed(monkeypatch):
     r = rg.measure_cell(cell, ["torch_sdpa"], Registry.load(), torch.device("cpu"), warmup=0,
                         repeats=1, rounds=1)
     assert set(r.raw) == {"SDPA"} and r.raw_failed["bogus"].startswith("wrong: max error")
+
+
+def test_growing_cell_walks_fresh_lengths_per_callable(monkeypatch, wrong_registry):
+    """A growing-cache cell (DynamicCache decode): the checked call runs on the cell's own
+    inputs, then every call of every timed callable gets a cache one step longer, in
+    transformers' layout, and no two callables ever meet the same length; a backend that is
+    wrong on the checked inputs is still refused."""
+    from dataclasses import replace as dc_replace
+
+    import torch
+
+    from attnhub import regret as rg
+    from attnhub.hub import Hub
+
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    real = Hub.attention
+
+    def spy(self, q, k, v, **kw):
+        seen.append((id(self), kw.get("backend"), k.shape[1], k.stride()))
+        return real(self, q, k, v, **kw)
+
+    monkeypatch.setattr(Hub, "attention", spy)
+    cell = next(c for c in rg.standard_grid("fp32", scale=256) if "growing cache 1 x" in c.name)
+    assert cell.grow and cell.spec.phase == "decode"
+    cell = dc_replace(cell, spec=dc_replace(cell.spec, num_q_heads=4, num_kv_heads=2,
+                                            head_dim=16, head_dim_v=16))
+    r = rg.measure_cell(cell, ["torch_sdpa", "wrong"], wrong_registry, torch.device("cpu"),
+                        warmup=1, repeats=2, rounds=1)
+    assert r.policy_error is None and set(r.times) == {"torch_sdpa"}
+    assert r.failed["wrong"].startswith("wrong: max error") and set(r.raw) == {"SDPA"}
+    sk = cell.spec.max_seqlen_k
+    by_caller: dict = {}
+    for hub, backend, length, stride in seen:
+        by_caller.setdefault((hub, backend), []).append((length, stride))
+    lengths = {c: [n for n, _ in calls] for c, calls in by_caller.items()}
+    assert all(ls[0] == sk for ls in lengths.values())  # the checked call: the cell's inputs
+    for c, ls in lengths.items():
+        if len(ls) > 1:  # then one key... step longer each call, as a bhsd cache seen as bshd
+            assert all(b > a for a, b in zip(ls[1:], ls[2:])) and ls[1] > sk
+            assert all(st[1] == 16 and st[2] == n * 16 for n, st in by_caller[c][1:])
+    later = [set(ls[1:]) for ls in lengths.values()]
+    assert all(not (a & b) for i, a in enumerate(later) for b in later[i + 1:])
