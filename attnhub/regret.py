@@ -57,8 +57,9 @@ class Cell:
     name: str
     spec: AttentionSpec
     softcap: float | None = None
-    #: decode on a contiguous cache one key longer every call (transformers' DynamicCache):
-    #: each timed callable walks its own lengths (``_Walk``)
+    #: lengths that change every call, each timed callable walking its own (``_Walk``):
+    #: decode on a contiguous cache one key longer per call (transformers' DynamicCache), or
+    #: prefill / training on a prompt of a new length per call (a per-shape build shows)
     grow: bool = False
 
 
@@ -109,6 +110,14 @@ def standard_grid(dtype: str = "bf16", scale: int = 1) -> list[Cell]:
              grow=True),
         cell("decode growing cache 8 x 2k+, d64 (DynamicCache)", phase="decode", b=8,
              sk=n(2048) + 1, d=64, grow=True),
+        # prompts of a new length every call (serving, generate() on new prompts, training
+        # with per-batch padding): what a backend that builds per exact shape pays
+        cell("prefill causal, a new prompt length per call, 1 x 2k+", sq=n(2048) + 1,
+             sk=n(2048) + 1, grow=True),
+        cell("prefill causal, a new length per call, 8/2 heads, d64, 1 x 4k+", sq=k4 + 1,
+             sk=k4 + 1, heads=(8, 2), d=64, grow=True),
+        cell("train causal, a new length per step, b2 x 4k+ fwd+bwd", phase="train", b=2,
+             sq=k4 + 1, sk=k4 + 1, grow=True),
     ]
 
 
@@ -279,7 +288,7 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
             continue
         admit(name, functools.partial(_caller, forced_hub, walks.next() if walks else inp,
                                       name, train), res.failed, name)
-    if walks:
+    if walks and not train:
         admit(("raw", "SDPA"), functools.partial(_raw_sdpa_walk, walks.next()),
               res.raw_failed, "SDPA")
     elif not train:
@@ -306,77 +315,93 @@ def _caller(hub: Any, inp: Inputs, backend: str | None,
         kw["backend"] = backend
     if not train:
         return lambda: hub.attention(inp.q, inp.k, inp.v, **kw)
-    q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
-    grad: list[torch.Tensor] = []
+    grad: list[torch.Tensor] = []  # one random buffer; each call's gradient a view of it
 
-    def step() -> torch.Tensor:
+    def step() -> torch.Tensor:  # leaves made per call: a walk's lengths change each call
+        q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
         out = hub.attention(q, k, v, **kw)
-        if not grad:
-            grad.append(torch.randn_like(out))
-        torch.autograd.grad(out, (q, k, v), grad[0])
+        if not grad or grad[0].numel() < out.numel():
+            grad[:] = [torch.randn(out.numel() * 2, device=out.device, dtype=out.dtype)]
+        torch.autograd.grad(out, (q, k, v), grad[0][:out.numel()].view(out.shape))
         return out.detach()
 
     return step
 
 
 class _Walk:
-    """One timed callable's growing cache: the first read of ``k``/``v`` gives the cell's
-    own inputs (the checked call), each later call a contiguous (B, Hkv, S, D) cache seen
-    as bshd (what transformers hands over) one step longer: lengths ``sk + first + stride*j``,
-    so no two callables meet the same length and none reuses another's cache entries."""
+    """One timed callable's walk over lengths: the first call gets the cell's own inputs (the
+    checked call), each later call lengths ``s = S + first + stride*j``, so no two callables
+    meet the same length and none reuses another's per-shape state. Decode: a contiguous
+    (B, Hkv, s, D) cache seen as bshd (what transformers hands over) behind the cell's query;
+    prefill / training (Sq == Sk): contiguous bshd q, k, v of s tokens each."""
 
-    def __init__(self, inp: Inputs, kbuf: torch.Tensor, vbuf: torch.Tensor, first: int,
-                 stride: int):
-        self.inp, self.q, self.params, self.layout = inp, inp.q, inp.params, inp.layout
+    def __init__(self, inp: Inputs, bufs: tuple[torch.Tensor, ...], first: int, stride: int):
+        self.inp, self.params, self.layout = inp, inp.params, inp.layout
         b, sk, hkv, d = inp.k.shape
-        self._views = [(inp.k, inp.v)] + [
-            tuple(buf.as_strided((b, hkv, s, d), (hkv * s * d, s * d, d, 1)).transpose(1, 2)
-                  for buf in (kbuf, vbuf))
-            for s in range(sk + first, sk + first + stride * WALK_CALLS, stride)]
+        hq = inp.q.shape[2]
+        prefill = inp.q.shape[1] == sk and inp.q.shape[1] > 1
+        lengths = range(sk + first, sk + first + stride * WALK_CALLS, stride)
+        if prefill:
+            self._views = [(inp.q, inp.k, inp.v)] + [
+                tuple(buf.as_strided((b, s, h, d), (s * h * d, h * d, d, 1))
+                      for buf, h in zip(bufs, (hq, hkv, hkv))) for s in lengths]
+        else:
+            self._views = [(inp.q, inp.k, inp.v)] + [
+                (inp.q, *(buf.as_strided((b, hkv, s, d), (hkv * s * d, s * d, d, 1))
+                          .transpose(1, 2) for buf in bufs[1:])) for s in lengths]
         self._i = -1
 
     @property
-    def k(self) -> torch.Tensor:  # read first in every call: it takes the next length
+    def q(self) -> torch.Tensor:  # read first in every call: it takes the next length
         self._i = (self._i + 1) % len(self._views)
         return self._views[self._i][0]
 
     @property
-    def v(self) -> torch.Tensor:
+    def k(self) -> torch.Tensor:
         return self._views[self._i][1]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._views[self._i][2]
 
     def api_kwargs(self) -> dict[str, Any]:
         return self.inp.api_kwargs()
 
 
-
-#: Calls a growing cell's callable takes before its lengths start over (check, warm-up, the
-#: batch estimate and two rounds of 20 samples of at most 4 calls: under 200).
+#: Calls a walk takes before its lengths start over (check, warm-up, the batch estimate and
+#: two rounds of 20 samples of at most 4 calls: under 200).
 WALK_CALLS = 200
 
 
 class _Walks:
-    """The walks of one growing cell: one buffer pair (random data), a residue each."""
+    """The walks of one cell: one buffer each for q, k and v (random data), a residue each."""
 
     def __init__(self, inp: Inputs, count: int):
         b, sk, hkv, d = inp.k.shape
         self.inp, self.count, self._n = inp, count, 0
-        size = b * hkv * (sk + count * (WALK_CALLS + 1)) * d
-        self.kbuf = torch.randn(size, device=inp.k.device).to(inp.k.dtype)
-        self.vbuf = torch.randn(size, device=inp.k.device).to(inp.k.dtype)
+        top = sk + count * (WALK_CALLS + 1)
+        self.bufs = tuple(torch.randn(b * h * top * d, device=inp.k.device).to(inp.k.dtype)
+                          for h in (inp.q.shape[2], hkv, hkv))
 
     def next(self) -> _Walk:
         self._n += 1
-        return _Walk(self.inp, self.kbuf, self.vbuf, self._n, self.count)
+        return _Walk(self.inp, self.bufs, self._n, self.count)
 
 
 def _raw_sdpa_walk(walk: _Walk) -> Callable[[], torch.Tensor]:
-    """torch SDPA called directly on a growing cache (its default kernel choice)."""
+    """torch SDPA called directly on a walk's lengths (its default kernel choice); causal as
+    the cell is (a walk's Sq is 1 or Sk, where top-left and bottom-right agree)."""
     F = torch.nn.functional
-    qt = walk.q.transpose(1, 2)
-    gqa = qt.shape[1] != walk.inp.k.shape[2]
-    return lambda: F.scaled_dot_product_attention(
-        qt, walk.k.transpose(1, 2), walk.v.transpose(1, 2), scale=walk.params.scale,
-        enable_gqa=gqa).transpose(1, 2)
+    gqa = walk.inp.q.shape[2] != walk.inp.k.shape[2]
+    causal = walk.params.causal and walk.inp.q.shape[1] > 1
+
+    def call() -> torch.Tensor:
+        qt = walk.q.transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            qt, walk.k.transpose(1, 2), walk.v.transpose(1, 2), is_causal=causal,
+            scale=walk.params.scale, enable_gqa=gqa).transpose(1, 2)
+
+    return call
 
 
 def _checked(make: Callable[[], Callable[[], torch.Tensor]], inp: Inputs,

@@ -8,16 +8,19 @@ per step with one ``BindContext`` per layer (the first layer of a step meets a n
 the others reuse it, as in a model). Methods take turns by step and each walks its own
 lengths (method m of M gets L + M*s + m), so no method meets a length another has warmed.
 It prints host enqueue and device time per call over the whole walk (back to back, CUDA
-events), checks every method's first output against raw SDPA in fp32, and writes JSON. Then one prefill per new prompt length per backend:
-whether a backend pays a build per shape.
+events), checks every method's first output against raw SDPA in fp32, and writes JSON. Then one
+prefill, and one training step, per new prompt length per backend: whether a backend pays a
+build per shape (run it again with ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` to see torch's
+ragged cuDNN path).
 
-    python benchmarks/decode_growing_gpu.py [--steps 150] [--layers 4] [--json out.json]
+    python benchmarks/decode_growing_gpu.py [--steps 150] [--layers 4] [--json out.json] [--new-lengths-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -117,33 +120,49 @@ def run_shape(name: str, b: int, ctx: int, hq: int, hkv: int, d: int, steps: int
     return row
 
 
-def prefill_new_lengths(backends: list[str], n: int = 4) -> dict:
-    """Causal prefill of a prompt of a new length per call (1 x 4096+i, 32/8 heads, d128):
-    whether a backend pays a per-shape build (cuDNN builds a graph per shape)."""
+def prefill_new_lengths(backends: list[str], n: int = 4, train: bool = False) -> dict:
+    """Causal prefill (or, with ``train``, forward + backward) of a prompt of a new length per
+    call (1 x 4096+7i+1, 32/8 heads, d128): whether a backend pays a per-shape build (cuDNN
+    builds a graph per shape). Each backend's first output is checked against fp32 SDPA."""
     dev = torch.device("cuda")
     hub = attnhub.Hub()
     res: dict = {}
-    print("\nprefill, causal, a new prompt length per call (1 x 4096+i, 32:8 heads, d128)")
-    for name in backends:
-        times = []
+    what = "train fwd+bwd" if train else "prefill"
+    print(f"\n{what}, causal, a new prompt length per call (1 x 4096+i, 32:8 heads, d128)")
+    for j, name in enumerate(backends):
+        times, err = [], None
         try:
             for i in range(n + 1):
-                sq = 4096 + 7 * i + 1
-                q = torch.randn(1, sq, 32, 128, device=dev, dtype=torch.bfloat16)
-                k, v = (torch.randn(1, sq, 8, 128, device=dev, dtype=torch.bfloat16)
-                        for _ in range(2))
+                sq = 4096 + 7 * (i * len(backends) + j) + 1  # no backend meets another's
+                q = torch.randn(1, sq, 32, 128, device=dev, dtype=torch.bfloat16,
+                                requires_grad=train)
+                k, v = (torch.randn(1, sq, 8, 128, device=dev, dtype=torch.bfloat16,
+                                    requires_grad=train) for _ in range(2))
+
+                def call() -> torch.Tensor:
+                    out = hub.attention(q, k, v, causal=True, backend=name)
+                    if train:
+                        out.sum().backward()
+                    return out
+
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                hub.attention(q, k, v, causal=True, backend=name)
+                out = call()
                 torch.cuda.synchronize()
                 times.append((time.perf_counter() - t0) * 1e6)
-            again = time.perf_counter()
-            hub.attention(q, k, v, causal=True, backend=name)
+                if i == 0:
+                    ref = F.scaled_dot_product_attention(
+                        *(x.detach().float().transpose(1, 2) for x in (q, k, v)),
+                        is_causal=True, enable_gqa=True).transpose(1, 2)
+                    err = (out.detach().float() - ref).abs().max().item()
             torch.cuda.synchronize()
-            res[name] = {"new_length_us": times[1:],
+            again = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            res[name] = {"new_length_us": times[1:], "max_err_vs_fp32": err,
                          "repeat_us": (time.perf_counter() - again) * 1e6}
             print(f"  {name:14s} new lengths {', '.join(f'{t:.0f}' for t in times[1:])} us; "
-                  f"same length again {res[name]['repeat_us']:.0f} us")
+                  f"same length again {res[name]['repeat_us']:.0f} us; err {err:.1e}")
         except Exception as e:  # noqa: BLE001 - reported
             res[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
             print(f"  {name:14s} cannot serve: {res[name]['error']}")
@@ -157,16 +176,23 @@ def main() -> None:
     ap.add_argument("--backends", nargs="*", default=["torch_sdpa", "triton_decode"])
     ap.add_argument("--prefill-backends", nargs="*",
                     default=["torch_sdpa", "cudnn", "fa3", "triton"])
+    ap.add_argument("--train-backends", nargs="*", default=["torch_sdpa", "cudnn", "triton"])
+    ap.add_argument("--new-lengths-only", action="store_true",
+                    help="only the prefill / training calls at new lengths")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_growing_gpu.py needs a CUDA GPU (benchmarks/decode_growing_cache.py "
                  "measures the host path on the CPU)")
-    rows = [run_shape(*s, args.steps, args.layers, args.backends) for s in SHAPES]
+    rows = [] if args.new_lengths_only else [
+        run_shape(*s, args.steps, args.layers, args.backends) for s in SHAPES]
     prefill = prefill_new_lengths(args.prefill_backends)
+    train = prefill_new_lengths(args.train_backends, train=True)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "gpu": torch.cuda.get_device_name(), "commit": source_commit(),
-           "torch": torch.__version__, "rows": rows, "prefill_new_lengths": prefill}
+           "torch": torch.__version__, "rows": rows, "prefill_new_lengths": prefill,
+           "train_new_lengths": train,
+           "TORCH_CUDNN_SDPA_AVOID_RECOMPILE": os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE")}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

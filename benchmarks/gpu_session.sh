@@ -59,7 +59,10 @@ if want pvf; then  # policy call vs the same backend forced, per cell (PVF_CELLS
 fi
 want dho && step dho 120 python3 benchmarks/decode_host_overhead.py --device cuda \
   --json "$out/decode_host_overhead.json"
-want grow && step grow 120 python3 benchmarks/decode_growing_gpu.py --json "$out/grow.json"
+want grow && step grow "${GROW_S:-150}" python3 benchmarks/decode_growing_gpu.py ${GROW_ARGS:-} --json "$out/grow.json"
+# torch's opt-in ragged cuDNN path (read once per process): does it remove the per-shape build?
+want grow && step grow_ragged 90 env TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 \
+  python3 benchmarks/decode_growing_gpu.py --new-lengths-only --json "$out/grow_ragged.json"
 want regret && step regret "${REGRET_S:-300}" env OUT="$out/regret" BUDGET_S="$(( ${REGRET_S:-300} - 10 ))" \
   bash benchmarks/regret_session.sh
 want hf && step hf_generate "${HF_S:-170}" python3 benchmarks/hf_generate.py --budget-s "$(( ${HF_S:-170} - 25 ))" \
@@ -84,7 +87,7 @@ grep -B2 -A8 "attnhub adds" "$out/profile.out" 2>/dev/null
 tail -25 "$out/regret/regret.md" 2>/dev/null
 say "done"
 (cd "$out" && tar czf "$final/results.tar.gz" ./* 2>/dev/null)
-for f in session.log overhead.json grow.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
+for f in session.log overhead.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
     regret/regret.md regret/regret.png; do
   [[ -f "$out/$f" ]] && cp "$out/$f" "$final/"
 done

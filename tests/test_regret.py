@@ -261,3 +261,43 @@ def test_growing_cell_walks_fresh_lengths_per_callable(monkeypatch, wrong_regist
             assert all(st[1] == 16 and st[2] == n * 16 for n, st in by_caller[c][1:])
     later = [set(ls[1:]) for ls in lengths.values()]
     assert all(not (a & b) for i, a in enumerate(later) for b in later[i + 1:])
+
+
+def test_new_length_cells_walk_q_k_v_together(monkeypatch):
+    """Prefill and training cells at a new length per call: q, k and v walk together (Sq ==
+    Sk, contiguous bshd), every timed callable on lengths no other meets, so a backend that
+    builds per exact shape pays its build in the timing; training leaves are made per call."""
+    import torch
+
+    from attnhub import regret as rg
+    from attnhub.core.registry import Registry
+    from attnhub.hub import Hub
+
+    seen: list[tuple] = []
+    real = Hub.attention
+
+    def spy(self, q, k, v, **kw):
+        seen.append((id(self), kw.get("backend"), q.shape[1], k.shape[1], v.shape[1],
+                     q.is_contiguous() and k.is_contiguous(), q.requires_grad))
+        return real(self, q, k, v, **kw)
+
+    monkeypatch.setattr(Hub, "attention", spy)
+    grid = rg.standard_grid("fp32", scale=256)
+    for name, train in (("a new prompt length per call, 1 x", False),
+                        ("a new length per step", True)):
+        seen.clear()
+        cell = next(c for c in grid if name in c.name)
+        assert cell.grow and (cell.spec.phase == "train") == train
+        r = rg.measure_cell(cell, ["torch_sdpa"], Registry.load(), torch.device("cpu"),
+                            warmup=1, repeats=2, rounds=1)
+        assert r.policy_error is None and set(r.times) == {"torch_sdpa"}
+        assert (set(r.raw) == {"SDPA"}) != train  # raw SDPA walks prefill cells only
+        sk = cell.spec.max_seqlen_k
+        by_caller: dict = {}
+        for hub, backend, lq, lk, lv, contiguous, grad in seen:
+            assert lq == lk == lv and contiguous and grad == train
+            by_caller.setdefault((hub, backend), []).append(lk)
+        assert len(by_caller) == 2 and all(ls[0] == sk and len(ls) > 2
+                                           for ls in by_caller.values())
+        later = [set(ls[1:]) for ls in by_caller.values()]
+        assert all(min(s) > sk for s in later) and not (later[0] & later[1])
