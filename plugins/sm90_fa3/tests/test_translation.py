@@ -176,3 +176,49 @@ def test_fake_matches_flash_convention():
     q, k, v = qkv(1, 4, 2)
     out, lse = flash_reference(q, k, v, softmax_scale=0.3, causal=True)
     assert torch.all(out[:, :2] == 0) and torch.all(torch.isposinf(lse[:, :, :2]))
+
+
+@pytest.mark.parametrize("preset,want", [(None, True), ("0", False), ("1", True)])
+def test_cudnn_load_turns_on_the_ragged_path_unless_set(monkeypatch, preset, want):
+    """cuDNN builds a graph per exact shape (52-162 ms per new length on the H200): loading
+    the backend asks torch for its ragged path, unless the user set the variable."""
+    if preset is None:  # set first, so that the undo removes what load() sets
+        monkeypatch.setenv(cudnn.RAGGED_ENV, "unset")
+        monkeypatch.delenv(cudnn.RAGGED_ENV)
+    else:
+        monkeypatch.setenv(cudnn.RAGGED_ENV, preset)
+    b = CudnnBackend()
+    assert not b.ragged
+    b.load()
+    assert b.ragged is want and cudnn.ragged_path_on() is want
+    assert cudnn.RAGGED_ENV in b.description
+
+
+@pytest.mark.parametrize("want_lse", [False, True])
+def test_cudnn_ragged_path_gets_dense_bshd(monkeypatch, spec_of, want_lse):
+    """torch takes the ragged path only for q, k, v that are dense BSHD seen as BHSD: a bhsd
+    cache (transformers' layout, a strided bshd view here) and the LSE op's expanded heads
+    are handed over dense, with the same numbers."""
+    seen: list = []
+    rec = _CudnnRecorder()
+
+    def spy(fn):
+        def call(q, k, v, causal, scale):
+            seen.append(all(x.transpose(1, 2).is_contiguous() for x in (q, k, v)))
+            return fn(q, k, v, causal, scale)
+        return call
+
+    monkeypatch.setattr(cudnn, "sdpa_cudnn", spy(rec.sdpa))
+    monkeypatch.setattr(cudnn, "cudnn_with_lse", spy(rec.with_lse))
+    monkeypatch.setenv(cudnn.RAGGED_ENV, "1")
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in qkv(2, 5, 7))
+    assert not k.is_contiguous()  # bhsd storage seen as bshd
+    p = AttnParams(scale=0.3, causal=True, return_lse=want_lse)
+    backend = CudnnBackend()
+    backend.load()
+    out, lse = run(backend, q[:, :1], k, v, spec_of(q[:, :1], k, causal=True), p)
+    ref, ref_lse = ref_attn(q[:, :1], k, v, p, compute_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    if want_lse:
+        assert_lse(lse, ref_lse, atol=1e-4)
+    assert seen == [True]
