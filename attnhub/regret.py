@@ -7,8 +7,9 @@ speed). Regret = policy time / best forced time; 1.00 means the policy picked th
 Timing (``attnhub.timing.interleaved_ms``): within every repeat the policy's call, each
 forced backend and each raw library take one sample in turn (in a fresh random order), so the
 policy and its own backend forced are timed under the same conditions; a sample is a batch of
-back-to-back calls between CUDA events when a call is under 0.1 ms (the same batch for every
-callable of the cell), otherwise one call from an idle GPU; no cache flush for any; median of
+back-to-back calls between CUDA events lasting about ``BATCH_MS`` when a call is under
+``BATCH_BELOW_MS`` (the same batch for every callable of the cell), otherwise one call from
+an idle GPU; no cache flush for any; median of
 the repeats, minimum over rounds; a callable over ``DROP_ABOVE`` times the fastest after a
 round keeps that round's figure and sits out the next. Training cells time forward + backward.
 
@@ -45,6 +46,12 @@ from .timing import interleaved_ms
 #: 2.5 ms calls being compared; the policy's call and its backend forced timed 0.99 and
 #: 1.05 apart in two runs of one session).
 DROP_ABOVE = 3.0
+#: Calls under this many ms are timed in back-to-back batches of about ``BATCH_MS``. At
+#: 0.1 ms the H200 grid's d64 prefill cell (a best call of 0.10-0.12 ms) was batched in one
+#: step of a run and timed one call from an idle GPU in the next: 0.115 vs 0.233 ms for the
+#: same kernel, which decides rankings. 1 ms keeps that cliff where the launch gap is a few
+#: percent of a call, and batches the sub-millisecond cells as a model runs them.
+BATCH_BELOW_MS, BATCH_MS = 1.0, 2.0
 
 #: The regret a cell may show and still count as "the policy picked the best".
 BOUND = 1.05
@@ -249,7 +256,7 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
     spec0 = cell.spec.bucketed()
     serving = [b for b in backends if not registry.get(b).check(spec0, policy_hub.device)]
     # policy, the backends and raw SDPA each walk their own lengths
-    walks = _Walks(inp, len(serving) + 2) if cell.grow else None
+    walks = _Walks(inp, len(serving) + 3) if cell.grow else None
     try:
         fn = _caller(policy_hub, walks.next() if walks else inp, None, train)
         err = _check(inp, fn, ref64, same, rows)
@@ -288,15 +295,17 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
             continue
         admit(name, functools.partial(_caller, forced_hub, walks.next() if walks else inp,
                                       name, train), res.failed, name)
-    if walks and not train:
-        admit(("raw", "SDPA"), functools.partial(_raw_sdpa_walk, walks.next()),
-              res.raw_failed, "SDPA")
+    if walks and not train:  # SDPA as torch picks, and with its cuDNN kernel off
+        for lib, cudnn in (("SDPA", True), ("SDPA cuDNN off", False)):
+            admit(("raw", lib), functools.partial(_raw_sdpa_walk, walks.next(), cudnn),
+                  res.raw_failed, lib)
     elif not train:
         for lib, peer in _raw_peers(inp, cell.spec, "fa3" in timed).items():
             admit(("raw", lib), lambda peer=peer: peer, res.raw_failed, lib)
     # a growing cell's callables walk WALK_CALLS lengths each: fewer calls per sample
     t = interleaved_ms(timed, device, warmup=warmup, repeats=repeats, rounds=rounds,
-                       drop_above=DROP_ABOVE, max_batch=4 if walks else 64)
+                       drop_above=DROP_ABOVE, max_batch=4 if walks else 64,
+                       batch_below_ms=BATCH_BELOW_MS, batch_ms=BATCH_MS)
     res.batch = t.batch
     res.policy_ms = t.ms.get(None)
     res.times = {k: v for k, v in t.ms.items() if isinstance(k, str)}
@@ -388,16 +397,20 @@ class _Walks:
         return _Walk(self.inp, self.bufs, self._n, self.count)
 
 
-def _raw_sdpa_walk(walk: _Walk) -> Callable[[], torch.Tensor]:
-    """torch SDPA called directly on a walk's lengths (its default kernel choice); causal as
-    the cell is (a walk's Sq is 1 or Sk, where top-left and bottom-right agree)."""
+def _raw_sdpa_walk(walk: _Walk, cudnn: bool = True) -> Callable[[], torch.Tensor]:
+    """torch SDPA called directly on a walk's lengths: its default kernel choice, or without
+    its cuDNN kernel (which builds a graph per shape); causal as the cell is (a walk's Sq is
+    1 or Sk, where top-left and bottom-right agree)."""
+    from .core.builtin import sdpa
+
     F = torch.nn.functional
+    call_sdpa = F.scaled_dot_product_attention if cudnn else sdpa
     gqa = walk.inp.q.shape[2] != walk.inp.k.shape[2]
     causal = walk.params.causal and walk.inp.q.shape[1] > 1
 
     def call() -> torch.Tensor:
         qt = walk.q.transpose(1, 2)
-        return F.scaled_dot_product_attention(
+        return call_sdpa(
             qt, walk.k.transpose(1, 2), walk.v.transpose(1, 2), is_causal=causal,
             scale=walk.params.scale, enable_gqa=gqa).transpose(1, 2)
 

@@ -201,8 +201,9 @@ def run_regret(args: argparse.Namespace) -> int:
             f"of {args.repeats} samples after {args.warmup} warm-up calls, min over "
             f"{args.rounds} rounds; within each repeat the policy's call, every forced backend "
             "and every raw library take one sample in turn (in a fresh random order); a "
-            "sample is one call from an idle GPU, or, where a call is under 0.1 ms, a batch of "
-            "back-to-back calls (calls/sample) between CUDA events, per call; host time counts "
+            f"sample is one call from an idle GPU, or, where a call is under {rg.BATCH_BELOW_MS:g} ms, "
+            f"a batch of back-to-back calls (calls/sample, about {rg.BATCH_MS:g} ms) between "
+            "CUDA events, per call; host time counts "
             "where the "
             f"GPU waits for it; no cache flush for any; a callable over {rg.DROP_ABOVE:g}x the "
             "fastest after a round keeps that figure and sits out the next.\n")
