@@ -111,7 +111,7 @@ def kernel_info() -> list[dict[str, Any]]:
                 md = kern.metadata
                 key = (tuple(sorted(launches.split.options.items())), tail[-5], md.shared)
                 seen[key] = {**launches.split.options, "block_n": tail[-5],
-                             "prefetch": tail[-9], "shared": md.shared,
+                             "prefetch": tail[-11], "shared": md.shared,
                              "regs": getattr(kern, "n_regs", None),
                              "spills": getattr(kern, "n_spills", None)}
     return list(seen.values())

@@ -105,7 +105,7 @@ def _split_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, KV_FP8: tl.constexpr, ONE_SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, PREFETCH: tl.constexpr, FP8_F16: tl.constexpr,
-    V_AHEAD: tl.constexpr,
+    V_AHEAD: tl.constexpr, FP8_QK: tl.constexpr, FP8_PV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -146,10 +146,27 @@ def _split_kernel(
     # FP8 cache with fp16 dots (FP8_F16): e4m3 widens to fp16 in one conversion per two
     # values (to bf16 it takes one more per value); q goes to fp16 divided by a power of two
     # per row (its largest |q| lands in [1, 2): exact, nothing overflows), put back on qk
+    # FP8_QK: q quantized to e4m3 per row instead (its largest |q| to 448; the row's scale
+    # goes on qk) and the K tile fed to an e4m3 x e4m3 dot as stored, never widened (a
+    # Hopper wgmma reads it straight from the copy pipeline's shared memory: BLOCK_M 64).
+    # FP8_QK == 2: q's rounding error too, as a second e4m3 dot on the same K tile.
+    # FP8_PV: p quantized to e4m3 (x 256) and the V tile fed to the P.V dot as stored.
     F16: tl.constexpr = KV_FP8 and FP8_F16
+    Q8: tl.constexpr = KV_FP8 and FP8_QK
+    P8: tl.constexpr = KV_FP8 and FP8_PV
     WDT: tl.constexpr = tl.float16 if F16 else Out.dtype.element_ty
     q_pow = 1.0
-    if F16:
+    if Q8:
+        qf = q.to(tl.float32)
+        qa = tl.max(tl.abs(qf), 1)
+        q_pow = tl.where(qa > 0, qa * (1.0 / 448.0), 1.0)[:, None]
+        qs = tl.minimum(tl.maximum(qf / q_pow, -448.0), 448.0)
+        q = qs.to(tl.float8e4nv)
+        if FP8_QK == 2:  # and its rounding error, in e4m3 on the same scale: a second dot
+            q_lo = (qs - q.to(tl.float32)).to(tl.float8e4nv)  # (q ~ 2^-8 relative)
+            if UPCAST:
+                q_lo = q_lo.to(tl.float32)
+    elif F16:
         qf = q.to(tl.float32)
         qa = tl.max(tl.abs(qf), 1)
         q_pow = tl.where(qa > 0, tl.exp2(tl.floor(tl.log2(tl.maximum(qa, 1e-30)))), 1.0)
@@ -215,11 +232,13 @@ def _split_kernel(
             v_rows = b64 * svp + n.to(tl.int64) * svs
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
+        if KV_FP8 and not Q8:
             k = k.to(WDT)
         if UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if Q8 and FP8_QK == 2:
+            qk = tl.dot(q_lo, tl.trans(k), qk, input_precision=DOT_PREC)
         if KV_FP8:
             if PAGED:
                 qk = qk * (k_sc[None, :] * q_pow)
@@ -255,7 +274,10 @@ def _split_kernel(
                     pw = p * v_sc[None, :]
             elif not F16:
                 pw = p * vs_seq
-            if V_AHEAD:  # between two transposes: the compiler keeps the widening before
+            if P8:  # e4m3 p over [0, 256]: subnormals from 2^-17 of the row's max
+                pw = tl.minimum(pw * 256.0, 448.0)
+                v_max = v_max * (1.0 / 256.0)
+            elif V_AHEAD:  # between two transposes: the compiler keeps the widening before
                 v = tl.trans(tl.trans(v).to(WDT))  # the layout change to the MMA operand
             else:
                 v = v.to(WDT)
@@ -358,6 +380,9 @@ def _plan_base(device: torch.device, dtype: torch.dtype, batch: int, seqlen_q: i
     sms = INTERPRETER_SM_COUNT if arch == "cpu" else _sm_count(device.index or 0)
     cfg = config or decode_config(arch, dname, paged, kv_fp8,
                                   programs=(batch * hkv * m_blocks, sms))
+    if cfg.min_block_m > bm:  # e.g. 64: the M of one Hopper wgmma (4 warps), rows padded
+        bm = min(64, cfg.min_block_m)
+        m_blocks = -(-rows // bm)
     # Triton 3.9's interpreter computes bf16 dots wrongly (garbage of order 1e10): the
     # interpreter path feeds them fp32 copies instead, keeping the bf16 rounding of p.
     upcast = arch == "cpu" and dtype == torch.bfloat16
@@ -503,8 +528,10 @@ class _Shape:
             _split_kernel, (splits, batch * hkv * plan.m_blocks),
             {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         split_tail = (*self.ints, plan.m_blocks, splits, *self.consts, splits == 1, fused,
-                      cfg.prefetch_pages, cfg.fp8_dot == "fp16",
-                      cfg.fp8_v_ahead and self.consts[-1], plan.block_m, cfg.block_n, bd,
+                      cfg.prefetch_pages, cfg.fp8_dot != "q",
+                      cfg.fp8_v_ahead and self.consts[-1],
+                      _Q_TERMS.get(cfg.fp8_dot, 0) if self.consts[-1] else 0,
+                      cfg.fp8_dot in ("fp8", "fp8_2") and self.consts[-1], plan.block_m, cfg.block_n, bd,
                       plan.block_s, prec, plan.upcast)
         merge = None
         if shared:
@@ -519,6 +546,9 @@ class _Shape:
         return _Launches(split, split_tail, merge, merge_tail, partials, (*partials, rows),
                          batch * hkv * plan.m_blocks if fused else 0)
 
+
+#: e4m3 terms of q in the Q.K dot per ``fp8_dot`` (0: that dot widens K instead).
+_Q_TERMS = {"fp8qk": 1, "fp8qk2": 2, "fp8": 1, "fp8_2": 2}
 
 _shapes: dict[tuple[Any, ...], _Shape] = {}
 #: Contiguous caches by everything but their length (see ``_family``): a new length of a

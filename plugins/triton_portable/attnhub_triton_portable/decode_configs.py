@@ -35,7 +35,14 @@ class DecodeConfig:
     tile's K/V addresses never wait on a block-table load in the same iteration.
     ``fp8_dot`` (FP8 caches): what e4m3 tiles are widened to for the dots: ``"q"`` the
     query dtype, ``"fp16"`` fp16 (one native conversion per two values; q is scaled into
-    fp16 by a power of two per row, p by the tile's largest V descale). ``fp8_v_ahead``
+    fp16 by a power of two per row, p by the tile's largest V descale), ``"fp8qk"`` the
+    Q.K dot in e4m3 x e4m3 (q quantized to e4m3 per row, K as stored: never widened) and
+    P.V as ``"fp16"``, ``"fp8qk2"`` the same with q's e4m3 rounding error as a second
+    e4m3 term (two dots on the K tile, q to ~2^-8), ``"fp8"`` / ``"fp8_2"`` both dots in
+    e4m3 (p quantized too, V as stored; q in one / two terms); the
+    e4m3 dots take Hopper's wgmma only with ``min_block_m=64`` (below it Triton widens the
+    operands to fp16 itself). ``min_block_m``: the smallest query-row tile (padded rows;
+    0: ``block_m``'s choice). ``fp8_v_ahead``
     (FP8 caches): V tiles are loaded one key tile ahead into registers and widened there.
     ``one_round``: ``choose_splits`` only considers split counts whose programs fit one
     round of ``ctas_per_sm`` per SM, so that every program is resident from the start (no
@@ -54,6 +61,7 @@ class DecodeConfig:
     fp8_dot: str = "q"
     fp8_v_ahead: bool = False
     one_round: bool = False
+    min_block_m: int = 0
 
     def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]

@@ -278,3 +278,99 @@ def test_fp8_check_kv_records_the_paged_decode_bucket(tmp_path, capsys):
     assert cli([*argv, "--budget", "0.001"]) == 1
     capsys.readouterr()
     assert not ProfileStore(store).accuracy(probe(), spec, "triton_decode_fp8").passed
+
+
+#: The e4m3-dot variants (``fp8_dot="fp8qk"``: q quantized to e4m3 per row, Q.K in e4m3;
+#: ``"fp8"``: p quantized too, P.V in e4m3), with and without the 64-row query tile that
+#: makes them Hopper wgmma dots, and with V a tile ahead.
+FP8_DOT_VARIANTS = [  # (config changes, bound on the relative L2 error)
+    ({"fp8_dot": "fp8qk"}, 0.07),
+    ({"fp8_dot": "fp8qk", "fp8_v_ahead": True, "min_block_m": 64}, 0.07),
+    ({"fp8_dot": "fp8qk", "min_block_m": 64, "block_n": 32}, 0.07),
+    ({"fp8_dot": "fp8qk2", "fp8_v_ahead": True, "min_block_m": 64}, 0.01),
+    ({"fp8_dot": "fp8qk2"}, 0.01),
+    ({"fp8_dot": "fp8"}, 0.08),
+    ({"fp8_dot": "fp8_2", "fp8_v_ahead": True, "min_block_m": 64}, 0.06),  # p: ~0.05
+]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.cpu().double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.mark.parametrize("variant,bound", FP8_DOT_VARIANTS)
+@pytest.mark.parametrize("paged", [True, False])
+def test_fp8_dot_variants_stay_close_to_the_stored_values(variant, bound, paged):
+    """Quantizing q (and p) to e4m3 is not within the FlashAttention rule of a bf16
+    computation, so these variants are held to an error bound instead: relative L2 error vs
+    fp64 over ``stored * descale`` within a bound per variant (e4m3 rounds to 2^-4
+    relative; measured here: q in one e4m3 term 0.036 / 0.057 (paged / contiguous), in two
+    0.004 / 0.005, p in e4m3 too 0.054-0.064, the fp16-widening row 0.003), the LSE within
+    0.1 (two terms) or 0.5, on a
+    random table with 3 causal query tokens, GQA 4 and a length-0 sequence (paged), or
+    per-sequence descales (contiguous)."""
+    from attnhub_triton_portable.decode_configs import decode_config
+
+    g = torch.Generator().manual_seed(13)
+    b, sq, hq, hkv, d, page, npages = 3, 3 if paged else 1, 8, 2, 32, 4, 20
+    q = torch.randn(b, sq, hq, d, generator=g).to(DEV, torch.bfloat16)
+    if paged:
+        kc = torch.randn(npages, page, hkv, d, generator=g)
+        vc = torch.randn(npages, page, hkv, d, generator=g)
+        kd, vd = kc.abs().amax(dim=(1, 3)) / 448, vc.abs().amax(dim=(1, 3)) / 448
+        kin = (kc / kd[:, None, :, None]).to(E4M3)
+        vin = (vc / vd[:, None, :, None]).to(E4M3)
+        kf, vf = dequantize_pages(kin, kd), dequantize_pages(vin, vd)
+        table = torch.randperm(npages, generator=g)[:18].view(b, 6).to(DEV, torch.int32)
+        seqlens = torch.tensor([23, 0, 17], dtype=torch.int32, device=DEV)
+        kw = {"causal": True, "block_table": table, "seqlens_k": seqlens}
+    else:
+        sk = 45
+        kc = torch.randn(b, sk, hkv, d, generator=g) * 3
+        vc = torch.randn(b, sk, hkv, d, generator=g) * 3
+        kd, vd = kc.abs().amax(dim=(1, 3)) / 448, vc.abs().amax(dim=(1, 3)) / 448
+        kin = (kc / kd[:, None, :, None]).to(E4M3)
+        vin = (vc / vd[:, None, :, None]).to(E4M3)
+        kf = kin.float() * kd[:, None, :, None]
+        vf = vin.float() * vd[:, None, :, None]
+        kw = {}
+    base = decode_config("sm90" if DEV != "cpu" else "cpu", paged=paged)
+    call = lambda cfg: decode_attention(q, kin.to(DEV), vin.to(DEV), scale=d ** -0.5,
+                                        k_descale=kd.to(DEV), v_descale=vd.to(DEV),
+                                        num_splits=2, config=cfg, **kw)
+    out, lse = call(base.with_(**variant))
+    out16, _ = call(base.with_(fp8_dot="fp16"))
+    if paged:
+        ref64, _, ref_lse = _paged_reference(q, kf, vf, table, seqlens, True)
+    else:
+        ref64, ref_lse = reference_attention(q.cpu(), kf, vf, AttnParams(scale=d ** -0.5))
+    assert torch.isfinite(out.float()).all()
+    err, err16 = _rel(out, ref64), _rel(out16, ref64)
+    assert err <= bound and err16 < 0.01, (err, err16)
+    # one e4m3 term of q errs in the scores by ~2^-5 of their size: the LSE of the
+    # contiguous case's larger scores (keys x 3) moves by ~0.3 there
+    assert_lse(lse.cpu(), ref_lse, atol=0.1 if bound <= 0.01 else 0.5)
+    if paged:
+        assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
+
+
+def test_fp8qk_through_the_hub_within_the_error_budget():
+    """The whole path (an e4m3 cache built by appends, the hub, ``triton_decode_fp8``) with
+    the Q.K dot in e4m3 on a 64-row tile stays inside FP8_KV_ERROR_BUDGET vs fp64 over the
+    unquantized values."""
+    from attnhub_triton_portable.decode_configs import decode_config
+
+    b, hq, hkv, d, page = 2, 4, 2, 32, 4
+    cache, ids, truth = _fp8_cache_and_truth(7, b, [29, 22], hkv, d, page)
+    q = torch.randn(b, 1, hq, d, generator=torch.Generator().manual_seed(8)).to(
+        DEV, torch.bfloat16)
+    cfg = decode_config("sm90" if DEV != "cpu" else "cpu", paged=True, kv_fp8=True).with_(
+        fp8_dot="fp8qk", fp8_v_ahead=True, min_block_m=64)
+    ds = cache.scales.descales(0)
+    out, _ = decode_attention(q, cache.k_cache(0), cache.v_cache(0), scale=d ** -0.5,
+                              block_table=cache.block_table(ids), seqlens_k=cache.seqlens(ids),
+                              config=cfg, **ds)
+    for i, (k, v) in enumerate(truth):
+        ref, _ = reference_attention(q[i:i + 1].cpu(), k[None].cpu(), v[None].cpu(),
+                                     AttnParams(scale=d ** -0.5))
+        assert _rel(out[i:i + 1], ref) <= FP8_KV_ERROR_BUDGET
