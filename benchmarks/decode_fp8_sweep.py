@@ -59,7 +59,7 @@ def binaries() -> dict[str, Any]:
     for shape in list(decode._shapes.values()):
         for launches in list(shape.by_splits.values()):
             tail = launches.split_tail
-            for _, _, _, kern in launches.split._bins.values():
+            for kern in launches.split._bins.values():  # device -> CompiledKernel
                 md = kern.metadata
                 key = f"{launches.split.options}|{tail[-16:-5]}|bm{tail[-6]}|bn{tail[-5]}"
                 seen[key] = {"shared": md.shared, "regs": getattr(kern, "n_regs", None),

@@ -107,7 +107,7 @@ def kernel_info() -> list[dict[str, Any]]:
     for shape in list(decode._shapes.values()):
         for launches in list(shape.by_splits.values()):
             tail = launches.split_tail
-            for _, _, _, kern in launches.split._bins.values():
+            for kern in launches.split._bins.values():  # device -> CompiledKernel
                 md = kern.metadata
                 key = (tuple(sorted(launches.split.options.items())), tail[-5], md.shared)
                 seen[key] = {**launches.split.options, "block_n": tail[-5],

@@ -116,7 +116,12 @@ _PAGED_FEW: dict[str, DecodeConfig] = {
 #: 2120-2137 us; V tiles loaded a tile ahead into registers and widened there
 #: (``fp8_v_ahead``) 1997 us, with 3 K stages 1967 us (bf16 cache 1921 us); 1 x 128k
 #: 130.8 us (bf16 137.7), 1 x 32k 43.6 us (bf16 44.5). 64-key tiles (2647 us), 8 warps
-#: (3101) and 256-key tiles (2397) lost.
+#: (3101) and 256-key tiles (2397) lost. Sweep 4 (same day, 20:27 UTC, bf16 row 1932 us in
+#: that run): every e4m3 tensor-core variant lost; Triton 3.6 emits e4m3 MMAs on sm90 only
+#: as 64-row wgmma (``min_block_m=64``), 16x the 4 real rows: Q.K in e4m3 3652-3968 us, both
+#: dots in e4m3 3914-5818, the fp16 row on 64 rows 4207; Q.K in e4m3 on 16 rows (widened by
+#: Triton) 2690; 2 warps with 64-key tiles at 2 splits 1934 (row 1968): within noise, not
+#: taken. This row stays.
 _FP8_PAGED: dict[str, DecodeConfig] = {
     "sm90": DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=4,
                          prefetch_pages=True, fp8_dot="fp16", fp8_v_ahead=True),
