@@ -260,6 +260,11 @@ class Hub:
                     side = _PAGED_TABLES  # their types and shapes: the memo, or PAGED.check
                 else:
                     side = (_meta(block_table), _meta(seqlens_k))
+            elif (layout == "thd" and cu_seqlens_q is not None and cu_seqlens_k is not None
+                  and alibi_slopes is None and prefix_lens is None and colmask_start is None
+                  and colmask_end is None and block_table is None and seqlens_k is None):
+                # types and devices: the memo, or THD.check; the shape (the batch) here
+                side = (_THD_TABLES, cu_seqlens_q.shape)
             else:
                 side = (_meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
                         _meta(colmask_end), _meta(block_table), _meta(seqlens_k),
@@ -307,8 +312,12 @@ class Hub:
                 if not limit >> 1 < max_k <= limit and bucket(max_k) != limit:
                     hit = None  # another length bucket: rebind
             elif layout == "thd":
-                cu_q, cu_k, max_q, max_k = THD.values(
-                    cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+                # as for paged tables: the memo vouches for the offsets' types (the key
+                # holds them only with side tensors), else the full check runs
+                hit_tables = THD.unchanged(cu_seqlens_q, cu_seqlens_k,
+                                           (q_shape[0], k_shape[0], device))
+                cu_q, cu_k, max_q, max_k = hit_tables or THD.check(
+                    q, k, cu_seqlens_q, cu_seqlens_k)
                 if max_seqlen_q is not None:  # upper bounds, as check_call takes them
                     max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
                 if max_seqlen_k is not None:
@@ -456,6 +465,8 @@ class HubRef:
 
 #: The fast key's side entry of a paged call: its tables are vouched for by ``PAGED``.
 _PAGED_TABLES = ("paged tables",)
+#: The first of a varlen call's side entry (then ``cu_seqlens_q.shape``): ``THD`` vouches.
+_THD_TABLES = "thd offsets"
 
 
 def _grow_key(fast_key: tuple, k: torch.Tensor, v: torch.Tensor, axis: int) -> tuple:
