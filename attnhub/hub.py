@@ -44,6 +44,8 @@ _EXACT_CACHE_LIMIT = 4096
 #: a fresh lambda per call reuses one runner; the limit bounds even unusual workloads.
 RUNNER_LIMIT = 1024
 _INF = math.inf
+#: The default of ``Hub.attention``'s guard parameter: a fourth positional argument is not it.
+_KEYWORDS = object()
 
 
 class Resolver(Protocol):
@@ -219,7 +221,8 @@ class Hub:
 
     # -- the call path ----------------------------------------------------------------------
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        _only_keywords: Any = _KEYWORDS,
         causal: bool = False, causal_alignment: str = "bottom_right",
         window: int | tuple[int, int] | None = None, softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None, scale: float | None = None,
@@ -238,7 +241,15 @@ class Hub:
         exact-shape table: only ``scale``/``softcap`` values are checked again, and the
         contents of paged tables / ``cu_seqlens`` once per change (a memo). Everything else
         goes through :func:`attnhub.core.contract.check_call` first.
+
+        Everything after ``v`` is keyword-only in effect: ``_only_keywords`` takes a fourth
+        positional argument and refuses it. (Declared keyword-only, the 27 defaults would
+        be bound by a dict lookup each, about 0.2 us per call; positional defaults are a
+        copy.)
         """
+        if _only_keywords is not _KEYWORDS:
+            raise TypeError("Hub.attention() takes q, k, v positionally and every other "
+                            "argument by keyword (e.g. causal=True)")
         try:  # grad mode first: inference (no_grad) reads no tensor flag
             needs_grad = torch.is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad)

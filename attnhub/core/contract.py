@@ -334,14 +334,14 @@ class _Memo:
         this ``geometry``; else None. The hot path's cost: the result tuple is built once
         at ``_store``, and whether contents or a stamp prove the pair was settled there too
         (a tensor object never changes device: ``.data`` of another device is refused)."""
-        memo = self._memo  # (a, b, geometry, stamp, result): one read, swapped whole
+        memo = self._memo  # (a, b, geometry, stamp, result, dtypes): one read, swapped whole
         if memo and memo[0] is a and memo[1] is b and memo[2] == geometry:
             stamp, result = memo[3], memo[4]
             if stamp is None:  # the contents themselves (CPU, inference tensors: _stamp)
                 # dtypes too: ``equal`` holds across dtypes, and ``t.data = t.long()``
                 # neither bumps ``_version`` nor changes the values
-                if (result[0].equal(a) and result[1].equal(b) and a.dtype is result[0].dtype
-                        and b.dtype is result[1].dtype):
+                if (result[0].equal(a) and result[1].equal(b)
+                        and (a.dtype, b.dtype) == memo[5]):
                     return result
             elif (a._version == stamp[0] and b._version == stamp[1]
                   and a.data_ptr() == stamp[2] and b.data_ptr() == stamp[3]):
@@ -356,7 +356,8 @@ class _Memo:
 
     def _store(self, a: torch.Tensor, b: torch.Tensor, geometry: tuple, snap_a: torch.Tensor,
                snap_b: torch.Tensor, *facts: Any) -> None:
-        memo = (a, b, geometry, None if a.is_cpu else _stamp(a, b), (snap_a, snap_b, *facts))
+        memo = (a, b, geometry, None if a.is_cpu else _stamp(a, b), (snap_a, snap_b, *facts),
+                (a.dtype, b.dtype))
         with self._lock:
             self._memo = memo
 
