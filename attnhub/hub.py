@@ -497,8 +497,8 @@ def _grow_key(fast_key: tuple, k: torch.Tensor, v: torch.Tensor, axis: int) -> t
     """``fast_key`` with the key length replaced by its bucket: the ``k``/``v`` shapes lose
     their sequence axis (a hit checks that v's length equals k's)."""
     ks, vs = tuple(k.shape), tuple(v.shape)
-    return ("grow", *fast_key[:-3], fast_key[-3], ks[:axis] + ks[axis + 1:],
-            vs[:axis] + vs[axis + 1:], bucket(ks[axis]))
+    return ("grow", *fast_key[:-2], ks[:axis] + ks[axis + 1:], vs[:axis] + vs[axis + 1:],
+            bucket(ks[axis]))
 
 
 def _phase(needs_grad: bool, paged: bool, max_q: int, max_k: int) -> str:
