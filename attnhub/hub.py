@@ -44,6 +44,8 @@ _EXACT_CACHE_LIMIT = 4096
 #: a fresh lambda per call reuses one runner; the limit bounds even unusual workloads.
 RUNNER_LIMIT = 1024
 _INF = math.inf
+#: The default of ``Hub.attention``'s guard parameter: a fourth positional argument is not it.
+_KEYWORDS = object()
 
 
 class Resolver(Protocol):
@@ -147,6 +149,8 @@ class Hub:
         self._resolver: Resolver | None = policy if _is_resolver(policy) else None
         self._runners: OrderedDict[tuple, tuple[AttentionSpec, Runner]] = OrderedDict()
         self._exact: dict[tuple, tuple] = {}
+        #: ``(fast_key, entry)`` of the last exact hit or binding, read and replaced whole
+        self._last_exact: tuple[tuple, tuple | None] = ((), None)
         self._decisions: dict[tuple[AttentionSpec, BindContext], Decision] = {}
         self._lock = threading.Lock()
         self.forced_backend = os.environ.get("ATTNHUB_BACKEND") or None
@@ -219,7 +223,8 @@ class Hub:
 
     # -- the call path ----------------------------------------------------------------------
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        _only_keywords: Any = _KEYWORDS,
         causal: bool = False, causal_alignment: str = "bottom_right",
         window: int | tuple[int, int] | None = None, softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None, scale: float | None = None,
@@ -238,7 +243,15 @@ class Hub:
         exact-shape table: only ``scale``/``softcap`` values are checked again, and the
         contents of paged tables / ``cu_seqlens`` once per change (a memo). Everything else
         goes through :func:`attnhub.core.contract.check_call` first.
+
+        Everything after ``v`` is keyword-only in effect: ``_only_keywords`` takes a fourth
+        positional argument and refuses it. (Declared keyword-only, the 27 defaults would
+        be bound by a dict lookup each, about 0.2 us per call; positional defaults are a
+        copy.)
         """
+        if _only_keywords is not _KEYWORDS:
+            raise TypeError("Hub.attention() takes q, k, v positionally and every other "
+                            "argument by keyword (e.g. causal=True)")
         try:  # grad mode first: inference (no_grad) reads no tensor flag
             needs_grad = torch.is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad)
@@ -260,18 +273,33 @@ class Hub:
                     side = _PAGED_TABLES  # their types and shapes: the memo, or PAGED.check
                 else:
                     side = (_meta(block_table), _meta(seqlens_k))
+            elif (layout == "thd" and cu_seqlens_q is not None and cu_seqlens_k is not None
+                  and alibi_slopes is None and prefix_lens is None and colmask_start is None
+                  and colmask_end is None and block_table is None and seqlens_k is None):
+                # types and devices: the memo, or THD.check; the shape (the batch) here
+                side = (_THD_TABLES, cu_seqlens_q.shape)
             else:
                 side = (_meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
                         _meta(colmask_end), _meta(block_table), _meta(seqlens_k),
                         _meta(cu_seqlens_q), _meta(cu_seqlens_k))
             device, dtype, q_shape, k_shape = q.device, q.dtype, q.shape, k.shape
-            fast_key = (layout, q_shape, k_shape, v.shape, dtype, k.dtype, v.dtype,
-                        device, k.device, v.device, causal, causal_alignment, window,
-                        softcap is not None, side, max_seqlen_q, max_seqlen_k,
+            # flags first, shapes last: comparing with the last key fails fast on a flag
+            fast_key = (layout, causal, causal_alignment, window, softcap is not None, side,
+                        max_seqlen_q, max_seqlen_k,
                         score_mod if score_mod is None else _mod_kind(score_mod),
                         mask_mod if mask_mod is None else _mod_kind(mask_mod),
-                        phase, return_lse, backend, context, deterministic, needs_grad)
-            hit = self._exact.get(fast_key)
+                        phase, return_lse, backend, context, deterministic, needs_grad,
+                        dtype, k.dtype, v.dtype, device, k.device, v.device,
+                        q_shape, k_shape, v.shape)
+            # the layers of a step repeat one key: comparing it with the last one costs
+            # about half a lookup (no hash of ~25 items)
+            last = self._last_exact
+            if fast_key == last[0]:
+                hit = last[1]
+            else:
+                hit = self._exact.get(fast_key)
+                if hit is not None:
+                    self._last_exact = (fast_key, hit)
             if hit is None and side is None and max_seqlen_k is None and (
                     layout == "bshd" or layout == "bhsd"):
                 # a contiguous KV cache grows by a key per decode step: look the call up by
@@ -307,8 +335,12 @@ class Hub:
                 if not limit >> 1 < max_k <= limit and bucket(max_k) != limit:
                     hit = None  # another length bucket: rebind
             elif layout == "thd":
-                cu_q, cu_k, max_q, max_k = THD.values(
-                    cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+                # as for paged tables: the memo vouches for the offsets' types (the key
+                # holds them only with side tensors), else the full check runs
+                hit_tables = THD.unchanged(cu_seqlens_q, cu_seqlens_k,
+                                           (q_shape[0], k_shape[0], device))
+                cu_q, cu_k, max_q, max_k = hit_tables or THD.check(
+                    q, k, cu_seqlens_q, cu_seqlens_k)
                 if max_seqlen_q is not None:  # upper bounds, as check_call takes them
                     max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
                 if max_seqlen_k is not None:
@@ -401,6 +433,7 @@ class Hub:
                          mask_mod if mask_named else None, default_scale,
                          (*q.shape[:-1], v.shape[-1]), max_seqlen_q, max_seqlen_k)
                 self._exact[fast_key] = entry
+                self._last_exact = (fast_key, entry)
                 if grow_key is not None:
                     self._exact[grow_key] = entry
         params = AttnParams(
@@ -456,14 +489,16 @@ class HubRef:
 
 #: The fast key's side entry of a paged call: its tables are vouched for by ``PAGED``.
 _PAGED_TABLES = ("paged tables",)
+#: The first of a varlen call's side entry (then ``cu_seqlens_q.shape``): ``THD`` vouches.
+_THD_TABLES = "thd offsets"
 
 
 def _grow_key(fast_key: tuple, k: torch.Tensor, v: torch.Tensor, axis: int) -> tuple:
     """``fast_key`` with the key length replaced by its bucket: the ``k``/``v`` shapes lose
     their sequence axis (a hit checks that v's length equals k's)."""
     ks, vs = tuple(k.shape), tuple(v.shape)
-    return ("grow", fast_key[0], fast_key[1], ks[:axis] + ks[axis + 1:],
-            vs[:axis] + vs[axis + 1:], bucket(ks[axis])) + fast_key[4:]
+    return ("grow", *fast_key[:-2], ks[:axis] + ks[axis + 1:], vs[:axis] + vs[axis + 1:],
+            bucket(ks[axis]))
 
 
 def _phase(needs_grad: bool, paged: bool, max_q: int, max_k: int) -> str:

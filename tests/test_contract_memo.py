@@ -258,11 +258,11 @@ def test_accelerator_memo_uses_the_stamp():
     memo = contract.CuSeqlens()
     a, b = torch.zeros(3, dtype=torch.int32, device="meta"), torch.zeros(3, dtype=torch.int32,
                                                                           device="meta")
-    memo._store(a, b, (4, 4), a.clone(), b.clone(), 2, 2)
-    assert memo._hit(a, b, (4, 4)) is not None
-    assert memo._hit(a, b, (4, 5)) is None and memo._hit(b, a, (4, 4)) is None
+    memo._store(a, b, (4, 4, a.device), a.clone(), b.clone(), 2, 2)
+    assert memo._hit(a, b, (4, 4, a.device)) is not None
+    assert memo._hit(a, b, (4, 5, a.device)) is None and memo._hit(b, a, (4, 4, a.device)) is None
     a.add_(1)
-    assert memo._hit(a, b, (4, 4)) is None
+    assert memo._hit(a, b, (4, 4, a.device)) is None
 
 
 def test_paged_fast_path_rechecks_tables_of_another_batch(spy_hub):

@@ -330,20 +330,36 @@ class _Memo:
         self._memo: tuple = ()
 
     def _hit(self, a: torch.Tensor, b: torch.Tensor, geometry: tuple) -> tuple | None:
-        """The memo entry ``(a, b, geometry, snap_a, snap_b, *facts, stamp)`` if ``a``/``b``
-        are the checked pair, unchanged; else None."""
-        memo = self._memo
-        if not memo or memo[0] is not a or memo[1] is not b or memo[2] != geometry:
-            return None
-        if a.is_cpu or memo[-1] is None:  # the contents themselves (no stamp: _stamp)
-            return memo if torch.equal(memo[3], a) and torch.equal(memo[4], b) else None
-        return memo if memo[-1] == _stamp(a, b) else None
+        """``(snap_a, snap_b, *facts)`` if ``a``/``b`` are the checked pair, unchanged, for
+        this ``geometry``; else None. The hot path's cost: the result tuple is built once
+        at ``_store``, and whether contents or a stamp prove the pair was settled there too
+        (a tensor object never changes device: ``.data`` of another device is refused)."""
+        memo = self._memo  # (a, b, geometry, stamp, result, dtypes): one read, swapped whole
+        if memo and memo[0] is a and memo[1] is b and memo[2] == geometry:
+            stamp, result = memo[3], memo[4]
+            if stamp is None:  # the contents themselves (CPU, inference tensors: _stamp)
+                # dtypes too: ``equal`` holds across dtypes, and ``t.data = t.long()``
+                # neither bumps ``_version`` nor changes the values
+                if (result[0].equal(a) and result[1].equal(b)
+                        and (a.dtype, b.dtype) == memo[5]):
+                    return result
+            elif (a._version == stamp[0] and b._version == stamp[1]
+                  and a.data_ptr() == stamp[2] and b.data_ptr() == stamp[3]):
+                return result
+        return None
+
+    #: The hot path's check, ``_hit`` itself (a wrapper would cost a call per layer): the
+    #: result of :meth:`check` (paged: ``(snap_bt, snap_sl, longest)`` for the geometry
+    #: ``(k.shape, batch, device)``; thd: ``(snap_q, snap_k, max_q, max_k)`` for
+    #: ``(total_q, total_k, device)``) or None, and then :meth:`check` must run, the tables' types and shapes too.
+    unchanged = _hit
 
     def _store(self, a: torch.Tensor, b: torch.Tensor, geometry: tuple, snap_a: torch.Tensor,
                snap_b: torch.Tensor, *facts: Any) -> None:
-        stamp = _stamp(a, b)
+        memo = (a, b, geometry, None if a.is_cpu else _stamp(a, b), (snap_a, snap_b, *facts),
+                (a.dtype, b.dtype))
         with self._lock:
-            self._memo = (a, b, geometry, snap_a, snap_b, *facts, stamp)
+            self._memo = memo
 
 
 def _stamp(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
@@ -378,15 +394,17 @@ class CuSeqlens(_Memo):
         if cu_q.numel() != cu_k.numel():
             raise SeqlensError(f"cu_seqlens_q has {cu_q.numel()} entries and "
                                f"cu_seqlens_k {cu_k.numel()}; both must be B+1 long")
-        return self.values(cu_q, cu_k, q.shape[0], k.shape[0])
+        return self.values(cu_q, cu_k, q.shape[0], k.shape[0], q.device)
 
-    def values(self, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int,
-               total_k: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """The contents check alone (types and shapes already checked: the hot path)."""
-        geometry = (total_q, total_k)
-        memo = self._hit(cu_q, cu_k, geometry)
-        if memo is not None:
-            return memo[3], memo[4], memo[5], memo[6]
+    def values(self, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The contents check alone (types and shapes already checked)."""
+        # what the check depended on: the packed lengths, and q's device (the hot path
+        # leaves the offsets' device to this memo)
+        geometry = (total_q, total_k, device)
+        hit = self._hit(cu_q, cu_k, geometry)
+        if hit is not None:
+            return hit  # type: ignore[return-value]
         snap_q, snap_k = _snapshot(cu_q), _snapshot(cu_k)
         mq = _check_cu_contents("cu_seqlens_q", snap_q, total_q)
         mk = _check_cu_contents("cu_seqlens_k", snap_k, total_k)
@@ -441,9 +459,9 @@ class PagedTables(_Memo):
         # what the check depended on: the cache's (pages, page_size, ...), q's batch (the
         # tables' rows) and device (the snapshots')
         geometry = (k.shape, q.shape[0], q.device)
-        memo = self._hit(block_table, seqlens_k, geometry)
-        if memo is not None:
-            return memo[3], memo[4], memo[5]
+        hit = self._hit(block_table, seqlens_k, geometry)
+        if hit is not None:
+            return hit  # type: ignore[return-value]
         proof = self._proof(block_table, seqlens_k, k.shape[0], k.shape[1])
         if proof is not None:
             snap_bt, snap_sl, max_len = proof
@@ -452,14 +470,6 @@ class PagedTables(_Memo):
             max_len = _check_paged_contents(snap_bt, snap_sl, k.shape[0], k.shape[1])
         self._store(block_table, seqlens_k, geometry, snap_bt, snap_sl, max_len)
         return snap_bt, snap_sl, max_len
-
-    def unchanged(self, block_table: torch.Tensor, seqlens_k: torch.Tensor,
-                  geometry: tuple) -> tuple | None:
-        """The hot path: ``(snap_bt, snap_sl, longest)`` if these are the tables checked
-        last, unchanged (see :class:`_Memo`), for the same ``(k.shape, batch, device)``;
-        else None, and :meth:`check` runs, the tables' types and shapes included."""
-        m = self._hit(block_table, seqlens_k, geometry)
-        return None if m is None else (m[3], m[4], m[5])
 
     def vouch(self, t: torch.Tensor, snapshot: torch.Tensor, fact: int) -> None:
         """Record a proof for a table the caller built from host data it checked:
