@@ -358,8 +358,10 @@ class Hub:
         if phase is None:
             phase = _phase(needs_grad, layout == "paged", max_seqlen_q, max_seqlen_k)
         score_kind, mask_kind = _callable_name(score_mod), _callable_name(mask_mod)
+        # everything the spec holds (backends' checks read the window's values: a window
+        # one backend refuses must not reuse the runner of another window it took)
         key = (phase, q.dtype, k.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2],
-               layout, causal, causal_alignment, window is not None, alibi_slopes is not None,
+               layout, causal, causal_alignment, window, alibi_slopes is not None,
                softcap is not None, prefix_lens is not None, layout == "thd",
                colmask_start is not None, score_kind, mask_kind, bucket(max_seqlen_q),
                bucket(max_seqlen_k), bucket(batch), needs_grad, deterministic, return_lse,
