@@ -5,6 +5,10 @@
   bounds windows on the left only, CK aligns them bottom-right only, the banded backends
   refuse windows that bound nothing), so two calls that differ only in the window's values
   must not share a runner: the second would run on a backend that refused it.
+* The exact-shape table (the hot path's key) compares flags by ``==``, under which
+  ``True == 1 == 1.0``: a key hit must not accept a value the slow path refuses
+  (``causal=1``, ``window=True``, ``max_seqlen_q=4.0``...), or a call's validity would depend
+  on what ran before it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import attnhub
 from attnhub.core.builtin import ReferenceBackend
 from attnhub.core.registry import Registry
 from attnhub.core.spec import AttnParams
+from attnhub.errors import ArgumentError
 from attnhub.hookspecs import hookimpl
 from attnhub.testing import assert_fa_rule, fa_references
 
@@ -98,3 +103,44 @@ def test_window_int_and_tuple_of_the_same_values_share_a_runner(tmp_path):
     hub.attention(q, q, q, causal=True, window=3)
     hub.attention(q, q, q, causal=True, window=(3, 0))
     assert len(hub.bound()) == 1
+
+
+#: Values the slow path refuses that compare equal to values it accepts (True == 1 == 1.0).
+LOOKALIKES = [
+    ({"causal": True}, {"causal": 1}),
+    ({"causal": True}, {"causal": 1.0}),
+    ({"causal": False}, {"causal": 0}),
+    ({"return_lse": False}, {"return_lse": 0}),
+    ({"deterministic": False}, {"deterministic": 0}),
+    ({"window": 1}, {"window": True}),
+    ({"window": 1}, {"window": 1.0}),
+    ({"window": (1, 0)}, {"window": (True, 0)}),
+    ({"window": (1, 0)}, {"window": (1.0, 0)}),
+    ({"max_seqlen_q": 4}, {"max_seqlen_q": 4.0}),
+    ({"max_seqlen_k": 6}, {"max_seqlen_k": 6.0}),
+]
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("good,bad", LOOKALIKES)
+def test_exact_table_refuses_what_the_slow_path_refuses(good, bad, layout):
+    hub = attnhub.Hub(hardware="cpu")
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 6, 2, 8)
+    if layout == "bhsd":
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    with pytest.raises(ArgumentError):
+        attnhub.Hub(hardware="cpu").attention(q, k, k, layout=layout, **bad)  # slow path
+    hub.attention(q, k, k, layout=layout, **good)
+    with pytest.raises(ArgumentError):
+        hub.attention(q, k, k, layout=layout, **bad)  # the same key under ==
+
+
+def test_growing_cache_refuses_lookalikes():
+    """The key-length bucket lookup (a growing cache) takes the same flags."""
+    hub = attnhub.Hub(hardware="cpu")
+    q = torch.randn(1, 1, 2, 8)
+    hub.attention(q, torch.randn(1, 20, 2, 8), torch.randn(1, 20, 2, 8), causal=True)
+    k = torch.randn(1, 21, 2, 8)
+    with pytest.raises(ArgumentError):
+        hub.attention(q, k, k, causal=1)
+    hub.attention(q, k, k, causal=True)  # and the valid call still hits
