@@ -35,7 +35,7 @@ import torch
 
 from .benchmark import Inputs, make_inputs, reference_rows
 from .core.flash_conventions import flash_dense_form, flash_kwargs, flash_varlen
-from .core.spec import AttentionSpec, MaskSpec
+from .core.spec import AttentionSpec, MaskSpec, bucket
 from .errors import AttnhubError
 from .testing import fa_rule_error
 from .timing import interleaved_ms
@@ -240,7 +240,8 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
     spec0 = cell.spec.bucketed()
     serving = [b for b in backends if not registry.get(b).check(spec0, policy_hub.device)]
     # policy, the backends and raw SDPA each walk their own lengths
-    walks = _Walks(inp, len(serving) + 2) if cell.grow else None
+    walks = _Walks(inp, len(serving) + 2, walk_calls(warmup, repeats, rounds)) \
+        if cell.grow else None
     try:
         fn = _caller(policy_hub, walks.next() if walks else inp, None, train)
         err = _check(inp, fn, ref64, same, rows)
@@ -274,6 +275,8 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
 
     for name in backends:
         reasons = registry.get(name).check(spec, forced_hub.device)
+        if not reasons and walks and name not in serving:  # no walk was set aside for it
+            reasons = [f"refused the cell's spec {spec0.describe()} when the walks were made"]
         if reasons:
             res.skipped[name] = "; ".join(reasons)
             continue
@@ -285,7 +288,7 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
     elif not train:
         for lib, peer in _raw_peers(inp, cell.spec, "fa3" in timed).items():
             admit(("raw", lib), lambda peer=peer: peer, res.raw_failed, lib)
-    # a growing cell's callables walk WALK_CALLS lengths each: fewer calls per sample
+    # a growing cell's callables take a new length per call: fewer calls per sample
     t = interleaved_ms(timed, device, warmup=warmup, repeats=repeats, rounds=rounds,
                        drop_above=DROP_ABOVE, max_batch=4 if walks else 64)
     res.batch = t.batch
@@ -323,21 +326,26 @@ class _Walk:
     """One timed callable's growing cache: the first read of ``k``/``v`` gives the cell's
     own inputs (the checked call), each later call a contiguous (B, Hkv, S, D) cache seen
     as bshd (what transformers hands over) one step longer: lengths ``sk + first + stride*j``,
-    so no two callables meet the same length and none reuses another's cache entries."""
+    so no two callables meet the same length and none reuses another's cache entries. The
+    lengths stay in the cell's key-length bucket (``bucket(sk)``): past it the hub binds
+    anew, perhaps another backend than the one the cell reports. A walk that has taken all
+    its lengths starts over from its first fresh one (never from the cell's own inputs,
+    which every callable's check has run)."""
 
-    def __init__(self, inp: Inputs, kbuf: torch.Tensor, vbuf: torch.Tensor, first: int,
-                 stride: int):
+    def __init__(self, inp: Inputs, kbuf: torch.Tensor, vbuf: torch.Tensor,
+                 lengths: range):
         self.inp, self.q, self.params, self.layout = inp, inp.q, inp.params, inp.layout
         b, sk, hkv, d = inp.k.shape
         self._views = [(inp.k, inp.v)] + [
             tuple(buf.as_strided((b, hkv, s, d), (hkv * s * d, s * d, d, 1)).transpose(1, 2)
                   for buf in (kbuf, vbuf))
-            for s in range(sk + first, sk + first + stride * WALK_CALLS, stride)]
+            for s in lengths]
         self._i = -1
 
     @property
     def k(self) -> torch.Tensor:  # read first in every call: it takes the next length
-        self._i = (self._i + 1) % len(self._views)
+        i = self._i + 1
+        self._i = i if i < len(self._views) else min(1, len(self._views) - 1)
         return self._views[self._i][0]
 
     @property
@@ -348,25 +356,32 @@ class _Walk:
         return self.inp.api_kwargs()
 
 
-
-#: Calls a growing cell's callable takes before its lengths start over (check, warm-up, the
-#: batch estimate and two rounds of 20 samples of at most 4 calls: under 200).
-WALK_CALLS = 200
+def walk_calls(warmup: int, repeats: int, rounds: int, max_batch: int = 4) -> int:
+    """The most calls one callable of a growing cell takes: the check, the warm-up, the
+    batch estimate (3 calls) and ``rounds`` x ``repeats`` samples of at most ``max_batch``
+    calls (``interleaved_ms``)."""
+    return 1 + warmup + 3 + rounds * max(1, repeats) * max_batch
 
 
 class _Walks:
-    """The walks of one growing cell: one buffer pair (random data), a residue each."""
+    """The walks of one growing cell: one buffer pair (random data), a residue each, every
+    length in ``(sk, bucket(sk)]`` and at most ``calls`` of them per walk."""
 
-    def __init__(self, inp: Inputs, count: int):
+    def __init__(self, inp: Inputs, count: int, calls: int):
         b, sk, hkv, d = inp.k.shape
-        self.inp, self.count, self._n = inp, count, 0
-        size = b * hkv * (sk + count * (WALK_CALLS + 1)) * d
+        self.inp, self.count, self.calls, self._n = inp, count, calls, 0
+        self.limit = bucket(sk)
+        size = b * hkv * max(self.limit, sk) * d
         self.kbuf = torch.randn(size, device=inp.k.device).to(inp.k.dtype)
         self.vbuf = torch.randn(size, device=inp.k.device).to(inp.k.dtype)
 
     def next(self) -> _Walk:
         self._n += 1
-        return _Walk(self.inp, self.kbuf, self.vbuf, self._n, self.count)
+        if self._n > self.count:  # another residue would meet an earlier walk's lengths
+            raise RuntimeError(f"growing cell: walk {self._n} of {self.count} asked for")
+        sk = self.inp.k.shape[1]
+        lengths = range(sk + self._n, self.limit + 1, self.count)[:self.calls]
+        return _Walk(self.inp, self.kbuf, self.vbuf, lengths)
 
 
 def _raw_sdpa_walk(walk: _Walk) -> Callable[[], torch.Tensor]:
