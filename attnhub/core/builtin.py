@@ -357,6 +357,11 @@ def _sdpa_thd_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return AttentionOutput(torch.cat(outs, 0), lse)
 
 
+#: What SDPA raises when no enabled kernel takes a call: the CPU build's words, and CUDA's
+#: (torch 2.11 on the H200: no kernel enabled at all, or none enabled that takes the call).
+_NO_SDPA_KERNEL = ("No available kernel", "No viable backend")
+
+
 def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with SDPA's cuDNN kernel left out on CUDA.
 
@@ -375,7 +380,7 @@ def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> tor
     try:
         return F.scaled_dot_product_attention(qt, kt, vt, **kw)
     except RuntimeError as exc:
-        if "No available kernel" not in str(exc):
+        if not any(m in str(exc) for m in _NO_SDPA_KERNEL):
             raise  # a failure of its own, not of the kernel choice
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
