@@ -119,3 +119,21 @@ def test_other_failures_are_not_redone(monkeypatch):
     with pytest.raises(RuntimeError, match="out of memory"):
         builtin.sdpa(_FakeCuda(), None, None)
     assert calls == [1] and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_compiled_callers_get_sdpa_untouched(monkeypatch):
+    """Under torch.compile the flags are not toggled: Dynamo cannot trace
+    ``cudnn_sdp_enabled()`` (a torch.* call returning a bool), so ``fullgraph=True`` failed
+    with ``Unsupported`` on CUDA (seen on the H200, torch 2.11) where plain SDPA compiles."""
+    calls = []
+    monkeypatch.setattr(builtin.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(kw) or "out")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    def no_flags(*a):
+        raise AssertionError("a flag was read or set while compiling")
+
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", no_flags)
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", no_flags)
+    assert builtin.sdpa(_FakeCuda(), None, None, scale=0.5) == "out"
+    assert calls == [{"scale": 0.5}]

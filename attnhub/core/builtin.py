@@ -374,7 +374,10 @@ def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> tor
     Where cuDNN is the only kernel SDPA may run for the call (the caller's
     ``sdpa_kernel([CUDNN_ATTENTION])``, or cuDNN beside a kernel that cannot take it), SDPA
     answers "No available kernel" without it: the call is then made with cuDNN on."""
-    if qt.device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+    if (qt.device.type != "cuda" or torch.compiler.is_compiling()
+            or not torch.backends.cuda.cudnn_sdp_enabled()):
+        # (under torch.compile SDPA as is: Dynamo cannot trace the flag's bool, and a
+        # fullgraph=True compile would fail where plain SDPA compiles)
         return F.scaled_dot_product_attention(qt, kt, vt, **kw)
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
