@@ -312,6 +312,17 @@ class Hub:
                     hit = None if v.shape[axis] != sk else (*hit[:-1], sk)
         except (TypeError, AttributeError):  # unhashable or not a tensor: slow path
             hit, fast_key = None, None
+        if hit is not None and not (
+                causal.__class__ is bool and return_lse.__class__ is bool
+                and deterministic.__class__ is bool
+                and (window is None or window.__class__ is int
+                     or (window.__class__ is tuple and window[0].__class__ is int
+                         and window[1].__class__ is int))
+                and (max_seqlen_q is None or max_seqlen_q.__class__ is int)
+                and (max_seqlen_k is None or max_seqlen_k.__class__ is int)):
+            # the key compares by ==, under which True == 1 == 1.0: a flag, window or length
+            # of another type than the slow path takes goes there (and is refused or checked)
+            hit = None
         if hit is not None:
             if (scale is not None or softcap is not None) and not (
                     (scale is None or (scale.__class__ is float and 0.0 < scale < _INF))
@@ -390,8 +401,10 @@ class Hub:
         if phase is None:
             phase = _phase(needs_grad, layout == "paged", max_seqlen_q, max_seqlen_k)
         score_kind, mask_kind = _callable_name(score_mod), _callable_name(mask_mod)
+        # everything the spec holds (backends' checks read the window's values: a window
+        # one backend refuses must not reuse the runner of another window it took)
         key = (phase, q.dtype, k.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2],
-               layout, causal, causal_alignment, window is not None, alibi_slopes is not None,
+               layout, causal, causal_alignment, window, alibi_slopes is not None,
                softcap is not None, prefix_lens is not None, layout == "thd",
                colmask_start is not None, score_kind, mask_kind, bucket(max_seqlen_q),
                bucket(max_seqlen_k), bucket(batch), needs_grad, deterministic, return_lse,

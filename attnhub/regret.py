@@ -36,7 +36,7 @@ import torch
 
 from .benchmark import Inputs, make_inputs, reference_rows
 from .core.flash_conventions import flash_dense_form, flash_kwargs, flash_varlen
-from .core.spec import AttentionSpec, MaskSpec
+from .core.spec import AttentionSpec, MaskSpec, bucket
 from .errors import AttnhubError
 from .testing import fa_rule_error
 from .timing import interleaved_ms
@@ -256,7 +256,8 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
     spec0 = cell.spec.bucketed()
     serving = [b for b in backends if not registry.get(b).check(spec0, policy_hub.device)]
     # policy, the backends and raw SDPA each walk their own lengths
-    walks = _Walks(inp, len(serving) + 3) if cell.grow else None
+    walks = _Walks(inp, len(serving) + 3, walk_calls(warmup, repeats, rounds)) \
+        if cell.grow else None
     try:
         fn = _caller(policy_hub, walks.next() if walks else inp, None, train)
         err = _check(inp, fn, ref64, same, rows)
@@ -290,6 +291,8 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
 
     for name in backends:
         reasons = registry.get(name).check(spec, forced_hub.device)
+        if not reasons and walks and name not in serving:  # no walk was set aside for it
+            reasons = [f"refused the cell's spec {spec0.describe()} when the walks were made"]
         if reasons:
             res.skipped[name] = "; ".join(reasons)
             continue
@@ -302,7 +305,7 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
     elif not train:
         for lib, peer in _raw_peers(inp, cell.spec, "fa3" in timed).items():
             admit(("raw", lib), lambda peer=peer: peer, res.raw_failed, lib)
-    # a growing cell's callables walk WALK_CALLS lengths each: fewer calls per sample
+    # a growing cell's callables take a new length per call: fewer calls per sample
     t = interleaved_ms(timed, device, warmup=warmup, repeats=repeats, rounds=rounds,
                        drop_above=DROP_ABOVE, max_batch=4 if walks else 64,
                        batch_below_ms=BATCH_BELOW_MS, batch_ms=BATCH_MS)
@@ -339,18 +342,19 @@ def _caller(hub: Any, inp: Inputs, backend: str | None,
 
 class _Walk:
     """One timed callable's walk over lengths: the first call gets the cell's own inputs (the
-    checked call), each later call lengths ``s = S + first + stride*j``, so no two callables
-    meet the same length and none reuses another's per-shape state. Decode: a contiguous
-    (B, Hkv, s, D) cache seen as bshd (what transformers hands over) behind the cell's query;
-    prefill / training (Sq == Sk): contiguous bshd q, k, v of s tokens each."""
+    checked call), each later call the next of ``lengths``, which no other callable of the
+    cell meets, so none reuses another's per-shape state. Decode: a contiguous (B, Hkv, s, D)
+    cache seen as bshd (what transformers hands over) behind the cell's query; prefill /
+    training (Sq == Sk): contiguous bshd q, k, v of s tokens each. The lengths stay in the
+    cell's length bucket (past it the hub binds anew, perhaps another backend than the one
+    the cell reports); a walk that has taken all its lengths starts over from its first
+    fresh one (never from the cell's own inputs, which every callable's check has run)."""
 
-    def __init__(self, inp: Inputs, bufs: tuple[torch.Tensor, ...], first: int, stride: int):
+    def __init__(self, inp: Inputs, bufs: tuple[torch.Tensor, ...], lengths: range):
         self.inp, self.params, self.layout = inp, inp.params, inp.layout
         b, sk, hkv, d = inp.k.shape
         hq = inp.q.shape[2]
-        prefill = inp.q.shape[1] == sk and inp.q.shape[1] > 1
-        lengths = range(sk + first, sk + first + stride * WALK_CALLS, stride)
-        if prefill:
+        if inp.q.shape[1] == sk and sk > 1:  # prefill / training: q walks with the keys
             self._views = [(inp.q, inp.k, inp.v)] + [
                 tuple(buf.as_strided((b, s, h, d), (s * h * d, h * d, d, 1))
                       for buf, h in zip(bufs, (hq, hkv, hkv))) for s in lengths]
@@ -362,7 +366,8 @@ class _Walk:
 
     @property
     def q(self) -> torch.Tensor:  # read first in every call: it takes the next length
-        self._i = (self._i + 1) % len(self._views)
+        i = self._i + 1
+        self._i = i if i < len(self._views) else min(1, len(self._views) - 1)
         return self._views[self._i][0]
 
     @property
@@ -377,24 +382,32 @@ class _Walk:
         return self.inp.api_kwargs()
 
 
-#: Calls a walk takes before its lengths start over (check, warm-up, the batch estimate and
-#: two rounds of 20 samples of at most 4 calls: under 200).
-WALK_CALLS = 200
+def walk_calls(warmup: int, repeats: int, rounds: int, max_batch: int = 4) -> int:
+    """The most calls one callable of a walking cell takes: the check, the warm-up, the
+    batch estimate (3 calls) and ``rounds`` x ``repeats`` samples of at most ``max_batch``
+    calls (``interleaved_ms``)."""
+    return 1 + warmup + 3 + rounds * max(1, repeats) * max_batch
 
 
 class _Walks:
-    """The walks of one cell: one buffer each for q, k and v (random data), a residue each."""
+    """The walks of one cell: one buffer each for q, k and v (random data), a residue each,
+    every length in ``(sk, bucket(sk)]`` and at most ``calls`` of them per walk."""
 
-    def __init__(self, inp: Inputs, count: int):
+    def __init__(self, inp: Inputs, count: int, calls: int):
         b, sk, hkv, d = inp.k.shape
-        self.inp, self.count, self._n = inp, count, 0
-        top = sk + count * (WALK_CALLS + 1)
+        self.inp, self.count, self.calls, self._n = inp, count, calls, 0
+        self.limit = bucket(sk)
+        top = max(self.limit, sk)
         self.bufs = tuple(torch.randn(b * h * top * d, device=inp.k.device).to(inp.k.dtype)
                           for h in (inp.q.shape[2], hkv, hkv))
 
     def next(self) -> _Walk:
         self._n += 1
-        return _Walk(self.inp, self.bufs, self._n, self.count)
+        if self._n > self.count:  # another residue would meet an earlier walk's lengths
+            raise RuntimeError(f"walking cell: walk {self._n} of {self.count} asked for")
+        sk = self.inp.k.shape[1]
+        lengths = range(sk + self._n, self.limit + 1, self.count)[:self.calls]
+        return _Walk(self.inp, self.bufs, lengths)
 
 
 def _raw_sdpa_walk(walk: _Walk, cudnn: bool = True) -> Callable[[], torch.Tensor]:

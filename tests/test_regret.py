@@ -11,7 +11,7 @@ import pytest
 
 from attnhub.cli import main
 from attnhub.core.device import simulate
-from attnhub.core.spec import AttentionSpec, MaskSpec
+from attnhub.core.spec import AttentionSpec, MaskSpec, bucket
 from attnhub.policy.profile import ProfileStore
 from attnhub.regret import BOUND, CellResult, from_json, markdown, misses, pack_data, plot, regret
 
@@ -258,8 +258,11 @@ def test_growing_cell_walks_fresh_lengths_per_callable(monkeypatch, wrong_regist
     assert all(ls[0] == sk for ls in lengths.values())  # the checked call: the cell's inputs
     for c, ls in lengths.items():
         if len(ls) > 1:  # then one key... step longer each call, as a bhsd cache seen as bshd
-            assert all(b > a for a, b in zip(ls[1:], ls[2:])) and ls[1] > sk
+            cycle = sorted(set(ls[1:]))  # (its own lengths again once all are taken)
+            assert ls[1:] == (cycle * len(ls))[:len(ls) - 1] and cycle[0] > sk
             assert all(st[1] == 16 and st[2] == n * 16 for n, st in by_caller[c][1:])
+            # every length in the cell's bucket: the binding timed is the one reported
+            assert max(ls) <= bucket(sk)
     later = [set(ls[1:]) for ls in lengths.values()]
     assert all(not (a & b) for i, a in enumerate(later) for b in later[i + 1:])
 
@@ -325,3 +328,46 @@ def test_regret_batches_sub_millisecond_calls(monkeypatch):
                         repeats=1, rounds=1)
     assert seen["batch_below_ms"] == rg.BATCH_BELOW_MS == 1.0 and seen["batch_ms"] == 2.0
     assert r.batch > 1  # a CPU call of this cell takes well under 1 ms
+
+
+def test_growing_cell_stays_in_its_key_length_bucket(monkeypatch):
+    """However many calls the timing takes, a growing cell's lengths stay in the bucket of
+    its key length (past it the hub binds anew: the policy's time would mix bindings), and
+    a walk that has taken all its lengths starts over from its own first fresh length."""
+    from dataclasses import replace as dc_replace
+
+    import torch
+
+    from attnhub import regret as rg
+    from attnhub.core.registry import Registry
+    from attnhub.hub import Hub
+
+    seen: list[tuple[str | None, int]] = []
+    real = Hub.attention
+
+    def spy(self, q, k, v, **kw):
+        seen.append((kw.get("backend"), k.shape[1]))
+        return real(self, q, k, v, **kw)
+
+    monkeypatch.setattr(Hub, "attention", spy)
+    cell = next(c for c in rg.standard_grid("fp32", scale=256) if "growing cache 1 x" in c.name)
+    cell = dc_replace(cell, spec=dc_replace(cell.spec, num_q_heads=4, num_kv_heads=2,
+                                            head_dim=16, head_dim_v=16))
+    r = rg.measure_cell(cell, ["torch_sdpa", "reference"], Registry.load(),
+                        torch.device("cpu"), warmup=3, repeats=12, rounds=2)
+    assert r.policy_error is None and set(r.times) == {"torch_sdpa", "reference"}
+    sk = cell.spec.max_seqlen_k
+    assert r.spec is not None and r.spec.max_seqlen_k == bucket(sk)
+    by: dict = {}
+    for backend, n in seen:
+        by.setdefault(backend, []).append(n)
+    assert set(by) == {None, "torch_sdpa", "reference"}
+    for ls in by.values():
+        assert ls[0] == sk and sk < min(ls[1:]) and max(ls) <= bucket(sk), ls
+    assert sum(len(ls) for ls in by.values()) > bucket(sk) - sk  # they had to start over
+
+
+def test_walk_calls_covers_the_timing():
+    from attnhub import regret as rg
+
+    assert rg.walk_calls(3, 20, 2) == 1 + 3 + 3 + 2 * 20 * 4

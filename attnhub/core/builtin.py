@@ -357,6 +357,11 @@ def _sdpa_thd_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return AttentionOutput(torch.cat(outs, 0), lse)
 
 
+#: What SDPA raises when no enabled kernel takes a call: the CPU build's words, and CUDA's
+#: (torch 2.11 on the H200: no kernel enabled at all, or none enabled that takes the call).
+_NO_SDPA_KERNEL = ("No available kernel", "No viable backend")
+
+
 def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with SDPA's cuDNN kernel left out on CUDA.
 
@@ -365,14 +370,24 @@ def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> tor
     (``benchmarks/decode_growing_gpu.py``), so a growing KV cache or a prompt of a new length
     would pay it every call. SDPA's other kernels have no per-shape build; the ``cudnn``
     backend serves cuDNN where shapes repeat. SDPA's flags are process-wide: while one call
-    runs, another thread's SDPA may also skip cuDNN (a kernel choice, never a result)."""
-    if qt.device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+    runs, another thread's SDPA may also skip cuDNN (a kernel choice, never a result).
+    Where cuDNN is the only kernel SDPA may run for the call (the caller's
+    ``sdpa_kernel([CUDNN_ATTENTION])``, or cuDNN beside a kernel that cannot take it), SDPA
+    answers "No available kernel" without it: the call is then made with cuDNN on."""
+    if (qt.device.type != "cuda" or torch.compiler.is_compiling()
+            or not torch.backends.cuda.cudnn_sdp_enabled()):
+        # (under torch.compile SDPA as is: Dynamo cannot trace the flag's bool, and a
+        # fullgraph=True compile would fail where plain SDPA compiles)
         return F.scaled_dot_product_attention(qt, kt, vt, **kw)
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         return F.scaled_dot_product_attention(qt, kt, vt, **kw)
+    except RuntimeError as exc:
+        if not any(m in str(exc) for m in _NO_SDPA_KERNEL):
+            raise  # a failure of its own, not of the kernel choice
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
+    return F.scaled_dot_product_attention(qt, kt, vt, **kw)  # cuDNN was the caller's only one
 
 
 def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
