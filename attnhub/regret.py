@@ -306,9 +306,10 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
         for lib, peer in _raw_peers(inp, cell.spec, "fa3" in timed).items():
             admit(("raw", lib), lambda peer=peer: peer, res.raw_failed, lib)
     # a growing cell's callables take a new length per call: fewer calls per sample
-    t = interleaved_ms(timed, device, warmup=warmup, repeats=repeats, rounds=rounds,
-                       drop_above=DROP_ABOVE, max_batch=4 if walks else 64,
-                       batch_below_ms=BATCH_BELOW_MS, batch_ms=BATCH_MS)
+    t = _timed_until_none_fails(timed, res, device, warmup=warmup, repeats=repeats,
+                                rounds=rounds, drop_above=DROP_ABOVE,
+                                max_batch=4 if walks else 64, batch_below_ms=BATCH_BELOW_MS,
+                                batch_ms=BATCH_MS)
     res.batch = t.batch
     res.policy_ms = t.ms.get(None)
     res.times = {k: v for k, v in t.ms.items() if isinstance(k, str)}
@@ -318,6 +319,39 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
     del inp, fns, admit
     _free(device)
     return res
+
+
+class _FailedWhileTimed(Exception):
+    def __init__(self, key: Any, exc: BaseException):
+        super().__init__(key, exc)
+        self.key, self.exc = key, exc
+
+
+def _timed_until_none_fails(timed: dict[Any, Callable[[], torch.Tensor]], res: CellResult,
+                            device: torch.device, **kw: Any) -> Any:
+    """``interleaved_ms`` over ``timed``; a callable that raises while timed (a backend that
+    refuses a new shape past its build budget, say) is recorded as failed with its reason
+    and the timing starts again without it, so one failure never loses the cell."""
+    def guarded(key: Any, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - recorded below, with its reason
+                raise _FailedWhileTimed(key, exc) from exc
+        return call
+
+    while True:
+        try:
+            return interleaved_ms({k: guarded(k, f) for k, f in timed.items()}, device, **kw)
+        except _FailedWhileTimed as failure:
+            why = f"raised while timed: {_short(failure.exc)}"
+            if failure.key is None:
+                res.policy_error = why
+            elif isinstance(failure.key, tuple):
+                res.raw_failed[failure.key[1]] = why
+            else:
+                res.failed[failure.key] = why
+            del timed[failure.key]
 
 
 def _caller(hub: Any, inp: Inputs, backend: str | None,

@@ -178,20 +178,55 @@ def test_fake_matches_flash_convention():
     assert torch.all(out[:, :2] == 0) and torch.all(torch.isposinf(lse[:, :, :2]))
 
 
-@pytest.mark.parametrize("preset,want", [(None, True), ("0", False), ("1", True)])
-def test_cudnn_load_turns_on_the_ragged_path_unless_set(monkeypatch, preset, want):
-    """cuDNN builds a graph per exact shape (52-162 ms per new length on the H200): loading
-    the backend asks torch for its ragged path, unless the user set the variable."""
-    if preset is None:  # set first, so that the undo removes what load() sets
-        monkeypatch.setenv(cudnn.RAGGED_ENV, "unset")
-        monkeypatch.delenv(cudnn.RAGGED_ENV)
+@pytest.mark.parametrize("preset,want", [(None, False), ("0", False), ("1", True),
+                                         ("on", True)])
+def test_cudnn_reads_the_ragged_switch_and_never_sets_it(monkeypatch, preset, want):
+    """The ragged path is the user's choice (torch reads it once per process, for every
+    cuDNN attention call): loading the backend reads the variable and leaves it as it was."""
+    if preset is None:
+        monkeypatch.delenv(cudnn.RAGGED_ENV, raising=False)
     else:
         monkeypatch.setenv(cudnn.RAGGED_ENV, preset)
     b = CudnnBackend()
-    assert not b.ragged
     b.load()
     assert b.ragged is want and cudnn.ragged_path_on() is want
+    assert (cudnn.RAGGED_ENV in __import__("os").environ) == (preset is not None)
     assert cudnn.RAGGED_ENV in b.description
+
+
+def test_cudnn_builds_a_bounded_number_of_shapes(monkeypatch, spec_of):
+    """Without the ragged path every new exact shape is a cuDNN graph build (52-162 ms on the
+    H200): the backend serves SHAPE_BUDGET shapes, then refuses a new one with the reason
+    and the fix, while shapes it has built keep running; with the ragged path, no budget."""
+    rec = _CudnnRecorder()
+    monkeypatch.setattr(cudnn, "sdpa_cudnn", rec.sdpa)
+    monkeypatch.setattr(cudnn, "cudnn_with_lse", rec.with_lse)
+    monkeypatch.setattr(cudnn, "SHAPE_BUDGET", 3)
+    monkeypatch.delenv(cudnn.RAGGED_ENV, raising=False)
+    b = CudnnBackend()
+    p = AttnParams(scale=0.3, causal=True)
+
+    def call(s, lse=False):
+        q, k, v = qkv(1, s, s)
+        params = AttnParams(scale=0.3, causal=True, return_lse=lse)
+        return run(b, q, k, v, spec_of(q, k, causal=True), params)
+
+    for s in (5, 6):
+        call(s)
+    call(5, lse=True)  # the LSE op is another graph: the third shape
+    call(6)  # built already: served
+    with pytest.raises(BackendUnavailableError, match="builds a graph per exact shape.*"
+                       + cudnn.RAGGED_ENV):
+        call(7)
+    call(5, lse=True)
+    monkeypatch.setenv(cudnn.RAGGED_ENV, "1")
+    ragged = CudnnBackend()
+    ragged.load()
+    for s in range(5, 12):
+        q, k, v = qkv(1, s, s)
+        out, _ = run(ragged, q, k, v, spec_of(q, k, causal=True), p)
+        torch.testing.assert_close(out, ref_attn(q, k, v, p, compute_dtype=torch.float32)[0],
+                                   atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("want_lse", [False, True])
