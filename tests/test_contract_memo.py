@@ -21,7 +21,6 @@ from attnhub.core.reference import reference_attention
 from attnhub.core.registry import Registry
 from attnhub.core.spec import AttnParams
 from attnhub.errors import SeqlensError
-from attnhub.hookspecs import hookimpl
 from attnhub.testing import assert_fa_rule, fa_references
 
 
@@ -51,16 +50,8 @@ class Spy(Backend):
 
 @pytest.fixture()
 def spy_hub():
-    reg = Registry.load(entry_points=False, modules=[])
     spy = Spy()
-
-    class Plugin:
-        @hookimpl
-        def attnhub_register_backends(self, register):  # type: ignore[no-untyped-def]
-            register(spy)
-
-    reg.add_plugin(Plugin(), "spy")
-    return attnhub.Hub(registry=reg, hardware="cpu"), spy
+    return attnhub.Hub(registry=Registry.of(spy, plugin="spy"), hardware="cpu"), spy
 
 
 def _counting(monkeypatch, name: str) -> list[int]:

@@ -18,7 +18,6 @@ from attnhub.core.reference import reference_attention
 from attnhub.core.registry import Registry
 from attnhub.core.spec import AttnParams
 from attnhub.errors import InputError, NoBackendError, ShapeError
-from attnhub.hookspecs import hookimpl
 from attnhub.testing import assert_fa_rule, fa_references
 
 CAPS = Capabilities(dtypes=frozenset({"fp32", "fp16", "bf16"}), masks=ALL_MASKS, gqa=True,
@@ -70,15 +69,7 @@ POLICY = """
 
 
 def _hub(tmp_path, how: str, debug: bool | None = None) -> attnhub.Hub:
-    reg = Registry.load(entry_points=False, modules=[])
-    backend = Broken(how)
-
-    class Plugin:
-        @hookimpl
-        def attnhub_register_backends(self, register):  # type: ignore[no-untyped-def]
-            register(backend)
-
-    reg.add_plugin(Plugin(), "broken")
+    reg = Registry.of(Broken(how), plugin="broken")
     path = tmp_path / "contract.yaml"
     path.write_text(textwrap.dedent(POLICY).lstrip(), encoding="utf-8")
     return attnhub.Hub(policy=str(path), hardware="cpu", registry=reg, debug=debug)

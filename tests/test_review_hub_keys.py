@@ -23,7 +23,6 @@ from attnhub.core.builtin import ReferenceBackend
 from attnhub.core.registry import Registry
 from attnhub.core.spec import AttnParams
 from attnhub.errors import ArgumentError
-from attnhub.hookspecs import hookimpl
 from attnhub.testing import assert_fa_rule, fa_references
 
 
@@ -62,15 +61,8 @@ POLICY = """
 
 
 def _hub(tmp_path) -> tuple[attnhub.Hub, LeftOnlyWindow]:
-    reg = Registry.load(entry_points=False, modules=[])
     backend = LeftOnlyWindow()
-
-    class Plugin:
-        @hookimpl
-        def attnhub_register_backends(self, register):  # type: ignore[no-untyped-def]
-            register(backend)
-
-    reg.add_plugin(Plugin(), "left_only")
+    reg = Registry.of(backend, plugin="left_only")
     path = tmp_path / "left_only.yaml"
     path.write_text(textwrap.dedent(POLICY).lstrip(), encoding="utf-8")
     return attnhub.Hub(policy=str(path), hardware="cpu", registry=reg), backend

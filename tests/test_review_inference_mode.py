@@ -155,7 +155,6 @@ def test_backends_get_tables_with_a_version_counter() -> None:
     from attnhub.core.backend import AttentionOutput, Backend
     from attnhub.core.capabilities import ALL_MASKS, Capabilities
     from attnhub.core.registry import Registry
-    from attnhub.hookspecs import hookimpl
 
     stamps: list[tuple[int, ...]] = []
 
@@ -171,14 +170,7 @@ def test_backends_get_tables_with_a_version_counter() -> None:
             stamps.append(tuple(t._version for t in tables))
             return AttentionOutput(q.new_zeros(*q.shape[:-1], v.shape[-1]), None)
 
-    class Plugin:
-        @hookimpl
-        def attnhub_register_backends(self, register):  # type: ignore[no-untyped-def]
-            register(Stamping())
-
-    reg = Registry.load(entry_points=False, modules=[])
-    reg.add_plugin(Plugin(), "stamping")
-    hub = attnhub.Hub(registry=reg, hardware="cpu")
+    hub = attnhub.Hub(registry=Registry.of(Stamping(), plugin="stamping"), hardware="cpu")
     with torch.inference_mode():
         kc = torch.randn(4, 4, 2, 8)
         hub.attention(torch.randn(2, 1, 4, 8), kc, kc, layout="paged", backend="stamping",

@@ -150,6 +150,21 @@ class Registry:
         self._register_from(obj, rec)
         return rec
 
+    @classmethod
+    def of(cls, *backends: Backend, plugin: str = "local") -> Registry:
+        """The core's built-in backends plus these backend objects, as one plugin named
+        ``plugin``, and no installed plugin (no entry points): tests, notebooks, embedding."""
+
+        class _Local:
+            @hookspecs.hookimpl
+            def attnhub_register_backends(self, register: Any) -> None:
+                for b in backends:
+                    register(b)
+
+        reg = cls.load(entry_points=False, modules=[])
+        reg.add_plugin(_Local(), plugin)
+        return reg
+
     def add_plugin(self, obj: ModuleType | object, name: str) -> PluginRecord:
         """Register an already-imported plugin object (tests, notebooks, the core itself)."""
         rec = PluginRecord(name=name, module=getattr(obj, "__name__", type(obj).__name__))
