@@ -29,7 +29,8 @@ if "--smoke" in sys.argv:
 import torch
 from attnhub_triton_portable import decode
 from attnhub_triton_portable.decode_configs import choose_splits, decode_config
-from triton_decode import HKV, ROOT, SMOKE, PagedCase, est, fa_rule, gpu_us, kv_bytes, source_commit
+from triton_decode import (HKV, ROOT, SMOKE, PagedCase, est, fa_rule, gpu_us, kv_bytes,
+                           source_commit, sweep_setup)
 
 BUDGET = 0.08
 CELLS = [(4, 64, 0.6), (1, 256, 0.2), (1, 128, 0.2)] if SMOKE else [
@@ -76,13 +77,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     args = ap.parse_args()
     t0 = time.time()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if SMOKE:
-        gpu, sms, arch = "CPU interpreter", 4, "cpu"
-    else:
-        props = torch.cuda.get_device_properties(0)
-        gpu, sms, arch = props.name, props.multi_processor_count, f"sm{props.major}{props.minor}"
+    out, gpu, sms, arch = sweep_setup(args.out)
     import triton
 
     row8 = decode_config(arch, paged=True, kv_fp8=True)

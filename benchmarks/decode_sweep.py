@@ -41,6 +41,7 @@ import torch
 from attnhub_triton_portable import decode
 from attnhub_triton_portable.decode_configs import DecodeConfig, choose_splits, decode_config
 from triton_decode import (
+    sweep_setup,
     HKV,
     ROOT,
     SMOKE,
@@ -176,13 +177,7 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
     t0 = time.time()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if SMOKE:
-        gpu, sms, arch = "CPU interpreter", 4, "cpu"
-    else:
-        props = torch.cuda.get_device_properties(0)
-        gpu, sms, arch = props.name, props.multi_processor_count, f"sm{props.major}{props.minor}"
+    out, gpu, sms, arch = sweep_setup(args.out)
     import triton
 
     from attnhub import Hub

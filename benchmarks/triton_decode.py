@@ -51,6 +51,18 @@ from attnhub_triton_portable.decode_configs import (
 
 from attnhub.timing import source_commit
 
+
+def sweep_setup(out_dir: str) -> tuple[Path, str, int, str]:
+    """A sweep's output folder (made) and the device it runs on: (out, GPU name, SM count,
+    arch such as ``sm90``); the CPU interpreter under ``--smoke``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if SMOKE:
+        return out, "CPU interpreter", 4, "cpu"
+    props = torch.cuda.get_device_properties(0)
+    return out, props.name, props.multi_processor_count, f"sm{props.major}{props.minor}"
+
+
 SHAPES = [(1, 64), (2, 32)] if SMOKE else [(1, 32768), (1, 131072), (16, 8192), (64, 4096),
                                            (64, 32768)]
 #: Flex compiles once per shape (tens of seconds): timed on one shape only.
