@@ -2,8 +2,11 @@
 the build says: registers per partition (``setmaxnreg``), shared memory, spills, and the
 wgmma / barrier instructions of the SASS. No launch happens.
 
-    PYTHONPATH=<triton 3.6 site>:.:plugins/triton_portable python3 benchmarks/gluon_sm90_offline.py \
-        [--ws-only] [--dump DIR]
+    PYTHONPATH=<triton 3.6 site>:.:plugins/triton_portable \
+        python3 benchmarks/gluon_sm90_offline.py [--ws-only] [--dump DIR]
+
+(``pip install --target /tmp/t36 triton==3.6.0`` gives the machine's Triton without touching
+the local one.)
 """
 
 from __future__ import annotations
@@ -110,7 +113,8 @@ def main() -> None:
             with open(f"{a.dump}/{tag}.sass", "w") as f:
                 f.write(sass)
             md = ck.metadata
-            nreg = sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
+            nreg = sorted(set(re.findall(
+                r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
             print(f"OK {name:9s} {cfg}: regs={getattr(ck, 'n_regs', '?')} "
                   f"spills={getattr(ck, 'n_spills', '?')} smem={md.shared} "
                   f"setmaxnreg={nreg} HGMMA={sass.count('HGMMA')} "

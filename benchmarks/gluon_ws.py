@@ -3,7 +3,9 @@ forward and cuDNN SDPA, in one run: correctness of every variant first (each con
 process, under a time limit, so that a hang costs that config only), then forward TFLOP/s at
 16k (b=1, d=128) full / causal / causal + window 4096, 16/16 heads and GQA 32/8.
 
-    python3 benchmarks/gluon_ws.py --json OUT.json [--deadline 280]
+    python3 benchmarks/gluon_ws.py --json OUT.json [--deadline 280] [--smoke]
+
+``--smoke`` runs the orchestration on a CPU (interpreter, portable kernel, no checks).
 
 Uses the helpers of ``triton_dense.py`` (do_bench median, the FLOP count). Window FLOPs count
 the visible (query, key) pairs exactly.
@@ -24,9 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "plugins" / "triton_portable"),
                 str(ROOT / "plugins" / "triton_portable" / "tests"), str(ROOT / "benchmarks")]
 
+SMOKE = "--smoke" in sys.argv  # CPU, Triton's interpreter, the portable kernel, tiny rows
+if SMOKE:
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import torch  # noqa: E402
 
-S, D = 16384, 128
+DEV = "cpu" if SMOKE else "cuda"
+S, D = (256, 32) if SMOKE else (16384, 128)
 MASKS = {"full": {}, "causal": {"causal": True},
          "causal+window4096": {"causal": True, "window": (4096, 0)}}
 #: (heads q/kv, mask): the cells of docs/benchmarks/triton_dense.md (16 heads full/causal,
@@ -38,6 +47,8 @@ CELLS = [((16, 16), "full"), ((16, 16), "causal"), ((32, 8), "causal+window4096"
 def _variants() -> dict[str, dict]:
     from attnhub_triton_portable import configs
 
+    if SMOKE:
+        return {n: configs.fwd_config("cpu", D, "bf16", False) for n in ("a", "b")}
     out = {}
     for c in configs.GLUON_WS_SM90:
         out[f"ws pp{c['PINGPONG']} kv{c['KV_STAGES']}"] = c
@@ -53,7 +64,7 @@ def _check(name: str) -> dict:
 
         cfg = _variants()[name]
         res = []
-        for shape, kw in CASES:
+        for shape, kw in ([] if SMOKE else CASES):
             t = time.time()
             r = run_case(cfg, shape, kw, grads=False)
             res.append({"shape": shape, "kw": {k: str(v) for k, v in kw.items()}, **r,
@@ -75,12 +86,14 @@ def _fill_cache(cfg: dict) -> None:
     for (hq, hkv), mname in CELLS:
         kw = MASKS[mname]
         if True:
-            q = torch.randn(1, 1024, hq, D, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(1, 1024, hkv, D, device="cuda", dtype=torch.bfloat16)
+            n = 128 if SMOKE else 1024
+            q = torch.randn(1, n, hq, D, device=DEV, dtype=torch.bfloat16)
+            k, v = (torch.randn(1, n, hkv, D, device=DEV, dtype=torch.bfloat16)
                     for _ in range(2))
             args = DenseArgs.from_params(q, k, v, AttnParams(scale=D ** -0.5, **kw), "bshd")
             flash_fwd(args, cfg)
-    torch.cuda.synchronize()
+    if not SMOKE:
+        torch.cuda.synchronize()
 
 
 def _flops(hq: int, kw: dict) -> float:
@@ -98,12 +111,21 @@ def main() -> None:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--deadline", type=float, default=280.0)
     ap.add_argument("--check-timeout", type=float, default=150.0)
+    ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     t0 = time.time()
     import triton
     import triton.testing
 
-    data: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    def bench(fn) -> float:
+        if SMOKE:
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        return float(triton.testing.do_bench(fn, return_mode="median"))
+
+    gpu = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
+    data: dict = {"gpu": gpu, "torch": torch.__version__,
                   "triton": triton.__version__, "shape": f"b=1 S={S} d={D} bf16",
                   "correctness": {}, "tflops": {}, "notes": []}
 
@@ -145,9 +167,9 @@ def main() -> None:
         if True:
             col = f"{hq}/{hkv} {mname}"
             row = data["tflops"].setdefault(col, {})
-            g = torch.Generator(device="cuda").manual_seed(hq + len(kw))
-            q = torch.randn(1, S, hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
-            k, v = (torch.randn(1, S, hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            g = torch.Generator(device=DEV).manual_seed(hq + len(kw))
+            q = torch.randn(1, S, hq, D, device=DEV, dtype=torch.bfloat16, generator=g)
+            k, v = (torch.randn(1, S, hkv, D, device=DEV, dtype=torch.bfloat16, generator=g)
                     for _ in range(2))
             params = AttnParams(scale=D ** -0.5, **kw)
             args = DenseArgs.from_params(q, k, v, params, "bshd")
@@ -155,8 +177,7 @@ def main() -> None:
             for n in ok:
                 if time.time() - t0 > a.deadline:
                     break
-                ms = triton.testing.do_bench(lambda: flash_fwd(args, variants[n]),
-                                             return_mode="median")
+                ms = bench(lambda: flash_fwd(args, variants[n]))
                 row[n] = round(fl / (ms * 1e-3) / 1e12, 1)
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             try:
@@ -166,7 +187,7 @@ def main() -> None:
                     fn = lambda: F.scaled_dot_product_attention(  # noqa: E731
                         qt, kt, vt, is_causal=bool(kw), enable_gqa=hq != hkv)
                     fn()
-                    ms = triton.testing.do_bench(fn, return_mode="median")
+                    ms = bench(fn)
                 row["cuDNN SDPA"] = round(fl / (ms * 1e-3) / 1e12, 1)
             except Exception as exc:  # noqa: BLE001 - a peer that fails is a result
                 row["cuDNN SDPA"] = f"error: {type(exc).__name__}: {str(exc)[:120]}"

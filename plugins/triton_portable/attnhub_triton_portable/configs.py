@@ -165,11 +165,8 @@ GLUON_SM90: list[Config] = [_cfg(128, 128, 8, 1, GLUON=True, P_SMEM=True),
 #: consumer warpgroups of 64 rows, with (PINGPONG 1/2) or without (0) the explicit schedule between
 #: them. Autotune candidates only (the timed choice per shape bucket decides).
 GLUON_WS_SM90: list[Config] = [
-    _cfg(128, 128, 4, 1, GLUON=True, WS=True, PINGPONG=1, KV_STAGES=2),
-    _cfg(128, 128, 4, 1, GLUON=True, WS=True, PINGPONG=2, KV_STAGES=2),
-    _cfg(128, 128, 4, 1, GLUON=True, WS=True, PINGPONG=0, KV_STAGES=2),
-    _cfg(128, 128, 4, 1, GLUON=True, WS=True, PINGPONG=1, KV_STAGES=3),
-]
+    _cfg(128, 128, 4, 1, GLUON=True, WS=True, PINGPONG=pp, KV_STAGES=kv)
+    for kv in (2, 3) for pp in (1, 2, 0)]
 
 
 def bwd_candidates(arch: str, head_dim: int, dtype: str, causal: bool,

@@ -9,9 +9,11 @@ One CTA takes 128 query rows of one head and runs three partitions (``gl.warp_sp
   sharing every K/V tile. Each runs the intra-warpgroup overlap of :mod:`.fwd_gluon`:
   ``QK^T`` of tile i waited for, then ``PV`` of tile i-1 in flight under the softmax of tile
   i (P stays in registers: the PV wgmma takes its A operand from them);
-- with ``PINGPONG`` (1 or 2, where the turn is handed over) an explicit schedule between the consumers (two mbarriers passed back and
-  forth): a warpgroup issues its two GEMMs of a step only when the other has issued its own,
-  so one warpgroup's softmax runs under the other's GEMMs (FA3's inter-warpgroup overlap).
+- with ``PINGPONG`` an explicit schedule between the consumers (two mbarriers passed back
+  and forth): a warpgroup issues its GEMMs of a step only once the other has handed over
+  the turn, so one warpgroup's softmax runs under the other's GEMMs (FA3's inter-warpgroup
+  overlap). ``PINGPONG=1`` hands it over once this step's PV is issued (FA3's place),
+  ``2`` as soon as its QK^T is done, ``0`` leaves the order to the warp schedulers.
 
 Registers are reallocated per partition (``setmaxnreg``): the producer runs on 24, the
 consumers on what is left (``maxnreg`` x 12 warps spread over 9, see :func:`flash_fwd`).

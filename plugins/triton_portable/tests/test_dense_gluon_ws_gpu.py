@@ -80,8 +80,16 @@ def run_case(cfg: dict, shape: tuple[int, ...], kw: dict, grads: bool = True) ->
     return {"err": err, "allowed": allowed, "lse_err": lse_err, "bitwise_rerun": same}
 
 
-@pytest.mark.parametrize("cfg", configs.GLUON_WS_SM90, ids=str)
-@pytest.mark.parametrize(("shape", "kw"), CASES, ids=str)
+def _cfg_id(c: dict) -> str:
+    return f"pp{c['PINGPONG']}kv{c['KV_STAGES']}"
+
+
+def _case_id(case: object) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in str(case)).strip("_")
+
+
+@pytest.mark.parametrize("cfg", configs.GLUON_WS_SM90, ids=_cfg_id)
+@pytest.mark.parametrize(("shape", "kw"), CASES, ids=_case_id)
 def test_gluon_ws_forward_and_grads(cfg: dict, shape: tuple[int, ...], kw: dict) -> None:
     run_case(cfg, shape, kw)
 
