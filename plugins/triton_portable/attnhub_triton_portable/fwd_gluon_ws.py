@@ -103,11 +103,11 @@ def _consumer_step(i, lo, acc, p_op, alpha, m_i, l_i, zero_s, q_w, k_smem, v_sme
                       is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     _turn_pass(turn, W, PINGPONG, 2)
+    _release(k_empty.index(ks))  # K of tile i is read: the producer may refill it now
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     mbarrier.wait(v_ready.index(vs), ((i - 1) // KV_STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
     _turn_pass(turn, W, PINGPONG, 1)
-    _release(k_empty.index(ks))
     p, alpha, m_i, l_i = _softmax(lo + i * BLOCK_N, s, m_i, l_i, offs_m, seqlen_q, seqlen_k,
                                   q_off, left, right, scale2, BLOCK_N, MASK_TILE, CAUSAL,
                                   WIN_LEFT, WIN_RIGHT, s_layout)
