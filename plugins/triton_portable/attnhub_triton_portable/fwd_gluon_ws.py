@@ -22,6 +22,11 @@ Scope: that of :func:`.fwd_gluon.supports` with BLOCK_M = 128 (two 64-row halves
 64 or 128, bf16/fp16, bshd with packed heads, Sq % 128 == 0, Sk % BLOCK_N == 0; full, causal
 (both alignments), sliding window, GQA. Both consumers walk the key tiles of the whole
 128-row block (the union of their ranges); each masks its own rows.
+
+The order of waits and arrives is modelled on a CPU in
+``tests/test_dense_gluon_ws_protocol.py`` (no deadlock, no buffer refilled under a reader,
+over random interleavings): change both together. Not an autotune candidate until measured
+on the GPU (``benchmarks/gluon_ws.py``; docs/benchmarks/triton_dense.md has the status).
 """
 
 from __future__ import annotations
