@@ -162,8 +162,8 @@ GLUON_SM90: list[Config] = [_cfg(128, 128, 8, 1, GLUON=True, P_SMEM=True),
                             _cfg(64, 64, 4, 1, GLUON=True, P_SMEM=False)]
 
 #: The warp-specialised Gluon forward (:mod:`.fwd_gluon_ws`): a TMA producer warp and two
-#: consumer warpgroups of 64 rows, with (PINGPONG 1/2) or without (0) the explicit schedule between
-#: them. Not yet in ``fwd_candidates``: built and checked offline only (sm90 build, barrier
+#: consumer warpgroups of 64 rows, with (PINGPONG 1/2) or without (0) the explicit schedule
+#: between them. Not yet in ``fwd_candidates``: built and checked offline only (sm90 build, barrier
 #: protocol model), never run on a GPU; ``benchmarks/gluon_ws.py`` checks and times them
 #: beside the shipped Gluon forward and cuDNN, and only a config that wins there goes in.
 GLUON_WS_SM90: list[Config] = [
