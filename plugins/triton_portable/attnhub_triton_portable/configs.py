@@ -24,7 +24,8 @@ Config = dict[str, Any]
 
 #: Keys that are kernel constants; everything else in a config is a launch option.
 KERNEL_KEYS: frozenset[str] = frozenset({"BLOCK_M", "BLOCK_N", "WARP_SPECIALIZE", "USE_TMA",
-                                        "GLUON", "P_SMEM"})
+                                        "GLUON", "P_SMEM", "WS", "PINGPONG", "KV_STAGES",
+                                        "CONSUMER_REGS"})
 
 AMD_ARCHS: frozenset[str] = frozenset({"gfx90a", "gfx942", "gfx950"})
 
@@ -159,6 +160,15 @@ def fwd_candidates(arch: str, head_dim: int, dtype: str, causal: bool) -> list[C
 GLUON_SM90: list[Config] = [_cfg(128, 128, 8, 1, GLUON=True, P_SMEM=True),
                             _cfg(128, 128, 8, 1, GLUON=True, P_SMEM=False),
                             _cfg(64, 64, 4, 1, GLUON=True, P_SMEM=False)]
+
+#: The warp-specialised Gluon forward (:mod:`.fwd_gluon_ws`): a TMA producer warp and two
+#: consumer warpgroups of 64 rows, with (PINGPONG 1/2) or without (0) the explicit schedule
+#: between them. Not yet in ``fwd_candidates``: built and checked offline only (sm90 build, barrier
+#: protocol model), never run on a GPU; ``benchmarks/gluon_ws.py`` checks and times them
+#: beside the shipped Gluon forward and cuDNN, and only a config that wins there goes in.
+GLUON_WS_SM90: list[Config] = [
+    _cfg(128, 128, 4, 1, GLUON=True, WS=True, PINGPONG=pp, KV_STAGES=kv)
+    for kv in (2, 3) for pp in (1, 2, 0)]
 
 
 def bwd_candidates(arch: str, head_dim: int, dtype: str, causal: bool,

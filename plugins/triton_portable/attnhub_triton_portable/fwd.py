@@ -172,9 +172,11 @@ def gluon_unsupported(args: DenseArgs, config: dict) -> str | None:
     if not arch.startswith("sm9"):
         return f"the Gluon forward is written for sm90 (Hopper) wgmma, not {arch}"
     try:
-        from . import fwd_gluon
+        from . import fwd_gluon, fwd_gluon_ws
     except ImportError as exc:  # an older Triton without triton.experimental.gluon
         return f"triton.experimental.gluon is not importable ({exc})"
+    if config.get("WS"):  # the warp-specialised variant (producer warp + 2 consumers)
+        return fwd_gluon_ws.supports(args, config)
     return fwd_gluon.supports(args, config)
 
 
@@ -183,6 +185,8 @@ def _gluon_fwd(args: DenseArgs, config: dict) -> tuple[torch.Tensor, torch.Tenso
     if why is not None:
         raise InputError(f"tile config asks GLUON=True, but {why}; drop GLUON from the config "
                          "(the portable kernel takes every call)")
-    from . import fwd_gluon
+    from . import fwd_gluon, fwd_gluon_ws
 
+    if config.get("WS"):
+        return fwd_gluon_ws.flash_fwd(args, config)
     return fwd_gluon.flash_fwd(args, config)

@@ -74,3 +74,27 @@ def test_scope_takes_masks_gqa_and_rejects_unpacked_heads() -> None:
     args = DenseArgs.from_params(thd, thd, thd, AttnParams(
         scale=0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=256, max_seqlen_k=256), "thd")
     assert "varlen" in (fwd_gluon.supports(args, GLUON) or "")
+
+
+WS = configs.GLUON_WS_SM90[0]
+
+
+def test_warp_specialised_variant_scope() -> None:
+    ws = pytest.importorskip("attnhub_triton_portable.fwd_gluon_ws")
+    assert all(c.get("GLUON") and c.get("WS") and c["BLOCK_M"] == ws.BLOCK_M
+               for c in configs.GLUON_WS_SM90)
+    for kw in ({}, {"causal": True}, {"causal": True, "alignment": "top_left"},
+               {"causal": True, "window": (64, 0)}, {"window": (100, 37)}):
+        assert ws.supports(_args(**kw), WS) is None
+    assert "multiple of 128" in (ws.supports(_args(sq=192), WS) or "")
+    assert "BLOCK_M" in (ws.supports(_args(), {**WS, "BLOCK_M": 64}) or "")
+    assert "head dim" in (ws.supports(_args(d=96), WS) or "")
+    meta = ws.launch_meta(WS)  # 12 warps x maxnreg must fit the register file
+    assert meta["num_warps"] == 4 and meta["maxnreg"] * 12 * 32 <= 65536
+
+
+def test_warp_specialised_variant_off_hopper_names_the_reason() -> None:
+    args = _args()
+    assert "NVIDIA" in (gluon_unsupported(args, WS) or "")
+    with pytest.raises(InputError, match="GLUON=True.*NVIDIA"):
+        flash_fwd(args, WS)

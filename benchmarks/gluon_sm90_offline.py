@@ -1,0 +1,127 @@
+"""Compile the Hopper Gluon forwards for sm90 on a machine without a GPU, and report what
+the build says: registers per partition (``setmaxnreg``), shared memory, spills, and the
+wgmma / barrier instructions of the SASS. No launch happens.
+
+    PYTHONPATH=<triton 3.6 site>:.:plugins/triton_portable \
+        python3 benchmarks/gluon_sm90_offline.py [--ws-only] [--dump DIR]
+
+(``pip install --target /tmp/t36 triton==3.6.0`` gives the machine's Triton without touching
+the local one.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+
+class _Sm90:
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _compile(kernel, call):
+    """Run ``call`` (which launches ``kernel[grid](...)``) with the launch turned into a
+    compile-only warmup; return the compiled kernel."""
+    got = {}
+    orig = kernel.run
+
+    def run(*a, grid, warmup, **kw):
+        got["k"] = orig(*a, grid=grid, warmup=True, **kw)
+        return got["k"]
+
+    kernel.run = run
+    try:
+        call()
+    finally:
+        kernel.run = orig
+    return got["k"]
+
+
+def _sass(cubin: bytes, path: str) -> str:
+    with open(path, "wb") as f:
+        f.write(cubin)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    try:
+        return subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True,
+                              check=False).stdout
+    except OSError:
+        return ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dump", default="/tmp/gluon_sm90")
+    ap.add_argument("--ws-only", action="store_true")
+    a = ap.parse_args()
+    os.makedirs(a.dump, exist_ok=True)
+    driver.set_active(_Sm90())
+    from attnhub_triton_portable import configs, fwd_gluon, fwd_gluon_ws
+    from attnhub_triton_portable.launch import DenseArgs
+
+    from attnhub.plugin import AttnParams
+
+    import attnhub_triton_portable.fwd as fwd_mod
+    fwd_mod.device_arch = lambda dev: "sm90"  # the stub has no device to probe
+    cases = [("full", {}), ("causal", {"causal": True}),
+             ("causal_tl", {"causal": True, "alignment": "top_left"}),
+             ("window", {"causal": True, "window": (4096, 0)})]
+    cfgs = configs.GLUON_WS_SM90 + ([] if a.ws_only else configs.GLUON_SM90)
+    bad = 0
+    for cfg in cfgs:
+        mod = fwd_gluon_ws if cfg.get("WS") else fwd_gluon
+        kern = fwd_gluon_ws._fwd_ws_kernel if cfg.get("WS") else fwd_gluon._fwd_kernel
+        for name, kw in cases:
+            q = torch.randn(1, 1024, 16, 128, dtype=torch.bfloat16)
+            k = torch.randn(1, 1024, 8, 128, dtype=torch.bfloat16)
+            params = AttnParams(scale=128 ** -0.5, **kw)
+            args = DenseArgs.from_params(q, k, k, params, "bshd")
+            why = fwd_mod.gluon_unsupported(args, cfg)
+            if why:
+                print(f"{cfg} {name}: unsupported: {why}")
+                continue
+            tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{cfg}_{name}")[:120]
+            try:
+                ck = _compile(kern, lambda: mod.flash_fwd(args, cfg))
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                bad += 1
+                print(f"FAIL {cfg} {name}: {type(exc).__name__}: {str(exc)[-3000:]}")
+                continue
+            ptx = ck.asm["ptx"]
+            with open(f"{a.dump}/{tag}.ptx", "w") as f:
+                f.write(ptx)
+            with open(f"{a.dump}/{tag}.ttgir", "w") as f:
+                f.write(ck.asm["ttgir"])
+            sass = _sass(ck.asm["cubin"], f"{a.dump}/{tag}.cubin")
+            with open(f"{a.dump}/{tag}.sass", "w") as f:
+                f.write(sass)
+            md = ck.metadata
+            nreg = sorted(set(re.findall(
+                r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
+            print(f"OK {name:9s} {cfg}: regs={getattr(ck, 'n_regs', '?')} "
+                  f"spills={getattr(ck, 'n_spills', '?')} smem={md.shared} "
+                  f"setmaxnreg={nreg} HGMMA={sass.count('HGMMA')} "
+                  f"DEPBAR={sass.count('WARPGROUP.DEPBAR')} MUFU.EX2={sass.count('MUFU.EX2')} "
+                  f"LDL={sass.count('LDL')} STL={sass.count('STL')}")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
