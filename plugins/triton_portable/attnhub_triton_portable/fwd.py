@@ -171,13 +171,14 @@ def gluon_unsupported(args: DenseArgs, config: dict) -> str | None:
         return f"the Gluon forward runs on NVIDIA GPUs only (this is {arch})"
     if not arch.startswith("sm9"):
         return f"the Gluon forward is written for sm90 (Hopper) wgmma, not {arch}"
-    try:
-        from . import fwd_gluon, fwd_gluon_ws
+    try:  # the warp-specialised variant only when asked: a Triton without it keeps the other
+        if config.get("WS"):  # (producer warp + 2 consumer warpgroups)
+            from . import fwd_gluon_ws as gluon_kernel
+        else:
+            from . import fwd_gluon as gluon_kernel
     except ImportError as exc:  # an older Triton without triton.experimental.gluon
         return f"triton.experimental.gluon is not importable ({exc})"
-    if config.get("WS"):  # the warp-specialised variant (producer warp + 2 consumers)
-        return fwd_gluon_ws.supports(args, config)
-    return fwd_gluon.supports(args, config)
+    return gluon_kernel.supports(args, config)
 
 
 def _gluon_fwd(args: DenseArgs, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +186,10 @@ def _gluon_fwd(args: DenseArgs, config: dict) -> tuple[torch.Tensor, torch.Tenso
     if why is not None:
         raise InputError(f"tile config asks GLUON=True, but {why}; drop GLUON from the config "
                          "(the portable kernel takes every call)")
-    from . import fwd_gluon, fwd_gluon_ws
-
     if config.get("WS"):
+        from . import fwd_gluon_ws
+
         return fwd_gluon_ws.flash_fwd(args, config)
+    from . import fwd_gluon
+
     return fwd_gluon.flash_fwd(args, config)
