@@ -13,10 +13,12 @@ for SDPA's own choice.
 
 cuDNN builds a graph per exact shape: on the H200 (torch 2.11, cuDNN 9.19) a prefill at a new
 prompt length cost 52-61 ms and a training step 138-162 ms, against 0.5 / 2.2 ms once built
-(``benchmarks/decode_growing_gpu.py``). So the backend builds at most ``SHAPE_BUDGET`` shapes
-per process and refuses the next new one with that reason (the rule's ``on_failure`` then
+(``benchmarks/decode_growing_gpu.py``). So the backend builds at most ``SHAPE_BUDGET`` exact
+shapes per spec bucket (the lengths a bound call meets as prompts or padded batches vary)
+and refuses a further new one there with that reason (the rule's ``on_failure`` then
 decides: the next candidate, counted and logged, or an error), instead of paying a build
-per new length in serving or in training with per-batch padding. torch's ragged cuDNN path
+per new length in serving or in training with per-batch padding; calls of other buckets
+(a test grid, a model's few fixed shapes) each have their own budget. torch's ragged cuDNN path
 (``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``, set by the user before the first cuDNN attention
 call: torch reads it once per process) builds per power-of-two length instead (0.6-0.96 /
 2.1-2.9 ms at new lengths in the same H200 run): with it set, the budget does not apply and
@@ -65,9 +67,9 @@ def bottom_right_refusal(causal: bool, alignment: str, sq: int, sk: int) -> str 
 
 #: torch's switch for cuDNN attention's ragged path (a graph per power-of-two length)
 RAGGED_ENV = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
-#: Exact shapes the backend builds graphs for per process without the ragged path; a new one
-#: past this is refused (each build cost 52-162 ms on the H200)
-SHAPE_BUDGET = 8
+#: Exact shapes the backend builds graphs for per spec bucket without the ragged path; a new
+#: one past this is refused (each build cost 52-162 ms on the H200)
+SHAPE_BUDGET = 4
 
 
 def ragged_path_on() -> bool:
@@ -84,35 +86,38 @@ class CudnnBackend(Backend):
     description = ("cuDNN attention via torch SDPA (CUDNN_ATTENTION): fwd+bwd, causal "
                    "(bottom-right converted where exact), head dim <= 128; builds a graph "
                    f"per exact shape (52-162 ms on the H200): at most {SHAPE_BUDGET} per "
-                   f"process unless {RAGGED_ENV}=1 (torch's ragged path)")
+                   f"spec bucket unless {RAGGED_ENV}=1 (torch's ragged path)")
     capabilities = CUDNN_CAPABILITIES
 
     def __init__(self) -> None:
         super().__init__()
         self.ragged = False
-        self._built: set[tuple] = set()
+        self._built: dict[AttentionSpec, set[tuple]] = {}
         self._built_lock = threading.Lock()
 
     def _load(self) -> None:
         self.ragged = ragged_path_on()
 
-    def _admit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               lse: bool) -> None:
+    def _admit(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               causal: bool, lse: bool) -> None:
         """Count the exact shape this call makes cuDNN build (its graph cache's key: sizes,
-        strides, causal, LSE); refuse a new one past ``SHAPE_BUDGET``."""
+        strides, causal, LSE) in ``spec``'s bucket; refuse a new one past ``SHAPE_BUDGET``."""
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
                q.device, causal, lse, q.requires_grad or k.requires_grad or v.requires_grad)
-        if key in self._built:
+        built = self._built.get(spec)
+        if built is not None and key in built:
             return
         with self._built_lock:
-            if len(self._built) >= SHAPE_BUDGET:
+            built = self._built.setdefault(spec, set())
+            if len(built) >= SHAPE_BUDGET:
                 raise BackendUnavailableError(self.name, [  # one text: one log line, not one a shape
                     f"cuDNN builds a graph per exact shape (52-162 ms each on the H200) and "
-                    f"this process has built {SHAPE_BUDGET}, the backend's budget, so a new "
-                    f"shape is refused: set {RAGGED_ENV}=1 before the first cuDNN attention "
+                    f"this process has built {SHAPE_BUDGET} for this spec bucket, the "
+                    f"backend's budget, so a new one is refused: set {RAGGED_ENV}=1 before "
+                    "the first cuDNN attention "
                     "call (torch's ragged path, a graph per power-of-two length) or pad to "
                     "fixed lengths"])
-            self._built.add(key)
+            built.add(key)
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         r = []
@@ -143,7 +148,7 @@ class CudnnBackend(Backend):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if not self.ragged:
-            self._admit(qt, kt, vt, causal, params.return_lse)
+            self._admit(spec, qt, kt, vt, causal, params.return_lse)
         if params.return_lse:
             out, lse = cudnn_with_lse(qt, kt, vt, causal, params.scale)
             lse = lse.reshape(b, hq, sq - skip)

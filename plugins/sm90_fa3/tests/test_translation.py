@@ -196,8 +196,9 @@ def test_cudnn_reads_the_ragged_switch_and_never_sets_it(monkeypatch, preset, wa
 
 def test_cudnn_builds_a_bounded_number_of_shapes(monkeypatch, spec_of):
     """Without the ragged path every new exact shape is a cuDNN graph build (52-162 ms on the
-    H200): the backend serves SHAPE_BUDGET shapes, then refuses a new one with the reason
-    and the fix, while shapes it has built keep running; with the ragged path, no budget."""
+    H200): in one spec bucket the backend serves SHAPE_BUDGET shapes, then refuses a new one
+    with the reason and the fix, while shapes it has built keep running and another bucket
+    has its own budget; with the ragged path, no budget."""
     rec = _CudnnRecorder()
     monkeypatch.setattr(cudnn, "sdpa_cudnn", rec.sdpa)
     monkeypatch.setattr(cudnn, "cudnn_with_lse", rec.with_lse)
@@ -206,10 +207,11 @@ def test_cudnn_builds_a_bounded_number_of_shapes(monkeypatch, spec_of):
     b = CudnnBackend()
     p = AttnParams(scale=0.3, causal=True)
 
-    def call(s, lse=False):
+    def call(s, lse=False, bucket=8):  # every length in one bucket (lengths up to 8)
         q, k, v = qkv(1, s, s)
         params = AttnParams(scale=0.3, causal=True, return_lse=lse)
-        return run(b, q, k, v, spec_of(q, k, causal=True), params)
+        spec = spec_of(*qkv(1, bucket, bucket)[:2], causal=True)
+        return run(b, q, k, v, spec, params)
 
     for s in (5, 6):
         call(s)
@@ -219,6 +221,7 @@ def test_cudnn_builds_a_bounded_number_of_shapes(monkeypatch, spec_of):
                        + cudnn.RAGGED_ENV):
         call(7)
     call(5, lse=True)
+    call(9, bucket=16)  # another bucket: its own budget
     monkeypatch.setenv(cudnn.RAGGED_ENV, "1")
     ragged = CudnnBackend()
     ragged.load()
