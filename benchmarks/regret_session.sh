@@ -38,7 +38,7 @@ rm -f "$ATTNHUB_PROFILE"
 say "setup done"
 
 common=(bench --regret --no-store --exclude "${EXCLUDE:-flashinfer_decode,flashinfer_prefill,flex}"
-        --header "commit ${COMMIT:-?}" --warmup 3 --repeats "${REPEATS:-20}" --rounds 2)
+        --header "commit ${COMMIT:-?}" --warmup 3 --repeats "${REPEATS:-30}" --rounds 2)
 if [[ -n "${DRY:-}" ]]; then common+=(--backends torch_sdpa --scale 256 --repeats 2 --rounds 1 --warmup 1); fi
 
 packdir=attnhub/profiles
