@@ -19,19 +19,13 @@ import sys
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
+from attnhub_triton_portable.launch_stub import StubDriver
 
-class _Sm90:
-    def get_current_device(self) -> int:
-        return 0
 
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
+class _Sm90(StubDriver):
+    """The launch stub's sm90 driver, with the torch device a compile asks for."""
 
     def get_active_torch_device(self):
         return torch.device("cpu")

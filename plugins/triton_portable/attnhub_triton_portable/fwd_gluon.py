@@ -104,6 +104,25 @@ def _softmax(n0, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off, left, right, sc
 
 
 @gluon.jit
+def _band(bnd: gl.constexpr, n_tiles, t_lo, t_hi, MASKED: gl.constexpr):
+    """Key tiles [start, end) of band ``bnd`` after the first tile: [1, t_lo) masked,
+    [t_lo, t_hi) not, [t_hi, n_tiles) masked; without a mask, band 1 takes them all."""
+    if not MASKED:
+        start = 1
+        end = n_tiles
+    elif bnd == 0:
+        start = 1
+        end = t_lo
+    elif bnd == 1:
+        start = t_lo
+        end = t_hi
+    else:
+        start = t_hi
+        end = n_tiles
+    return start, end
+
+
+@gluon.jit
 def _stage_p(p, p_smem, dtype: gl.constexpr, p_layout: gl.constexpr, P_SMEM: gl.constexpr):
     """The PV wgmma's A operand: P written to shared memory (P_SMEM), or P in registers
     (one conversion, no shared-memory round trip). Called after the previous PV finished."""
@@ -247,18 +266,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, sob, sos, soh, slb, slh,
         p_op = _stage_p(p, p_smem, dtype, p_layout, P_SMEM)
         for bnd in gl.static_range(3):  # tiles [1, t_lo) masked, [t_lo, t_hi) not, then masked
             if MASKED or bnd == 1:
-                if not MASKED:
-                    start = 1
-                    end = n_tiles
-                elif bnd == 0:
-                    start = 1
-                    end = t_lo
-                elif bnd == 1:
-                    start = t_lo
-                    end = t_hi
-                else:
-                    start = t_hi
-                    end = n_tiles
+                start, end = _band(bnd, n_tiles, t_lo, t_hi, MASKED)
                 for i in range(start, end):
                     acc, p_op, alpha, m_i, l_i = _tile_step(
                         i, n_tiles, lo, acc, p_op, alpha, m_i, l_i, zero_s, q_smem, k_smem,

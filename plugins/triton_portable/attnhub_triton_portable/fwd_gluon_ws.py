@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .fwd_gluon import _LOG2E, _desc, _key_plan, _load_tile, _softmax
+from .fwd_gluon import _LOG2E, _band, _desc, _key_plan, _load_tile, _softmax
 from .fwd_gluon import supports as _base_supports
 from .launch import DenseArgs
 
@@ -173,18 +173,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         p_op = gl.convert_layout(p.to(q_w.dtype), p_layout)
         for bnd in gl.static_range(3):  # tiles [1, t_lo) masked, [t_lo, t_hi) not, then masked
             if MASKED or bnd == 1:
-                if not MASKED:
-                    start = 1
-                    end = n_tiles
-                elif bnd == 0:
-                    start = 1
-                    end = t_lo
-                elif bnd == 1:
-                    start = t_lo
-                    end = t_hi
-                else:
-                    start = t_hi
-                    end = n_tiles
+                start, end = _band(bnd, n_tiles, t_lo, t_hi, MASKED)
                 for i in range(start, end):
                     acc, p_op, alpha, m_i, l_i = _consumer_step(
                         i, lo, acc, p_op, alpha, m_i, l_i, zero_s, q_w, k_smem, v_smem,
