@@ -104,6 +104,29 @@ def _softmax(n0, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off, left, right, sc
 
 
 @gluon.jit
+def _first_softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off, left, right, scale2,
+                   full_lo, full_hi, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
+                   CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
+                   s_layout: gl.constexpr):
+    """``_softmax`` of the first key tile, masked only if it lies outside the unmasked band
+    (nothing is in flight then, so the branch costs no overlap)."""
+    if MASKED:
+        if (lo < full_lo) | (lo >= full_hi):
+            p, alpha, m_i, l_i = _softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off,
+                                          left, right, scale2, BLOCK_N, True, CAUSAL,
+                                          WIN_LEFT, WIN_RIGHT, s_layout)
+        else:
+            p, alpha, m_i, l_i = _softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off,
+                                          left, right, scale2, BLOCK_N, False, CAUSAL,
+                                          WIN_LEFT, WIN_RIGHT, s_layout)
+    else:
+        p, alpha, m_i, l_i = _softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off,
+                                      left, right, scale2, BLOCK_N, False, CAUSAL, WIN_LEFT,
+                                      WIN_RIGHT, s_layout)
+    return p, alpha, m_i, l_i
+
+
+@gluon.jit
 def _band(bnd: gl.constexpr, n_tiles, t_lo, t_hi, MASKED: gl.constexpr):
     """Key tiles [start, end) of band ``bnd`` after the first tile: [1, t_lo) masked,
     [t_lo, t_hi) not, [t_hi, n_tiles) masked; without a mask, band 1 takes them all."""
@@ -250,19 +273,10 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, sob, sos, soh, slb, slh,
         if n_tiles > 2:
             _load_tile(k_desc, k_row0 + lo + 2 * BLOCK_N, k_col, k_bar.index(0),
                        k_smem.index(0))
-        if MASKED:  # nothing in flight here, so a branch costs no overlap
-            if (lo < full_lo) | (lo >= full_hi):
-                p, alpha, m_i, l_i = _softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k,
-                                              q_off, left, right, scale2, BLOCK_N, True,
-                                              CAUSAL, WIN_LEFT, WIN_RIGHT, s_layout)
-            else:
-                p, alpha, m_i, l_i = _softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k,
-                                              q_off, left, right, scale2, BLOCK_N, False,
-                                              CAUSAL, WIN_LEFT, WIN_RIGHT, s_layout)
-        else:
-            p, alpha, m_i, l_i = _softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off,
-                                          left, right, scale2, BLOCK_N, False, CAUSAL,
-                                          WIN_LEFT, WIN_RIGHT, s_layout)
+        p, alpha, m_i, l_i = _first_softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k,
+                                            q_off, left, right, scale2, full_lo, full_hi,
+                                            BLOCK_N, MASKED, CAUSAL, WIN_LEFT, WIN_RIGHT,
+                                            s_layout)
         p_op = _stage_p(p, p_smem, dtype, p_layout, P_SMEM)
         for bnd in gl.static_range(3):  # tiles [1, t_lo) masked, [t_lo, t_hi) not, then masked
             if MASKED or bnd == 1:

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .fwd_gluon import _LOG2E, _band, _desc, _key_plan, _load_tile, _softmax
+from .fwd_gluon import _LOG2E, _band, _desc, _first_softmax, _key_plan, _load_tile, _softmax
 from .fwd_gluon import supports as _base_supports
 from .launch import DenseArgs
 
@@ -157,19 +157,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - W), count=1)
         _release(k_empty.index(0))
-        if MASKED:  # nothing in flight here, so a branch costs no overlap
-            if (lo < full_lo) | (lo >= full_hi):
-                p, alpha, m_i, l_i = _softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k,
-                                              q_off, left, right, scale2, BLOCK_N, True,
-                                              CAUSAL, WIN_LEFT, WIN_RIGHT, s_layout)
-            else:
-                p, alpha, m_i, l_i = _softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k,
-                                              q_off, left, right, scale2, BLOCK_N, False,
-                                              CAUSAL, WIN_LEFT, WIN_RIGHT, s_layout)
-        else:
-            p, alpha, m_i, l_i = _softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off,
-                                          left, right, scale2, BLOCK_N, False, CAUSAL,
-                                          WIN_LEFT, WIN_RIGHT, s_layout)
+        p, alpha, m_i, l_i = _first_softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k,
+                                            q_off, left, right, scale2, full_lo, full_hi,
+                                            BLOCK_N, MASKED, CAUSAL, WIN_LEFT, WIN_RIGHT,
+                                            s_layout)
         p_op = gl.convert_layout(p.to(q_w.dtype), p_layout)
         for bnd in gl.static_range(3):  # tiles [1, t_lo) masked, [t_lo, t_hi) not, then masked
             if MASKED or bnd == 1:
