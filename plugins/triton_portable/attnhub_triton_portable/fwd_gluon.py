@@ -353,24 +353,29 @@ def _desc(t: torch.Tensor, block_rows: int, head_dim: int) -> TensorDescriptor:
     return TensorDescriptor(t, [rows, cols], [t.stride(1), 1], [block_rows, head_dim], layout)
 
 
-def flash_fwd(args: DenseArgs, config: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` like :func:`.fwd.flash_fwd`; the caller checked :func:`supports`."""
-    bm, bn, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]
-    q, k, v = args.q, args.k, args.v
-    out = torch.empty_like(q)
+def launch(kernel: Any, args: DenseArgs, block_m: int, q_rows: int, block_n: int,
+           **meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a Gluon forward ``kernel`` over query tiles of ``block_m`` rows, q
+    loaded ``q_rows`` at a time: the arguments both Hopper forwards take, then ``meta``."""
+    out = torch.empty_like(args.q)
     lse = args.new_lse()
-    grid = (triton.cdiv(args.seqlen_q, bm), args.batch * args.num_heads)
+    grid = (triton.cdiv(args.seqlen_q, block_m), args.batch * args.num_heads)
     if grid[0] == 0 or grid[1] == 0:
         return out, lse
     d = args.head_dim
-    _fwd_kernel[grid](
-        _desc(q, bm, d), _desc(k, bn, d), _desc(v, bn, d), out, lse,
-        *args.bsh_strides(out), *args.lse_strides(lse),
+    kernel[grid](
+        _desc(args.q, q_rows, d), _desc(args.k, block_n, d), _desc(args.v, block_n, d), out,
+        lse, *args.bsh_strides(out), *args.lse_strides(lse),
         args.seqlen_q, args.seqlen_k, args.num_heads, args.group, args.scale * _LOG2E,
         args.left, args.right,
-        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=args.causal,
-        BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
-        NUM_WARPS=warps,
-        P_SMEM=bool(config.get("P_SMEM", True)), num_warps=warps, num_stages=1,
+        HEAD_DIM=d, BLOCK_N=block_n, CAUSAL=args.causal, BOTTOM_RIGHT=args.bottom_right,
+        WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0, **meta,
     )
     return out, lse
+
+
+def flash_fwd(args: DenseArgs, config: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` like :func:`.fwd.flash_fwd`; the caller checked :func:`supports`."""
+    bm, warps = config["BLOCK_M"], config["num_warps"]
+    return launch(_fwd_kernel, args, bm, bm, config["BLOCK_N"], BLOCK_M=bm, NUM_WARPS=warps,
+                  P_SMEM=bool(config.get("P_SMEM", True)), num_warps=warps, num_stages=1)

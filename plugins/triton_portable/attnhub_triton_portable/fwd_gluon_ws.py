@@ -34,7 +34,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -43,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .fwd_gluon import _LOG2E, _band, _desc, _first_softmax, _key_plan, _load_tile, _softmax
+from .fwd_gluon import _band, _first_softmax, _key_plan, _load_tile, _softmax, launch
 from .fwd_gluon import supports as _base_supports
 from .launch import DenseArgs
 
@@ -278,20 +277,5 @@ def launch_meta(config: dict[str, Any]) -> dict[str, Any]:
 
 def flash_fwd(args: DenseArgs, config: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` like :func:`.fwd.flash_fwd`; the caller checked :func:`supports`."""
-    bn = config["BLOCK_N"]
-    q, k, v = args.q, args.k, args.v
-    out = torch.empty_like(q)
-    lse = args.new_lse()
-    grid = (triton.cdiv(args.seqlen_q, BLOCK_M), args.batch * args.num_heads)
-    if grid[0] == 0 or grid[1] == 0:
-        return out, lse
-    d = args.head_dim
-    _fwd_ws_kernel[grid](
-        _desc(q, HALF_M, d), _desc(k, bn, d), _desc(v, bn, d), out, lse,
-        *args.bsh_strides(out), *args.lse_strides(lse),
-        args.seqlen_q, args.seqlen_k, args.num_heads, args.group, args.scale * _LOG2E,
-        args.left, args.right,
-        HEAD_DIM=d, BLOCK_N=bn, CAUSAL=args.causal, BOTTOM_RIGHT=args.bottom_right,
-        WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0, **launch_meta(config),
-    )
-    return out, lse
+    return launch(_fwd_ws_kernel, args, BLOCK_M, HALF_M, config["BLOCK_N"],
+                  **launch_meta(config))

@@ -98,3 +98,43 @@ def test_warp_specialised_variant_off_hopper_names_the_reason() -> None:
     assert "NVIDIA" in (gluon_unsupported(args, WS) or "")
     with pytest.raises(InputError, match="GLUON=True.*NVIDIA"):
         flash_fwd(args, WS)
+
+
+@pytest.mark.parametrize("ws", [False, True])
+def test_both_gluon_forwards_launch_with_the_same_arguments(monkeypatch, ws) -> None:
+    """The two Hopper forwards share one host launcher: q/k/v descriptors of their tile
+    rows, the output strides, lengths, head counts, scale in log2 units, window bounds and
+    mask constants, then each kernel's own meta (recorded on a fake kernel, no GPU)."""
+    from attnhub_triton_portable import fwd_gluon, fwd_gluon_ws
+
+    calls: list = []
+
+    class Fake:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw))
+
+    monkeypatch.setattr(fwd_gluon, "_desc", lambda t, rows, d: (t.data_ptr(), rows, d))
+    args = _args(sq=300, sk=200, causal=True)
+    if ws:
+        monkeypatch.setattr(fwd_gluon_ws, "_fwd_ws_kernel", Fake())
+        config = configs.GLUON_WS_SM90[0]
+        out, lse = fwd_gluon_ws.flash_fwd(args, config)
+        rows, q_rows = fwd_gluon_ws.BLOCK_M, fwd_gluon_ws.HALF_M
+        meta = fwd_gluon_ws.launch_meta(config)
+    else:
+        monkeypatch.setattr(fwd_gluon, "_fwd_kernel", Fake())
+        config = GLUON
+        out, lse = fwd_gluon.flash_fwd(args, config)
+        rows = q_rows = config["BLOCK_M"]
+        meta = {"BLOCK_M": rows, "NUM_WARPS": config["num_warps"],
+                "P_SMEM": bool(config.get("P_SMEM", True)), "num_warps": config["num_warps"],
+                "num_stages": 1}
+    (grid, a, kw), = calls
+    bn = config["BLOCK_N"]
+    assert grid == (-(-300 // rows), 2 * 4)
+    assert a[:3] == ((args.q.data_ptr(), q_rows, 128), (args.k.data_ptr(), bn, 128),
+                     (args.v.data_ptr(), bn, 128))
+    assert a[3] is out and a[4] is lse and out.shape == args.q.shape
+    assert a[-7:] == (300, 200, 4, 2, args.scale * fwd_gluon._LOG2E, args.left, args.right)
+    assert kw == {"HEAD_DIM": 128, "BLOCK_N": bn, "CAUSAL": True, "BOTTOM_RIGHT": True,
+                  "WIN_LEFT": args.left >= 0, "WIN_RIGHT": args.right >= 0, **meta}
