@@ -127,6 +127,25 @@ def _first_softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off, left, rig
 
 
 @gluon.jit
+def _epilogue(acc, m_i, l_i, m0, offs_m, b, h, O, LSE, sob, sos, soh, slb, slh, seqlen_q,
+              ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, row_o: gl.constexpr,
+              o_layout: gl.constexpr):
+    """Rows [m0, m0 + ROWS) of the output (acc / l) and their natural-log LSE, stored.
+    Fully masked rows end with l == 0: output 0 and LSE -inf, never 0/0."""
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    rows_o = m0 + gl.arange(0, ROWS, layout=row_o)
+    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    b64 = b.to(gl.int64)
+    ob = O + b64 * sob + h * soh
+    ptrs = ob + gl.expand_dims(rows_o.to(gl.int64) * sos, 1) + gl.expand_dims(cols_o, 0)
+    gl.store(ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < seqlen_q, 1))
+    gl.store(LSE + b64 * slb + h * slh + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+@gluon.jit
 def _band(bnd: gl.constexpr, n_tiles, t_lo, t_hi, MASKED: gl.constexpr):
     """Key tiles [start, end) of band ``bnd`` after the first tile: [1, t_lo) masked,
     [t_lo, t_hi) not, [t_hi, n_tiles) masked; without a mask, band 1 takes them all."""
@@ -298,18 +317,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, sob, sos, soh, slb, slh,
         mbarrier.invalidate(k_bar.index(t))
         mbarrier.invalidate(v_bar.index(t))
 
-    # Fully masked rows end with l == 0: output 0 and LSE -inf, never 0/0.
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    rows_o = m0 + gl.arange(0, BLOCK_M, layout=row_o)
-    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    b64 = b.to(gl.int64)
-    ob = O + b64 * sob + h * soh
-    ptrs = ob + gl.expand_dims(rows_o.to(gl.int64) * sos, 1) + gl.expand_dims(cols_o, 0)
-    gl.store(ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < seqlen_q, 1))
-    gl.store(LSE + b64 * slb + h * slh + offs_m, lse, mask=offs_m < seqlen_q)
+    _epilogue(acc, m_i, l_i, m0, offs_m, b, h, O, LSE, sob, sos, soh, slb, slh, seqlen_q,
+              BLOCK_M, HEAD_DIM, row_o, o_layout)
 
 
 _SCOPE_DTYPES = (torch.bfloat16, torch.float16)

@@ -42,7 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .fwd_gluon import _band, _first_softmax, _key_plan, _load_tile, _softmax, launch
+from .fwd_gluon import (_band, _epilogue, _first_softmax, _key_plan, _load_tile, _softmax,
+                        launch)
 from .fwd_gluon import supports as _base_supports
 from .launch import DenseArgs
 
@@ -178,18 +179,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _release(v_empty.index(vs))
 
-    # Fully masked rows end with l == 0: output 0 and LSE -inf, never 0/0.
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    rows_o = mw + gl.arange(0, HALF, layout=row_o)
-    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    b64 = b.to(gl.int64)
-    ob = O + b64 * sob + h * soh
-    ptrs = ob + gl.expand_dims(rows_o.to(gl.int64) * sos, 1) + gl.expand_dims(cols_o, 0)
-    gl.store(ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < seqlen_q, 1))
-    gl.store(LSE + b64 * slb + h * slh + offs_m, lse, mask=offs_m < seqlen_q)
+    _epilogue(acc, m_i, l_i, mw, offs_m, b, h, O, LSE, sob, sos, soh, slb, slh, seqlen_q,
+              HALF, HEAD_DIM, row_o, o_layout)
 
 
 @gluon.jit
