@@ -127,6 +127,23 @@ def _first_softmax(lo, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off, left, rig
 
 
 @gluon.jit
+def _program_tile(num_heads, group, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr,
+                  BOTTOM_RIGHT: gl.constexpr):
+    """This program's (batch, head, KV head, first query row, query offset): query tiles
+    run in reverse order, so the longest causal rows start first."""
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // group
+    m0 = pid_m * BLOCK_M
+    q_off = seqlen_k * 0
+    if BOTTOM_RIGHT:
+        q_off = seqlen_k - seqlen_q
+    return b, h, hk, m0, q_off
+
+
+@gluon.jit
 def _epilogue(acc, m_i, l_i, m0, offs_m, b, h, O, LSE, sob, sos, soh, slb, slh, seqlen_q,
               ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, row_o: gl.constexpr,
               o_layout: gl.constexpr):
@@ -226,15 +243,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, sob, sos, soh, slb, slh,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
                 WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr,
                 P_SMEM: gl.constexpr):
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest causal rows first
-    bh = gl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group
-    m0 = pid_m * BLOCK_M
-    q_off = seqlen_k * 0
-    if BOTTOM_RIGHT:
-        q_off = seqlen_k - seqlen_q
+    b, h, hk, m0, q_off = _program_tile(num_heads, group, seqlen_q, seqlen_k, BLOCK_M,
+                                        BOTTOM_RIGHT)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16])

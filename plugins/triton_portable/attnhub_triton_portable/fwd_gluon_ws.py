@@ -42,8 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .fwd_gluon import (_band, _epilogue, _first_softmax, _key_plan, _load_tile, _softmax,
-                        launch)
+from .fwd_gluon import (_band, _epilogue, _first_softmax, _key_plan, _load_tile,
+                        _program_tile, _softmax, launch)
 from .fwd_gluon import supports as _base_supports
 from .launch import DenseArgs
 
@@ -192,15 +192,8 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, sob, sos, soh, slb, slh,
                    CONSUMER_REGS: gl.constexpr):
     HALF: gl.constexpr = 64
     BLOCK_M: gl.constexpr = 2 * HALF
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest causal rows first
-    bh = gl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group
-    m0 = pid_m * BLOCK_M
-    q_off = seqlen_k * 0
-    if BOTTOM_RIGHT:
-        q_off = seqlen_k - seqlen_q
+    b, h, hk, m0, q_off = _program_tile(num_heads, group, seqlen_q, seqlen_k, BLOCK_M,
+                                        BOTTOM_RIGHT)
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_desc.layout)
