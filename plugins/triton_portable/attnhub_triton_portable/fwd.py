@@ -163,6 +163,21 @@ def flash_fwd(args: DenseArgs, config: dict) -> tuple[torch.Tensor, torch.Tensor
     return out, lse
 
 
+def gluon_missing(ws: bool = False) -> str | None:
+    """Why no Hopper Gluon forward (``ws``: the warp-specialised one) can run in this
+    process (no sm90 GPU, or a Triton without Gluon), or None when one can."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return "needs an sm90 (Hopper) GPU"
+    try:
+        if ws:
+            from . import fwd_gluon_ws  # noqa: F401
+        else:
+            from . import fwd_gluon  # noqa: F401
+    except ImportError as exc:
+        return f"triton.experimental.gluon is not importable ({exc})"
+    return None
+
+
 def gluon_unsupported(args: DenseArgs, config: dict) -> str | None:
     """Why the Hopper Gluon forward (:mod:`.fwd_gluon`) cannot run this call with ``config``,
     or None when it can."""

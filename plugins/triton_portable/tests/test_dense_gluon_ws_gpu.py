@@ -9,24 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 from attnhub_triton_portable import configs
+from attnhub_triton_portable.fwd import gluon_missing
 
 from attnhub.plugin import AttnParams
 from attnhub.testing import assert_fa_rule, assert_grads_fa_rule, assert_lse, fa_references
 
 
-def _hopper_with_gluon() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return False
-    try:
-        import attnhub_triton_portable.fwd_gluon_ws  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _hopper_with_gluon(),
-                                 reason="needs an sm90 GPU and triton.experimental.gluon")]
+_MISSING = gluon_missing(ws=True)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
 
 #: (b, sq, sk, hq, hkv, d), params: full, both causal alignments (bottom-right with fully
 #: masked rows), windows, GQA, d 64, and more key tiles than K/V stages.
