@@ -432,7 +432,7 @@ class _Shape:
 
     __slots__ = ("by_longest", "by_splits", "cap_k", "consts", "copy", "cuda_index",
                  "device", "dim", "empty", "interpreted", "ints", "launchers", "new_lse",
-                 "new_out", "plan_args", "plan_opts", "strides")
+                 "new_out", "plan_args", "plan_opts", "strides", "templates")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  alignment: str, window: tuple[int, int] | None, softcap: bool,
@@ -480,6 +480,9 @@ class _Shape:
                        descales is not None)
         self.by_longest: dict[int, _Launches] = {}
         self.by_splits: dict[int, _Launches] = {}
+        #: split count -> launches as first built for this shape or one ``rebased`` from it
+        #: (shared): another length's differ only in the capacity of the split kernel's tail
+        self.templates: dict[int, _Launches] = {}
         #: (split count, config) -> the split and merge ``Launcher``: shared with the shapes
         #: ``rebased`` from this one, which launch the same binaries
         self.launchers: dict[tuple[Any, ...], tuple[Launcher, Launcher | None]] = {}
@@ -493,12 +496,16 @@ class _Shape:
         if k.shape[:3] != v.shape[:3]:
             raise ValueError(f"decode_attention: k {tuple(k.shape)} and v {tuple(v.shape)} "
                              "must be 4-D and agree in all but the head dim")
-        new = object.__new__(_Shape)
-        for name in _Shape.__slots__:
-            setattr(new, name, getattr(self, name))
-        new.cap_k = k.shape[1]
+        new = object.__new__(_Shape)  # every slot set here, by hand: a loop costs ~2 us more
+        new.consts, new.copy, new.cuda_index = self.consts, self.copy, self.cuda_index
+        new.device, new.dim, new.empty = self.device, self.dim, self.empty
+        new.interpreted, new.launchers, new.templates = (self.interpreted, self.launchers,
+                                                         self.templates)
+        new.new_lse, new.new_out = self.new_lse, self.new_out
+        new.plan_args, new.plan_opts = self.plan_args, self.plan_opts
+        new.cap_k = cap_k = k.shape[1]
         new.strides = (*self.strides[:3], *k.stride()[:3], *v.stride()[:3], *self.strides[9:])
-        new.ints = (*self.ints[:3], new.cap_k, *self.ints[4:])
+        new.ints = (*self.ints[:3], cap_k, *self.ints[4:])
         new.by_longest, new.by_splits = {}, {}
         return new
 
@@ -513,7 +520,13 @@ class _Shape:
         plan = _plan(*self.plan_args, -(-longest // block_n) * block_n, *self.plan_opts)
         hit = self.by_splits.get(plan.splits)
         if hit is None:
-            hit = self.by_splits[plan.splits] = self._build(plan)
+            hit = self.templates.get(plan.splits)
+            if hit is None:
+                hit = self.templates[plan.splits] = self._build(plan)
+            tail = hit.split_tail
+            if tail[3] != self.cap_k:  # built for another length of this family
+                hit = hit._replace(split_tail=(*tail[:3], self.cap_k, *tail[4:]))
+            self.by_splits[plan.splits] = hit
         self.by_longest[longest] = hit
         return hit
 

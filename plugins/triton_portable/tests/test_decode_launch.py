@@ -201,6 +201,30 @@ def test_growing_cache_is_rebased_and_launches_as_cold(stubbed: dict[str, Any],
     assert dispatched["_split_kernel"] <= 45 + len(stubbed["made"]["_split_kernel"]), binaries
 
 
+def test_growing_cache_builds_launches_once_per_split_count(stubbed: dict[str, Any],
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A growing cache's lengths share their family's launches per split count (only the
+    split kernel's capacity argument is patched): one build per split count and family, not
+    one per length (474 builds over 598 lengths before, on the CPU box's growing-cache bench)."""
+    built: list[int] = []
+    real = decode._Shape._build
+
+    def counting(self, plan):  # type: ignore[no-untyped-def]
+        built.append(plan.splits)
+        return real(self, plan)
+
+    monkeypatch.setattr(decode._Shape, "_build", counting)
+    big = torch.randn(2, 200, 2, 32)
+    q = torch.randn(2, 1, 8, 32)
+    for n in range(30, 190):
+        k = big[:, :n].transpose(1, 2).contiguous().transpose(1, 2)
+        decode.decode_attention(q, k, k, scale=0.2)
+    # several split counts met, each built once per family (a length divisible by 16 or
+    # not: two Triton specializations), never once per length
+    assert len(set(built)) >= 2 and all(built.count(n) <= 2 for n in built), built
+
+
 def test_alignment_and_strides_pick_their_own_binary(stubbed: dict[str, Any]) -> None:
     """The same shapes with q 16-byte aligned and then not: Triton compiles the kernel
     twice, and the misaligned call does not reuse the aligned binary (the stub would raise)."""
