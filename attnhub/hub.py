@@ -153,7 +153,7 @@ class Hub:
         self._last_exact: tuple[tuple, tuple | None] = ((), None)
         self._decisions: dict[tuple[AttentionSpec, BindContext], Decision] = {}
         self._lock = threading.Lock()
-        self.forced_backend = os.environ.get("ATTNHUB_BACKEND") or None
+        self._forced: str | None = os.environ.get("ATTNHUB_BACKEND") or None
         self.fallback_counts: Counter[tuple[str, str]] = Counter()
         self._warned: set[tuple[str, str]] = set()
         #: Debug mode (``Hub(debug=True)`` or ``ATTNHUB_DEBUG=1``; ``attnhub bench`` can set
@@ -161,6 +161,20 @@ class Hub:
         #: Costs a host sync per call, so it is off on the hot path.
         self.debug = (os.environ.get("ATTNHUB_DEBUG", "") not in ("", "0")
                       if debug is None else debug)
+
+    @property
+    def forced_backend(self) -> str | None:
+        """The backend every call is forced to (``ATTNHUB_BACKEND``), or None: the policy."""
+        return self._forced
+
+    @forced_backend.setter
+    def forced_backend(self, name: str | None) -> None:
+        # the bindings made so far were made under the old value: none may serve a call now
+        with self._lock:
+            self._forced = name or None
+            self._runners.clear()
+            self._exact.clear()
+            self._last_exact = ((), None)
 
     # -- policy ---------------------------------------------------------------------------
     @property

@@ -105,3 +105,21 @@ def test_env_forced_backend(monkeypatch):
     hub.attention(q, q, q)
     (runner,) = hub.bound()
     assert runner.decision.backend == "reference" and runner.decision.rule == "forced"
+
+
+def test_forced_backend_set_after_calls_rebinds():
+    """Setting ``hub.forced_backend`` after calls: the next call (same shapes, so the
+    exact-shape table would match) runs the forced backend, and unsetting it goes back."""
+    hub = attnhub.Hub(hardware="cpu")
+    q = torch.randn(1, 4, 2, 16)
+    hub.attention(q, q, q)
+    (first,) = hub.bound()
+    assert first.decision.rule != "forced"
+    hub.forced_backend = "reference"
+    hub.attention(q, q, q)
+    (runner,) = hub.bound()
+    assert runner.decision.backend == "reference" and runner.decision.rule == "forced"
+    hub.forced_backend = None
+    hub.attention(q, q, q)
+    (runner,) = hub.bound()
+    assert runner.decision.rule == first.decision.rule
