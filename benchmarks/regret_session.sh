@@ -46,11 +46,14 @@ if [[ -n "${DRY:-}" ]]; then
   packdir="$out/packs"; mkdir -p "$packdir"; export ATTNHUB_PROFILE_PACKS="$packdir"
 fi
 pack=$packdir/${PACK:-nvidia-h200}.json
-rm -f "$pack"
+# SKIP_STEP1=1: no "before" grid; step 2 runs with the pack as shipped (measured on this
+# machine image by an earlier run at a commit whose bindings this one keeps)
 # STEP1_CELLS: measure only these cells in step 1 and merge the pack with PACK_FROM (a pack
 # of the other cells from an earlier run on the same machine image), to save device time.
 step1=()
 [[ -n "${STEP1_CELLS:-}" ]] && step1=(--cells "$STEP1_CELLS")
+if [[ -z "${SKIP_STEP1:-}" ]]; then
+rm -f "$pack"
 say "step 1: grid before (no profile, no pack), writing the pack"
 ATTNHUB_PROFILE_PACKS=off timeout "$(cap 220)" python3 -m attnhub "${common[@]}" "${step1[@]}" \
   --out-json "$out/regret_before.json" --pack "$out/${PACK:-nvidia-h200}.json" \
@@ -70,9 +73,12 @@ json.dump(new, open(sys.argv[2], "w"), indent=2, sort_keys=True)
 PY
 fi
 cp "$out/${PACK:-nvidia-h200}.json" "$pack" 2>> "$log"
+else
+  say "step 1 skipped (SKIP_STEP1): the shipped pack $(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['pack']['commit'])" "$pack" 2>&1)"
+fi
 
 say "step 2: regret report with the pack in place"
-timeout "$(cap 170)" python3 -m attnhub "${common[@]}" "${step1[@]}" \
+timeout "$(cap "${STEP2_S:-170}")" python3 -m attnhub "${common[@]}" "${step1[@]}" \
   --out-json "$out/regret.json" --md "$out/regret.md" --plot "$out/regret.png" >> "$log" 2>&1
 say "step 2 rc=$?"
 

@@ -148,8 +148,8 @@ def fwd_candidates(arch: str, head_dim: int, dtype: str, causal: bool) -> list[C
     if _family(arch) != "sm90" or dtype == "fp32" or block_d(head_dim) > 128:
         return [base]
     out = [base, _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 3)]
-    if block_d(head_dim) == head_dim:  # the Gluon kernel takes unpadded d = 64 / 128 only
-        out += GLUON_SM90
+    if block_d(head_dim) == head_dim:  # the Gluon kernels take unpadded d = 64 / 128 only
+        out += GLUON_SM90 + GLUON_WS_WINNERS
     return _unique(out)
 
 
@@ -163,12 +163,23 @@ GLUON_SM90: list[Config] = [_cfg(128, 128, 8, 1, GLUON=True, P_SMEM=True),
 
 #: The warp-specialised Gluon forward (:mod:`.fwd_gluon_ws`): a TMA producer warp and two
 #: consumer warpgroups of 64 rows, with (PINGPONG 1/2) or without (0) the explicit schedule
-#: between them. Not yet in ``fwd_candidates``: built and checked offline only (sm90 build, barrier
-#: protocol model), never run on a GPU; ``benchmarks/gluon_ws.py`` checks and times them
-#: beside the shipped Gluon forward and cuDNN, and only a config that wins there goes in.
+#: between them. Every one is checked and timed by ``benchmarks/gluon_ws.py``.
 GLUON_WS_SM90: list[Config] = [
     _cfg(128, 128, 4, 1, GLUON=True, WS=True, PINGPONG=pp, KV_STAGES=kv)
     for kv in (2, 3) for pp in (1, 2, 0)]
+
+
+def _ws(pingpong: int, kv_stages: int) -> Config:
+    return next(c for c in GLUON_WS_SM90
+                if (c["PINGPONG"], c["KV_STAGES"]) == (pingpong, kv_stages))
+
+
+#: The warp-specialised configs that won a cell on the H200 (2026-12-01, bf16 d128 16k,
+#: docs/benchmarks/triton_dense.md), so autotuning times them: no ping-pong with 2 KV stages
+#: (full 614-616, causal 16/16 596 TFLOP/s), with 3 (causal GQA 32/8 599), and the
+#: barrier-only ping-pong with 2 (causal + window 4096: 582). The pp1 schedule lost everywhere
+#: (453-506).
+GLUON_WS_WINNERS: list[Config] = [_ws(0, 2), _ws(0, 3), _ws(2, 2)]
 
 
 def bwd_candidates(arch: str, head_dim: int, dtype: str, causal: bool,

@@ -23,6 +23,13 @@ def _args(sq: int = 256, sk: int = 256, d: int = 128, dtype: torch.dtype = torch
 
 def test_candidates_only_where_the_kernel_exists() -> None:
     assert all(c in configs.fwd_candidates("sm90", 128, "bf16", True) for c in configs.GLUON_SM90)
+    # the warp-specialised winners are timed too (every one a checked GLUON_WS_SM90 config),
+    # at d 64 and 128, the losing pp1 schedule not
+    for d in (64, 128):
+        cands = configs.fwd_candidates("sm90", d, "bf16", False)
+        ws = [c for c in cands if c.get("WS")]
+        assert ws == configs.GLUON_WS_WINNERS and all(c in configs.GLUON_WS_SM90 for c in ws)
+        assert {c["PINGPONG"] for c in ws} == {0, 2}
     assert all(c.get("GLUON") and c["BLOCK_M"] % 64 == 0 for c in configs.GLUON_SM90)
     for arch, d, dtype in (("sm90", 96, "bf16"), ("sm90", 128, "fp32"), ("sm80", 128, "bf16"),
                            ("gfx942", 128, "bf16"), ("cpu", 128, "bf16")):
