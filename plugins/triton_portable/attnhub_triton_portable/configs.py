@@ -10,10 +10,11 @@ Measured: the sm90 rows for head dims 65..128 in 16-bit dtypes (H200, bf16, d=12
 docs/benchmarks/triton_dense.md), where 64x64 forward tiles on one warpgroup beat 128x128 on
 two because two CTAs per SM interleave softmax and MMAs; a sweep of seven forward configs
 (2026-12-01) found none faster. ``GLUON`` (with ``P_SMEM``) selects the Hopper Gluon forward
-(:mod:`.fwd_gluon`) instead of the portable kernel. The other rows (sm80, d<=64, d=256,
+(:mod:`.fwd_gluon`) instead of the portable kernel; with ``WS`` the warp-specialised one
+(:mod:`.fwd_gluon_ws`, Gluon's own ``warp_specialize``), which the autotuner times on sm90. The other rows (sm80, d<=64, d=256,
 AMD) follow the shapes FlashAttention-2-style Triton kernels use on those parts and are
 untuned starting points. ``WARP_SPECIALIZE`` is passed to ``tl.range``; Triton produces no
-warp-specialised code from it on sm90, so no sm90 entry sets it.
+warp-specialised code from it on sm90, so no sm90 entry sets it (``WS`` does).
 """
 
 from __future__ import annotations
