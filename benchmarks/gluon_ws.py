@@ -96,7 +96,7 @@ def _fill_cache(cfg: dict) -> None:
         torch.cuda.synchronize()
 
 
-def _flops(hq: int, kw: dict) -> float:
+def flops(hq: int, kw: dict) -> float:
     i = torch.arange(S, dtype=torch.float64)
     if kw.get("causal"):
         left = kw.get("window", (S, 0))[0]
@@ -173,7 +173,7 @@ def main() -> None:
                     for _ in range(2))
             params = AttnParams(scale=D ** -0.5, **kw)
             args = DenseArgs.from_params(q, k, v, params, "bshd")
-            fl = _flops(hq, kw)
+            fl = flops(hq, kw)
             for n in ok:
                 if time.time() - t0 > a.deadline:
                     break
