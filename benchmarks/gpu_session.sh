@@ -73,7 +73,10 @@ want ring && step ring_sim2 "${RING_S:-90}" python3 benchmarks/ring_scaling.py -
 
 # -- correctness, side by side ------------------------------------------------------------
 say "start gpu_tests and kit in parallel"
-want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu plugins tests -q -rs -p no:cacheprovider \
+# the GPU tests are mostly JIT compiles (Triton, Gluon, FlashInfer): spread over processes
+# when pytest-xdist was carried (pip download --no-deps -d .whl pytest-xdist execnet)
+xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${TESTS_N:-4}")
+want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu plugins tests -rs -p no:cacheprovider "${xdist[@]}" \
     > "$out/gpu_tests.txt" 2>&1; echo "gpu_tests rc=$?" >> "$out/gpu_tests.txt" ) &
 want kit && ( timeout "${KIT_S:-200}" python3 -m attnhub check-plugin ${KIT_BACKENDS:---all-available} \
     --quick --budget "${KIT_BUDGET:-25}" --total "$(( ${KIT_S:-200} - 15 ))" > "$out/kit.txt" 2> "$out/kit.err"
