@@ -151,6 +151,8 @@ class Hub:
         self._exact: dict[tuple, tuple] = {}
         #: ``(fast_key, entry)`` of the last exact hit or binding, read and replaced whole
         self._last_exact: tuple[tuple, tuple | None] = ((), None)
+        #: ``(PAGED memo, exact entry)``: that memo was checked for that binding (paged)
+        self._paged_last: tuple[Any, Any] = (None, None)
         self._decisions: dict[tuple[AttentionSpec, BindContext], Decision] = {}
         self._lock = threading.Lock()
         self._forced: str | None = os.environ.get("ATTNHUB_BACKEND") or None
@@ -175,6 +177,7 @@ class Hub:
             self._runners.clear()
             self._exact.clear()
             self._last_exact = ((), None)
+            self._paged_last = (None, None)
 
     # -- policy ---------------------------------------------------------------------------
     @property
@@ -350,15 +353,29 @@ class Hub:
             if layout == "paged":
                 # the tables' types and shapes are not in the key: the memo vouches for them
                 # (same tensors, unchanged, checked for this cache, batch and device), else
-                # the full check of tables and contents runs
-                hit_tables = PAGED.unchanged(block_table, seqlens_k,
-                                             (k_shape, q_shape[0], device))
-                bt, sl, max_k = hit_tables or PAGED.check(q, k, block_table, seqlens_k)
-                if max_seqlen_k is not None:  # an upper bound, as check_call takes it
-                    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
-                limit = spec.max_seqlen_k  # a power of two: max_k in (limit/2, limit] fits
-                if not limit >> 1 < max_k <= limit and bucket(max_k) != limit:
-                    hit = None  # another length bucket: rebind
+                # the full check of tables and contents runs. The layers of a step: the
+                # memo this binding last took, still in place, needs only the tensors'
+                # identity and stamps (its geometry and length bucket were checked for it)
+                memo, last = PAGED._memo, self._paged_last
+                hit_tables = (PAGED.still(memo, block_table, seqlens_k)
+                              if last[0] is memo and last[1] is hit and max_seqlen_k is None
+                              else None)
+                if hit_tables is not None:
+                    bt, sl, max_k = hit_tables
+                else:
+                    geometry = (k_shape, q_shape[0], device)
+                    hit_tables = PAGED.unchanged(block_table, seqlens_k, geometry)
+                    bt, sl, max_k = hit_tables or PAGED.check(q, k, block_table, seqlens_k)
+                    if max_seqlen_k is not None:  # an upper bound, as check_call takes it
+                        max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
+                    limit = spec.max_seqlen_k  # a power of two: max_k in (limit/2, limit] fits
+                    if not limit >> 1 < max_k <= limit and bucket(max_k) != limit:
+                        hit = None  # another length bucket: rebind
+                    elif max_seqlen_k is None:
+                        memo = PAGED._memo  # this call's, unless another thread's came since
+                        if (memo and memo[0] is block_table and memo[1] is seqlens_k
+                                and memo[2] == geometry):
+                            self._paged_last = (memo, hit)
             elif layout == "thd":
                 # as for paged tables: the memo vouches for the offsets' types (the key
                 # holds them only with side tensors), else the full check runs

@@ -272,3 +272,40 @@ def test_paged_fast_path_rechecks_tables_of_another_batch(spy_hub):
         hub.attention(q2, kc, vc, block_table=bt3, seqlens_k=sl3, **kw)
     out = hub.attention(q2, kc, vc, block_table=bt2, seqlens_k=sl2, **kw)
     assert spy.seen[-1].block_table.shape[0] == 2 and out.shape == (2, 1, 4, 8)
+
+
+@pytest.mark.parametrize("how", ["inplace", "data", "smaller_cache", "other_hub"])
+def test_paged_layer_shortcut_sees_every_change(spy_hub, monkeypatch, how):
+    """The layers of a step take the memo their binding last took with the tensors' identity
+    and stamps alone: an edit, a cache the tables do not fit, or the memo replaced by another
+    hub's check still goes through the full check."""
+    hub, spy = spy_hub
+    looked_up: list[int] = []
+    real = contract.PAGED.unchanged
+    monkeypatch.setattr(contract.PAGED, "unchanged",
+                        lambda *a: looked_up.append(1) or real(*a))
+    cache, seqs = _cache_step()
+    bt, sl = cache.block_table(seqs), cache.seqlens(seqs)
+    q = torch.randn(3, 1, 4, 8)
+    kc, vc = cache.k_cache(0), cache.v_cache(0)
+    kw = dict(layout="paged", block_table=bt, seqlens_k=sl, backend="spy")
+    first = [hub.attention(q, kc, vc, **kw) for _ in range(4)]
+    assert len(looked_up) == 1  # call 1 binds, call 2 looks the memo up, 3 and 4 take it
+    assert all(torch.equal(first[0], o) for o in first[1:])
+    if how == "other_hub":  # the memo now holds other tables (checked by the other hub's
+        # binding): this hub looks its tables up again
+        other = attnhub.Hub(registry=hub.registry, hardware="cpu")
+        bt2, sl2 = cache.block_table(seqs[:2]), cache.seqlens(seqs[:2])
+        other.attention(q[:2], kc, vc, layout="paged", block_table=bt2, seqlens_k=sl2,
+                        backend="spy")
+        hub.attention(q, kc, vc, **kw)
+        assert len(looked_up) == 2 and spy.seen[-1].block_table.shape[0] == 3
+        return
+    if how == "smaller_cache":  # the tables name pages this k/v does not have
+        kc, vc = kc[:2], vc[:2]
+    elif how == "inplace":
+        bt[1, 0] = 99
+    else:
+        bt.data[1, 0] = 99
+    with pytest.raises(SeqlensError, match="outside"):
+        hub.attention(q, kc, vc, **kw)
