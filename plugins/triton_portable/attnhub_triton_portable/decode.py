@@ -530,6 +530,25 @@ class _Shape:
         self.by_longest[longest] = hit
         return hit
 
+    def _gluon_kernel(self, cfg: DecodeConfig, fused: bool) -> Any:
+        """``config.gluon``'s pass 1 (same arguments as ``_split_kernel``), or a ValueError
+        that says why this call cannot take it."""
+        from . import decode_gluon  # Gluon only where asked for
+
+        _, dtype, _, seqlen_q, hq, hkv = self.plan_args
+        (dim, _, paged, has_lens, _, _, win_left, win_right, softcap, alibi,
+         kv_fp8) = self.consts
+        why = decode_gluon.supports(
+            arch=device_arch(self.device), interpreted=self.interpreted, q_dtype=dtype,
+            seqlen_q=seqlen_q, group=hq // hkv, head_dim=dim, paged=paged,
+            has_seqlens=has_lens, kv_fp8=kv_fp8, window=win_left or win_right,
+            softcap=softcap, alibi=alibi, fused_merge=fused, block_n=cfg.block_n,
+            num_warps=cfg.num_warps, min_block_m=cfg.min_block_m,
+            v_ahead=cfg.fp8_v_ahead)
+        if why:
+            raise ValueError(f"decode_attention: config.gluon: {why}")
+        return decode_gluon._fp8_paged_split_kernel
+
     def _build(self, plan: _Plan) -> _Launches:
         _, dtype, batch, seqlen_q, hq, hkv = self.plan_args
         cfg, splits, dim = plan.cfg, plan.splits, self.consts[0]
@@ -537,8 +556,9 @@ class _Shape:
         bd = block_d(dim)
         prec = "ieee" if dtype == torch.float32 or plan.upcast else "tf32"
         shared = self.launchers.get((splits, cfg))
+        kernel = self._gluon_kernel(cfg, fused) if cfg.gluon else _split_kernel
         split = shared[0] if shared else Launcher(
-            _split_kernel, (splits, batch * hkv * plan.m_blocks),
+            kernel, (splits, batch * hkv * plan.m_blocks),
             {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         split_tail = (*self.ints, plan.m_blocks, splits, *self.consts, splits == 1, fused,
                       cfg.prefetch_pages, cfg.fp8_dot != "q",
