@@ -86,7 +86,7 @@ def _count(text: str) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", default="/tmp/gluon_decode_sm90")
-    ap.add_argument("--block-n", type=int, nargs="*", default=[16, 32, 64])
+    ap.add_argument("--block-n", type=int, nargs="*", default=[16, 32])
     a = ap.parse_args()
     os.makedirs(a.dump, exist_ok=True)
     driver.set_active(_Sm90())

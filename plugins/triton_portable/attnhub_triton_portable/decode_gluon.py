@@ -42,6 +42,9 @@ HEAD_DIMS = (128,)
 #: key tiles the layouts are written for (multiples of the 16-key MMA K step); 64 spills
 #: registers in the sm90 build, so it is refused
 BLOCK_NS = (16, 32)
+#: the key tile whose sm90 build holds a V tile a tile ahead without spilling (232 registers;
+#: 32-key tiles spill 360 bytes)
+V_AHEAD_BLOCK_N = 16
 
 
 def supports(*, arch: str, interpreted: bool, q_dtype: torch.dtype, seqlen_q: int,
@@ -64,11 +67,14 @@ def supports(*, arch: str, interpreted: bool, q_dtype: torch.dtype, seqlen_q: in
     if group > ROWS:
         return f"GQA group {group} > {ROWS.value}: one 16-row MMA tile per KV head"
     given = [n for n, on in (("window", window), ("softcap", softcap), ("alibi", alibi),
-                             ("fused_merge", fused_merge), ("fp8_v_ahead", v_ahead)) if on]
+                             ("fused_merge", fused_merge)) if on]
     if given:
         return f"{', '.join(given)} not implemented in the Gluon kernel"
     if block_n not in BLOCK_NS:
         return f"block_n {block_n} not in {BLOCK_NS}"
+    if v_ahead and block_n != V_AHEAD_BLOCK_N:
+        return (f"fp8_v_ahead with block_n {block_n}: only {V_AHEAD_BLOCK_N} builds without "
+                "spilling registers")
     if num_warps != 1:
         return f"one warp per program (num_warps=1), not {num_warps}"
     if min_block_m > ROWS:
@@ -213,20 +219,17 @@ def _fp8_paged_split_kernel(
     k_head = K + h.to(gl.int64) * skh
     v_head = V + h.to(gl.int64) * svh
     table = BlockTable + b64 * sbt
-    # V_AHEAD: K and V tiles loaded a tile ahead into registers (twice the registers)
+    # V_AHEAD: V tiles loaded a tile ahead into registers (as decode's V_AHEAD), so that a
+    # V tile's loads are in flight under the Q.K of the next
     if V_AHEAD:
-        k_next = _load_k(k_head, table, lo, hi, num_pages, skp, sks, PAGE, BLOCK_N, KL)
         v_next = _load_v(v_head, table, lo, hi, num_pages, svp, svs, PAGE, BLOCK_N, VL)
     for n0 in range(lo, hi, BLOCK_N):
+        k = _load_k(k_head, table, n0, hi, num_pages, skp, sks, PAGE, BLOCK_N, KL)
         if V_AHEAD:
-            k = k_next
             v = v_next
-            k_next = _load_k(k_head, table, n0 + BLOCK_N, hi, num_pages, skp, sks, PAGE,
-                             BLOCK_N, KL)
             v_next = _load_v(v_head, table, n0 + BLOCK_N, hi, num_pages, svp, svs, PAGE,
                              BLOCK_N, VL)
         else:
-            k = _load_k(k_head, table, n0, hi, num_pages, skp, sks, PAGE, BLOCK_N, KL)
             v = _load_v(v_head, table, n0, hi, num_pages, svp, svs, PAGE, BLOCK_N, VL)
         n = n0 + gl.arange(0, BLOCK_N, layout=COL)
         k_sc = _scales(table, n, hi, num_pages, KScale, sksr, sksh, h, PAGE)

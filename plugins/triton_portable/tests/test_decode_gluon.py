@@ -39,7 +39,7 @@ def test_never_chosen_by_the_table() -> None:
 def test_supports_the_served_call() -> None:
     assert decode_gluon.supports(**OK) is None
     for change in ({"q_dtype": torch.float16}, {"group": 16}, {"group": 1},
-                   {"block_n": 16}, {"min_block_m": 16}):
+                   {"block_n": 16}, {"min_block_m": 16}, {"block_n": 16, "v_ahead": True}):
         assert decode_gluon.supports(**{**OK, **change}) is None, change
 
 
@@ -58,7 +58,7 @@ def test_supports_the_served_call() -> None:
     ({"window": True}, "window not implemented"),
     ({"softcap": True, "alibi": True}, "softcap, alibi not"),
     ({"fused_merge": True}, "fused_merge"),
-    ({"v_ahead": True}, "fp8_v_ahead"),
+    ({"v_ahead": True}, "fp8_v_ahead with block_n 32"),
     ({"block_n": 64}, "block_n 64"),
     ({"num_warps": 4}, "num_warps=1"),
     ({"min_block_m": 64}, "min_block_m 64"),
