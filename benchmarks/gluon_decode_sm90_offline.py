@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_sm90_offline import _sass, _Sm90  # noqa: E402
 
 #: SASS opcodes counted in the report (whole kernel and inside the key loop)
-OPS = ("LDL", "STL", "LDS", "STS", "LDSM", "BAR", "HMMA", "F2FP", "PRMT", "LDG.E.128",
-       "LDG.E.64", "LDG.E.U8", "LDG.E ", "MUFU.EX2", "SHFL")
+OPS = ("LDL", "STL", "LDS", "STS", "LDSM", "BAR", "HMMA", "F2FP", "F2FP.F16.E4M3", "PRMT",
+       "LDG.E.128", "LDG.E.64", "LDG.E.U8", "LDG.E ", "MUFU.EX2", "SHFL")
 
 
 def split_args(block_n: int, splits: int, ahead: bool) -> tuple:

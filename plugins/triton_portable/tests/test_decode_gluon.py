@@ -179,3 +179,39 @@ def test_refused_when_not_a_paged_fp8_cache(recorded: list[tuple[Any, ...]]) -> 
         decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED.with_(fused_merge=True),
                                 num_splits=2, **kw)
     assert not recorded
+
+
+def test_sm90_build_keeps_the_key_loop_in_registers() -> None:
+    """The kernel built for sm90 offline (stub driver, this machine's Triton and ptxas, in a
+    subprocess: the driver switch stays there): no local memory, no shared memory at all,
+    and per 32-key tile of the loop 64 fp16 MMAs, 128 e4m3x2 -> f16x2 conversions (every
+    K and V byte once) and 16 16-byte loads per thread."""
+    import ast
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "plugins" / "triton_portable"),
+                                         env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "gluon_decode_sm90_offline.py"),
+                          "--block-n", "32", "--dump", "/tmp/attnhub_gluon_decode_test"],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    built = re.findall(r"OK (\S+): regs=(\d+) stack=(\d+) local=(\d+) smem=(\d+)\n"
+                       r"\s+kernel: (\{.*\})\n\s+loop:\s+(\{.*\})", run.stdout)
+    if not built and ("ptxas" in run.stdout + run.stderr or "cuobjdump" in run.stderr):
+        pytest.skip("no sm90 toolchain in this Triton")
+    assert len(built) == 3, run.stdout[-3000:] + run.stderr[-3000:]
+    for tag, regs, stack, local, smem, kernel, loop in built:
+        whole, body = ast.literal_eval(kernel), ast.literal_eval(loop)
+        assert int(smem) == 0 and whole["LDS"] == whole["STS"] == whole["BAR"] == 0, tag
+        if tag.endswith("_ahead"):  # refused by ``supports`` at 32 keys: it spills
+            assert int(stack) > 0 or whole["STL"] > 0
+            continue
+        assert int(stack) == int(local) == 0 and whole["LDL"] == whole["STL"] == 0, tag
+        assert (body["HMMA"], body["LDG.E.128"]) == (64, 16), (tag, body)
+        assert body["F2FP.F16.E4M3"] == 128, (tag, body)  # each K and V byte pair once
+        assert body["F2FP"] == 128 + 8, (tag, body)  # and p to fp16
+        assert int(regs) <= 232, tag
