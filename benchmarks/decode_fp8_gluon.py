@@ -2,8 +2,8 @@
 and the portable FP8 row, on the random table: GPU time (CUDA-graph replay) and eager time
 (``do_bench``), relative L2 error vs fp32 over the bf16 pool, speedup vs the bf16 row of
 the same run. Cells: 64 x 32k, 1 x 128k, 32 x 4k (32 query / 8 KV heads, d128, page 16).
-The Gluon rows run at the heuristic's split count, at half and twice it, and with 16-key
-tiles (V a tile ahead or not); a variant that fails or is refused is recorded as a result.
+The Gluon rows run at the heuristic's split count, at half and twice it, with V a tile
+ahead, and with 32-key tiles (two pages per tile: per-key page ids); a variant that fails or is refused is recorded as a result.
 The JSON is rewritten after every row, so a run cut short keeps what it measured.
 
     python benchmarks/decode_fp8_gluon.py --out $OUT [--smoke]
@@ -61,9 +61,9 @@ def main() -> None:
                 ("gluon", True, GLUON_FP8_PAGED, g_splits),
                 ("gluon_half_splits", True, GLUON_FP8_PAGED, max(1, g_splits // 2)),
                 ("gluon_twice_splits", True, GLUON_FP8_PAGED, 2 * g_splits),
-                ("gluon_n16", True, GLUON_FP8_PAGED.with_(block_n=16), None),
-                ("gluon_n16_vahead", True,
-                 GLUON_FP8_PAGED.with_(block_n=16, fp8_v_ahead=True), None)]
+                ("gluon_vahead", True, GLUON_FP8_PAGED.with_(fp8_v_ahead=True, ctas_per_sm=9),
+                 None),
+                ("gluon_n32", True, GLUON_FP8_PAGED.with_(block_n=32, ctas_per_sm=9), None)]
         for name, fp8, cfg, splits in rows:
             splits = splits or choose_splits(batch, HKV, ctx, sms, cfg)
             r: dict[str, Any] = {"name": name, "splits": splits, "config": repr(cfg)}

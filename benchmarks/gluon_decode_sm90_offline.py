@@ -4,7 +4,7 @@ instructions that say whether the design held (local memory, shared-memory traff
 MMAs, e4m3 conversions, byte permutes, global load widths). No launch happens.
 
     PYTHONPATH=<triton 3.6 site>:.:plugins/triton_portable \
-        python3 benchmarks/gluon_decode_sm90_offline.py [--block-n 32] [--dump DIR]
+        python3 benchmarks/gluon_decode_sm90_offline.py [--block-n 16 32] [--page 16] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ OPS = ("LDL", "STL", "LDS", "STS", "LDSM", "BAR", "HMMA", "F2FP", "F2FP.F16.E4M3
        "LDG.E.128", "LDG.E.64", "LDG.E.U8", "LDG.E ", "MUFU.EX2", "SHFL")
 
 
-def split_args(block_n: int, splits: int, ahead: bool) -> tuple:
-    """``_split_kernel``'s argument tuple for 32/8 heads, d128, page 16, as decode builds."""
-    from attnhub_triton_portable import decode
-
-    hq, hkv, d, page, pages, batch = 32, 8, 128, 16, 4096, 64
+def split_args(block_n: int, splits: int, ahead: bool, page: int = 16) -> tuple:
+    """``_split_kernel``'s argument tuple for 32/8 heads, d128, ``page``-key pages, as
+    decode builds it."""
+    hq, hkv, d, pages, batch = 32, 8, 128, 4096, 64
     q = torch.empty(batch, 1, hq, d, dtype=torch.bfloat16)
     k = torch.empty(pages, page, hkv, d, dtype=torch.float8_e4m3fn)
     out = torch.empty_like(q)
@@ -40,10 +39,6 @@ def split_args(block_n: int, splits: int, ahead: bool) -> tuple:
     table = torch.empty(batch, 2048, dtype=torch.int32)
     lens = torch.empty(batch, dtype=torch.int32)
     sc = torch.empty(pages, hkv, dtype=torch.float32)
-    strides = (*q.stride()[1:], *k.stride()[:3], *k.stride()[:3], hq * d, hq * d, d,
-               table.stride(0), 0, *sc.stride(), *sc.stride())
-    strides = (q.stride(0), *strides[:2]) + strides[2:]
-    del decode
     return (q, k, k, out, f32, f32, f32, f32, table, lens, f32, sc, sc,
             q.stride(0), q.stride(1), q.stride(2), *k.stride()[:3], *k.stride()[:3],
             hq * d, hq * d, d, table.stride(0), 0, *sc.stride(), *sc.stride(),
@@ -87,6 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", default="/tmp/gluon_decode_sm90")
     ap.add_argument("--block-n", type=int, nargs="*", default=[16, 32])
+    ap.add_argument("--page", type=int, default=16)
     a = ap.parse_args()
     os.makedirs(a.dump, exist_ok=True)
     driver.set_active(_Sm90())
@@ -95,10 +91,10 @@ def main() -> None:
     bad = 0
     for bn in a.block_n:
         for splits, ahead in ((1, False), (8, False), (8, True)):
-            tag = f"fp8_decode_bn{bn}_s{splits}{'_ahead' if ahead else ''}"
+            tag = f"fp8_decode_p{a.page}_bn{bn}_s{splits}{'_ahead' if ahead else ''}"
             try:
                 ck = decode_gluon._fp8_paged_split_kernel.run(
-                    *split_args(bn, splits, ahead), grid=(splits, 512, 1), warmup=True, num_warps=1)
+                    *split_args(bn, splits, ahead, a.page), grid=(splits, 512, 1), warmup=True, num_warps=1)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 bad += 1
                 print(f"FAIL {tag}: {type(exc).__name__}: {str(exc)[-4000:]}")

@@ -131,10 +131,11 @@ _FP8_PAGED: dict[str, DecodeConfig] = {
 }
 
 #: The Gluon pass 1 for paged e4m3 caches (:mod:`.decode_gluon`): one warp per program,
-#: 32-key tiles, no stages (loads go straight to registers). Its sm90 build takes 221
-#: registers, so about 9 programs fit an SM: 8 per SM plan the splits. Built offline only,
-#: never run on a GPU: opt-in (``config=``), not in ``decode_config``'s table.
-GLUON_FP8_PAGED = DecodeConfig(block_n=32, num_warps=1, num_stages=1, ctas_per_sm=8,
+#: 16-key tiles (with pages of 16 keys or a multiple, a tile lies in one page: one page id
+#: and one descale pair per tile), no stages (loads go straight to registers). Its sm90
+#: build takes 168 registers, so 12 one-warp programs fit an SM: 12 per SM plan the splits.
+#: Built offline only, never run on a GPU: opt-in (``config=``), not in ``decode_config``.
+GLUON_FP8_PAGED = DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=12,
                                fp8_dot="fp16", gluon=True)
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.

@@ -83,11 +83,24 @@ def supports(*, arch: str, interpreted: bool, q_dtype: torch.dtype, seqlen_q: in
 
 
 @gluon.jit
-def _page_rows(table, n, hi, num_pages, stride_page, stride_row, PAGE: gl.constexpr):
-    """Row offsets (int64) of keys ``n`` through a block-table row; page ids clamped to
-    [0, num_pages) as in :mod:`.decode`, keys at or past ``hi`` on page 0 (masked)."""
-    page = gl.load(table + n // PAGE, mask=n < hi, other=0)
-    page = gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
+def _tile_page(table, n0, hi, num_pages, PAGE: gl.constexpr):
+    """Page id (int64) of the key tile at ``n0`` when one page holds the whole tile,
+    clamped to [0, num_pages); page 0 for a tile at or past ``hi`` (its loads are masked)."""
+    page = gl.load(table + n0 // PAGE, mask=n0 < hi, other=0)
+    return gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
+
+
+@gluon.jit
+def _page_rows(table, n, hi, num_pages, tile_page, stride_page, stride_row,
+               PAGE: gl.constexpr, ONE_PAGE: gl.constexpr):
+    """Row offsets (int64) of keys ``n``: through ``tile_page`` when the tile lies in one
+    page (``ONE_PAGE``), else through each key's block-table entry (page ids clamped to
+    [0, num_pages) as in :mod:`.decode`, keys at or past ``hi`` on page 0: masked)."""
+    if ONE_PAGE:
+        page = tile_page
+    else:
+        page = gl.load(table + n // PAGE, mask=n < hi, other=0)
+        page = gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
     return page * stride_page + (n % PAGE).to(gl.int64) * stride_row
 
 
@@ -101,13 +114,13 @@ def _scales(table, n, hi, num_pages, Scale, ssr, ssh, h, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _load_k(k_head, table, n0, hi, num_pages, skp, sks, PAGE: gl.constexpr,
-            BLOCK_N: gl.constexpr, KL: gl.constexpr):
+def _load_k(k_head, table, n0, hi, num_pages, tile_page, skp, sks, PAGE: gl.constexpr,
+            ONE_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, KL: gl.constexpr):
     """K tile as stored: [BLOCK_N keys, 4, 32] e4m3, 32 contiguous bytes per thread."""
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL)))
     c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))
     j = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL)))
-    rows = _page_rows(table, n, hi, num_pages, skp, sks, PAGE)
+    rows = _page_rows(table, n, hi, num_pages, tile_page, skp, sks, PAGE, ONE_PAGE)
     off = (gl.expand_dims(gl.expand_dims(rows, 1), 2)
            + gl.expand_dims(gl.expand_dims(c4 * 32, 0), 2) + gl.expand_dims(gl.expand_dims(j, 0), 1))
     ok = gl.expand_dims(gl.expand_dims(n < hi, 1), 2)
@@ -115,13 +128,13 @@ def _load_k(k_head, table, n0, hi, num_pages, skp, sks, PAGE: gl.constexpr,
 
 
 @gluon.jit
-def _load_v(v_head, table, n0, hi, num_pages, svp, svs, PAGE: gl.constexpr,
-            BLOCK_N: gl.constexpr, VL: gl.constexpr):
+def _load_v(v_head, table, n0, hi, num_pages, tile_page, svp, svs, PAGE: gl.constexpr,
+            ONE_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, VL: gl.constexpr):
     """V tile as stored: [BLOCK_N keys, 8, 16] e4m3, 16 contiguous bytes per thread."""
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL)))
     dg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL)))
     nt = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL)))
-    rows = _page_rows(table, n, hi, num_pages, svp, svs, PAGE)
+    rows = _page_rows(table, n, hi, num_pages, tile_page, svp, svs, PAGE, ONE_PAGE)
     off = (gl.expand_dims(gl.expand_dims(rows, 1), 2)
            + gl.expand_dims(gl.expand_dims(dg * 16, 0), 2) + gl.expand_dims(gl.expand_dims(nt, 0), 1))
     ok = gl.expand_dims(gl.expand_dims(n < hi, 1), 2)
@@ -219,23 +232,40 @@ def _fp8_paged_split_kernel(
     k_head = K + h.to(gl.int64) * skh
     v_head = V + h.to(gl.int64) * svh
     table = BlockTable + b64 * sbt
+    # ONE_PAGE (the page size a multiple of the tile): one page id and one descale pair
+    # per tile, scalars, fetched a tile early; else per key, through the table
+    ONE_PAGE: gl.constexpr = PAGE % BLOCK_N == 0
+    page_next = _tile_page(table, lo, hi, num_pages, PAGE) if ONE_PAGE else lo.to(gl.int64)
     # V_AHEAD: V tiles loaded a tile ahead into registers (as decode's V_AHEAD), so that a
     # V tile's loads are in flight under the Q.K of the next
     if V_AHEAD:
-        v_next = _load_v(v_head, table, lo, hi, num_pages, svp, svs, PAGE, BLOCK_N, VL)
+        v_next = _load_v(v_head, table, lo, hi, num_pages, page_next, svp, svs, PAGE,
+                         ONE_PAGE, BLOCK_N, VL)
     for n0 in range(lo, hi, BLOCK_N):
-        k = _load_k(k_head, table, n0, hi, num_pages, skp, sks, PAGE, BLOCK_N, KL)
+        page = page_next
+        if ONE_PAGE:
+            page_next = _tile_page(table, n0 + BLOCK_N, hi, num_pages, PAGE)
+        k = _load_k(k_head, table, n0, hi, num_pages, page, skp, sks, PAGE, ONE_PAGE,
+                    BLOCK_N, KL)
         if V_AHEAD:
             v = v_next
-            v_next = _load_v(v_head, table, n0 + BLOCK_N, hi, num_pages, svp, svs, PAGE,
-                             BLOCK_N, VL)
+            v_next = _load_v(v_head, table, n0 + BLOCK_N, hi, num_pages, page_next, svp, svs,
+                             PAGE, ONE_PAGE, BLOCK_N, VL)
         else:
-            v = _load_v(v_head, table, n0, hi, num_pages, svp, svs, PAGE, BLOCK_N, VL)
+            v = _load_v(v_head, table, n0, hi, num_pages, page, svp, svs, PAGE, ONE_PAGE,
+                        BLOCK_N, VL)
         n = n0 + gl.arange(0, BLOCK_N, layout=COL)
-        k_sc = _scales(table, n, hi, num_pages, KScale, sksr, sksh, h, PAGE)
-        v_sc = _scales(table, n, hi, num_pages, VScale, svsr, svsh, h, PAGE)
+        if ONE_PAGE:
+            k_sc = gl.load(KScale + page * sksr + h * sksh)
+            v_sc = gl.load(VScale + page * svsr + h * svsh)
+        else:
+            k_sc = _scales(table, n, hi, num_pages, KScale, sksr, sksh, h, PAGE)
+            v_sc = _scales(table, n, hi, num_pages, VScale, svsr, svsh, h, PAGE)
         qk = mma_v2(q, _k_operand(k, BLOCK_N, B_OP), zero_s)
-        s = qk * qk_scale * gl.expand_dims(k_sc, 0)
+        if ONE_PAGE:
+            s = qk * (qk_scale * k_sc)
+        else:
+            s = qk * qk_scale * gl.expand_dims(k_sc, 0)
         ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(n < hi, 0)
         s = gl.where(ok, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -245,9 +275,13 @@ def _fp8_paged_split_kernel(
         l_i = l_i * alpha + gl.sum(p, axis=1)
         # V's descales on p, over the tile's largest (fp16 p in [0, 1]); acc is kept in
         # units of the last tile's largest (acc_scale), so the MMA accumulates into it
-        v_max = gl.max(v_sc, axis=0)
-        v_max = gl.where(v_max > 0, v_max, 1.0)
-        pw = (p * gl.expand_dims(v_sc / v_max, 0)).to(gl.float16)
+        if ONE_PAGE:
+            v_max = gl.where(v_sc > 0, v_sc, 1.0)
+            pw = (p * (v_sc / v_max)).to(gl.float16)
+        else:
+            v_max = gl.max(v_sc, axis=0)
+            v_max = gl.where(v_max > 0, v_max, 1.0)
+            pw = (p * gl.expand_dims(v_sc / v_max, 0)).to(gl.float16)
         acc = acc * gl.expand_dims(alpha * (acc_scale / v_max), 1)
         acc = mma_v2(gl.convert_layout(pw, A_OP), _v_operand(v, BLOCK_N, B_OP), acc)
         acc_scale = v_max
