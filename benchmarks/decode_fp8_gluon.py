@@ -3,8 +3,9 @@ and the portable FP8 row, on the random table: GPU time (CUDA-graph replay) and 
 (``do_bench``), relative L2 error vs fp32 over the bf16 pool, speedup vs the bf16 row of
 the same run. Cells: 64 x 32k, 1 x 128k, 32 x 4k (32 query / 8 KV heads, d128, page 16).
 The Gluon rows run at the heuristic's split count, at half and twice it, with V a tile
-ahead, and with 32-key tiles (two pages per tile: per-key page ids); a variant that fails or is refused is recorded as a result.
-The JSON is rewritten after every row, so a run cut short keeps what it measured.
+ahead, and with 32-key tiles (two pages per tile: per-key page ids); a variant that fails
+or is refused is recorded as a result. The JSON is rewritten after every row, so a run cut
+short keeps what it measured.
 
     python benchmarks/decode_fp8_gluon.py --out $OUT [--smoke]
 """

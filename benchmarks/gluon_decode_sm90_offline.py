@@ -94,7 +94,8 @@ def main() -> None:
             tag = f"fp8_decode_p{a.page}_bn{bn}_s{splits}{'_ahead' if ahead else ''}"
             try:
                 ck = decode_gluon._fp8_paged_split_kernel.run(
-                    *split_args(bn, splits, ahead, a.page), grid=(splits, 512, 1), warmup=True, num_warps=1)
+                    *split_args(bn, splits, ahead, a.page), grid=(splits, 512, 1), warmup=True,
+                    num_warps=1)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 bad += 1
                 print(f"FAIL {tag}: {type(exc).__name__}: {str(exc)[-4000:]}")

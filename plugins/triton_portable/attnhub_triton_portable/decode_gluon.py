@@ -17,9 +17,10 @@ registers:
   registers (byte permutes) before the e4m3x2 -> f16x2 conversion.
 * P leaves the Q.K accumulator as the A operand of P.V in registers (the FA2 identity).
 
-One warp per program (a 16-row MMA tile holds all query rows of a KV head), K/V tiles
-loaded one tile ahead into registers; the SM's many resident programs keep the bytes in
-flight. Host planning, scratch and the split merge are :mod:`.decode`'s: this kernel takes
+One warp per program (a 16-row MMA tile holds all query rows of a KV head); the SM's many
+resident programs keep the bytes in flight (no shared memory at all). A tile that lies in
+one page takes one page id and one descale pair, fetched a tile early; ``V_AHEAD`` loads
+V a tile ahead. Host planning, scratch and the split merge are :mod:`.decode`'s: this kernel takes
 ``_split_kernel``'s arguments unchanged and refuses (``supports``) what it does not serve.
 
 Not run on a GPU yet: built for sm90 offline only (benchmarks/gluon_decode_sm90_offline.py).
@@ -114,31 +115,20 @@ def _scales(table, n, hi, num_pages, Scale, ssr, ssh, h, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _load_k(k_head, table, n0, hi, num_pages, tile_page, skp, sks, PAGE: gl.constexpr,
-            ONE_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, KL: gl.constexpr):
-    """K tile as stored: [BLOCK_N keys, 4, 32] e4m3, 32 contiguous bytes per thread."""
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL)))
-    c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))
-    j = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL)))
-    rows = _page_rows(table, n, hi, num_pages, tile_page, skp, sks, PAGE, ONE_PAGE)
-    off = (gl.expand_dims(gl.expand_dims(rows, 1), 2)
-           + gl.expand_dims(gl.expand_dims(c4 * 32, 0), 2) + gl.expand_dims(gl.expand_dims(j, 0), 1))
-    ok = gl.expand_dims(gl.expand_dims(n < hi, 1), 2)
-    return gl.load(k_head + off, mask=ok, other=0.0)
-
-
-@gluon.jit
-def _load_v(v_head, table, n0, hi, num_pages, tile_page, svp, svs, PAGE: gl.constexpr,
-            ONE_PAGE: gl.constexpr, BLOCK_N: gl.constexpr, VL: gl.constexpr):
-    """V tile as stored: [BLOCK_N keys, 8, 16] e4m3, 16 contiguous bytes per thread."""
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL)))
-    dg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL)))
-    nt = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL)))
-    rows = _page_rows(table, n, hi, num_pages, tile_page, svp, svs, PAGE, ONE_PAGE)
-    off = (gl.expand_dims(gl.expand_dims(rows, 1), 2)
-           + gl.expand_dims(gl.expand_dims(dg * 16, 0), 2) + gl.expand_dims(gl.expand_dims(nt, 0), 1))
-    ok = gl.expand_dims(gl.expand_dims(n < hi, 1), 2)
-    return gl.load(v_head + off, mask=ok, other=0.0)
+def _load_tile(head, table, n0, hi, num_pages, tile_page, stride_page, stride_row,
+               PAGE: gl.constexpr, ONE_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+               GROUPS: gl.constexpr, BYTES: gl.constexpr, L: gl.constexpr):
+    """A K or V tile as stored, [BLOCK_N keys, GROUPS, BYTES] e4m3 in layout ``L``: each key
+    row's 128 bytes as GROUPS runs of BYTES contiguous bytes (K: 4 x 32, V: 8 x 16; a
+    thread holds whole runs, so they load as 16-byte vectors). Keys at or past ``hi``: 0."""
+    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+    byte = gl.arange(0, BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    rows = _page_rows(table, n, hi, num_pages, tile_page, stride_page, stride_row, PAGE,
+                      ONE_PAGE)
+    off = gl.expand_dims(gl.expand_dims(rows, 1), 2) + gl.expand_dims(
+        gl.expand_dims(grp * BYTES, 0), 2) + gl.expand_dims(gl.expand_dims(byte, 0), 1)
+    return gl.load(head + off, mask=gl.expand_dims(gl.expand_dims(n < hi, 1), 2), other=0.0)
 
 
 @gluon.jit
@@ -239,21 +229,21 @@ def _fp8_paged_split_kernel(
     # V_AHEAD: V tiles loaded a tile ahead into registers (as decode's V_AHEAD), so that a
     # V tile's loads are in flight under the Q.K of the next
     if V_AHEAD:
-        v_next = _load_v(v_head, table, lo, hi, num_pages, page_next, svp, svs, PAGE,
-                         ONE_PAGE, BLOCK_N, VL)
+        v_next = _load_tile(v_head, table, lo, hi, num_pages, page_next, svp, svs, PAGE,
+                            ONE_PAGE, BLOCK_N, 8, 16, VL)
     for n0 in range(lo, hi, BLOCK_N):
         page = page_next
         if ONE_PAGE:
             page_next = _tile_page(table, n0 + BLOCK_N, hi, num_pages, PAGE)
-        k = _load_k(k_head, table, n0, hi, num_pages, page, skp, sks, PAGE, ONE_PAGE,
-                    BLOCK_N, KL)
+        k = _load_tile(k_head, table, n0, hi, num_pages, page, skp, sks, PAGE, ONE_PAGE,
+                       BLOCK_N, 4, 32, KL)
         if V_AHEAD:
             v = v_next
-            v_next = _load_v(v_head, table, n0 + BLOCK_N, hi, num_pages, page_next, svp, svs,
-                             PAGE, ONE_PAGE, BLOCK_N, VL)
+            v_next = _load_tile(v_head, table, n0 + BLOCK_N, hi, num_pages, page_next, svp,
+                                svs, PAGE, ONE_PAGE, BLOCK_N, 8, 16, VL)
         else:
-            v = _load_v(v_head, table, n0, hi, num_pages, page, svp, svs, PAGE, ONE_PAGE,
-                        BLOCK_N, VL)
+            v = _load_tile(v_head, table, n0, hi, num_pages, page, svp, svs, PAGE, ONE_PAGE,
+                           BLOCK_N, 8, 16, VL)
         n = n0 + gl.arange(0, BLOCK_N, layout=COL)
         if ONE_PAGE:
             k_sc = gl.load(KScale + page * sksr + h * sksh)

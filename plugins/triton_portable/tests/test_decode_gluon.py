@@ -107,8 +107,15 @@ class _Recorder:
 
 @pytest.fixture()
 def recorded(stub_decode: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """Launches recorded on the stub sm90; the scratch these calls grow is their own (a
+    CPU scratch left large would make later tests' buffers views of one allocation)."""
+    import threading
+
+    from attnhub_triton_portable import scratch
+
     monkeypatch.setattr(decode, "Launcher", _Recorder)
     monkeypatch.setattr(_Recorder, "log", [])
+    monkeypatch.setattr(scratch, "_tls", threading.local())
     return _Recorder.log
 
 

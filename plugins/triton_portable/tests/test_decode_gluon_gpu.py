@@ -35,8 +35,15 @@ CASES = [  # (hq, hkv, lengths, splits, q dtype)
 ]
 
 
+#: the shipped config and the variants its benchmark times (V a tile ahead; 32-key tiles
+#: over 16-key pages: per-key page ids and descales)
+VARIANTS = [{}, {"fp8_v_ahead": True}, {"block_n": 32}]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
 @pytest.mark.parametrize(("heads", "lengths", "splits", "dtype"), CASES, ids=str)
-def test_gluon_fp8_paged_decode_meets_the_fa_rule(heads, lengths, splits, dtype) -> None:
+def test_gluon_fp8_paged_decode_meets_the_fa_rule(heads, lengths, splits, dtype,
+                                                  variant) -> None:
     from attnhub_triton_portable.decode import decode_attention
     from attnhub_triton_portable.decode_configs import GLUON_FP8_PAGED
 
@@ -55,7 +62,7 @@ def test_gluon_fp8_paged_decode_meets_the_fa_rule(heads, lengths, splits, dtype)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     kw = {"scale": d ** -0.5, "causal": True, "block_table": table, "seqlens_k": seqlens,
           "k_descale": kd, "v_descale": vd, "num_splits": splits}
-    out, lse = decode_attention(q, k8, v8, config=GLUON_FP8_PAGED, **kw)
+    out, lse = decode_attention(q, k8, v8, config=GLUON_FP8_PAGED.with_(**variant), **kw)
     ported, ported_lse = decode_attention(q, k8, v8, **kw)  # the portable FP8 row
 
     full = (npages, hkv)
