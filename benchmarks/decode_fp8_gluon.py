@@ -3,9 +3,9 @@ and the portable FP8 row, on the random table: GPU time (CUDA-graph replay) and 
 (``do_bench``), relative L2 error vs fp32 over the bf16 pool, speedup vs the bf16 row of
 the same run. Cells: 64 x 32k, 1 x 128k, 32 x 4k (32 query / 8 KV heads, d128, page 16).
 The Gluon rows run at the heuristic's split count, at half and twice it, with V a tile
-ahead, and with 32-key tiles (two pages per tile: per-key page ids); a variant that fails
-or is refused is recorded as a result. The JSON is rewritten after every row, so a run cut
-short keeps what it measured.
+ahead, capped at 144 registers (14 programs per SM), and with 32-key tiles (two pages per
+tile: per-key page ids); a variant that fails or is refused is recorded as a result. The
+JSON is rewritten after every row, so a run cut short keeps what it measured.
 
     python benchmarks/decode_fp8_gluon.py --out $OUT [--smoke]
 """
@@ -63,6 +63,8 @@ def main() -> None:
                 ("gluon_half_splits", True, GLUON_FP8_PAGED, max(1, g_splits // 2)),
                 ("gluon_twice_splits", True, GLUON_FP8_PAGED, 2 * g_splits),
                 ("gluon_vahead", True, GLUON_FP8_PAGED.with_(fp8_v_ahead=True, ctas_per_sm=9),
+                 None),
+                ("gluon_maxnreg144", True, GLUON_FP8_PAGED.with_(maxnreg=144, ctas_per_sm=14),
                  None),
                 ("gluon_n32", True, GLUON_FP8_PAGED.with_(block_n=32, ctas_per_sm=9), None)]
         for name, fp8, cfg, splits in rows:

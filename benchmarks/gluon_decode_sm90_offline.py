@@ -4,7 +4,8 @@ instructions that say whether the design held (local memory, shared-memory traff
 MMAs, e4m3 conversions, byte permutes, global load widths). No launch happens.
 
     PYTHONPATH=<triton 3.6 site>:.:plugins/triton_portable \
-        python3 benchmarks/gluon_decode_sm90_offline.py [--block-n 16 32] [--page 16] [--dump DIR]
+        python3 benchmarks/gluon_decode_sm90_offline.py [--block-n 16 32] [--page 16] [--maxnreg N]
+        [--dump DIR]
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--dump", default="/tmp/gluon_decode_sm90")
     ap.add_argument("--block-n", type=int, nargs="*", default=[16, 32])
     ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--maxnreg", type=int, default=0, help="register cap (0: none)")
     a = ap.parse_args()
     os.makedirs(a.dump, exist_ok=True)
     driver.set_active(_Sm90())
@@ -91,11 +93,13 @@ def main() -> None:
     bad = 0
     for bn in a.block_n:
         for splits, ahead in ((1, False), (8, False), (8, True)):
-            tag = f"fp8_decode_p{a.page}_bn{bn}_s{splits}{'_ahead' if ahead else ''}"
+            tag = (f"fp8_decode_p{a.page}_bn{bn}_s{splits}{'_ahead' if ahead else ''}"
+                   f"{f'_r{a.maxnreg}' if a.maxnreg else ''}")
+            cap = {"maxnreg": a.maxnreg} if a.maxnreg else {}
             try:
                 ck = decode_gluon._fp8_paged_split_kernel.run(
                     *split_args(bn, splits, ahead, a.page), grid=(splits, 512, 1), warmup=True,
-                    num_warps=1)
+                    num_warps=1, **cap)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 bad += 1
                 print(f"FAIL {tag}: {type(exc).__name__}: {str(exc)[-4000:]}")

@@ -557,9 +557,11 @@ class _Shape:
         prec = "ieee" if dtype == torch.float32 or plan.upcast else "tf32"
         shared = self.launchers.get((splits, cfg))
         kernel = self._gluon_kernel(cfg, fused) if cfg.gluon else _split_kernel
+        options: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        if cfg.maxnreg:
+            options["maxnreg"] = cfg.maxnreg
         split = shared[0] if shared else Launcher(
-            kernel, (splits, batch * hkv * plan.m_blocks),
-            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            kernel, (splits, batch * hkv * plan.m_blocks), options)
         split_tail = (*self.ints, plan.m_blocks, splits, *self.consts, splits == 1, fused,
                       cfg.prefetch_pages, cfg.fp8_dot != "q",
                       cfg.fp8_v_ahead and self.consts[-1],

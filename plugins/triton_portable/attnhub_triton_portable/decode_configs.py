@@ -47,7 +47,8 @@ class DecodeConfig:
     ``one_round``: ``choose_splits`` only considers split counts whose programs fit one
     round of ``ctas_per_sm`` per SM, so that every program is resident from the start (no
     second, partly filled round whose tail leaves SMs idle), and takes the most on ties.
-    ``gluon`` (paged e4m3 caches on sm90): pass 1 is the Gluon kernel of
+    ``maxnreg``: a register cap for pass 1 (0: the compiler's choice), to fit more
+    programs per SM. ``gluon`` (paged e4m3 caches on sm90): pass 1 is the Gluon kernel of
     :mod:`.decode_gluon` (``GLUON_FP8_PAGED``): opt-in only, never chosen by the table.
     """
 
@@ -64,6 +65,7 @@ class DecodeConfig:
     fp8_v_ahead: bool = False
     one_round: bool = False
     min_block_m: int = 0
+    maxnreg: int = 0
     gluon: bool = False
 
     def with_(self, **changes: object) -> DecodeConfig:

@@ -140,7 +140,7 @@ def test_launched_with_the_split_kernels_arguments(recorded: list[tuple[Any, ...
     (g_fn, g_grid, g_opt, g_args), (p_fn, p_grid, p_opt, p_args) = recorded[0], recorded[n]
     assert g_fn is decode_gluon._fp8_paged_split_kernel and p_fn is decode._split_kernel
     assert g_grid == p_grid == (splits, 3 * 8)
-    assert g_opt["num_warps"] == 1
+    assert g_opt["num_warps"] == 1 and "maxnreg" not in g_opt
     assert len(g_args) == len(p_args) == len(decode_gluon._fp8_paged_split_kernel.arg_names)
     names = decode_gluon._fp8_paged_split_kernel.arg_names
     assert names == decode._split_kernel.arg_names
@@ -220,3 +220,9 @@ def test_sm90_build_keeps_the_key_loop_in_registers() -> None:
         assert body["F2FP.F16.E4M3"] == 64, (tag, body)  # each K and V byte pair once
         assert body["F2FP"] == 64 + 4, (tag, body)  # and p to fp16
         assert int(regs) <= (232 if tag.endswith("_ahead") else 176), tag
+
+
+def test_register_cap_reaches_the_launch(recorded: list[tuple[Any, ...]]) -> None:
+    (q, k, v), kw = _paged_call()
+    decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED.with_(maxnreg=144), **kw)
+    assert recorded[0][2]["maxnreg"] == 144
