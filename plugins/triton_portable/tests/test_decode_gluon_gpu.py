@@ -35,9 +35,9 @@ CASES = [  # (hq, hkv, lengths, splits, q dtype)
 ]
 
 
-#: the shipped config and the variants its benchmark times (V a tile ahead; 32-key tiles
-#: over 16-key pages: per-key page ids and descales)
-VARIANTS = [{}, {"fp8_v_ahead": True}, {"block_n": 32}]
+#: the shipped config and the variants its benchmark times (V a tile ahead; a register
+#: cap; 32-key tiles over 16-key pages: per-key page ids and descales)
+VARIANTS = [{}, {"fp8_v_ahead": True}, {"maxnreg": 144}, {"block_n": 32}]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
