@@ -4,7 +4,7 @@ and the portable FP8 row, on the random table: GPU time (CUDA-graph replay) and 
 the same run. Cells: 64 x 32k, 1 x 128k, 32 x 4k (32 query / 8 KV heads, d128, page 16).
 The Gluon rows run at the heuristic's split count, at half and twice it, with V a tile
 ahead, capped at 144 registers (14 programs per SM), and with 32-key tiles (two pages per
-tile: per-key page ids); a variant that fails or is refused is recorded as a result. The
+tile, two page ids); a variant that fails or is refused is recorded as a result. The
 JSON is rewritten after every row, so a run cut short keeps what it measured.
 
     python benchmarks/decode_fp8_gluon.py --out $OUT [--smoke]
@@ -66,7 +66,7 @@ def main() -> None:
                  None),
                 ("gluon_maxnreg144", True, GLUON_FP8_PAGED.with_(maxnreg=144, ctas_per_sm=14),
                  None),
-                ("gluon_n32", True, GLUON_FP8_PAGED.with_(block_n=32, ctas_per_sm=9), None)]
+                ("gluon_n32", True, GLUON_FP8_PAGED.with_(block_n=32, ctas_per_sm=10), None)]
         for name, fp8, cfg, splits in rows:
             splits = splits or choose_splits(batch, HKV, ctx, sms, cfg)
             r: dict[str, Any] = {"name": name, "splits": splits, "config": repr(cfg)}

@@ -84,21 +84,37 @@ def supports(*, arch: str, interpreted: bool, q_dtype: torch.dtype, seqlen_q: in
 
 
 @gluon.jit
-def _tile_page(table, n0, hi, num_pages, PAGE: gl.constexpr):
-    """Page id (int64) of the key tile at ``n0`` when one page holds the whole tile,
-    clamped to [0, num_pages); page 0 for a tile at or past ``hi`` (its loads are masked)."""
-    page = gl.load(table + n0 // PAGE, mask=n0 < hi, other=0)
+def _tile_page(table, n, hi, num_pages, PAGE: gl.constexpr):
+    """Page id (int64) of key ``n`` clamped to [0, num_pages); page 0 at or past ``hi``."""
+    page = gl.load(table + n // PAGE, mask=n < hi, other=0)
     return gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
 
 
 @gluon.jit
-def _page_rows(table, n, hi, num_pages, tile_page, stride_page, stride_row,
-               PAGE: gl.constexpr, ONE_PAGE: gl.constexpr):
-    """Row offsets (int64) of keys ``n``: through ``tile_page`` when the tile lies in one
-    page (``ONE_PAGE``), else through each key's block-table entry (page ids clamped to
-    [0, num_pages) as in :mod:`.decode`, keys at or past ``hi`` on page 0: masked)."""
-    if ONE_PAGE:
-        page = tile_page
+def _tile_pages(table, n0, hi, num_pages, PAGE: gl.constexpr, TILE_PAGES: gl.constexpr):
+    """The page ids of the key tile at ``n0`` when it spans TILE_PAGES (1 or 2) whole
+    pages, as a tuple of scalars; (0,) otherwise (keys then go through the table)."""
+    if TILE_PAGES == 1:
+        pages = (_tile_page(table, n0, hi, num_pages, PAGE),)
+    elif TILE_PAGES == 2:
+        pages = (_tile_page(table, n0, hi, num_pages, PAGE),
+                 _tile_page(table, n0 + PAGE, hi, num_pages, PAGE))
+    else:
+        pages = (n0.to(gl.int64) * 0,)
+    return pages
+
+
+@gluon.jit
+def _page_rows(table, n, hi, num_pages, pages, stride_page, stride_row, PAGE: gl.constexpr,
+               TILE_PAGES: gl.constexpr):
+    """Row offsets (int64) of keys ``n``: through the tile's page ids ``pages`` (a tuple of
+    TILE_PAGES scalars) when it spans one or two whole pages, else through each key's
+    block-table entry (page ids clamped to [0, num_pages) as in :mod:`.decode`, keys at or
+    past ``hi`` on page 0: masked)."""
+    if TILE_PAGES == 1:
+        page = pages[0]
+    elif TILE_PAGES == 2:
+        page = gl.where((n // PAGE) % 2 == 0, pages[0], pages[1])
     else:
         page = gl.load(table + n // PAGE, mask=n < hi, other=0)
         page = gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
@@ -115,8 +131,8 @@ def _scales(table, n, hi, num_pages, Scale, ssr, ssh, h, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(head, table, n0, hi, num_pages, tile_page, stride_page, stride_row,
-               PAGE: gl.constexpr, ONE_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+def _load_tile(head, table, n0, hi, num_pages, pages, stride_page, stride_row,
+               PAGE: gl.constexpr, TILE_PAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                GROUPS: gl.constexpr, BYTES: gl.constexpr, L: gl.constexpr):
     """A K or V tile as stored, [BLOCK_N keys, GROUPS, BYTES] e4m3 in layout ``L``: each key
     row's 128 bytes as GROUPS runs of BYTES contiguous bytes (K: 4 x 32, V: 8 x 16; a
@@ -124,8 +140,8 @@ def _load_tile(head, table, n0, hi, num_pages, tile_page, stride_page, stride_ro
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
     grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
     byte = gl.arange(0, BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
-    rows = _page_rows(table, n, hi, num_pages, tile_page, stride_page, stride_row, PAGE,
-                      ONE_PAGE)
+    rows = _page_rows(table, n, hi, num_pages, pages, stride_page, stride_row, PAGE,
+                      TILE_PAGES)
     off = gl.expand_dims(gl.expand_dims(rows, 1), 2) + gl.expand_dims(
         gl.expand_dims(grp * BYTES, 0), 2) + gl.expand_dims(gl.expand_dims(byte, 0), 1)
     return gl.load(head + off, mask=gl.expand_dims(gl.expand_dims(n < hi, 1), 2), other=0.0)
@@ -222,37 +238,43 @@ def _fp8_paged_split_kernel(
     k_head = K + h.to(gl.int64) * skh
     v_head = V + h.to(gl.int64) * svh
     table = BlockTable + b64 * sbt
-    # ONE_PAGE (the page size a multiple of the tile): one page id and one descale pair
-    # per tile, scalars, fetched a tile early; else per key, through the table
-    ONE_PAGE: gl.constexpr = PAGE % BLOCK_N == 0
-    page_next = _tile_page(table, lo, hi, num_pages, PAGE) if ONE_PAGE else lo.to(gl.int64)
+    # TILE_PAGES 1 (the page size a multiple of the tile) or 2 (the tile two pages): the
+    # tile's page ids and descales are scalars, fetched a tile early; 0: per key
+    TILE_PAGES: gl.constexpr = 1 if PAGE % BLOCK_N == 0 else (2 if BLOCK_N == 2 * PAGE else 0)
+    pages_next = _tile_pages(table, lo, hi, num_pages, PAGE, TILE_PAGES)
     # V_AHEAD: V tiles loaded a tile ahead into registers (as decode's V_AHEAD), so that a
     # V tile's loads are in flight under the Q.K of the next
     if V_AHEAD:
-        v_next = _load_tile(v_head, table, lo, hi, num_pages, page_next, svp, svs, PAGE,
-                            ONE_PAGE, BLOCK_N, 8, 16, VL)
+        v_next = _load_tile(v_head, table, lo, hi, num_pages, pages_next, svp, svs, PAGE,
+                            TILE_PAGES, BLOCK_N, 8, 16, VL)
     for n0 in range(lo, hi, BLOCK_N):
-        page = page_next
-        if ONE_PAGE:
-            page_next = _tile_page(table, n0 + BLOCK_N, hi, num_pages, PAGE)
-        k = _load_tile(k_head, table, n0, hi, num_pages, page, skp, sks, PAGE, ONE_PAGE,
+        pages = pages_next
+        if TILE_PAGES > 0:
+            pages_next = _tile_pages(table, n0 + BLOCK_N, hi, num_pages, PAGE, TILE_PAGES)
+        k = _load_tile(k_head, table, n0, hi, num_pages, pages, skp, sks, PAGE, TILE_PAGES,
                        BLOCK_N, 4, 32, KL)
         if V_AHEAD:
             v = v_next
-            v_next = _load_tile(v_head, table, n0 + BLOCK_N, hi, num_pages, page_next, svp,
-                                svs, PAGE, ONE_PAGE, BLOCK_N, 8, 16, VL)
+            v_next = _load_tile(v_head, table, n0 + BLOCK_N, hi, num_pages, pages_next, svp,
+                                svs, PAGE, TILE_PAGES, BLOCK_N, 8, 16, VL)
         else:
-            v = _load_tile(v_head, table, n0, hi, num_pages, page, svp, svs, PAGE, ONE_PAGE,
-                           BLOCK_N, 8, 16, VL)
+            v = _load_tile(v_head, table, n0, hi, num_pages, pages, svp, svs, PAGE,
+                           TILE_PAGES, BLOCK_N, 8, 16, VL)
         n = n0 + gl.arange(0, BLOCK_N, layout=COL)
-        if ONE_PAGE:
-            k_sc = gl.load(KScale + page * sksr + h * sksh)
-            v_sc = gl.load(VScale + page * svsr + h * svsh)
+        if TILE_PAGES == 1:
+            k_sc = gl.load(KScale + pages[0] * sksr + h * sksh)
+            v_sc = gl.load(VScale + pages[0] * svsr + h * svsh)
+        elif TILE_PAGES == 2:
+            first = (n // PAGE) % 2 == 0
+            k_sc = gl.where(first, gl.load(KScale + pages[0] * sksr + h * sksh),
+                            gl.load(KScale + pages[1] * sksr + h * sksh))
+            v_sc = gl.where(first, gl.load(VScale + pages[0] * svsr + h * svsh),
+                            gl.load(VScale + pages[1] * svsr + h * svsh))
         else:
             k_sc = _scales(table, n, hi, num_pages, KScale, sksr, sksh, h, PAGE)
             v_sc = _scales(table, n, hi, num_pages, VScale, svsr, svsh, h, PAGE)
         qk = mma_v2(q, _k_operand(k, BLOCK_N, B_OP), zero_s)
-        if ONE_PAGE:
+        if TILE_PAGES == 1:
             s = qk * (qk_scale * k_sc)
         else:
             s = qk * qk_scale * gl.expand_dims(k_sc, 0)
@@ -265,7 +287,7 @@ def _fp8_paged_split_kernel(
         l_i = l_i * alpha + gl.sum(p, axis=1)
         # V's descales on p, over the tile's largest (fp16 p in [0, 1]); acc is kept in
         # units of the last tile's largest (acc_scale), so the MMA accumulates into it
-        if ONE_PAGE:
+        if TILE_PAGES == 1:
             v_max = gl.where(v_sc > 0, v_sc, 1.0)
             pw = (p * (v_sc / v_max)).to(gl.float16)
         else:

@@ -36,8 +36,10 @@ CASES = [  # (hq, hkv, lengths, splits, q dtype)
 
 
 #: the shipped config and the variants its benchmark times (V a tile ahead; a register
-#: cap; 32-key tiles over 16-key pages: per-key page ids and descales)
-VARIANTS = [{}, {"fp8_v_ahead": True}, {"maxnreg": 144}, {"block_n": 32}]
+#: cap; 32-key tiles over 16-key pages: two page ids and descale pairs per tile), and 32-key
+#: tiles over 8-key pages (page ids and descales per key)
+VARIANTS = [{}, {"fp8_v_ahead": True}, {"maxnreg": 144}, {"block_n": 32},
+            {"block_n": 32, "page": 8}]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
@@ -48,7 +50,8 @@ def test_gluon_fp8_paged_decode_meets_the_fa_rule(heads, lengths, splits, dtype,
     from attnhub_triton_portable.decode_configs import GLUON_FP8_PAGED
 
     hq, hkv = heads
-    b, d, page = len(lengths), 128, 16
+    variant = dict(variant)
+    b, d, page = len(lengths), 128, variant.pop("page", 16)
     width = max(1, -(-max(lengths) // page))
     npages = b * width + 3
     g = torch.Generator().manual_seed(sum(lengths) + hq)
