@@ -18,6 +18,8 @@ clamps lengths and page ids itself. An FP8 (e4m3) cache is read with per-(page o
 KV head) descales, widened in registers (``KV_FP8``; to fp16 with ``FP8_F16``, V tiles a
 tile ahead with ``V_AHEAD``); on an H200 that path runs at about the bf16 cache's speed
 (0.98-1.05x), not twice it: it saves memory (docs/benchmarks/triton_decode_paged.md).
+``config.gluon`` swaps pass 1 for :mod:`.decode_gluon`'s Hopper kernel over a paged e4m3
+cache (opt-in, same arguments; built for sm90 offline, not run on a GPU yet).
 """
 
 from __future__ import annotations
