@@ -18,6 +18,8 @@ clamps lengths and page ids itself. An FP8 (e4m3) cache is read with per-(page o
 KV head) descales, widened in registers (``KV_FP8``; to fp16 with ``FP8_F16``, V tiles a
 tile ahead with ``V_AHEAD``); on an H200 that path runs at about the bf16 cache's speed
 (0.98-1.05x), not twice it: it saves memory (docs/benchmarks/triton_decode_paged.md).
+``config.gluon`` swaps pass 1 for :mod:`.decode_gluon`'s Hopper kernel over a paged e4m3
+cache (opt-in, same arguments; built for sm90 offline, not run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -530,6 +532,25 @@ class _Shape:
         self.by_longest[longest] = hit
         return hit
 
+    def _gluon_kernel(self, cfg: DecodeConfig, fused: bool) -> Any:
+        """``config.gluon``'s pass 1 (same arguments as ``_split_kernel``), or a ValueError
+        that says why this call cannot take it."""
+        from . import decode_gluon  # Gluon only where asked for
+
+        _, dtype, _, seqlen_q, hq, hkv = self.plan_args
+        (dim, _, paged, has_lens, _, _, win_left, win_right, softcap, alibi,
+         kv_fp8) = self.consts
+        why = decode_gluon.supports(
+            arch=device_arch(self.device), interpreted=self.interpreted, q_dtype=dtype,
+            seqlen_q=seqlen_q, group=hq // hkv, head_dim=dim, paged=paged,
+            has_seqlens=has_lens, kv_fp8=kv_fp8, window=win_left or win_right,
+            softcap=softcap, alibi=alibi, fused_merge=fused, block_n=cfg.block_n,
+            num_warps=cfg.num_warps, min_block_m=cfg.min_block_m,
+            v_ahead=cfg.fp8_v_ahead)
+        if why:
+            raise ValueError(f"decode_attention: config.gluon: {why}")
+        return decode_gluon._fp8_paged_split_kernel
+
     def _build(self, plan: _Plan) -> _Launches:
         _, dtype, batch, seqlen_q, hq, hkv = self.plan_args
         cfg, splits, dim = plan.cfg, plan.splits, self.consts[0]
@@ -537,9 +558,12 @@ class _Shape:
         bd = block_d(dim)
         prec = "ieee" if dtype == torch.float32 or plan.upcast else "tf32"
         shared = self.launchers.get((splits, cfg))
+        kernel = self._gluon_kernel(cfg, fused) if cfg.gluon else _split_kernel
+        options: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        if cfg.maxnreg:
+            options["maxnreg"] = cfg.maxnreg
         split = shared[0] if shared else Launcher(
-            _split_kernel, (splits, batch * hkv * plan.m_blocks),
-            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            kernel, (splits, batch * hkv * plan.m_blocks), options)
         split_tail = (*self.ints, plan.m_blocks, splits, *self.consts, splits == 1, fused,
                       cfg.prefetch_pages, cfg.fp8_dot != "q",
                       cfg.fp8_v_ahead and self.consts[-1],

@@ -47,6 +47,9 @@ class DecodeConfig:
     ``one_round``: ``choose_splits`` only considers split counts whose programs fit one
     round of ``ctas_per_sm`` per SM, so that every program is resident from the start (no
     second, partly filled round whose tail leaves SMs idle), and takes the most on ties.
+    ``maxnreg``: a register cap for pass 1 (0: the compiler's choice), to fit more
+    programs per SM. ``gluon`` (paged e4m3 caches on sm90): pass 1 is the Gluon kernel of
+    :mod:`.decode_gluon` (``GLUON_FP8_PAGED``): opt-in only, never chosen by the table.
     """
 
     block_n: int = 64
@@ -62,6 +65,8 @@ class DecodeConfig:
     fp8_v_ahead: bool = False
     one_round: bool = False
     min_block_m: int = 0
+    maxnreg: int = 0
+    gluon: bool = False
 
     def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -126,6 +131,14 @@ _FP8_PAGED: dict[str, DecodeConfig] = {
     "sm90": DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=4,
                          prefetch_pages=True, fp8_dot="fp16", fp8_v_ahead=True),
 }
+
+#: The Gluon pass 1 for paged e4m3 caches (:mod:`.decode_gluon`): one warp per program,
+#: 16-key tiles (with pages of 16 keys or a multiple, a tile lies in one page: one page id
+#: and one descale pair per tile), no stages (loads go straight to registers). Its sm90
+#: build takes 168 registers, so 12 one-warp programs fit an SM: 12 per SM plan the splits.
+#: Built offline only, never run on a GPU: opt-in (``config=``), not in ``decode_config``.
+GLUON_FP8_PAGED = DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=12,
+                               fp8_dot="fp16", gluon=True)
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
 INTERPRETER_SM_COUNT = 4

@@ -1,0 +1,94 @@
+"""The Gluon paged FP8 decode pass (``GLUON_FP8_PAGED``, issue 16) beside the bf16 paged row
+and the portable FP8 row, on the random table: GPU time (CUDA-graph replay) and eager time
+(``do_bench``), relative L2 error vs fp32 over the bf16 pool, speedup vs the bf16 row of
+the same run. Cells: 64 x 32k, 1 x 128k, 32 x 4k (32 query / 8 KV heads, d128, page 16).
+The Gluon rows run at the heuristic's split count, at half and twice it, with V a tile
+ahead, capped at 144 registers (14 programs per SM), and with 32-key tiles (two pages per
+tile, two page ids); a variant that fails or is refused is recorded as a result. The
+JSON is rewritten after every row, so a run cut short keeps what it measured.
+
+    python benchmarks/decode_fp8_gluon.py --out $OUT [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+from attnhub_triton_portable.decode_configs import GLUON_FP8_PAGED, choose_splits, decode_config
+from triton_decode import (HKV, ROOT, SMOKE, PagedCase, eager_us, est, gpu_us, kv_bytes,
+                           source_commit, sweep_setup)
+
+CELLS = [(2, 64), (1, 128)] if SMOKE else [(64, 32768), (1, 131072), (32, 4096)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/fp8_gluon")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    out, gpu, sms, arch = sweep_setup(args.out)
+    res: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "gpu": gpu, "sm_count": sms, "commit": source_commit(ROOT),
+        "gluon": repr(GLUON_FP8_PAGED), "cells": []}
+    path = out / "fp8_gluon.json"
+
+    def save() -> None:
+        res["seconds"] = time.time() - t0
+        path.write_text(json.dumps(res, indent=1))
+
+    for batch, ctx in CELLS:
+        c = PagedCase(batch, ctx, fp8=True)
+        e, nbytes = est(batch, ctx), kv_bytes(batch, ctx)
+        ref = c.reference("random")
+        cell: dict[str, Any] = {"batch": batch, "ctx": ctx, "rows": []}
+        res["cells"].append(cell)
+        bf16 = decode_config(arch, paged=True, programs=(batch * HKV, sms))
+        row8 = decode_config(arch, paged=True, kv_fp8=True)
+        g_splits = choose_splits(batch, HKV, ctx, sms, GLUON_FP8_PAGED)
+        rows = [("bf16", False, bf16, None), ("fp8_row", True, row8, None),
+                ("gluon", True, GLUON_FP8_PAGED, g_splits),
+                ("gluon_half_splits", True, GLUON_FP8_PAGED, max(1, g_splits // 2)),
+                ("gluon_twice_splits", True, GLUON_FP8_PAGED, 2 * g_splits),
+                ("gluon_vahead", True, GLUON_FP8_PAGED.with_(fp8_v_ahead=True, ctas_per_sm=9),
+                 None),
+                ("gluon_maxnreg144", True, GLUON_FP8_PAGED.with_(maxnreg=144, ctas_per_sm=14),
+                 None),
+                ("gluon_n32", True, GLUON_FP8_PAGED.with_(block_n=32, ctas_per_sm=10), None)]
+        for name, fp8, cfg, splits in rows:
+            splits = splits or choose_splits(batch, HKV, ctx, sms, cfg)
+            r: dict[str, Any] = {"name": name, "splits": splits, "config": repr(cfg)}
+            try:
+                fn = c.ours("random", fp8=fp8, config=cfg, num_splits=splits)
+                o = fn()[0]
+                r["rel_err"] = float((o.float() - ref).norm() / ref.norm())
+                r["gpu_us"] = gpu_us([fn], e)
+                r["eager_us"] = eager_us(fn)
+                r["TBps_bf16_equiv"] = nbytes / r["gpu_us"] / 1e6
+                if cell["rows"] and "gpu_us" in cell["rows"][0]:
+                    r["speedup_vs_bf16"] = cell["rows"][0]["gpu_us"] / r["gpu_us"]
+            except Exception as exc:  # noqa: BLE001  (a variant that fails is a result)
+                r["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            cell["rows"].append(r)
+            print(batch, ctx, json.dumps(r), flush=True)
+            save()
+        del c, ref
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    print("done", time.time() - t0, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Build the Gluon paged FP8 decode kernel (``decode_gluon``) for sm90 on a machine
+without a GPU and report the build: registers, spills, shared memory, and the SASS
+instructions that say whether the design held (local memory, shared-memory traffic,
+MMAs, e4m3 conversions, byte permutes, global load widths). No launch happens.
+
+    PYTHONPATH=<triton 3.6 site>:.:plugins/triton_portable \
+        python3 benchmarks/gluon_decode_sm90_offline.py [--block-n 16 32] [--page 16] [--maxnreg N]
+        [--dump DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import subprocess
+
+import torch
+import triton
+from triton.runtime.driver import driver
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gluon_sm90_offline import _sass, _Sm90  # noqa: E402
+
+#: SASS opcodes counted in the report (whole kernel and inside the key loop)
+OPS = ("LDL", "STL", "LDS", "STS", "LDSM", "BAR", "HMMA", "F2FP", "F2FP.F16.E4M3", "PRMT",
+       "LDG.E.128", "LDG.E.64", "LDG.E.U8", "LDG.E ", "MUFU.EX2", "SHFL")
+
+
+def split_args(block_n: int, splits: int, ahead: bool, page: int = 16) -> tuple:
+    """``_split_kernel``'s argument tuple for 32/8 heads, d128, ``page``-key pages, as
+    decode builds it."""
+    hq, hkv, d, pages, batch = 32, 8, 128, 4096, 64
+    q = torch.empty(batch, 1, hq, d, dtype=torch.bfloat16)
+    k = torch.empty(pages, page, hkv, d, dtype=torch.float8_e4m3fn)
+    out = torch.empty_like(q)
+    f32 = torch.empty(16, dtype=torch.float32)
+    table = torch.empty(batch, 2048, dtype=torch.int32)
+    lens = torch.empty(batch, dtype=torch.int32)
+    sc = torch.empty(pages, hkv, dtype=torch.float32)
+    return (q, k, k, out, f32, f32, f32, f32, table, lens, f32, sc, sc,
+            q.stride(0), q.stride(1), q.stride(2), *k.stride()[:3], *k.stride()[:3],
+            hq * d, hq * d, d, table.stride(0), 0, *sc.stride(), *sc.stride(),
+            128 ** -0.5, 1.0, -1, -1, 1, 2048 * page, batch, batch, pages, hq, hkv, hq // hkv,
+            1, splits,
+            d, page, True, True, True, True, False, False, False, False, True, splits == 1,
+            False, True, True, ahead, 0, False, 16, block_n, d, max(2, splits), "tf32", False)
+
+
+def _loop(sass: str) -> str:
+    """The SASS of the key loop: from the target of the last backward branch to it."""
+    lines = sass.splitlines()
+    addr = [re.match(r"\s*/\*([0-9a-f]{4,})\*/", ln) for ln in lines]
+    best = ""
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", line)
+        if not m or not addr[i] or int(m[1], 16) >= int(addr[i][1], 16):
+            continue
+        start = next(j for j in range(i) if addr[j] and int(addr[j][1], 16) == int(m[1], 16))
+        if i - start > len(best.splitlines()):
+            best = "\n".join(lines[start:i + 1])
+    return best
+
+
+def _resources(cubin: str) -> str:
+    """REG / STACK / LOCAL of the kernel from ``cuobjdump --dump-resource-usage``."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    out = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True,
+                         text=True, check=False).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    return f"regs={m[1]} stack={m[2]} local={m[4]}" if m else out.strip()[-200:]
+
+
+def _count(text: str) -> dict[str, int]:
+    return {op.strip(): len(re.findall(re.escape(op) + (r"" if op.endswith(" ") else r"\b"),
+                                       text)) for op in OPS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dump", default="/tmp/gluon_decode_sm90")
+    ap.add_argument("--block-n", type=int, nargs="*", default=[16, 32])
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--maxnreg", type=int, default=0, help="register cap (0: none)")
+    a = ap.parse_args()
+    os.makedirs(a.dump, exist_ok=True)
+    driver.set_active(_Sm90())
+    from attnhub_triton_portable import decode_gluon
+
+    bad = 0
+    for bn in a.block_n:
+        for splits, ahead in ((1, False), (8, False), (8, True)):
+            tag = (f"fp8_decode_p{a.page}_bn{bn}_s{splits}{'_ahead' if ahead else ''}"
+                   f"{f'_r{a.maxnreg}' if a.maxnreg else ''}")
+            cap = {"maxnreg": a.maxnreg} if a.maxnreg else {}
+            try:
+                ck = decode_gluon._fp8_paged_split_kernel.run(
+                    *split_args(bn, splits, ahead, a.page), grid=(splits, 512, 1), warmup=True,
+                    num_warps=1, **cap)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                bad += 1
+                print(f"FAIL {tag}: {type(exc).__name__}: {str(exc)[-4000:]}")
+                continue
+            for ext in ("ptx", "ttgir", "llir"):
+                with open(f"{a.dump}/{tag}.{ext}", "w") as f:
+                    f.write(ck.asm[ext])
+            sass = _sass(ck.asm["cubin"], f"{a.dump}/{tag}.cubin")
+            with open(f"{a.dump}/{tag}.sass", "w") as f:
+                f.write(sass)
+            res = _resources(f"{a.dump}/{tag}.cubin")
+            print(f"OK {tag}: {res} smem={ck.metadata.shared}")
+            print(f"   kernel: {_count(sass)}")
+            print(f"   loop:   {_count(_loop(sass))}")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The Gluon paged FP8 decode pass (``config.gluon``): who may take it, why others are
+refused, and that it is launched with exactly the split kernel's arguments. The kernel
+runs only on an sm90 GPU (test_decode_gluon_gpu.py); here launches are recorded."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton reads this when a kernel is decorated (import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from attnhub_triton_portable import decode, decode_gluon
+from attnhub_triton_portable.decode_configs import GLUON_FP8_PAGED, decode_config
+
+E4M3 = torch.float8_e4m3fn
+
+#: what the kernel serves; each refusal below changes one thing
+OK: dict[str, Any] = {
+    "arch": "sm90", "interpreted": False, "q_dtype": torch.bfloat16, "seqlen_q": 1,
+    "group": 4, "head_dim": 128, "paged": True, "has_seqlens": True, "kv_fp8": True,
+    "window": False, "softcap": False, "alibi": False, "fused_merge": False, "block_n": 16,
+    "num_warps": 1, "min_block_m": 0, "v_ahead": False}
+
+
+def test_never_chosen_by_the_table() -> None:
+    for arch in ("cpu", "sm80", "sm89", "sm90", "sm100", "gfx942", "other"):
+        for paged in (False, True):
+            for fp8 in (False, True):
+                for programs in (None, (8, 132), (4096, 132)):
+                    for dtype in ("bf16", "fp16", "fp32"):
+                        assert not decode_config(arch, dtype, paged, fp8, programs).gluon
+    assert GLUON_FP8_PAGED.gluon and GLUON_FP8_PAGED.block_n in decode_gluon.BLOCK_NS
+
+
+def test_supports_the_served_call() -> None:
+    assert decode_gluon.supports(**OK) is None
+    for change in ({"q_dtype": torch.float16}, {"group": 16}, {"group": 1},
+                   {"block_n": 32}, {"min_block_m": 16}, {"v_ahead": True}):
+        assert decode_gluon.supports(**{**OK, **change}) is None, change
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"interpreted": True}, "interpreter"),
+    ({"arch": "cpu"}, "interpreter"),
+    ({"arch": "sm80"}, "sm90.*not sm80"),
+    ({"arch": "sm100"}, "not sm100"),
+    ({"paged": False}, "paged e4m3"),
+    ({"kv_fp8": False}, "paged e4m3"),
+    ({"has_seqlens": False}, "paged e4m3"),
+    ({"q_dtype": torch.float32}, "bf16 or fp16"),
+    ({"head_dim": 64}, "head dim 64"),
+    ({"seqlen_q": 2}, "Sq = 1"),
+    ({"group": 17}, "GQA group 17"),
+    ({"window": True}, "window not implemented"),
+    ({"softcap": True, "alibi": True}, "softcap, alibi not"),
+    ({"fused_merge": True}, "fused_merge"),
+    ({"v_ahead": True, "block_n": 32}, "fp8_v_ahead with block_n 32"),
+    ({"block_n": 64}, "block_n 64"),
+    ({"num_warps": 4}, "num_warps=1"),
+    ({"min_block_m": 64}, "min_block_m 64"),
+])
+def test_refusals_name_their_reason(change: dict[str, Any], reason: str) -> None:
+    why = decode_gluon.supports(**{**OK, **change})
+    assert why is not None
+    assert __import__("re").search(reason, why), why
+
+
+def _paged_call(d: int = 128, hq: int = 32, hkv: int = 8, sq: int = 1,
+                dtype: torch.dtype = torch.bfloat16) -> tuple[tuple[torch.Tensor, ...],
+                                                              dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    b, page, pages = 3, 16, 24
+    q = torch.randn(b, sq, hq, d, generator=g).to(dtype)
+    k = torch.randn(pages, page, hkv, d, generator=g).to(E4M3)
+    v = torch.randn(pages, page, hkv, d, generator=g).to(E4M3)
+    table = torch.randperm(pages, generator=g)[:18].view(b, 6).to(torch.int32)
+    kw = {"scale": d ** -0.5, "block_table": table,
+          "seqlens_k": torch.tensor([70, 0, 96], dtype=torch.int32),
+          "k_descale": torch.rand(pages, hkv, generator=g) + 0.01,
+          "v_descale": torch.rand(pages, hkv, generator=g) + 0.01}
+    return (q, k, v), kw
+
+
+def test_asking_for_it_in_the_interpreter_says_why() -> None:
+    if decode._split_kernel.__class__.__name__ != "InterpretedFunction":
+        pytest.skip("decode was imported for a GPU")
+    (q, k, v), kw = _paged_call()
+    with pytest.raises(ValueError, match="config.gluon: Gluon kernels do not run"):
+        decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED, **kw)
+
+
+class _Recorder:
+    """Stands in for ``fastlaunch.Launcher``: records each launch, runs nothing."""
+
+    log: list[tuple[Any, ...]] = []
+
+    def __init__(self, fn: Any, grid: tuple[int, ...], options: dict[str, Any]) -> None:
+        self.fn, self.grid, self.options, self.ready = fn, grid, options, {}
+
+    def __call__(self, device: int, stream: int, direct: bool, args: tuple[Any, ...]) -> None:
+        self.log.append((self.fn, self.grid, self.options, args))
+
+
+@pytest.fixture()
+def recorded(stub_decode: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """Launches recorded on the stub sm90; the scratch these calls grow is their own (a
+    CPU scratch left large would make later tests' buffers views of one allocation)."""
+    import threading
+
+    from attnhub_triton_portable import scratch
+
+    monkeypatch.setattr(decode, "Launcher", _Recorder)
+    monkeypatch.setattr(_Recorder, "log", [])
+    monkeypatch.setattr(scratch, "_tls", threading.local())
+    return _Recorder.log
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr() or (
+            a.shape == b.shape and a.dtype == b.dtype)
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_launched_with_the_split_kernels_arguments(recorded: list[tuple[Any, ...]],
+                                                   splits: int) -> None:
+    """Same argument tuple as ``_split_kernel`` under an equal portable config, but the
+    Gluon kernel, one warp, and the merge unchanged."""
+    (q, k, v), kw = _paged_call()
+    portable = GLUON_FP8_PAGED.with_(gluon=False)
+    decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED, num_splits=splits, **kw)
+    decode.decode_attention(q, k, v, config=portable, num_splits=splits, **kw)
+    n = 2 if splits > 1 else 1
+    assert len(recorded) == 2 * n
+    (g_fn, g_grid, g_opt, g_args), (p_fn, p_grid, p_opt, p_args) = recorded[0], recorded[n]
+    assert g_fn is decode_gluon._fp8_paged_split_kernel and p_fn is decode._split_kernel
+    assert g_grid == p_grid == (splits, 3 * 8)
+    assert g_opt["num_warps"] == 1 and "maxnreg" not in g_opt
+    assert len(g_args) == len(p_args) == len(decode_gluon._fp8_paged_split_kernel.arg_names)
+    names = decode_gluon._fp8_paged_split_kernel.arg_names
+    assert names == decode._split_kernel.arg_names
+    for name, a, b in zip(names, g_args, p_args):
+        if name in ("Out", "Lse", "OP", "LP", "Counters"):  # fresh outputs / scratch
+            assert _same(a, b) or isinstance(a, torch.Tensor), name
+        else:
+            assert _same(a, b), name
+    got = dict(zip(names, g_args))
+    assert (got["HEAD_DIM"], got["PAGE"], got["PAGED"], got["KV_FP8"]) == (128, 16, True, True)
+    assert (got["BLOCK_M"], got["BLOCK_N"], got["ONE_SPLIT"]) == (16, 16, splits == 1)
+    assert (got["group"], got["m_blocks"], got["num_splits"]) == (4, 1, splits)
+    if splits > 1:  # the merge is the portable one
+        assert recorded[1][0] is decode._merge_kernel
+
+
+@pytest.mark.parametrize(("call", "reason"), [
+    ({"d": 64}, "head dim 64"),
+    ({"sq": 2}, "Sq = 1"),
+    ({"hq": 68, "hkv": 4}, "GQA group 17"),
+    ({"dtype": torch.float16}, None),
+])
+def test_a_refused_call_fails_before_any_launch(recorded: list[tuple[Any, ...]],
+                                               call: dict[str, Any], reason: str | None
+                                               ) -> None:
+    (q, k, v), kw = _paged_call(**call)
+    if reason is None:
+        decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED, **kw)
+        assert recorded and recorded[0][0] is decode_gluon._fp8_paged_split_kernel
+        return
+    with pytest.raises(ValueError, match=f"config.gluon: .*{reason}"):
+        decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED, **kw)
+    assert not recorded
+
+
+def test_refused_when_not_a_paged_fp8_cache(recorded: list[tuple[Any, ...]]) -> None:
+    (q, k, v), kw = _paged_call()
+    with pytest.raises(ValueError, match="config.gluon: serves a paged e4m3"):
+        decode.decode_attention(q, k.bfloat16(), v.bfloat16(), config=GLUON_FP8_PAGED,
+                                scale=kw["scale"], block_table=kw["block_table"],
+                                seqlens_k=kw["seqlens_k"])
+    with pytest.raises(ValueError, match="config.gluon: .*fused_merge"):
+        decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED.with_(fused_merge=True),
+                                num_splits=2, **kw)
+    assert not recorded
+
+
+def test_sm90_build_keeps_the_key_loop_in_registers() -> None:
+    """The kernel built for sm90 offline (stub driver, this machine's Triton and ptxas, in a
+    subprocess: the driver switch stays there): no local memory, no shared memory at all,
+    and per 16-key tile of the loop (page 16: one page per tile) 32 fp16 MMAs, 64 e4m3x2 ->
+    f16x2 conversions (every K and V byte once), 8 16-byte loads and 3 scalar loads (page
+    id, two descales) per thread; V a tile ahead too."""
+    import ast
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "plugins" / "triton_portable"),
+                                         env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "gluon_decode_sm90_offline.py"),
+                          "--block-n", "16", "--dump", "/tmp/attnhub_gluon_decode_test"],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    built = re.findall(r"OK (\S+): regs=(\d+) stack=(\d+) local=(\d+) smem=(\d+)\n"
+                       r"\s+kernel: (\{.*\})\n\s+loop:\s+(\{.*\})", run.stdout)
+    if not built and ("ptxas" in run.stdout + run.stderr or "cuobjdump" in run.stderr):
+        pytest.skip("no sm90 toolchain in this Triton")
+    assert len(built) == 3, run.stdout[-3000:] + run.stderr[-3000:]
+    for tag, regs, stack, local, smem, kernel, loop in built:
+        whole, body = ast.literal_eval(kernel), ast.literal_eval(loop)
+        assert int(smem) == 0 and whole["LDS"] == whole["STS"] == whole["BAR"] == 0, tag
+        assert int(stack) == int(local) == 0 and whole["LDL"] == whole["STL"] == 0, tag
+        assert (body["HMMA"], body["LDG.E.128"], body["LDG.E"]) == (32, 8, 3), (tag, body)
+        assert body["F2FP.F16.E4M3"] == 64, (tag, body)  # each K and V byte pair once
+        assert body["F2FP"] == 64 + 4, (tag, body)  # and p to fp16
+        assert int(regs) <= (232 if tag.endswith("_ahead") else 176), tag
+
+
+def test_register_cap_reaches_the_launch(recorded: list[tuple[Any, ...]]) -> None:
+    (q, k, v), kw = _paged_call()
+    decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED.with_(maxnreg=144), **kw)
+    assert recorded[0][2]["maxnreg"] == 144
