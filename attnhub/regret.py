@@ -5,7 +5,7 @@ the public API twice over: as the policy binds it, and forced onto every exact b
 accepts the cell, each checked against the fp64 reference first (a fast wrong kernel has no
 speed). Regret = policy time / best forced time; 1.00 means the policy picked the best.
 Timing (``attnhub.timing.interleaved_ms``): within every repeat the policy's call, each
-forced backend and each raw library take one sample in turn (in a fresh random order), so the
+forced backend and each raw library take one sample in turn (in a balanced order: each follows every other equally often), so the
 policy and its own backend forced are timed under the same conditions; a sample is a batch of
 back-to-back calls between CUDA events lasting about ``BATCH_MS`` when a call is under
 ``BATCH_BELOW_MS`` (the same batch for every callable of the cell), otherwise one call from

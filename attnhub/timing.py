@@ -81,16 +81,35 @@ class Interleaved:
     batch: int
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``range(n)`` in which every index follows every other equally often (a
+    Williams design: n rows for even n, 2n for odd n): over a cycle of rows no callable
+    gets a favoured predecessor, which a random draw can give it by chance, the same in
+    every run of a seeded draw."""
+    if n <= 1:
+        return [list(range(n))]
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = [[(x + i) % n for x in base] for i in range(n)]
+    return rows + [r[::-1] for r in rows] if n % 2 else rows
+
+
 def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.device | str, *,
                    warmup: int = 3, repeats: int = 20, rounds: int = 2,
                    batch_below_ms: float = 0.1, batch_ms: float = 0.5,
                    max_batch: int = 64, drop_above: float | None = None) -> Interleaved:
     """Time several callables so that two of them running the same kernel get the same
-    figure: each repeat takes one sample of every callable in turn, in a fresh (seeded)
-    random order, so a clock, thermal or co-tenant change hits all alike and no callable
-    always follows the same one. (A rotating order keeps every callable's predecessor
-    fixed: on the H200 the backend forced right after the policy's call of the same kernel
-    timed 5-14% faster than that call, from the caches it left warm.) When the fastest
+    figure: each repeat takes one sample of every callable in turn, in the next order of a
+    :func:`balanced_orders` cycle (callables shuffled onto its indices each round), so a
+    clock, thermal or co-tenant change hits all alike and every callable follows every other
+    equally often. (A rotating order keeps every callable's predecessor fixed: on the H200
+    the backend forced right after the policy's call of the same kernel timed 5-14% faster
+    than that call, from the caches it left warm.) When the fastest
     single call is under ``batch_below_ms``, a sample is a batch of back-to-back calls
     lasting about ``batch_ms`` (the same count for all), so launch jitter of a few
     microseconds averages out instead of deciding a ratio.
@@ -116,10 +135,12 @@ def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.d
             fastest = min(best.values())
             names = [n for n in names if best[n] <= drop_above * fastest]
         samples: dict[Hashable, list[float]] = {n: [] for n in names}
-        for _ in range(max(1, repeats)):
-            order = names[:]
-            rng.shuffle(order)
-            for n in order:
+        labels = names[:]
+        rng.shuffle(labels)
+        orders = balanced_orders(len(labels))
+        for r in range(max(1, repeats)):
+            for i in orders[r % len(orders)]:
+                n = labels[i]
                 samples[n].append(sample_ms(fns[n], device, batch))
         for n in names:
             best[n] = min(best.get(n, math.inf), statistics.median(samples[n]))

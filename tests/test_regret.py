@@ -132,6 +132,21 @@ def test_interleaved_timing_shuffles_and_batches():
     assert slow.batch == 1 and slow.ms["s"] >= 2.0
 
 
+@pytest.mark.parametrize("n", range(1, 10))
+def test_balanced_orders_give_no_callable_a_favoured_predecessor(n):
+    """Over one cycle of rows every ordered pair of distinct callables is adjacent equally
+    often (once for even n, twice for odd), and every row is a permutation."""
+    from collections import Counter
+
+    from attnhub.timing import balanced_orders
+
+    rows = balanced_orders(n)
+    assert all(sorted(r) == list(range(n)) for r in rows)
+    assert len(rows) == (n if n % 2 == 0 or n == 1 else 2 * n)
+    pairs = Counter((r[i - 1], r[i]) for r in rows for i in range(1, n))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+
+
 def test_interleaved_timing_drops_far_slower_callables_after_a_round():
     """A callable over ``drop_above`` x the fastest keeps its first round's figure and is
     not sampled again; the others are sampled in every round."""
