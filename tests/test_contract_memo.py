@@ -198,6 +198,19 @@ def test_kv_cache_tables_need_no_read_back(spy_hub, monkeypatch):
         assert torch.allclose(outs[0][i:i + 1].double(), ref, atol=1e-5)
 
 
+def _break_tables(how: str, bt: torch.Tensor, kc: torch.Tensor,
+                  vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make ``bt`` name a page the returned k/v caches do not have: a smaller cache, an
+    in-place edit (bumps ``_version``) or an edit through ``.data`` (does not)."""
+    if how == "smaller_cache":
+        return kc[:2], vc[:2]
+    if how == "inplace":
+        bt[1, 0] = 99
+    else:
+        bt.data[1, 0] = 99
+    return kc, vc
+
+
 @pytest.mark.parametrize("how", ["inplace", "data", "smaller_cache"])
 def test_vouched_tables_still_checked_when_they_stop_holding(spy_hub, monkeypatch, how):
     hub, _ = spy_hub
@@ -206,12 +219,7 @@ def test_vouched_tables_still_checked_when_they_stop_holding(spy_hub, monkeypatc
     bt, sl = cache.block_table(seqs), cache.seqlens(seqs)
     q = torch.randn(3, 1, 4, 8)
     kc, vc = cache.k_cache(0), cache.v_cache(0)
-    if how == "smaller_cache":  # the tables name pages this k/v does not have
-        kc, vc = kc[:2], vc[:2]
-    elif how == "inplace":
-        bt[1, 0] = 99
-    else:
-        bt.data[1, 0] = 99
+    kc, vc = _break_tables(how, bt, kc, vc)
     with pytest.raises(SeqlensError, match="outside"):
         hub.attention(q, kc, vc, layout="paged", block_table=bt, seqlens_k=sl, backend="spy")
     assert reads == [1]
@@ -301,11 +309,6 @@ def test_paged_layer_shortcut_sees_every_change(spy_hub, monkeypatch, how):
         hub.attention(q, kc, vc, **kw)
         assert len(looked_up) == 2 and spy.seen[-1].block_table.shape[0] == 3
         return
-    if how == "smaller_cache":  # the tables name pages this k/v does not have
-        kc, vc = kc[:2], vc[:2]
-    elif how == "inplace":
-        bt[1, 0] = 99
-    else:
-        bt.data[1, 0] = 99
+    kc, vc = _break_tables(how, bt, kc, vc)
     with pytest.raises(SeqlensError, match="outside"):
         hub.attention(q, kc, vc, **kw)
