@@ -356,10 +356,11 @@ class _Memo:
                 return result
         return None
 
-    #: The hot path's check, ``_hit`` itself (a wrapper would cost a call per layer): the
+    #: The hot path's check, ``_hit`` itself (no wrapper: one call less per layer): the
     #: result of :meth:`check` (paged: ``(snap_bt, snap_sl, longest)`` for the geometry
     #: ``(k.shape, batch, device)``; thd: ``(snap_q, snap_k, max_q, max_k)`` for
-    #: ``(total_q, total_k, device)``) or None, and then :meth:`check` must run, the tables' types and shapes too.
+    #: ``(total_q, total_k, device)``) or None, and then :meth:`check` must run, the
+    #: tables' types and shapes too.
     unchanged = _hit
 
     def _store(self, a: torch.Tensor, b: torch.Tensor, geometry: tuple, snap_a: torch.Tensor,

@@ -548,7 +548,9 @@ class _Shape:
             num_warps=cfg.num_warps, min_block_m=cfg.min_block_m,
             v_ahead=cfg.fp8_v_ahead)
         if why:
-            raise ValueError(f"decode_attention: config.gluon: {why}")
+            raise ValueError(f"decode_attention: config.gluon asks for the Gluon pass 1, but "
+                             f"{why}; drop gluon from the config (the portable kernel takes "
+                             "every call)")
         return decode_gluon._fp8_paged_split_kernel
 
     def _build(self, plan: _Plan) -> _Launches:
