@@ -143,8 +143,8 @@ class Hub:
     def __init__(self, policy: str | Path | Resolver | None = None, *,
                  hardware: str | None = None, registry: Registry | None = None,
                  debug: bool | None = None):
-        self.registry = registry or Registry.load()
-        self.device = probe(hardware)
+        self._registry = registry or Registry.load()
+        self._device = probe(hardware)
         self._policy_arg = policy
         self._resolver: Resolver | None = policy if _is_resolver(policy) else None
         self._runners: OrderedDict[tuple, tuple[AttentionSpec, Runner]] = OrderedDict()
@@ -171,13 +171,37 @@ class Hub:
 
     @forced_backend.setter
     def forced_backend(self, name: str | None) -> None:
-        # the bindings made so far were made under the old value: none may serve a call now
+        self._rebind(_forced=name or None)
+
+    @property
+    def device(self) -> DeviceInfo:
+        """The device the policy binds for (``probe(hardware)``)."""
+        return self._device
+
+    @device.setter
+    def device(self, device: DeviceInfo) -> None:
+        self._rebind(_device=device)
+
+    @property
+    def registry(self) -> Registry:
+        """The backends and variants this hub can bind."""
+        return self._registry
+
+    @registry.setter
+    def registry(self, registry: Registry) -> None:
+        self._rebind(_registry=registry)
+
+    def _rebind(self, **settings: Any) -> None:
+        """Change what bindings depend on: the bindings and decisions made so far were made
+        under the old values, so none may serve a call now."""
         with self._lock:
-            self._forced = name or None
+            for name, value in settings.items():
+                setattr(self, name, value)
             self._runners.clear()
             self._exact.clear()
             self._last_exact = ((), None)
             self._paged_last = (None, None)
+            self._decisions.clear()
 
     # -- policy ---------------------------------------------------------------------------
     @property

@@ -123,3 +123,37 @@ def test_forced_backend_set_after_calls_rebinds():
     hub.attention(q, q, q)
     (runner,) = hub.bound()
     assert runner.decision.rule == first.decision.rule
+
+
+def test_device_or_registry_set_after_calls_rebinds():
+    """Siblings of ``forced_backend``: a hub given another device or registry after calls
+    binds the next call (same shapes) anew, under the new one."""
+    from attnhub.core.backend import AttentionOutput, Backend
+    from attnhub.core.device import DeviceInfo, library_versions
+    from attnhub.core.registry import Registry
+
+    hub = attnhub.Hub(hardware="cpu")
+    q = torch.randn(1, 4, 2, 16)
+    hub.attention(q, q, q)
+    other = DeviceInfo(vendor="cpu", arch="cpu", name="Another CPU",
+                       versions=library_versions())
+    hub.device = other
+    hub.attention(q, q, q)
+    (runner,) = hub.bound()
+    assert runner.decision.device == other.describe()
+
+    class Filler(Backend):  # one name, two plugins: each fills its output with its value
+        name = "filler"
+        capabilities = Capabilities()
+
+        def __init__(self, value: float):
+            super().__init__()
+            self.value = value
+
+        def forward(self, q, k, v, spec, params):
+            return AttentionOutput(torch.full_like(q, self.value))
+
+    hub.registry = Registry.of(Filler(1.0), plugin="ones")
+    assert float(hub.attention(q, q, q, backend="filler").mean()) == 1.0
+    hub.registry = Registry.of(Filler(2.0), plugin="twos")
+    assert float(hub.attention(q, q, q, backend="filler").mean()) == 2.0
