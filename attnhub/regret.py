@@ -425,11 +425,18 @@ def walk_calls(warmup: int, repeats: int, rounds: int, max_batch: int = 4) -> in
 
 class _Walks:
     """The walks of one cell: one buffer each for q, k and v (random data), a residue each,
-    every length in ``(sk, bucket(sk)]`` and at most ``calls`` of them per walk."""
+    every length in ``(sk, bucket(sk)]`` and at most ``calls`` of them per walk.
+
+    The stride is odd, so each walk meets every residue modulo any power of two equally
+    often: with an even stride (8 walks, say) one walk took only lengths 2 mod 8 and
+    another only 7 mod 8, and kernels whose speed depends on the length's alignment (tails
+    of a tile, vector widths) then timed the *same* backend differently per walk; the
+    policy's call against that backend forced showed 1.06-1.11 on the H200 (2026-12-01)."""
 
     def __init__(self, inp: Inputs, count: int, calls: int):
         b, sk, hkv, d = inp.k.shape
         self.inp, self.count, self.calls, self._n = inp, count, calls, 0
+        self.stride = count | 1
         self.limit = bucket(sk)
         top = max(self.limit, sk)
         self.bufs = tuple(torch.randn(b * h * top * d, device=inp.k.device).to(inp.k.dtype)
@@ -440,7 +447,7 @@ class _Walks:
         if self._n > self.count:  # another residue would meet an earlier walk's lengths
             raise RuntimeError(f"walking cell: walk {self._n} of {self.count} asked for")
         sk = self.inp.k.shape[1]
-        lengths = range(sk + self._n, self.limit + 1, self.count)[:self.calls]
+        lengths = range(sk + self._n, self.limit + 1, self.stride)[:self.calls]
         return _Walk(self.inp, self.bufs, lengths)
 
 

@@ -382,6 +382,31 @@ def test_growing_cell_stays_in_its_key_length_bucket(monkeypatch):
     assert sum(len(ls) for ls in by.values()) > bucket(sk) - sk  # they had to start over
 
 
+@pytest.mark.parametrize("count", [2, 5, 8])
+def test_walks_meet_every_alignment_equally(count):
+    """Each walk's lengths cover every residue mod 8 equally (an odd stride): with an even
+    one, one walk took only lengths 2 mod 8 and another only 7 mod 8, so one backend could
+    time differently per walk. Walks stay disjoint."""
+    import torch
+
+    from attnhub import regret as rg
+    from attnhub.core.spec import AttentionSpec
+
+    spec = AttentionSpec(phase="prefill", dtype="fp32", kv_dtype="fp32", head_dim=4,
+                         head_dim_v=4, num_q_heads=1, num_kv_heads=1, max_seqlen_q=1025,
+                         max_seqlen_k=1025, batch=1)
+    inp = rg.make_inputs(spec, torch.device("cpu"), seed=0)
+    walks = rg._Walks(inp, count, calls=8 * 9)
+    seen = []
+    for _ in range(count):
+        w = walks.next()
+        lengths = [w.q.shape[1] for _ in range(1 + 8 * 9)][1:]  # the first: the cell's own
+        seen.append(set(lengths))
+        residues = [n % 8 for n in lengths]
+        assert all(residues.count(r) == 9 for r in range(8)), (count, residues)
+    assert all(not (a & b) for i, a in enumerate(seen) for b in seen[i + 1:])
+
+
 def test_walk_calls_covers_the_timing():
     from attnhub import regret as rg
 
