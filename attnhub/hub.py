@@ -34,6 +34,7 @@ from .core.contract import (
     nan_violation,
 )
 from .errors import ArgumentError, BackendUnavailableError, InputError, NoBackendError
+from .settle import settle
 
 log = logging.getLogger("attnhub")
 
@@ -142,7 +143,7 @@ class Hub:
 
     def __init__(self, policy: str | Path | Resolver | None = None, *,
                  hardware: str | None = None, registry: Registry | None = None,
-                 debug: bool | None = None):
+                 debug: bool | None = None, settle_ties: bool | None = None):
         self._registry = registry or Registry.load()
         self._device = probe(hardware)
         self._policy_arg = policy
@@ -154,6 +155,8 @@ class Hub:
         #: ``(PAGED memo, exact entry)``: that memo was checked for that binding (paged)
         self._paged_last: tuple[Any, Any] = (None, None)
         self._decisions: dict[tuple[AttentionSpec, BindContext], Decision] = {}
+        #: near-ties of the pack timed on a first call, per (bucket, rule, tied candidates)
+        self._settled: dict[tuple, Decision] = {}
         self._lock = threading.Lock()
         self._forced: str | None = os.environ.get("ATTNHUB_BACKEND") or None
         self.fallback_counts: Counter[tuple[str, str]] = Counter()
@@ -163,6 +166,10 @@ class Hub:
         #: Costs a host sync per call, so it is off on the hot path.
         self.debug = (os.environ.get("ATTNHUB_DEBUG", "") not in ("", "0")
                       if debug is None else debug)
+        #: Time a pack's near-tied candidates on the first call of a bucket and bind the
+        #: fastest (``attnhub.settle``; ``ATTNHUB_SETTLE_TIES=0``: the pack's order binds).
+        self.settle_ties = (os.environ.get("ATTNHUB_SETTLE_TIES", "1") not in ("", "0")
+                            if settle_ties is None else settle_ties)
 
     @property
     def forced_backend(self) -> str | None:
@@ -202,6 +209,7 @@ class Hub:
             self._last_exact = ((), None)
             self._paged_last = (None, None)
             self._decisions.clear()
+            self._settled.clear()
 
     # -- policy ---------------------------------------------------------------------------
     @property
@@ -464,6 +472,15 @@ class Hub:
                colmask_start is not None, score_kind, mask_kind, bucket(max_seqlen_q),
                bucket(max_seqlen_k), bucket(batch), needs_grad, deterministic, return_lse,
                backend, context, k.shape[1] if layout == "paged" else 0)
+        default_scale = 1.0 / math.sqrt(q.shape[-1])
+        params = AttnParams(
+            scale=scale if scale is not None else default_scale,
+            causal=causal, alignment=causal_alignment, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, prefix_lens=prefix_lens, colmask_start=colmask_start,
+            colmask_end=colmask_end, cu_seqlens_q=a.cu_seqlens_q, cu_seqlens_k=a.cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=a.block_table,
+            seqlens_k=a.seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
+            deterministic=deterministic, return_lse=return_lse, extra=dict(extra or {}))
         with self._lock:
             hit = self._runners.get(key)
             if hit is not None:
@@ -482,13 +499,16 @@ class Hub:
                 needs_grad=needs_grad, deterministic=deterministic, return_lse=return_lse,
                 page_size=k.shape[1] if layout == "paged" else 0,
             ).bucketed()
-            hit = (spec, self.runner_for(spec, context or BindContext(), backend))
+            ctx = context or BindContext()
+            run = self.runner_for(spec, ctx, backend)
+            if run.decision.tied and self.settle_ties:
+                run = self._settle(run, spec, ctx, q, k, v, params)
+            hit = (spec, run)
             with self._lock:
                 self._runners[key] = hit
                 while len(self._runners) > RUNNER_LIMIT:
                     self._runners.popitem(last=False)
         spec, run = hit
-        default_scale = 1.0 / math.sqrt(q.shape[-1])
         if fast_key is not None:
             with self._lock:
                 if len(self._exact) >= _EXACT_CACHE_LIMIT:
@@ -504,18 +524,29 @@ class Hub:
                 self._last_exact = (fast_key, entry)
                 if grow_key is not None:
                     self._exact[grow_key] = entry
-        params = AttnParams(
-            scale=scale if scale is not None else default_scale,
-            causal=causal, alignment=causal_alignment, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, prefix_lens=prefix_lens, colmask_start=colmask_start,
-            colmask_end=colmask_end, cu_seqlens_q=a.cu_seqlens_q, cu_seqlens_k=a.cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=a.block_table,
-            seqlens_k=a.seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
-            deterministic=deterministic, return_lse=return_lse, extra=dict(extra or {}))
         out, lse = run(q, k, v, spec, params)
         if transposed:
             out = out.transpose(1, 2)
         return (out, lse) if return_lse else out
+
+    def _settle(self, run: Runner, spec: AttentionSpec, ctx: BindContext, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, params: AttnParams) -> Runner:
+        """A pack's near-tie timed once per bucket on this call (``attnhub.settle``); the
+        settled decision is what ``decide``/``explain`` report from then on."""
+        d = run.decision
+        key = (spec, d.rule, d.tied)
+        with self._lock:
+            done = self._settled.get(key)
+        if done is None:
+            done = settle(d, {n: self.registry.get(n) for n in d.tied}, q, k, v, spec, params)
+            with self._lock:
+                self._settled[key] = done
+        if done.context != ctx:
+            done = dataclasses.replace(done, context=ctx)
+        with self._lock:
+            self._decisions[(spec, ctx)] = done
+        return Runner(done, [self.registry.get(n) for n in (done.backend, *done.fallbacks)],
+                      self)
 
     def _variant(self, score_mod: Any, mask_mod: Any) -> tuple[Any, Any]:
         """Named variants from plugins (``score_mod="softcap30"``) turned into callables."""

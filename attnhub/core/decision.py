@@ -66,6 +66,9 @@ class Decision:
     #: Candidates of the matched rule that no installed plugin registers: the call is served
     #: by a later candidate, so hubs warn once per (rule, backend) and count it.
     missing: tuple[str, ...] = ()
+    #: Viable candidates (the bound one first) that a shipped pack measured within its tie
+    #: margin: the hub times them on the first call and binds the fastest (``settle``).
+    tied: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         c = self.context
@@ -84,6 +87,7 @@ class Decision:
                         "world_size": c.world_size},
             "notes": list(self.notes),
             "missing": list(self.missing),
+            "tied": list(self.tied),
             "inner": self.inner.to_json() if self.inner is not None else None,
         }
 

@@ -113,6 +113,20 @@ class Ranking:
     def order(self) -> list[str]:
         return [b for b, _ in self.ranked]
 
+    def tied(self, viable: list[str]) -> list[str]:
+        """The ``viable`` candidates a shipped pack times within ``TIE`` of the fastest of
+        them, the bound one first; [] unless the figures come from a pack (another machine:
+        on the H200, three decode kernels within 1% in one run came 8% apart on another
+        host) and a call is short enough to time at bind time (``SETTLE_BELOW_S``)."""
+        secs = {b: s for b, s in self.ranked if s is not None}
+        timed = [b for b in viable if b in secs]
+        if self.source != "pack" or len(timed) < 2:
+            return []
+        fastest = min(secs[b] for b in timed)
+        tied = [b for b in timed if secs[b] <= fastest * (1 + TIE)]
+        ok = len(tied) > 1 and tied[0] == viable[0] and fastest <= SETTLE_BELOW_S
+        return tied if ok else []
+
 
 class ProfileStore:
     """Read and record measurements; every public method takes a ``DeviceInfo``.
@@ -440,6 +454,11 @@ def _version_diff(pack: dict[str, str], here: dict[str, str]) -> str:
 #: to run spread of one kernel on the H200 was a few percent, so among tied backends the
 #: rule's list order decides rather than noise.
 TIE = 0.03
+
+
+#: Ties are settled by timing them at bind time only when a call takes at most this long (in
+#: the pack): three candidates' warm-up and samples then cost well under 0.1 s, once.
+SETTLE_BELOW_S = 0.002
 
 
 def _ranked(section: dict[str, Any], backends: list[str]) -> list[tuple[str, float | None]]:

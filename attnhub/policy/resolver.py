@@ -20,7 +20,7 @@ from ..core.registry import Registry
 from ..core.spec import AttentionSpec, bucket
 from .loader import LoadedRule, PolicyData
 from .match import Matcher, RuleIndex, set_bits
-from .profile import ProfileStore, bucket_key, device_key
+from .profile import TIE, ProfileStore, Ranking, bucket_key, device_key
 
 DISTRIBUTED = "distributed"
 
@@ -37,6 +37,8 @@ class _Outcome:
     fallbacks: list[str] = field(default_factory=list)
     inner: Decision | None = None
     missing: list[str] = field(default_factory=list)
+    ranking: Ranking | None = None
+    tied: list[str] = field(default_factory=list)
 
 
 class Policy:
@@ -125,7 +127,7 @@ class Policy:
                     rejected=tuple(out.rejected), fallbacks=tuple(out.fallbacks),
                     on_failure=out.on_failure, context=ctx, notes=tuple(skipped + out.notes),
                     inner=out.inner if _distributed(chosen, registry) else None,
-                    missing=tuple(out.missing))
+                    missing=tuple(out.missing), tied=tuple(out.tied))
         reason = (f"no rule of policy {self.name!r} matches {spec.describe()} on {device.arch} "
                   f"(context {_ctx(ctx)}); rules are tried in file order and the first match "
                   "wins: add a rule for this case (a last rule without `when` catches all)")
@@ -152,8 +154,10 @@ class Policy:
     def _evaluate(self, lr: LoadedRule, m: Matcher, spec: AttentionSpec, device: DeviceInfo,
                   registry: Registry, ctx: BindContext, local: bool) -> _Outcome:
         notes: list[str] = []
-        out = _Outcome(self._order(lr.rule.use, spec, device, notes), [], [], notes,
-                       on_failure=lr.rule.on_failure or self.data.defaults.on_failure)
+        ranking = self._ranking(lr.rule.use, spec, device, notes)
+        out = _Outcome(ranking.order if ranking else list(lr.rule.use.order), [], [], notes,
+                       on_failure=lr.rule.on_failure or self.data.defaults.on_failure,
+                       ranking=ranking)
         for name in out.order:
             reasons = self._reasons(name, lr, m, spec, device, registry, ctx, local, out)
             if reasons:
@@ -166,6 +170,14 @@ class Policy:
             out.viable = gated + [n for n in out.viable if n not in gated]
             notes.append(f"fastest: {', '.join(gated)} passed the rule's accuracy gate and "
                          "leads (opted in by its accuracy record)")
+        if ranking is not None:
+            out.tied = [n for n in ranking.tied(out.viable) if not _distributed(n, registry)]
+            if len(out.tied) > 1:
+                notes.append(f"near-tie in the pack: {', '.join(out.tied)} within "
+                             f"{TIE:.0%}; the hub times them on this machine at the first call"
+                             " and binds the fastest (ATTNHUB_SETTLE_TIES=0 keeps this order)")
+            else:
+                out.tied = []
         if out.viable:
             out.fallbacks = _fallbacks(out.viable[0], out.viable[1:], registry, out.on_failure,
                                        notes)
@@ -175,14 +187,14 @@ class Policy:
                          f"here; {served} (see `attnhub plugins`)")
         return out
 
-    def _order(self, use: Any, spec: AttentionSpec, device: DeviceInfo,
-               notes: list[str]) -> list[str]:
-        """Candidates in the order to try: as written, or by measured speed."""
+    def _ranking(self, use: Any, spec: AttentionSpec, device: DeviceInfo,
+                 notes: list[str]) -> Ranking | None:
+        """A ``fastest`` rule's candidates by measured speed (None: a list, as written)."""
         if use.fastest is None:
-            return list(use.order)
+            return None
         ranking = self.profile.ranking(device, spec, list(use.fastest))  # store, pack, list
         notes.append(f"fastest ({ranking.source}): {ranking.note}")
-        return ranking.order
+        return ranking
 
     def _reasons(self, name: str, lr: LoadedRule, m: Matcher, spec: AttentionSpec,
                  device: DeviceInfo, registry: Registry, ctx: BindContext, local: bool,

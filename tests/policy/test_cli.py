@@ -9,7 +9,8 @@ from attnhub.cli import main
 from attnhub.policy import policies_dir
 
 DECISION_KEYS = {"spec", "device", "backend", "rule", "rule_location", "policy", "candidates",
-                 "rejected", "fallbacks", "on_failure", "context", "notes", "inner", "missing"}
+                 "rejected", "fallbacks", "on_failure", "context", "notes", "inner", "missing",
+                 "tied"}
 
 
 def run_json(capsys, *argv: str) -> tuple[int, dict]:

@@ -1,0 +1,70 @@
+"""Near-ties of a shipped profile pack, settled by timing them on the first call.
+
+A pack is measured on one machine; backends it puts within a few percent of each other can
+rank differently on another (on the H200, fa2_torch, torch_sdpa and triton_decode timed within
+1% in one run and 8% apart in the next, on another host). So the hub times the tied
+candidates once, on the call that binds them, with that call's own tensors, and binds the
+fastest for the bucket. Never inside CUDA graph capture or a ``torch.compile`` trace (a sync
+there is an error), and never for a training call (its backward, which a forward timing
+cannot see, is part of its cost): those keep the pack's order, with a note saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+import torch
+
+from .core.backend import Backend
+from .core.decision import Decision
+from .core.spec import AttentionSpec, AttnParams
+from .timing import interleaved_ms
+
+#: The timing: short, interleaved, batched (``interleaved_ms``): a few ms for decode calls.
+WARMUP, REPEATS, BATCH_MS = 2, 7, 0.3
+
+
+def blocker(q: torch.Tensor, spec: AttentionSpec) -> str | None:
+    """Why this call cannot time its candidates (None: it can)."""
+    if spec.needs_grad:
+        return "a training call (its backward is part of its cost; a forward timing misses it)"
+    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "the first call came inside CUDA graph capture, where timing cannot sync"
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and compiler.is_compiling():
+        return "the first call came inside a torch.compile trace"
+    return None
+
+
+def settle(d: Decision, backends: dict[str, Backend], q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, spec: AttentionSpec, params: AttnParams) -> Decision:
+    """``d`` with its tied candidates timed on this call's tensors and the fastest bound
+    (the others follow it as fallbacks where the rule has them); a candidate that raises is
+    left out, with its reason in the notes."""
+    why = blocker(q, spec)
+    if why is not None:
+        return replace(d, tied=(), notes=(*d.notes, f"near-tie not timed: {why}; the "
+                                          f"pack's order binds {d.backend}"))
+    fns, failed = {}, []
+    for name in d.tied:
+        b = backends[name]
+        try:
+            if not b._loaded:
+                b.load()
+            b.forward(q, k, v, spec, params)  # the first call: a compile or a refusal shows
+        except Exception as exc:  # noqa: BLE001 - reported in the notes, never bound
+            failed.append(f"{name} raised {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        fns[name] = (lambda b=b: b.forward(q, k, v, spec, params))
+    if not fns:
+        return replace(d, tied=(), notes=(*d.notes, "near-tie not timed: " + "; ".join(failed)))
+    ms = interleaved_ms(fns, q.device, warmup=WARMUP, repeats=REPEATS, rounds=1,
+                        batch_ms=BATCH_MS, batch_below_ms=BATCH_MS).ms
+    winner = min(ms, key=ms.__getitem__)
+    timed = ", ".join(f"{n} {ms[n] * 1e3:.1f} us" for n in sorted(ms, key=ms.__getitem__))
+    note = (f"fastest (timed at bind time): {timed} on this machine's first call of the "
+            f"bucket; the pack had {', '.join(d.tied)} within its tie margin")
+    if failed:
+        note += "; left out: " + "; ".join(failed)
+    chain = [d.backend, *d.fallbacks]
+    fallbacks = tuple(n for n in chain if n != winner) if d.fallbacks else ()
+    return replace(d, backend=winner, fallbacks=fallbacks, tied=(), notes=(note, *d.notes))
