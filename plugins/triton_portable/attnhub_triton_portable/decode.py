@@ -18,8 +18,9 @@ clamps lengths and page ids itself. An FP8 (e4m3) cache is read with per-(page o
 KV head) descales, widened in registers (``KV_FP8``; to fp16 with ``FP8_F16``, V tiles a
 tile ahead with ``V_AHEAD``); on an H200 that path runs at about the bf16 cache's speed
 (0.98-1.05x), not twice it: it saves memory (docs/benchmarks/triton_decode_paged.md).
-``config.gluon`` swaps pass 1 for :mod:`.decode_gluon`'s Hopper kernel over a paged e4m3
-cache (opt-in, same arguments; built for sm90 offline, not run on a GPU yet).
+On sm90, a paged e4m3 cache takes :mod:`.decode_gluon`'s Hopper pass 1 wherever it serves
+the call (``gluon_fp8_row``: 1.4-1.6x the bf16 cache on an H200), the portable FP8 path
+elsewhere; ``config.gluon`` asks for it explicitly (same arguments).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .decode_configs import (
     block_m,
     choose_splits,
     decode_config,
+    gluon_fp8_row,
 )
 from .fastlaunch import Launcher
 from .launch import device_arch
@@ -480,6 +482,8 @@ class _Shape:
         self.consts = (dim, page, paged, seqlens_k is not None, alignment == "bottom_right",
                        causal, left >= 0, right >= 0, softcap, slopes is not None,
                        descales is not None)
+        if config is None and paged and descales is not None:  # e4m3 pages: Gluon on sm90
+            self.plan_opts = (paged, num_splits, self._gluon_default(batch, hkv), True)
         self.by_longest: dict[int, _Launches] = {}
         self.by_splits: dict[int, _Launches] = {}
         #: split count -> launches as first built for this shape or one ``rebased`` from it
@@ -532,26 +536,45 @@ class _Shape:
         self.by_longest[longest] = hit
         return hit
 
-    def _gluon_kernel(self, cfg: DecodeConfig, fused: bool) -> Any:
-        """``config.gluon``'s pass 1 (same arguments as ``_split_kernel``), or a ValueError
-        that says why this call cannot take it."""
-        from . import decode_gluon  # Gluon only where asked for
-
+    def _gluon_refusal(self, cfg: DecodeConfig, fused: bool) -> str | None:
+        """Why :mod:`.decode_gluon`'s pass 1 cannot serve this shape with ``cfg`` (None: it
+        can)."""
+        try:
+            from . import decode_gluon  # Gluon only where it can serve
+        except ImportError as exc:  # a Triton without triton.experimental.gluon
+            return f"this Triton has no Gluon ({exc})"
         _, dtype, _, seqlen_q, hq, hkv = self.plan_args
         (dim, _, paged, has_lens, _, _, win_left, win_right, softcap, alibi,
          kv_fp8) = self.consts
-        why = decode_gluon.supports(
+        return decode_gluon.supports(
             arch=device_arch(self.device), interpreted=self.interpreted, q_dtype=dtype,
             seqlen_q=seqlen_q, group=hq // hkv, head_dim=dim, paged=paged,
             has_seqlens=has_lens, kv_fp8=kv_fp8, window=win_left or win_right,
             softcap=softcap, alibi=alibi, fused_merge=fused, block_n=cfg.block_n,
             num_warps=cfg.num_warps, min_block_m=cfg.min_block_m,
             v_ahead=cfg.fp8_v_ahead)
-        if why:
-            raise ValueError(f"decode_attention: config.gluon asks for the Gluon pass 1, but "
-                             f"{why}; drop gluon from the config (the portable kernel takes "
-                             "every call)")
-        return decode_gluon._fp8_paged_split_kernel
+
+    def _gluon_default(self, batch: int, hkv: int) -> DecodeConfig | None:
+        """The Gluon row for a paged e4m3 cache where the kernel serves this shape, else
+        None (the table's portable FP8 row)."""
+        if self.interpreted:
+            return None
+        rows = self.plan_args[3] * (self.plan_args[4] // hkv)
+        pairs = batch * hkv * -(-rows // block_m(rows))
+        row = gluon_fp8_row(device_arch(self.device), pairs, _sm_count(self.device.index or 0))
+        return row if row is not None and self._gluon_refusal(row, False) is None else None
+
+    def _gluon_kernel(self, cfg: DecodeConfig, fused: bool) -> Any:
+        """``config.gluon``'s pass 1 (same arguments as ``_split_kernel``), or a ValueError
+        that says why this call cannot take it."""
+        why = self._gluon_refusal(cfg, fused)
+        if why is None:
+            from . import decode_gluon
+
+            return decode_gluon._fp8_paged_split_kernel
+        raise ValueError(f"decode_attention: config.gluon asks for the Gluon pass 1, but "
+                         f"{why}; drop gluon from the config (the portable kernel takes "
+                         "every call)")
 
     def _build(self, plan: _Plan) -> _Launches:
         _, dtype, batch, seqlen_q, hq, hkv = self.plan_args

@@ -136,9 +136,24 @@ _FP8_PAGED: dict[str, DecodeConfig] = {
 #: 16-key tiles (with pages of 16 keys or a multiple, a tile lies in one page: one page id
 #: and one descale pair per tile), no stages (loads go straight to registers). Its sm90
 #: build takes 168 registers, so 12 one-warp programs fit an SM: 12 per SM plan the splits.
-#: Built offline only, never run on a GPU: opt-in (``config=``), not in ``decode_config``.
+#: H200, 2026-12-02 (ca449c7, random table, GPU time; bf16 row / portable e4m3 row / this):
+#: 64 x 32k 2204 / 1949 / 1360 us, 1 x 128k 147 / 129 / 121, 32 x 4k 131 / 129 / 100; it
+#: passed the FlashAttention-rule GPU tests. ``gluon_fp8_row`` binds it by default.
 GLUON_FP8_PAGED = DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=12,
                                fp8_dot="fp16", gluon=True)
+#: 32-key tiles (10 programs per SM): fewer, longer-lived programs keep more bytes in flight
+#: each, which wins where the (sequence, KV head) pairs are few: 1 x 128k 97 us against 121
+#: for 16-key tiles; with many pairs they lose (64 x 32k 1405 vs 1360, 32 x 4k 139 vs 100).
+GLUON_FP8_PAGED_FEW = GLUON_FP8_PAGED.with_(block_n=32, ctas_per_sm=10)
+
+
+def gluon_fp8_row(arch: str, pairs: int, sm_count: int) -> DecodeConfig | None:
+    """The Gluon row for a paged e4m3 cache (None off sm90): 32-key tiles when the
+    ``pairs`` (sequence, KV head, row block) fit one per SM, else 16-key tiles. The caller
+    checks that the kernel serves the call (``decode_gluon.supports``)."""
+    if arch != "sm90":  # built and checked for Hopper only
+        return None
+    return GLUON_FP8_PAGED_FEW if pairs <= sm_count else GLUON_FP8_PAGED
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
 INTERPRETER_SM_COUNT = 4

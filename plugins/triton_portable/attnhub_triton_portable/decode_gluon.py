@@ -148,6 +148,39 @@ def _load_tile(head, table, n0, hi, num_pages, pages, stride_page, stride_row,
 
 
 @gluon.jit
+def _load_words(head, table, n0, hi, num_pages, pages, stride_page, stride_row,
+                PAGE: gl.constexpr, TILE_PAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                GROUPS: gl.constexpr, WORDS: gl.constexpr, L: gl.constexpr):
+    """A K or V tile as ``_load_tile`` reads it, but as int32 words [BLOCK_N keys, GROUPS,
+    WORDS] (4 bytes each, little-endian) in layout ``L``: a tile held in registers across a
+    loop iteration takes one register per 4 bytes (e4m3 tensors are carried byte by byte,
+    one register each). Keys at or past ``hi``: 0 (their loads are predicated off)."""
+    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+    word = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    rows = _page_rows(table, n, hi, num_pages, pages, stride_page, stride_row, PAGE,
+                      TILE_PAGES)
+    off = gl.expand_dims(gl.expand_dims(rows, 1), 2) + gl.expand_dims(
+        gl.expand_dims(grp * (4 * WORDS), 0), 2) + gl.expand_dims(
+        gl.expand_dims(word * 4, 0), 1)
+    ptr = (head + off).to(gl.pointer_type(gl.int32), bitcast=True)
+    return gl.load(ptr, mask=gl.expand_dims(gl.expand_dims(n < hi, 1), 2), other=0)
+
+
+@gluon.jit
+def _word_bytes(w, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr, WORDS: gl.constexpr):
+    """int32 words [BLOCK_N, GROUPS, WORDS] -> their e4m3 bytes [BLOCK_N, GROUPS, 4 WORDS]
+    (byte 4 w + j is bits 8 j.. of word w); the layout a thread holds is unchanged."""
+    b0 = w.to(gl.int8)
+    b1 = (w >> 8).to(gl.int8)
+    b2 = (w >> 16).to(gl.int8)
+    b3 = (w >> 24).to(gl.int8)
+    x = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [.., word, j // 2, j % 2]
+    x = gl.reshape(x, [BLOCK_N, GROUPS, 4 * WORDS])
+    return x.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
 def _k_operand(k, BLOCK_N: gl.constexpr, B_OP: gl.constexpr):
     """[BLOCK_N, 4, 32] e4m3 -> the fp16 B operand [128 (d'), BLOCK_N] of Q.K (see top)."""
     k = k.to(gl.float16)

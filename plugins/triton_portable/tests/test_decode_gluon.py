@@ -30,6 +30,8 @@ OK: dict[str, Any] = {
 ASKS = "config.gluon asks for the Gluon pass 1, but "
 
 def test_never_chosen_by_the_table() -> None:
+    """The table holds portable rows only: the Gluon pass is taken per call, where its
+    ``supports`` admits the call (``_Shape._gluon_default``)."""
     for arch in ("cpu", "sm80", "sm89", "sm90", "sm100", "gfx942", "other"):
         for paged in (False, True):
             for fp8 in (False, True):
@@ -73,16 +75,16 @@ def test_refusals_name_their_reason(change: dict[str, Any], reason: str) -> None
 
 
 def _paged_call(d: int = 128, hq: int = 32, hkv: int = 8, sq: int = 1,
-                dtype: torch.dtype = torch.bfloat16) -> tuple[tuple[torch.Tensor, ...],
-                                                              dict[str, Any]]:
+                dtype: torch.dtype = torch.bfloat16, b: int = 3
+                ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
-    b, page, pages = 3, 16, 24
+    page, pages = 16, 8 * b
     q = torch.randn(b, sq, hq, d, generator=g).to(dtype)
     k = torch.randn(pages, page, hkv, d, generator=g).to(E4M3)
     v = torch.randn(pages, page, hkv, d, generator=g).to(E4M3)
-    table = torch.randperm(pages, generator=g)[:18].view(b, 6).to(torch.int32)
+    table = torch.randperm(pages, generator=g)[:6 * b].view(b, 6).to(torch.int32)
     kw = {"scale": d ** -0.5, "block_table": table,
-          "seqlens_k": torch.tensor([70, 0, 96], dtype=torch.int32),
+          "seqlens_k": torch.tensor([70, 0, 96] * (b // 3), dtype=torch.int32),
           "k_descale": torch.rand(pages, hkv, generator=g) + 0.01,
           "v_descale": torch.rand(pages, hkv, generator=g) + 0.01}
     return (q, k, v), kw
@@ -159,6 +161,27 @@ def test_launched_with_the_split_kernels_arguments(recorded: list[tuple[Any, ...
     assert (got["group"], got["m_blocks"], got["num_splits"]) == (4, 1, splits)
     if splits > 1:  # the merge is the portable one
         assert recorded[1][0] is decode._merge_kernel
+
+
+@pytest.mark.parametrize(("b", "block_n"), [(3, 32), (18, 16)])
+def test_sm90_takes_it_by_default_where_it_serves(recorded: list[tuple[Any, ...]], b: int,
+                                                  block_n: int) -> None:
+    """No config: an e4m3 paged call on sm90 launches the Gluon pass, 32-key tiles when the
+    (sequence, KV head) pairs fit one per SM (3 x 8 <= 132), else 16 (18 x 8 > 132)."""
+    (q, k, v), kw = _paged_call(b=b)
+    decode.decode_attention(q, k, v, **kw)
+    fn, _, opt, args = recorded[0]
+    got = dict(zip(fn.arg_names, args))
+    assert fn is decode_gluon._fp8_paged_split_kernel and opt["num_warps"] == 1
+    assert got["BLOCK_N"] == block_n and got["KV_FP8"]
+
+
+@pytest.mark.parametrize("call", [{"window": (8, 0)}, {"softcap": 30.0}])
+def test_calls_it_does_not_serve_take_the_portable_pass(recorded: list[tuple[Any, ...]],
+                                                        call: dict[str, Any]) -> None:
+    (q, k, v), kw = _paged_call()
+    decode.decode_attention(q, k, v, causal=True, **kw, **call)
+    assert recorded[0][0] is decode._split_kernel
 
 
 @pytest.mark.parametrize(("call", "reason"), [
