@@ -351,14 +351,16 @@ class Hub:
                     self._last_exact = (fast_key, hit)
             if hit is None and side is None and max_seqlen_k is None and (
                     layout == "bshd" or layout == "bhsd"):
-                # a contiguous KV cache grows by a key per decode step: look the call up by
-                # its key-length bucket too (the slow path depends on Sk only through it)
+                # a contiguous KV cache grows by a key per decode step, prompts come at a new
+                # length per call: look the call up by its length buckets too (the slow path
+                # depends on Sq and Sk only through them)
                 axis = 1 if layout == "bshd" else 2
-                grow_key = _grow_key(fast_key, k, v, axis)
+                grow_key = _grow_key(fast_key, q_shape, k_shape, v.shape, axis)
                 hit = self._exact.get(grow_key)
                 if hit is not None:
-                    sk = k.shape[axis]
-                    hit = None if v.shape[axis] != sk else (*hit[:-1], sk)
+                    sq, sk = q_shape[axis], k_shape[axis]
+                    hit = None if v.shape[axis] != sk else (
+                        *hit[:-3], (q_shape[0], sq, q_shape[3 - axis], v.shape[-1]), sq, sk)
         except (TypeError, AttributeError):  # unhashable or not a tensor: slow path
             hit, fast_key = None, None
         if hit is not None and not (
@@ -592,12 +594,14 @@ _PAGED_TABLES = ("paged tables",)
 _THD_TABLES = "thd offsets"
 
 
-def _grow_key(fast_key: tuple, k: torch.Tensor, v: torch.Tensor, axis: int) -> tuple:
-    """``fast_key`` with the key length replaced by its bucket: the ``k``/``v`` shapes lose
-    their sequence axis (a hit checks that v's length equals k's)."""
-    ks, vs = tuple(k.shape), tuple(v.shape)
-    return ("grow", *fast_key[:-2], ks[:axis] + ks[axis + 1:], vs[:axis] + vs[axis + 1:],
-            bucket(ks[axis]))
+def _grow_key(fast_key: tuple, qs: torch.Size, ks: torch.Size, vs: torch.Size,
+              axis: int) -> tuple:
+    """``fast_key`` with the query and key lengths replaced by their buckets: the shapes
+    lose their sequence axis (a hit checks that v's length equals k's and recomputes the
+    output shape and the lengths). Bucket 1 is length 1 only, so the phase a call gets
+    without ``phase=`` (decode for one query) is the same for every call of one key."""
+    return ("grow", *fast_key[:-3], qs[:axis] + qs[axis + 1:], ks[:axis] + ks[axis + 1:],
+            vs[:axis] + vs[axis + 1:], bucket(qs[axis]), bucket(ks[axis]))
 
 
 def _phase(needs_grad: bool, paged: bool, max_q: int, max_k: int) -> str:

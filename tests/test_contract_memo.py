@@ -111,6 +111,35 @@ def test_growing_kv_cache_takes_the_fast_path(spy_hub, monkeypatch, layout):
                       causal=True, backend="spy")
 
 
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_prompts_of_a_new_length_take_the_fast_path(spy_hub, monkeypatch, layout):
+    """Prefill at a new prompt length per call (serving, generate() on new prompts): the
+    calls of one (Sq, Sk) bucket pair are served by the table, each with its own lengths
+    and output shape; a call with one query (decode, another phase) is bound anew."""
+    hub, spy = spy_hub
+    checks = _counting(monkeypatch, "check_call")
+    monkeypatch.setattr("attnhub.hub.check_call", contract.check_call)
+    ax = 1 if layout == "bshd" else 2
+    qb = torch.randn(2, 40, 4, 8).transpose(1, ax)
+    kv = torch.randn(2, 40, 2, 8).transpose(1, ax)
+    for s in (17, 30, 23, 32):  # one bucket (32) for both
+        q, k = qb.narrow(ax, 0, s), kv.narrow(ax, 0, s)
+        out = hub.attention(q, k, k, layout=layout, causal=True, backend="spy")
+        p = spy.seen[-1]
+        assert (p.max_seqlen_q, p.max_seqlen_k) == (s, s) and out.shape == q.shape
+        ref64, _, same = fa_references(*(t.transpose(1, ax) for t in (q, k, k)), p)
+        assert_fa_rule(out.transpose(1, ax), ref64, same)
+    assert len(checks) == 1
+    q1 = qb.narrow(ax, 0, 1)  # one query on 20 keys: decode, not the prefill binding
+    hub.attention(q1, kv.narrow(ax, 0, 20), kv.narrow(ax, 0, 20), layout=layout,
+                  causal=True, backend="spy")
+    assert len(checks) == 2 and hub.bound()[-1].decision.spec.phase == "decode"
+    q2 = qb.narrow(ax, 0, 2)  # two queries: prefill again, bucket 2 (a new binding)
+    hub.attention(q2, kv.narrow(ax, 0, 20), kv.narrow(ax, 0, 20), layout=layout,
+                  causal=True, backend="spy")
+    assert len(checks) == 3 and spy.seen[-1].max_seqlen_q == 2
+
+
 def _varlen(lens_q, lens_k):
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],  # noqa: E731
                                    dtype=torch.int32)
