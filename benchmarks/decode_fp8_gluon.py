@@ -2,10 +2,12 @@
 and the portable FP8 row, on the random table: GPU time (CUDA-graph replay) and eager time
 (``do_bench``), relative L2 error vs fp32 over the bf16 pool, speedup vs the bf16 row of
 the same run. Cells: 64 x 32k, 1 x 128k, 32 x 4k (32 query / 8 KV heads, d128, page 16).
-The Gluon rows run at the heuristic's split count, at half and twice it, with V a tile
-ahead, capped at 144 registers (14 programs per SM), and with 32-key tiles (two pages per
-tile, two page ids); a variant that fails or is refused is recorded as a result. The
-JSON is rewritten after every row, so a run cut short keeps what it measured.
+The Gluon rows run at the heuristic's split count and at twice it, with 32-key tiles
+(two pages per tile, two page ids), and software-pipelined (``prefetch_pages``: the next
+tile's K and V loaded before this tile is used): as built, capped at 168 registers, two
+tiles ahead (``fp8_v_ahead``) and with 32-key tiles, each planned for the programs per SM
+its registers allow (``resident``); a variant that fails or is refused is recorded as a
+result. The JSON is rewritten after every row, so a run cut short keeps what it measured.
 
     python benchmarks/decode_fp8_gluon.py --out $OUT [--smoke]
 """
@@ -30,6 +32,15 @@ from triton_decode import (HKV, ROOT, SMOKE, PagedCase, eager_us, est, gpu_us, k
                            source_commit, sweep_setup)
 
 CELLS = [(2, 64), (1, 128)] if SMOKE else [(64, 32768), (1, 131072), (32, 4096)]
+
+
+def resident(regs: int) -> int:
+    """One-warp programs an SM holds at ``regs`` registers per thread: registers are given to
+    warps in units of 256 within one of the SM's 4 sub-partitions (16384 each), so 4 x
+    floor(16384 / (32 x regs rounded up to 8)) (cuda_occupancy.h), not 65536 / (32 x regs):
+    12 up to 168 registers, 8 up to 255. Register counts: the Triton 3.6 sm90 build
+    (benchmarks/gluon_decode_sm90_offline.py, page 16, several splits)."""
+    return 4 * (16384 // (32 * (-(-regs // 8) * 8)))
 
 
 def main() -> None:
@@ -58,15 +69,20 @@ def main() -> None:
         bf16 = decode_config(arch, paged=True, programs=(batch * HKV, sms))
         row8 = decode_config(arch, paged=True, kv_fp8=True)
         g_splits = choose_splits(batch, HKV, ctx, sms, GLUON_FP8_PAGED)
+        pre = GLUON_FP8_PAGED.with_(prefetch_pages=True)
         rows = [("bf16", False, bf16, None), ("fp8_row", True, row8, None),
                 ("gluon", True, GLUON_FP8_PAGED, g_splits),
-                ("gluon_half_splits", True, GLUON_FP8_PAGED, max(1, g_splits // 2)),
                 ("gluon_twice_splits", True, GLUON_FP8_PAGED, 2 * g_splits),
-                ("gluon_vahead", True, GLUON_FP8_PAGED.with_(fp8_v_ahead=True, ctas_per_sm=9),
+                ("gluon_n32", True, GLUON_FP8_PAGED.with_(block_n=32, ctas_per_sm=10), None),
+                # software-pipelined: the next tile's K / V in flight (203 registers), the
+                # same capped at 168 (12 per SM; spills loop invariants), the next two tiles
+                # (fp8_v_ahead: 228), 32-key tiles (255; 16-24 bytes of stack)
+                ("gluon_pre", True, pre.with_(ctas_per_sm=resident(203)), None),
+                ("gluon_pre_r168", True, pre.with_(maxnreg=168, ctas_per_sm=resident(168)),
                  None),
-                ("gluon_maxnreg144", True, GLUON_FP8_PAGED.with_(maxnreg=144, ctas_per_sm=14),
+                ("gluon_pre2", True, pre.with_(fp8_v_ahead=True, ctas_per_sm=resident(228)),
                  None),
-                ("gluon_n32", True, GLUON_FP8_PAGED.with_(block_n=32, ctas_per_sm=10), None)]
+                ("gluon_pre_n32", True, pre.with_(block_n=32, ctas_per_sm=resident(255)), None)]
         for name, fp8, cfg, splits in rows:
             splits = splits or choose_splits(batch, HKV, ctx, sms, cfg)
             r: dict[str, Any] = {"name": name, "splits": splits, "config": repr(cfg)}

@@ -5,7 +5,13 @@ MMAs, e4m3 conversions, byte permutes, global load widths). No launch happens.
 
     PYTHONPATH=<triton 3.6 site>:.:plugins/triton_portable \
         python3 benchmarks/gluon_decode_sm90_offline.py [--block-n 16 32] [--page 16] [--maxnreg N]
-        [--dump DIR]
+        [--variants base ahead pre preahead] [--dump DIR]
+
+Each build prints ``regs=`` (per thread), ``stack=`` (bytes of stack per thread: register
+spills show here; ``local=`` is the cubin's declared local memory), and ``resident=``: the
+one-warp programs an SM holds at that register count, 4 sub-partitions x floor(16384 /
+(32 x registers rounded up to 8)) as in cuda_occupancy.h (not 65536 / (32 x registers):
+registers are allocated per sub-partition).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ OPS = ("LDL", "STL", "LDS", "STS", "LDSM", "BAR", "HMMA", "F2FP", "F2FP.F16.E4M3
        "LDG.E.128", "LDG.E.64", "LDG.E.U8", "LDG.E ", "MUFU.EX2", "SHFL")
 
 
-def split_args(block_n: int, splits: int, ahead: bool, page: int = 16) -> tuple:
+def split_args(block_n: int, splits: int, ahead: bool, page: int = 16,
+               prefetch: bool = False) -> tuple:
     """``_split_kernel``'s argument tuple for 32/8 heads, d128, ``page``-key pages, as
     decode builds it."""
     hq, hkv, d, pages, batch = 32, 8, 128, 4096, 64
@@ -46,7 +53,14 @@ def split_args(block_n: int, splits: int, ahead: bool, page: int = 16) -> tuple:
             128 ** -0.5, 1.0, -1, -1, 1, 2048 * page, batch, batch, pages, hq, hkv, hq // hkv,
             1, splits,
             d, page, True, True, True, True, False, False, False, False, True, splits == 1,
-            False, True, True, ahead, 0, False, 16, block_n, d, max(2, splits), "tf32", False)
+            False, prefetch, True, ahead, 0, False, 16, block_n, d, max(2, splits), "tf32", False)
+
+
+#: (splits, V_AHEAD, PREFETCH) built per block_n: the shipped kernel at one split and at
+#: several, V a tile ahead, the software-pipelined loop (``prefetch_pages``: the next tile's
+#: K and V in flight) and with V_AHEAD too (the next two tiles)
+VARIANTS = ((1, False, False), (8, False, False), (8, True, False), (1, False, True),
+            (8, False, True), (1, True, True), (8, True, True))
 
 
 def _loop(sass: str) -> str:
@@ -74,9 +88,18 @@ def _resources(cubin: str) -> str:
     return f"regs={m[1]} stack={m[2]} local={m[4]}" if m else out.strip()[-200:]
 
 
+def resident(regs: int) -> int:
+    """One-warp programs per SM at ``regs`` registers per thread (cuda_occupancy.h: warps
+    are given registers in units of 256 within one of 4 sub-partitions of 16384)."""
+    return 4 * (16384 // (32 * (-(-regs // 8) * 8)))
+
+
 def _count(text: str) -> dict[str, int]:
-    return {op.strip(): len(re.findall(re.escape(op) + (r"" if op.endswith(" ") else r"\b"),
-                                       text)) for op in OPS}
+    """OPS counts, and ``insts``: all instructions."""
+    got = {op.strip(): len(re.findall(re.escape(op) + (r"" if op.endswith(" ") else r"\b"),
+                                      text)) for op in OPS}
+    got["insts"] = len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S", text, re.M))
+    return got
 
 
 def main() -> None:
@@ -85,6 +108,8 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, nargs="*", default=[16, 32])
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap (0: none)")
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="only these: base, ahead, pre, preahead (default: all)")
     a = ap.parse_args()
     os.makedirs(a.dump, exist_ok=True)
     driver.set_active(_Sm90())
@@ -92,14 +117,18 @@ def main() -> None:
 
     bad = 0
     for bn in a.block_n:
-        for splits, ahead in ((1, False), (8, False), (8, True)):
-            tag = (f"fp8_decode_p{a.page}_bn{bn}_s{splits}{'_ahead' if ahead else ''}"
+        for splits, ahead, pre in VARIANTS:
+            name = ("pre" if pre else "") + ("ahead" if ahead else "") or "base"
+            if a.variants and name not in a.variants:
+                continue
+            tag = (f"fp8_decode_p{a.page}_bn{bn}_s{splits}{'_pre' if pre else ''}"
+                   f"{'_ahead' if ahead else ''}"
                    f"{f'_r{a.maxnreg}' if a.maxnreg else ''}")
             cap = {"maxnreg": a.maxnreg} if a.maxnreg else {}
             try:
                 ck = decode_gluon._fp8_paged_split_kernel.run(
-                    *split_args(bn, splits, ahead, a.page), grid=(splits, 512, 1), warmup=True,
-                    num_warps=1, **cap)
+                    *split_args(bn, splits, ahead, a.page, pre), grid=(splits, 512, 1),
+                    warmup=True, num_warps=1, **cap)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 bad += 1
                 print(f"FAIL {tag}: {type(exc).__name__}: {str(exc)[-4000:]}")
@@ -111,7 +140,9 @@ def main() -> None:
             with open(f"{a.dump}/{tag}.sass", "w") as f:
                 f.write(sass)
             res = _resources(f"{a.dump}/{tag}.cubin")
-            print(f"OK {tag}: {res} smem={ck.metadata.shared}")
+            m = re.match(r"regs=(\d+)", res)
+            fit = f" resident={resident(int(m[1]))}" if m else ""
+            print(f"OK {tag}: {res} smem={ck.metadata.shared}{fit}")
             print(f"   kernel: {_count(sass)}")
             print(f"   loop:   {_count(_loop(sass))}")
     sys.exit(1 if bad else 0)

@@ -59,7 +59,7 @@ if want pvf; then  # policy call vs the same backend forced, per cell (PVF_CELLS
 fi
 want dho && step dho 120 python3 benchmarks/decode_host_overhead.py --device cuda \
   --json "$out/decode_host_overhead.json"
-want probe && step probe "${PROBE_S:-150}" python3 benchmarks/triton_autotune_probe.py
+want probe && step probe "${PROBE_S:-150}" python3 benchmarks/triton_autotune_probe.py ${PROBE_ARGS:-}
 want gluon_ws && step gluon_ws "${GLUON_WS_S:-190}" python3 benchmarks/gluon_ws.py \
   --json "$out/gluon_ws.json" --deadline "$(( ${GLUON_WS_S:-190} - 15 ))"
 want fp8api && step fp8api "${FP8API_S:-120}" python3 benchmarks/decode_fp8_api.py --json "$out/fp8api.json"
@@ -81,7 +81,7 @@ say "start gpu_tests and kit in parallel"
 # the GPU tests are mostly JIT compiles (Triton, Gluon, FlashInfer): spread over processes
 # when pytest-xdist was carried (pip download --no-deps -d .whl pytest-xdist execnet)
 xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${TESTS_N:-4}")
-want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu plugins tests -rs -p no:cacheprovider "${xdist[@]}" \
+want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu ${TESTS_PATHS:-plugins tests} -rs -p no:cacheprovider "${xdist[@]}" \
     > "$out/gpu_tests.txt" 2>&1; echo "gpu_tests rc=$?" >> "$out/gpu_tests.txt" ) &
 want kit && ( timeout "${KIT_S:-200}" python3 -m attnhub check-plugin ${KIT_BACKENDS:---all-available} \
     --quick --budget "${KIT_BUDGET:-25}" --total "$(( ${KIT_S:-200} - 15 ))" > "$out/kit.txt" 2> "$out/kit.err"

@@ -1,4 +1,6 @@
-"""Paged FP8 (e4m3) split-KV decode in Gluon, for Hopper: an opt-in pass 1 of :mod:`.decode`.
+"""Paged FP8 (e4m3) split-KV decode in Gluon, for Hopper: pass 1 of :mod:`.decode` for an
+e4m3 paged cache on sm90 wherever ``supports`` admits the call (``gluon_fp8_row``), or asked
+for with ``config.gluon``.
 
 Why: Triton 3.6 builds e4m3 MMAs on sm90 only as 64-row wgmma (16x the 4 real rows of a
 GQA-4 KV head), and its 16-bit path widens e4m3 tiles through shared memory to reach the
@@ -19,11 +21,29 @@ registers:
 
 One warp per program (a 16-row MMA tile holds all query rows of a KV head); the SM's many
 resident programs keep the bytes in flight (no shared memory at all). A tile that lies in
-one page takes one page id and one descale pair, fetched a tile early; ``V_AHEAD`` loads
-V a tile ahead. Host planning, scratch and the split merge are :mod:`.decode`'s: this kernel takes
-``_split_kernel``'s arguments unchanged and refuses (``supports``) what it does not serve.
+one page takes one page id and one descale pair, fetched a tile early. Latency hiding
+within a warp (``PREFETCH``, ``config.prefetch_pages``): a software pipeline in registers,
+the next tile's K and V bytes and descales loaded before this tile is widened, multiplied
+and softmaxed (with ``V_AHEAD`` too: the next two tiles), so a warp always has one (two)
+tiles of bytes in flight; the tiles in flight are held as int32 words (an e4m3 tensor
+carried across a loop iteration takes a register per byte). Without ``PREFETCH``,
+``V_AHEAD`` loads only V a tile ahead (as e4m3: 219 registers). Host planning, scratch and
+the split merge are :mod:`.decode`'s: this kernel takes ``_split_kernel``'s arguments
+unchanged and refuses (``supports``) what it does not serve.
 
-Not run on a GPU yet: built for sm90 offline only (benchmarks/gluon_decode_sm90_offline.py).
+Residency: one-warp programs sit in the SM's four sub-partitions, each with 16384
+registers, so an SM holds 4 x floor(16384 / (32 x registers rounded up to 8)) of them
+(cuda_occupancy.h): 12 up to 168 registers, 8 up to 255. sm90 builds (Triton 3.6, page 16,
+benchmarks/gluon_decode_sm90_offline.py; registers, bytes of stack): the plain loop 166-168,
+0 (12 per SM; 447 SASS instructions per 16-key tile); ``PREFETCH`` 203-204, 0 (8 per SM;
+476 instructions); capped at 168 by ``maxnreg`` 168, 32-40 outside the key loop (12 per
+SM); ``PREFETCH`` + ``V_AHEAD`` 227-228, 0 (8); ``PREFETCH`` with 32-key tiles 255, 16-24
+(8; one spill store and reload per tile); with 32-key tiles over 8-key pages (page ids per
+key) 255, 176-184 (44 reloads per tile).
+
+Run on an H200 (2026-12-02, commit ca449c7): the plain loop passed the FA-rule GPU tests
+(tests/test_decode_gluon_gpu.py); 64 x 32k (32 / 8 heads, d128, page 16, random table)
+1360 us, 1.62x the bf16 paged row. The ``PREFETCH`` variants are built offline only so far.
 """
 
 from __future__ import annotations
@@ -43,8 +63,8 @@ HEAD_DIMS = (128,)
 #: key tiles the layouts are written for (multiples of the 16-key MMA K step); 64 spills
 #: registers in the sm90 build, so it is refused
 BLOCK_NS = (16, 32)
-#: the key tile whose sm90 build holds a V tile a tile ahead without spilling (232 registers;
-#: 32-key tiles spill 360 bytes)
+#: the key tile whose sm90 build holds a V tile a tile ahead (or, with PREFETCH, two K and V
+#: tiles) without spilling (219 / 228 registers; 32-key tiles: 272 / 360 bytes of stack)
 V_AHEAD_BLOCK_N = 16
 
 
@@ -148,41 +168,44 @@ def _load_tile(head, table, n0, hi, num_pages, pages, stride_page, stride_row,
 
 
 @gluon.jit
-def _load_words(head, table, n0, hi, num_pages, pages, stride_page, stride_row,
-                PAGE: gl.constexpr, TILE_PAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                GROUPS: gl.constexpr, WORDS: gl.constexpr, L: gl.constexpr):
-    """A K or V tile as ``_load_tile`` reads it, but as int32 words [BLOCK_N keys, GROUPS,
-    WORDS] (4 bytes each, little-endian) in layout ``L``: a tile held in registers across a
-    loop iteration takes one register per 4 bytes (e4m3 tensors are carried byte by byte,
-    one register each). Keys at or past ``hi``: 0 (their loads are predicated off)."""
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
-    grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
-    word = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
-    rows = _page_rows(table, n, hi, num_pages, pages, stride_page, stride_row, PAGE,
-                      TILE_PAGES)
-    off = gl.expand_dims(gl.expand_dims(rows, 1), 2) + gl.expand_dims(
-        gl.expand_dims(grp * (4 * WORDS), 0), 2) + gl.expand_dims(
-        gl.expand_dims(word * 4, 0), 1)
-    ptr = (head + off).to(gl.pointer_type(gl.int32), bitcast=True)
-    return gl.load(ptr, mask=gl.expand_dims(gl.expand_dims(n < hi, 1), 2), other=0)
+def _words(x, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr, BYTES: gl.constexpr):
+    """e4m3 bytes [BLOCK_N, GROUPS, BYTES] -> int32 words [BLOCK_N, GROUPS, BYTES // 4]
+    (word w is bytes 4 w .. 4 w + 3, little-endian), the same bytes per thread: a tile held
+    in registers across a loop iteration then takes one register per 4 bytes (an e4m3
+    tensor is carried byte by byte, a register each). The bytes of a 16-byte load come back
+    as the words they were loaded in: no instructions in the sm90 build (shifts and ors
+    here instead left ~70 LOP3 and 64 PRMT per 16-key tile)."""
+    # one asm per 4 bytes (pack=4: they arrive as one 32-bit register); the word is the
+    # first of its 4 int32 outputs, the other 3 are dropped
+    w = gl.inline_asm_elementwise(
+        "mov.b32 $0, $4; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;", "=r,=r,=r,=r,r",
+        [x.to(gl.uint8, bitcast=True)], dtype=gl.int32, is_pure=True, pack=4)
+    w = gl.reshape(w, [BLOCK_N, GROUPS, BYTES // 4, 2, 2])  # (.., word, j // 2, j % 2)
+    w, _ = gl.split(w)
+    w, _ = gl.split(w)
+    return w
 
 
 @gluon.jit
-def _word_bytes(w, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr, WORDS: gl.constexpr):
-    """int32 words [BLOCK_N, GROUPS, WORDS] -> their e4m3 bytes [BLOCK_N, GROUPS, 4 WORDS]
-    (byte 4 w + j is bits 8 j.. of word w); the layout a thread holds is unchanged."""
-    b0 = w.to(gl.int8)
-    b1 = (w >> 8).to(gl.int8)
-    b2 = (w >> 16).to(gl.int8)
-    b3 = (w >> 24).to(gl.int8)
-    x = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [.., word, j // 2, j % 2]
-    x = gl.reshape(x, [BLOCK_N, GROUPS, 4 * WORDS])
-    return x.to(gl.float8e4nv, bitcast=True)
+def _word_halves(w, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr, WORDS: gl.constexpr):
+    """int32 words [BLOCK_N, GROUPS, WORDS] of e4m3 bytes -> those bytes widened to fp16
+    [BLOCK_N, GROUPS, 4 WORDS] (byte 4 w + j is bits 8 j.. of word w): each word's two
+    halves go to ``cvt.rn.f16x2.e4m3x2`` as they are (no byte extraction: shifts and
+    truncations here cost ~130 more instructions per 16-key tile in the sm90 build)."""
+    f0, f1, f2, f3 = gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; "
+        "cvt.rn.f16x2.e4m3x2 x, lo; cvt.rn.f16x2.e4m3x2 y, hi; "
+        "mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+        "=h,=h,=h,=h,r", [w], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True, pack=1)
+    x = gl.join(gl.join(f0, f2), gl.join(f1, f3))  # [.., word, j // 2, j % 2]
+    return gl.reshape(x, [BLOCK_N, GROUPS, 4 * WORDS])
 
 
 @gluon.jit
 def _k_operand(k, BLOCK_N: gl.constexpr, B_OP: gl.constexpr):
-    """[BLOCK_N, 4, 32] e4m3 -> the fp16 B operand [128 (d'), BLOCK_N] of Q.K (see top)."""
+    """[BLOCK_N, 4, 32] e4m3 (or fp16) -> the fp16 B operand [128 (d'), BLOCK_N] of Q.K (see
+    top)."""
     k = k.to(gl.float16)
     k = gl.reshape(k, [BLOCK_N, 4, 8, 2, 2])          # (key, lane%4, kt, t, p)
     k = gl.permute(k, [0, 2, 3, 1, 4])                # (key, kt, t, lane%4, p)
@@ -192,10 +215,66 @@ def _k_operand(k, BLOCK_N: gl.constexpr, B_OP: gl.constexpr):
 
 @gluon.jit
 def _v_operand(v, BLOCK_N: gl.constexpr, B_OP: gl.constexpr):
-    """[BLOCK_N, 8, 16] e4m3 -> the fp16 B operand [BLOCK_N, 128 (d')] of P.V (see top)."""
+    """[BLOCK_N, 8, 16] e4m3 (or fp16) -> the fp16 B operand [BLOCK_N, 128 (d')] of P.V (see
+    top)."""
     v = v.to(gl.float16)
     v = gl.permute(v, [0, 2, 1])                      # (key, nt, lane//4)
     return gl.convert_layout(gl.reshape(v, [BLOCK_N, 128]), B_OP)
+
+
+@gluon.jit
+def _tile_scales(table, n0, hi, num_pages, pages, KScale, sksr, sksh, VScale, svsr, svsh, h,
+                 PAGE: gl.constexpr, TILE_PAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                 COL: gl.constexpr):
+    """(K, V) descales of the key tile at ``n0``: scalars when it lies in one page, else per
+    key ([BLOCK_N] in ``COL``); 0 for a tile (key) at or past ``hi``."""
+    if TILE_PAGES == 1:
+        ok = n0 < hi
+        k_sc = gl.load(KScale + pages[0] * sksr + h * sksh, mask=ok, other=0.0)
+        v_sc = gl.load(VScale + pages[0] * svsr + h * svsh, mask=ok, other=0.0)
+    elif TILE_PAGES == 2:
+        n = n0 + gl.arange(0, BLOCK_N, layout=COL)
+        first = (n // PAGE) % 2 == 0
+        k_sc = gl.where(first, gl.load(KScale + pages[0] * sksr + h * sksh),
+                        gl.load(KScale + pages[1] * sksr + h * sksh))
+        v_sc = gl.where(first, gl.load(VScale + pages[0] * svsr + h * svsh),
+                        gl.load(VScale + pages[1] * svsr + h * svsh))
+    else:
+        n = n0 + gl.arange(0, BLOCK_N, layout=COL)
+        k_sc = _scales(table, n, hi, num_pages, KScale, sksr, sksh, h, PAGE)
+        v_sc = _scales(table, n, hi, num_pages, VScale, svsr, svsh, h, PAGE)
+    return k_sc, v_sc
+
+
+@gluon.jit
+def _softmax(qk, k_sc, v_sc, n0, hi, row_ok, qk_scale, m_i, l_i, acc, acc_scale,
+             TILE_PAGES: gl.constexpr, BLOCK_N: gl.constexpr, COL: gl.constexpr):
+    """The online softmax of one key tile's Q.K (``qk``): mask (keys at or past ``hi``),
+    exp2, row sums; returns (p as fp16 with V's descales on it, new m_i, l_i, acc rescaled
+    for this tile, acc_scale). V's descales go on p over the tile's largest (fp16 p in
+    [0, 1]); acc is kept in units of the last tile's largest (acc_scale), so the P.V MMA
+    accumulates into it."""
+    n = n0 + gl.arange(0, BLOCK_N, layout=COL)
+    if TILE_PAGES == 1:
+        s = qk * (qk_scale * k_sc)
+    else:
+        s = qk * qk_scale * gl.expand_dims(k_sc, 0)
+    ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(n < hi, 0)
+    s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    if TILE_PAGES == 1:
+        v_max = gl.where(v_sc > 0, v_sc, 1.0)
+        pw = (p * (v_sc / v_max)).to(gl.float16)
+    else:
+        v_max = gl.max(v_sc, axis=0)
+        v_max = gl.where(v_max > 0, v_max, 1.0)
+        pw = (p * gl.expand_dims(v_sc / v_max, 0)).to(gl.float16)
+    acc = acc * gl.expand_dims(alpha * (acc_scale / v_max), 1)
+    return pw, m_new, l_i, acc, v_max
 
 
 @gluon.jit
@@ -275,62 +354,84 @@ def _fp8_paged_split_kernel(
     # tile's page ids and descales are scalars, fetched a tile early; 0: per key
     TILE_PAGES: gl.constexpr = 1 if PAGE % BLOCK_N == 0 else (2 if BLOCK_N == 2 * PAGE else 0)
     pages_next = _tile_pages(table, lo, hi, num_pages, PAGE, TILE_PAGES)
-    # V_AHEAD: V tiles loaded a tile ahead into registers (as decode's V_AHEAD), so that a
-    # V tile's loads are in flight under the Q.K of the next
-    if V_AHEAD:
-        v_next = _load_tile(v_head, table, lo, hi, num_pages, pages_next, svp, svs, PAGE,
-                            TILE_PAGES, BLOCK_N, 8, 16, VL)
-    for n0 in range(lo, hi, BLOCK_N):
+    if PREFETCH:
+        # software pipeline in registers: the K and V bytes (as int32 words) and descales of
+        # the next tile (DEPTH 1), or of the next two (DEPTH 2: with V_AHEAD), are loaded
+        # before this tile is widened, multiplied and softmaxed, so that a warp always has
+        # DEPTH tiles of bytes in flight; page ids come a tile earlier still. Loads of tiles
+        # at or past ``hi`` are predicated off (the last tiles' "next" reads nothing)
+        DEPTH: gl.constexpr = 2 if V_AHEAD else 1
         pages = pages_next
-        if TILE_PAGES > 0:
-            pages_next = _tile_pages(table, n0 + BLOCK_N, hi, num_pages, PAGE, TILE_PAGES)
-        k = _load_tile(k_head, table, n0, hi, num_pages, pages, skp, sks, PAGE, TILE_PAGES,
-                       BLOCK_N, 4, 32, KL)
+        k_next = _words(_load_tile(k_head, table, lo, hi, num_pages, pages, skp, sks, PAGE,
+                                   TILE_PAGES, BLOCK_N, 4, 32, KL), BLOCK_N, 4, 32)
+        v_next = _words(_load_tile(v_head, table, lo, hi, num_pages, pages, svp, svs, PAGE,
+                                   TILE_PAGES, BLOCK_N, 8, 16, VL), BLOCK_N, 8, 16)
+        sc_next = _tile_scales(table, lo, hi, num_pages, pages, KScale, sksr, sksh, VScale,
+                               svsr, svsh, h, PAGE, TILE_PAGES, BLOCK_N, COL)
+        pages_next = _tile_pages(table, lo + BLOCK_N, hi, num_pages, PAGE, TILE_PAGES)
+        if DEPTH == 2:
+            pages = pages_next
+            k_then = _words(_load_tile(k_head, table, lo + BLOCK_N, hi, num_pages, pages, skp,
+                                       sks, PAGE, TILE_PAGES, BLOCK_N, 4, 32, KL),
+                            BLOCK_N, 4, 32)
+            v_then = _words(_load_tile(v_head, table, lo + BLOCK_N, hi, num_pages, pages, svp,
+                                       svs, PAGE, TILE_PAGES, BLOCK_N, 8, 16, VL),
+                            BLOCK_N, 8, 16)
+            sc_then = _tile_scales(table, lo + BLOCK_N, hi, num_pages, pages, KScale, sksr,
+                                   sksh, VScale, svsr, svsh, h, PAGE, TILE_PAGES, BLOCK_N, COL)
+            pages_next = _tile_pages(table, lo + 2 * BLOCK_N, hi, num_pages, PAGE, TILE_PAGES)
+        for n0 in range(lo, hi, BLOCK_N):
+            k = _word_halves(k_next, BLOCK_N, 4, 8)
+            v = _word_halves(v_next, BLOCK_N, 8, 4)
+            k_sc, v_sc = sc_next
+            pages = pages_next
+            nxt = n0 + DEPTH * BLOCK_N  # the tile loaded now
+            if DEPTH == 2:
+                k_next, v_next, sc_next = k_then, v_then, sc_then
+            k_new = _words(_load_tile(k_head, table, nxt, hi, num_pages, pages, skp, sks,
+                                      PAGE, TILE_PAGES, BLOCK_N, 4, 32, KL), BLOCK_N, 4, 32)
+            v_new = _words(_load_tile(v_head, table, nxt, hi, num_pages, pages, svp, svs,
+                                      PAGE, TILE_PAGES, BLOCK_N, 8, 16, VL), BLOCK_N, 8, 16)
+            sc_new = _tile_scales(table, nxt, hi, num_pages, pages, KScale, sksr, sksh,
+                                  VScale, svsr, svsh, h, PAGE, TILE_PAGES, BLOCK_N, COL)
+            if DEPTH == 2:
+                k_then, v_then, sc_then = k_new, v_new, sc_new
+            else:
+                k_next, v_next, sc_next = k_new, v_new, sc_new
+            if TILE_PAGES > 0:
+                pages_next = _tile_pages(table, nxt + BLOCK_N, hi, num_pages, PAGE,
+                                         TILE_PAGES)
+            qk = mma_v2(q, _k_operand(k, BLOCK_N, B_OP), zero_s)
+            pw, m_i, l_i, acc, acc_scale = _softmax(qk, k_sc, v_sc, n0, hi, row_ok, qk_scale,
+                                                    m_i, l_i, acc, acc_scale, TILE_PAGES,
+                                                    BLOCK_N, COL)
+            acc = mma_v2(gl.convert_layout(pw, A_OP), _v_operand(v, BLOCK_N, B_OP), acc)
+    else:
+        # V_AHEAD: V tiles loaded a tile ahead into registers (as decode's V_AHEAD), so that
+        # a V tile's loads are in flight under the Q.K of the next
         if V_AHEAD:
-            v = v_next
-            v_next = _load_tile(v_head, table, n0 + BLOCK_N, hi, num_pages, pages_next, svp,
-                                svs, PAGE, TILE_PAGES, BLOCK_N, 8, 16, VL)
-        else:
-            v = _load_tile(v_head, table, n0, hi, num_pages, pages, svp, svs, PAGE,
-                           TILE_PAGES, BLOCK_N, 8, 16, VL)
-        n = n0 + gl.arange(0, BLOCK_N, layout=COL)
-        if TILE_PAGES == 1:
-            k_sc = gl.load(KScale + pages[0] * sksr + h * sksh)
-            v_sc = gl.load(VScale + pages[0] * svsr + h * svsh)
-        elif TILE_PAGES == 2:
-            first = (n // PAGE) % 2 == 0
-            k_sc = gl.where(first, gl.load(KScale + pages[0] * sksr + h * sksh),
-                            gl.load(KScale + pages[1] * sksr + h * sksh))
-            v_sc = gl.where(first, gl.load(VScale + pages[0] * svsr + h * svsh),
-                            gl.load(VScale + pages[1] * svsr + h * svsh))
-        else:
-            k_sc = _scales(table, n, hi, num_pages, KScale, sksr, sksh, h, PAGE)
-            v_sc = _scales(table, n, hi, num_pages, VScale, svsr, svsh, h, PAGE)
-        qk = mma_v2(q, _k_operand(k, BLOCK_N, B_OP), zero_s)
-        if TILE_PAGES == 1:
-            s = qk * (qk_scale * k_sc)
-        else:
-            s = qk * qk_scale * gl.expand_dims(k_sc, 0)
-        ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(n < hi, 0)
-        s = gl.where(ok, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        # V's descales on p, over the tile's largest (fp16 p in [0, 1]); acc is kept in
-        # units of the last tile's largest (acc_scale), so the MMA accumulates into it
-        if TILE_PAGES == 1:
-            v_max = gl.where(v_sc > 0, v_sc, 1.0)
-            pw = (p * (v_sc / v_max)).to(gl.float16)
-        else:
-            v_max = gl.max(v_sc, axis=0)
-            v_max = gl.where(v_max > 0, v_max, 1.0)
-            pw = (p * gl.expand_dims(v_sc / v_max, 0)).to(gl.float16)
-        acc = acc * gl.expand_dims(alpha * (acc_scale / v_max), 1)
-        acc = mma_v2(gl.convert_layout(pw, A_OP), _v_operand(v, BLOCK_N, B_OP), acc)
-        acc_scale = v_max
-        m_i = m_new
+            v_next = _load_tile(v_head, table, lo, hi, num_pages, pages_next, svp, svs, PAGE,
+                                TILE_PAGES, BLOCK_N, 8, 16, VL)
+        for n0 in range(lo, hi, BLOCK_N):
+            pages = pages_next
+            if TILE_PAGES > 0:
+                pages_next = _tile_pages(table, n0 + BLOCK_N, hi, num_pages, PAGE, TILE_PAGES)
+            k = _load_tile(k_head, table, n0, hi, num_pages, pages, skp, sks, PAGE,
+                           TILE_PAGES, BLOCK_N, 4, 32, KL)
+            if V_AHEAD:
+                v = v_next
+                v_next = _load_tile(v_head, table, n0 + BLOCK_N, hi, num_pages, pages_next,
+                                    svp, svs, PAGE, TILE_PAGES, BLOCK_N, 8, 16, VL)
+            else:
+                v = _load_tile(v_head, table, n0, hi, num_pages, pages, svp, svs, PAGE,
+                               TILE_PAGES, BLOCK_N, 8, 16, VL)
+            k_sc, v_sc = _tile_scales(table, n0, hi, num_pages, pages, KScale, sksr, sksh,
+                                      VScale, svsr, svsh, h, PAGE, TILE_PAGES, BLOCK_N, COL)
+            qk = mma_v2(q, _k_operand(k, BLOCK_N, B_OP), zero_s)
+            pw, m_i, l_i, acc, acc_scale = _softmax(qk, k_sc, v_sc, n0, hi, row_ok, qk_scale,
+                                                    m_i, l_i, acc, acc_scale, TILE_PAGES,
+                                                    BLOCK_N, COL)
+            acc = mma_v2(gl.convert_layout(pw, A_OP), _v_operand(v, BLOCK_N, B_OP), acc)
 
     has = l_i > 0
     safe = gl.where(has, l_i, 1.0)

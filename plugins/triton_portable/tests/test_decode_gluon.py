@@ -215,12 +215,12 @@ def test_refused_when_not_a_paged_fp8_cache(recorded: list[tuple[Any, ...]]) -> 
     assert not recorded
 
 
-def test_sm90_build_keeps_the_key_loop_in_registers() -> None:
-    """The kernel built for sm90 offline (stub driver, this machine's Triton and ptxas, in a
-    subprocess: the driver switch stays there): no local memory, no shared memory at all,
-    and per 16-key tile of the loop (page 16: one page per tile) 32 fp16 MMAs, 64 e4m3x2 ->
-    f16x2 conversions (every K and V byte once), 8 16-byte loads and 3 scalar loads (page
-    id, two descales) per thread; V a tile ahead too."""
+def _sm90_builds(*args: str) -> list[tuple[str, int, int, int, int, dict[str, int],
+                                           dict[str, int]]]:
+    """Build the kernel for sm90 offline (stub driver, this machine's Triton and ptxas, in a
+    subprocess: the driver switch stays there) with benchmarks/gluon_decode_sm90_offline.py
+    ``args``: (tag, registers, stack bytes, local bytes, shared bytes, kernel SASS counts,
+    key loop SASS counts) per build; skips without an sm90 toolchain."""
     import ast
     import re
     import subprocess
@@ -231,22 +231,63 @@ def test_sm90_build_keeps_the_key_loop_in_registers() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "plugins" / "triton_portable"),
                                          env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "gluon_decode_sm90_offline.py"),
-                          "--block-n", "16", "--dump", "/tmp/attnhub_gluon_decode_test"],
+    run = subprocess.run([sys.executable,
+                          str(root / "benchmarks" / "gluon_decode_sm90_offline.py"), *args,
+                          "--dump", "/tmp/attnhub_gluon_decode_test"],
                          capture_output=True, text=True, env=env, timeout=600, check=False)
-    built = re.findall(r"OK (\S+): regs=(\d+) stack=(\d+) local=(\d+) smem=(\d+)\n"
+    built = re.findall(r"OK (\S+): regs=(\d+) stack=(\d+) local=(\d+) smem=(\d+).*\n"
                        r"\s+kernel: (\{.*\})\n\s+loop:\s+(\{.*\})", run.stdout)
     if not built and ("ptxas" in run.stdout + run.stderr or "cuobjdump" in run.stderr):
         pytest.skip("no sm90 toolchain in this Triton")
-    assert len(built) == 3, run.stdout[-3000:] + run.stderr[-3000:]
-    for tag, regs, stack, local, smem, kernel, loop in built:
-        whole, body = ast.literal_eval(kernel), ast.literal_eval(loop)
-        assert int(smem) == 0 and whole["LDS"] == whole["STS"] == whole["BAR"] == 0, tag
-        assert int(stack) == int(local) == 0 and whole["LDL"] == whole["STL"] == 0, tag
-        assert (body["HMMA"], body["LDG.E.128"], body["LDG.E"]) == (32, 8, 3), (tag, body)
-        assert body["F2FP.F16.E4M3"] == 64, (tag, body)  # each K and V byte pair once
-        assert body["F2FP"] == 64 + 4, (tag, body)  # and p to fp16
-        assert int(regs) <= (232 if tag.endswith("_ahead") else 176), tag
+    assert built and "FAIL" not in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    return [(tag, int(regs), int(stack), int(local), int(smem), ast.literal_eval(kernel),
+             ast.literal_eval(loop)) for tag, regs, stack, local, smem, kernel, loop in built]
+
+
+def _one_tile_per_iteration(tag: str, body: dict[str, int]) -> None:
+    """Per 16-key tile of the loop (page 16: one page per tile): 32 fp16 MMAs, 64 e4m3x2 ->
+    f16x2 conversions (every K and V byte once) and 4 of p to fp16, 8 16-byte loads and 3
+    scalar loads (page id, two descales) per thread."""
+    assert (body["HMMA"], body["LDG.E.128"], body["LDG.E"]) == (32, 8, 3), (tag, body)
+    assert body["F2FP.F16.E4M3"] == 64, (tag, body)  # each K and V byte pair once
+    assert body["F2FP"] == 64 + 4, (tag, body)  # and p to fp16
+
+
+def test_sm90_build_keeps_the_key_loop_in_registers() -> None:
+    """The kernel built for sm90 offline: no local memory, no shared memory at all, and one
+    tile's work per loop iteration (``_one_tile_per_iteration``); V a tile ahead too."""
+    built = _sm90_builds("--block-n", "16", "--variants", "base", "ahead")
+    assert len(built) == 3, built
+    for tag, regs, stack, local, smem, whole, body in built:
+        assert smem == 0 and whole["LDS"] == whole["STS"] == whole["BAR"] == 0, tag
+        assert stack == local == 0 and whole["LDL"] == whole["STL"] == 0, tag
+        _one_tile_per_iteration(tag, body)
+        assert regs <= (232 if tag.endswith("_ahead") else 168), tag  # 12 per SM at 168
+
+
+def test_sm90_prefetch_build_holds_the_next_tiles_in_registers() -> None:
+    """``prefetch_pages`` (the next tile's K and V loaded before this one is used; with
+    ``fp8_v_ahead`` the next two) built for sm90: no spills, no shared memory, the same
+    work per tile as the plain loop, the tiles in flight held as words (byte permutes as
+    the plain loop: packing the loaded bytes into words and widening words cost nothing),
+    within 8 programs per SM (255 registers; 4 x floor(16384 / (32 x 208)) = 8 from 201 up).
+    Capped at 168 registers (``maxnreg``, 12 per SM), it spills only loop invariants."""
+    built = _sm90_builds("--block-n", "16", "--variants", "pre", "preahead")
+    assert len(built) == 4, built
+    for tag, regs, stack, local, smem, whole, body in built:
+        assert smem == 0 and whole["LDS"] == whole["STS"] == whole["BAR"] == 0, tag
+        assert stack == local == 0 and whole["LDL"] == whole["STL"] == 0, tag
+        _one_tile_per_iteration(tag, body)
+        assert body["PRMT"] == 32, (tag, body)  # as the plain loop's (V's key pairs)
+        assert body["insts"] <= 600, (tag, body)  # plain loop: 447 (Triton 3.6)
+        assert regs <= (240 if tag.endswith("_ahead") else 216), tag
+    capped = _sm90_builds("--block-n", "16", "--variants", "pre", "--maxnreg", "168")
+    assert len(capped) == 2, capped
+    for tag, regs, stack, local, smem, whole, body in capped:
+        assert regs <= 168 and stack <= 64 and smem == 0, tag
+        # nothing stored per tile (Triton 3.6: no reload either; 3.9: 7 of loop invariants)
+        assert body["STL"] == 0 and body["LDL"] <= 8, (tag, body)
+        _one_tile_per_iteration(tag, body)
 
 
 def test_register_cap_reaches_the_launch(recorded: list[tuple[Any, ...]]) -> None:

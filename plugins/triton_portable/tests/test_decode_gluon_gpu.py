@@ -35,11 +35,18 @@ CASES = [  # (hq, hkv, lengths, splits, q dtype)
 ]
 
 
-#: the shipped config and the variants its benchmark times (V a tile ahead; a register
-#: cap; 32-key tiles over 16-key pages: two page ids and descale pairs per tile), and 32-key
-#: tiles over 8-key pages (page ids and descales per key)
+#: the shipped config and the variants its benchmark times or timed (V a tile ahead; a
+#: register cap; 32-key tiles over 16-key pages: two page ids and descale pairs per tile),
+#: and 32-key tiles over 8-key pages (page ids and descales per key); the software-pipelined
+#: loop (``prefetch_pages``: the next tile in flight) as built, capped at 168 registers, two
+#: tiles ahead (with ``fp8_v_ahead``), with 32-key tiles, and over 8-key pages (16-key
+#: tiles: two pages a tile; 32-key tiles: per key)
+PRE = {"prefetch_pages": True}
 VARIANTS = [{}, {"fp8_v_ahead": True}, {"maxnreg": 144}, {"block_n": 32},
-            {"block_n": 32, "page": 8}]
+            {"block_n": 32, "page": 8},
+            PRE, {**PRE, "maxnreg": 168}, {**PRE, "fp8_v_ahead": True}, {**PRE, "block_n": 32},
+            {**PRE, "page": 8}, {**PRE, "block_n": 32, "page": 8},
+            {**PRE, "fp8_v_ahead": True, "page": 8}]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
@@ -47,7 +54,7 @@ VARIANTS = [{}, {"fp8_v_ahead": True}, {"maxnreg": 144}, {"block_n": 32},
 def test_gluon_fp8_paged_decode_meets_the_fa_rule(heads, lengths, splits, dtype,
                                                   variant) -> None:
     from attnhub_triton_portable.decode import decode_attention
-    from attnhub_triton_portable.decode_configs import GLUON_FP8_PAGED
+    from attnhub_triton_portable.decode_configs import GLUON_FP8_PAGED, decode_config
 
     hq, hkv = heads
     variant = dict(variant)
@@ -66,7 +73,9 @@ def test_gluon_fp8_paged_decode_meets_the_fa_rule(heads, lengths, splits, dtype,
     kw = {"scale": d ** -0.5, "causal": True, "block_table": table, "seqlens_k": seqlens,
           "k_descale": kd, "v_descale": vd, "num_splits": splits}
     out, lse = decode_attention(q, k8, v8, config=GLUON_FP8_PAGED.with_(**variant), **kw)
-    ported, ported_lse = decode_attention(q, k8, v8, **kw)  # the portable FP8 row
+    # the portable FP8 row (asked for: with no config, sm90 takes the Gluon pass itself)
+    portable = decode_config("sm90", paged=True, kv_fp8=True)
+    ported, ported_lse = decode_attention(q, k8, v8, config=portable, **kw)
 
     full = (npages, hkv)
     kf = dequantize_pages(k8.cpu(), kd.cpu().expand(full))
