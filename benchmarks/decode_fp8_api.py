@@ -34,7 +34,10 @@ def pass1(decode: Any) -> str:
     """The pass 1 the last e4m3 shape planned: the Gluon row or the portable table."""
     shape = list(decode._shapes.values())[-1]
     cfg = shape.plan_opts[2]
-    return f"gluon block_n={cfg.block_n}" if cfg is not None and cfg.gluon else "portable"
+    if cfg is None or not cfg.gluon:
+        return "portable"
+    return (f"gluon block_n={cfg.block_n} prefetch={cfg.prefetch_pages} "
+            f"maxnreg={cfg.maxnreg or '-'}")
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ KV head) descales, widened in registers (``KV_FP8``; to fp16 with ``FP8_F16``, V
 tile ahead with ``V_AHEAD``); on an H200 that path runs at about the bf16 cache's speed
 (0.98-1.05x), not twice it: it saves memory (docs/benchmarks/triton_decode_paged.md).
 On sm90, a paged e4m3 cache takes :mod:`.decode_gluon`'s Hopper pass 1 wherever it serves
-the call (``gluon_fp8_row``: 1.4-1.6x the bf16 cache on an H200), the portable FP8 path
+the call (``gluon_fp8_row``: 1.6-1.9x the bf16 cache's GPU time on an H200), the portable FP8 path
 elsewhere; ``config.gluon`` asks for it explicitly (same arguments).
 """
 

@@ -138,22 +138,30 @@ _FP8_PAGED: dict[str, DecodeConfig] = {
 #: build takes 168 registers, so 12 one-warp programs fit an SM: 12 per SM plan the splits.
 #: H200, 2026-12-02 (ca449c7, random table, GPU time; bf16 row / portable e4m3 row / this):
 #: 64 x 32k 2204 / 1949 / 1360 us, 1 x 128k 147 / 129 / 121, 32 x 4k 131 / 129 / 100; it
-#: passed the FlashAttention-rule GPU tests. ``gluon_fp8_row`` binds it by default.
+#: passed the FlashAttention-rule GPU tests. ``gluon_fp8_row`` binds its pipelined builds.
 GLUON_FP8_PAGED = DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=12,
                                fp8_dot="fp16", gluon=True)
-#: 32-key tiles (10 programs per SM): fewer, longer-lived programs keep more bytes in flight
-#: each, which wins where the (sequence, KV head) pairs are few: 1 x 128k 97 us against 121
-#: for 16-key tiles; with many pairs they lose (64 x 32k 1405 vs 1360, 32 x 4k 139 vs 100).
-GLUON_FP8_PAGED_FEW = GLUON_FP8_PAGED.with_(block_n=32, ctas_per_sm=10)
+#: The software-pipelined loop (``prefetch_pages``: the next tile's bytes in flight while
+#: this one is converted and multiplied) capped at 168 registers, so 12 one-warp programs
+#: still fit an SM (32-40 stack bytes, no spill in the loop). H200, 2026-12-02 (d9fd75b,
+#: random table, GPU time, bf16 row 2156 / 131 us): 64 x 32k 1153 us (1.87x the bf16 row;
+#: the plain Gluon pass 1360, uncapped 203 registers at 8 per SM 1231), 32 x 4k 86.5 us
+#: (plain 100.7). It passed the FlashAttention-rule GPU tests (72 cases, every variant).
+GLUON_FP8_PAGED_PRE = GLUON_FP8_PAGED.with_(prefetch_pages=True, maxnreg=168)
+#: Few (sequence, KV head) pairs: the uncapped pipelined build (203 registers, 8 programs
+#: per SM), which keeps more in flight per program: 1 x 128k 89.5 us against 99.8 capped,
+#: 97.7 for 32-key plain tiles, 120.9 plain (bf16 row 148.8).
+GLUON_FP8_PAGED_FEW = GLUON_FP8_PAGED.with_(prefetch_pages=True, ctas_per_sm=8)
 
 
 def gluon_fp8_row(arch: str, pairs: int, sm_count: int) -> DecodeConfig | None:
-    """The Gluon row for a paged e4m3 cache (None off sm90): 32-key tiles when the
-    ``pairs`` (sequence, KV head, row block) fit one per SM, else 16-key tiles. The caller
-    checks that the kernel serves the call (``decode_gluon.supports``)."""
+    """The Gluon row for a paged e4m3 cache (None off sm90): the uncapped pipelined build
+    when the ``pairs`` (sequence, KV head, row block) fit one per SM, else the one capped at
+    168 registers. The caller checks that the kernel serves the call
+    (``decode_gluon.supports``)."""
     if arch != "sm90":  # built and checked for Hopper only
         return None
-    return GLUON_FP8_PAGED_FEW if pairs <= sm_count else GLUON_FP8_PAGED
+    return GLUON_FP8_PAGED_FEW if pairs <= sm_count else GLUON_FP8_PAGED_PRE
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
 INTERPRETER_SM_COUNT = 4

@@ -163,17 +163,19 @@ def test_launched_with_the_split_kernels_arguments(recorded: list[tuple[Any, ...
         assert recorded[1][0] is decode._merge_kernel
 
 
-@pytest.mark.parametrize(("b", "block_n"), [(3, 32), (18, 16)])
+@pytest.mark.parametrize(("b", "maxnreg"), [(3, None), (18, 168)])
 def test_sm90_takes_it_by_default_where_it_serves(recorded: list[tuple[Any, ...]], b: int,
-                                                  block_n: int) -> None:
-    """No config: an e4m3 paged call on sm90 launches the Gluon pass, 32-key tiles when the
-    (sequence, KV head) pairs fit one per SM (3 x 8 <= 132), else 16 (18 x 8 > 132)."""
+                                                  maxnreg: int | None) -> None:
+    """No config: an e4m3 paged call on sm90 launches the pipelined Gluon pass, uncapped
+    when the (sequence, KV head) pairs fit one per SM (3 x 8 <= 132), else capped at 168
+    registers (18 x 8 > 132)."""
     (q, k, v), kw = _paged_call(b=b)
     decode.decode_attention(q, k, v, **kw)
     fn, _, opt, args = recorded[0]
     got = dict(zip(fn.arg_names, args))
     assert fn is decode_gluon._fp8_paged_split_kernel and opt["num_warps"] == 1
-    assert got["BLOCK_N"] == block_n and got["KV_FP8"]
+    assert got["BLOCK_N"] == 16 and got["KV_FP8"] and got["PREFETCH"]
+    assert opt.get("maxnreg") == maxnreg
 
 
 @pytest.mark.parametrize("call", [{"window": (8, 0)}, {"softcap": 30.0}])
