@@ -88,23 +88,36 @@ def test_fast_path_hands_backends_the_checked_params(spy_hub, kw):
     assert_fa_rule(outs[1], ref64, same)
 
 
+@pytest.fixture
+def counted_hub(spy_hub, monkeypatch):
+    """The spy hub and a list that grows by one per ``check_call`` (the slow path)."""
+    checks = _counting(monkeypatch, "check_call")
+    monkeypatch.setattr("attnhub.hub.check_call", contract.check_call)
+    return (*spy_hub, checks)
+
+
+def _checked_call(hub, spy, q, kv, layout, ax) -> AttnParams:
+    """One causal call (k = v = ``kv``) through the spy: its output shape and the FA rule
+    checked; the params the backend saw."""
+    out = hub.attention(q, kv, kv, layout=layout, causal=True, backend="spy")
+    assert out.shape == q.shape
+    ref64, _, same = fa_references(*(t.transpose(1, ax) for t in (q, kv, kv)), spy.seen[-1])
+    assert_fa_rule(out.transpose(1, ax), ref64, same)
+    return spy.seen[-1]
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-def test_growing_kv_cache_takes_the_fast_path(spy_hub, monkeypatch, layout):
+def test_growing_kv_cache_takes_the_fast_path(counted_hub, layout):
     """Decode on a contiguous cache sees a new key length every step: the steps of one
     length bucket are served by the table (no check_call), each with its own length, and a
     v that disagrees with k on the length still gets the slow path's error."""
-    hub, spy = spy_hub
-    checks = _counting(monkeypatch, "check_call")
-    monkeypatch.setattr("attnhub.hub.check_call", contract.check_call)
+    hub, spy, checks = counted_hub
     ax = 1 if layout == "bshd" else 2
     q = torch.randn(2, 1, 4, 8).transpose(1, ax)
     kv = torch.randn(2, 40, 2, 8).transpose(1, ax)
     for sk in range(17, 33):  # one bucket (32)
-        k, v = kv.narrow(ax, 0, sk), kv.narrow(ax, 0, sk)
-        out = hub.attention(q, k, v, layout=layout, causal=True, backend="spy")
-        assert spy.seen[-1].max_seqlen_k == sk
-        ref64, _, same = fa_references(*(t.transpose(1, ax) for t in (q, k, v)), spy.seen[-1])
-        assert_fa_rule(out.transpose(1, ax), ref64, same)
+        k = kv.narrow(ax, 0, sk)
+        assert _checked_call(hub, spy, q, k, layout, ax).max_seqlen_k == sk
     assert len(checks) == 1
     with pytest.raises(attnhub.InputError, match="keys"):
         hub.attention(q, kv.narrow(ax, 0, 20), kv.narrow(ax, 0, 21), layout=layout,
@@ -112,23 +125,17 @@ def test_growing_kv_cache_takes_the_fast_path(spy_hub, monkeypatch, layout):
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-def test_prompts_of_a_new_length_take_the_fast_path(spy_hub, monkeypatch, layout):
+def test_prompts_of_a_new_length_take_the_fast_path(counted_hub, layout):
     """Prefill at a new prompt length per call (serving, generate() on new prompts): the
     calls of one (Sq, Sk) bucket pair are served by the table, each with its own lengths
     and output shape; a call with one query (decode, another phase) is bound anew."""
-    hub, spy = spy_hub
-    checks = _counting(monkeypatch, "check_call")
-    monkeypatch.setattr("attnhub.hub.check_call", contract.check_call)
+    hub, spy, checks = counted_hub
     ax = 1 if layout == "bshd" else 2
     qb = torch.randn(2, 40, 4, 8).transpose(1, ax)
     kv = torch.randn(2, 40, 2, 8).transpose(1, ax)
     for s in (17, 30, 23, 32):  # one bucket (32) for both
-        q, k = qb.narrow(ax, 0, s), kv.narrow(ax, 0, s)
-        out = hub.attention(q, k, k, layout=layout, causal=True, backend="spy")
-        p = spy.seen[-1]
-        assert (p.max_seqlen_q, p.max_seqlen_k) == (s, s) and out.shape == q.shape
-        ref64, _, same = fa_references(*(t.transpose(1, ax) for t in (q, k, k)), p)
-        assert_fa_rule(out.transpose(1, ax), ref64, same)
+        p = _checked_call(hub, spy, qb.narrow(ax, 0, s), kv.narrow(ax, 0, s), layout, ax)
+        assert (p.max_seqlen_q, p.max_seqlen_k) == (s, s)
     assert len(checks) == 1
     q1 = qb.narrow(ax, 0, 1)  # one query on 20 keys: decode, not the prefill binding
     hub.attention(q1, kv.narrow(ax, 0, 20), kv.narrow(ax, 0, 20), layout=layout,

@@ -255,15 +255,21 @@ def _one_tile_per_iteration(tag: str, body: dict[str, int]) -> None:
     assert body["F2FP"] == 64 + 4, (tag, body)  # and p to fp16
 
 
+def _registers_only(tag: str, stack: int, local: int, smem: int, whole: dict,
+                    body: dict) -> None:
+    """No shared memory, no spills, one tile's work per loop iteration."""
+    assert smem == 0 and whole["LDS"] == whole["STS"] == whole["BAR"] == 0, tag
+    assert stack == local == 0 and whole["LDL"] == whole["STL"] == 0, tag
+    _one_tile_per_iteration(tag, body)
+
+
 def test_sm90_build_keeps_the_key_loop_in_registers() -> None:
     """The kernel built for sm90 offline: no local memory, no shared memory at all, and one
     tile's work per loop iteration (``_one_tile_per_iteration``); V a tile ahead too."""
     built = _sm90_builds("--block-n", "16", "--variants", "base", "ahead")
     assert len(built) == 3, built
     for tag, regs, stack, local, smem, whole, body in built:
-        assert smem == 0 and whole["LDS"] == whole["STS"] == whole["BAR"] == 0, tag
-        assert stack == local == 0 and whole["LDL"] == whole["STL"] == 0, tag
-        _one_tile_per_iteration(tag, body)
+        _registers_only(tag, stack, local, smem, whole, body)
         assert regs <= (232 if tag.endswith("_ahead") else 168), tag  # 12 per SM at 168
 
 
@@ -277,9 +283,7 @@ def test_sm90_prefetch_build_holds_the_next_tiles_in_registers() -> None:
     built = _sm90_builds("--block-n", "16", "--variants", "pre", "preahead")
     assert len(built) == 4, built
     for tag, regs, stack, local, smem, whole, body in built:
-        assert smem == 0 and whole["LDS"] == whole["STS"] == whole["BAR"] == 0, tag
-        assert stack == local == 0 and whole["LDL"] == whole["STL"] == 0, tag
-        _one_tile_per_iteration(tag, body)
+        _registers_only(tag, stack, local, smem, whole, body)
         assert body["PRMT"] == 32, (tag, body)  # as the plain loop's (V's key pairs)
         assert body["insts"] <= 600, (tag, body)  # plain loop: 447 (Triton 3.6)
         assert regs <= (240 if tag.endswith("_ahead") else 216), tag
