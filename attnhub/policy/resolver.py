@@ -37,7 +37,6 @@ class _Outcome:
     fallbacks: list[str] = field(default_factory=list)
     inner: Decision | None = None
     missing: list[str] = field(default_factory=list)
-    ranking: Ranking | None = None
     tied: list[str] = field(default_factory=list)
 
 
@@ -156,8 +155,7 @@ class Policy:
         notes: list[str] = []
         ranking = self._ranking(lr.rule.use, spec, device, notes)
         out = _Outcome(ranking.order if ranking else list(lr.rule.use.order), [], [], notes,
-                       on_failure=lr.rule.on_failure or self.data.defaults.on_failure,
-                       ranking=ranking)
+                       on_failure=lr.rule.on_failure or self.data.defaults.on_failure)
         for name in out.order:
             reasons = self._reasons(name, lr, m, spec, device, registry, ctx, local, out)
             if reasons:

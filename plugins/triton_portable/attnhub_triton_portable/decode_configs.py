@@ -49,7 +49,8 @@ class DecodeConfig:
     second, partly filled round whose tail leaves SMs idle), and takes the most on ties.
     ``maxnreg``: a register cap for pass 1 (0: the compiler's choice), to fit more
     programs per SM. ``gluon`` (paged e4m3 caches on sm90): pass 1 is the Gluon kernel of
-    :mod:`.decode_gluon` (``GLUON_FP8_PAGED``): opt-in only, never chosen by the table.
+    :mod:`.decode_gluon`; the table never holds it, but an e4m3 paged call on sm90 with no
+    ``config`` takes ``gluon_fp8_row``'s row wherever the kernel serves it.
     """
 
     block_n: int = 64
