@@ -63,9 +63,11 @@ class Runner:
 
     Every result is checked against the output contract (shape, dtype, device: metadata
     only) before it is returned; a violation is that backend failing, like an exception.
+    The hub's hot path runs ``first`` itself (one Python frame less per call) and hands
+    a failure to :meth:`recover`; everything else goes through ``__call__``.
     """
 
-    __slots__ = ("decision", "chain", "hub", "local")
+    __slots__ = ("decision", "chain", "hub", "local", "first")
 
     def __init__(self, decision: Decision, chain: list[Backend], hub: "Hub"):
         self.decision = decision
@@ -73,38 +75,31 @@ class Runner:
         self.hub = hub
         inner = decision.inner
         self.local = hub.registry.get(inner.backend) if inner and inner.backend else None
+        #: the candidate the hot path may call directly (a distributed backend's runner
+        #: first passes its local kernel in ``params.extra``: ``__call__`` does)
+        self.first = chain[0] if self.local is None else None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
                  want: tuple[int, ...] | None = None, device: torch.device | None = None,
                  dtype: torch.dtype | None = None) -> AttentionOutput:
         """Run the chain; ``want`` is the output shape (``q.shape[:-1] + (Dv,)``),
-        ``device``/``dtype`` q's, passed by the hot path that knows them already."""
+        ``device``/``dtype`` q's, when the caller knows them already."""
         if self.local is not None:  # a distributed backend runs this local kernel per block
             params.extra["local_backend"] = self.local
         if want is None:
             want = (*q.shape[:-1], v.shape[-1])
-        if device is None:
-            device = q.device
-        if dtype is None:
-            dtype = q.dtype
-        backend = self.chain[0]
-        try:
-            if backend._loaded and not self.hub.debug:  # the hot path: first candidate
-                res = backend.forward(q, k, v, spec, params)
-                out = res[0]
-                # metadata only, the cheap test first (dtypes are singletons), details when
-                # it fails or an LSE is asked for
-                if (out.dtype is dtype and out.device == device and not params.return_lse
-                        and out.shape == want and res.__class__ is AttentionOutput):
-                    return res
-                return self._checked(backend, res, q, v, spec, params, want, device, dtype)
-        except InputError:
-            raise  # the call was checked before any backend ran: never retried
-        except Exception as exc:
-            return self._fallback(self.hub._on_failure(self, 0, exc), q, k, v, spec, params,
-                                  want, device, dtype)
-        return self._fallback(0, q, k, v, spec, params, want, device, dtype)
+        return self._fallback(0, q, k, v, spec, params, want, device or q.device,
+                              dtype or q.dtype)
+
+    def recover(self, exc: Exception, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                spec: AttentionSpec, params: AttnParams, want: tuple[int, ...],
+                device: torch.device, dtype: torch.dtype) -> AttentionOutput:
+        """The hot path's first candidate raised ``exc`` (not an ``InputError``: the call
+        was checked before any backend ran, so that one is never retried) or broke the
+        output contract: raise per the rule, or go on with the next candidate."""
+        return self._fallback(self.hub._on_failure(self, 0, exc), q, k, v, spec, params,
+                              want, device, dtype)
 
     def _fallback(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   spec: AttentionSpec, params: AttnParams, want: tuple[int, ...],
@@ -439,7 +434,24 @@ class Hub:
                 softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end, cu_q, cu_k,
                 max_q, max_k, bt, sl, score_mod, mask_mod,
                 deterministic, return_lse, dict(extra) if extra else {})
-            out, lse = run(q, k, v, spec, params, want, device, dtype)
+            first = run.first
+            if first is not None and first._loaded and not self.debug:
+                try:  # Runner.__call__ inlined for the first candidate: a frame less
+                    res = first.forward(q, k, v, spec, params)
+                    out = res[0]
+                    # metadata only, the cheap tests first (dtypes are singletons); the
+                    # details when one fails or an LSE is asked for
+                    if not (out.dtype is dtype and out.device == device and not return_lse
+                            and out.shape == want and res.__class__ is AttentionOutput):
+                        res = Runner._checked(first, res, q, v, spec, params, want, device,
+                                              dtype)
+                except InputError:
+                    raise
+                except Exception as exc:
+                    res = run.recover(exc, q, k, v, spec, params, want, device, dtype)
+            else:
+                res = run(q, k, v, spec, params, want, device, dtype)
+            out, lse = res
             if layout == "bhsd":
                 out = out.transpose(1, 2)
             return (out, lse) if return_lse else out
@@ -516,9 +528,9 @@ class Hub:
                 if len(self._exact) >= _EXACT_CACHE_LIMIT:
                     self._exact.clear()  # bounded: many shapes (growing KV) just re-check
                 # only a variant's callables are kept: a caller's closure (and the tensors
-                # it holds) is never retained by the table; the bound __call__ skips the
-                # instance-call slot; bshd lengths are fixed by the key (paged/thd: memos)
-                entry = (spec, run.__call__, window, named,
+                # it holds) is never retained by the table; bshd lengths are fixed by the
+                # key (paged/thd: memos)
+                entry = (spec, run, window, named,
                          score_mod if score_named else None,
                          mask_mod if mask_named else None, default_scale,
                          (*q.shape[:-1], v.shape[-1]), max_seqlen_q, max_seqlen_k)

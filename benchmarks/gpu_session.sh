@@ -13,7 +13,7 @@
 #   kit.txt            `attnhub check-plugin --all-available --quick` on the GPU
 # Usage (carry .whl, made by ../shared/gpu/wheels.sh all): COMMIT=abc1234 bash benchmarks/gpu_session.sh
 # STEPS picks steps (default: overhead hf ring tests kit; also: profile, a cProfile of
-# overhead.py's calls; dho, benchmarks/decode_host_overhead.py on the GPU; grow, benchmarks/decode_growing_gpu.py; pvf, benchmarks/policy_vs_forced.py on PVF_CELLS; regret, REGRET_S seconds; probe, benchmarks/triton_autotune_probe.py (which dense forward config the autotuner takes, beside the API time); gluon_ws, benchmarks/gluon_ws.py; fp8g, benchmarks/decode_fp8_gluon.py, the Gluon FP8 decode variants beside the bf16 and FP8 rows; fp8api, benchmarks/decode_fp8_api.py, e4m3 vs bf16 paged decode through attnhub.attention); KIT_BACKENDS names the kit's backends (default: --all-available).
+# overhead.py's calls; null, benchmarks/hub_null_overhead.py on GPU tensors; dho, benchmarks/decode_host_overhead.py on the GPU; grow, benchmarks/decode_growing_gpu.py; pvf, benchmarks/policy_vs_forced.py on PVF_CELLS; regret, REGRET_S seconds; probe, benchmarks/triton_autotune_probe.py (which dense forward config the autotuner takes, beside the API time); gluon_ws, benchmarks/gluon_ws.py; fp8g, benchmarks/decode_fp8_gluon.py, the Gluon FP8 decode variants beside the bf16 and FP8 rows; fp8api, benchmarks/decode_fp8_api.py, e4m3 vs bf16 paged decode through attnhub.attention); KIT_BACKENDS names the kit's backends (default: --all-available).
 set -uo pipefail
 final=${OUT:-out/gpu_session}
 out=${WORK:-/tmp/gpu_session}
@@ -51,6 +51,8 @@ want() { [[ $steps == *" $1 "* ]]; }
 want overhead && step overhead 60 python3 benchmarks/overhead.py --json
 cp "$out/overhead.out" "$out/overhead.json" 2>/dev/null
 want profile && step profile 90 python3 benchmarks/overhead.py --profile
+# the hub's own work on GPU tensors (null backend: nothing launched, stamps prove the tables)
+want null && step null 60 python3 benchmarks/hub_null_overhead.py --device cuda
 if want pvf; then  # policy call vs the same backend forced, per cell (PVF_CELLS: "cell=backend;...")
   IFS=';' read -ra pvf_cells <<< "${PVF_CELLS:-decode paged/16 1 x 32k=triton_decode;decode paged/16 1 x 128k=triton_decode;decode tiny 1 query, 1k keys=torch_sdpa}"
   for c in "${pvf_cells[@]}"; do
@@ -95,7 +97,7 @@ grep -B2 -A8 "attnhub adds" "$out/profile.out" 2>/dev/null
 tail -25 "$out/regret/regret.md" 2>/dev/null
 say "done"
 (cd "$out" && tar czf "$final/results.tar.gz" ./* 2>/dev/null)
-for f in session.log overhead.json probe.out fp8api.out fp8api.json fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
+for f in session.log overhead.json null.out probe.out fp8api.out fp8api.json fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
     regret/regret.md regret/regret.png; do
   [[ -f "$out/$f" ]] && cp "$out/$f" "$final/"
 done

@@ -6,7 +6,12 @@ the median per call of ``hub.attention`` minus that of calling the backend's ``f
 directly (the goal of issue 15 is <= 5 us), for a plain call, a call with side tensors
 (ALiBi slopes, softcap, scale), a paged decode call and a varlen (``thd``) call.
 
-    python benchmarks/hub_null_overhead.py [--calls 20000] [--json]
+On ``--device cuda`` the tensors live on the GPU (nothing is launched): the paged and varlen
+memos then prove their tables unchanged by stamps, as in serving, where on the CPU they
+compare contents. Beside ``benchmarks/overhead.py`` (the real backend) this separates the
+hub's own work from what the real backend's call costs around it.
+
+    python benchmarks/hub_null_overhead.py [--device cuda] [--calls 20000] [--json]
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
+    dev = torch.device(args.device)
     reg = Registry.load(entry_points=False, modules=[])
     null = NullBackend()
 
@@ -64,17 +71,17 @@ def main() -> None:
             register(null)
 
     reg.add_plugin(NullPlugin(), "null")
-    hub = attnhub.Hub(registry=reg, hardware="cpu")
-    q = torch.randn(1, 1, 32, 128)
-    k = torch.randn(1, 128, 8, 128)
+    hub = attnhub.Hub(registry=reg, hardware="cpu")  # the null backend serves any device
+    q = torch.randn(1, 1, 32, 128, device=dev)
+    k = torch.randn(1, 128, 8, 128, device=dev)
     v = torch.randn_like(k)
-    slopes = torch.rand(32)
-    pages = torch.randn(16, 16, 8, 128)
-    bt = torch.arange(16, dtype=torch.int32).view(2, 8)
-    sl = torch.tensor([100, 60], dtype=torch.int32)
-    qp = torch.randn(2, 1, 32, 128)
-    qt, kt = torch.randn(96, 32, 128), torch.randn(96, 8, 128)
-    cu = torch.tensor([0, 40, 96], dtype=torch.int32)
+    slopes = torch.rand(32, device=dev)
+    pages = torch.randn(16, 16, 8, 128, device=dev)
+    bt = torch.arange(16, dtype=torch.int32, device=dev).view(2, 8)
+    sl = torch.tensor([100, 60], dtype=torch.int32, device=dev)
+    qp = torch.randn(2, 1, 32, 128, device=dev)
+    qt, kt = torch.randn(96, 32, 128, device=dev), torch.randn(96, 8, 128, device=dev)
+    cu = torch.tensor([0, 40, 96], dtype=torch.int32, device=dev)
     spec = hub.runner_for(attnhub.AttentionSpec(dtype="fp32", num_q_heads=32, num_kv_heads=8),
                           backend="null").decision.spec
     params = AttnParams(scale=1 / math.sqrt(128))
