@@ -8,9 +8,14 @@ Two shapes where the kernel is short, so the difference is attnhub's per-call wo
 For each: raw torch SDPA (tiny decode only), the backend the policy binds called directly
 (``backend.forward`` with a prepared spec and params: no attnhub call path at all), and
 ``attnhub.attention`` through the policy and with that backend forced. Each figure is the
-median host time per call (``perf_counter`` around the call, no synchronisation: the GPU
-queue absorbs the kernels), the cases interleaved in chunks of 100 calls in a random order
-(see ``measure``). Target (issue 15): policy - direct <= 5 us.
+median host time per call (``perf_counter`` around the call; the GPU queue absorbs the
+kernels and is drained between chunks, outside the timing), the cases interleaved in chunks
+of 100 calls in a random order (see ``measure``).
+
+Decoding runs without autograd (HF ``generate`` under ``torch.no_grad``, vLLM and SGLang
+under ``torch.inference_mode``), so the headline figures are taken under
+``torch.inference_mode()``; the same cases with autograd on (a decode step called from
+ordinary code) follow as ``*_grad_enabled``. Target (issue 15): policy - direct <= 5 us.
 
     python benchmarks/overhead.py [--device cuda] [--calls 20000] [--json] [--profile]
 
@@ -30,6 +35,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +50,12 @@ BOUND_US = 5.0
 def measure(cases: dict[str, Callable[[], object]], calls: int, rounds: int,
             sync: Callable[[], None], chunk: int = 100, seed: int = 0) -> dict[str, float]:
     """Median host microseconds per call of each case (``perf_counter`` around each call,
-    no synchronisation: the GPU queue absorbs the kernels), over ``rounds`` x ``calls``
-    calls taken in chunks of ``chunk`` calls, the cases in a fresh random order per chunk
-    step. Every case samples every stretch of the run, so a drift of the host (clock,
-    neighbours) hits all cases alike instead of whichever case ran in a bad second."""
+    no synchronisation inside a chunk: the GPU queue absorbs its kernels), over ``rounds``
+    x ``calls`` calls taken in chunks of ``chunk`` calls, the cases in a fresh random order
+    per chunk step. Every case samples every stretch of the run, so a drift of the host
+    (clock, neighbours) hits all cases alike instead of whichever case ran in a bad second.
+    The queue is drained after every chunk (untimed): a chunk never waits on the kernels of
+    the chunks before it, which would time the GPU, not the host."""
     order = list(cases)
     rng = random.Random(seed)
     for fn in cases.values():  # warm-up: caches, allocator, compiled kernels
@@ -64,7 +72,7 @@ def measure(cases: dict[str, Callable[[], object]], calls: int, rounds: int,
                 t0 = clock()
                 fn()
                 out.append(clock() - t0)
-        sync()
+            sync()
     return {name: statistics.median(t) / 1e3 for name, t in times.items()}
 
 
@@ -89,22 +97,11 @@ def direct_call(hub: attnhub.Hub, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return backend.name, lambda: backend.forward(q, k, v, spec, params)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--calls", type=int, default=20000)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--profile", action="store_true",
-                    help="also print a cProfile of the policy and direct calls per case")
-    args = ap.parse_args()
-    dev = torch.device(args.device)  # "cuda" is fine: the KV cache canonicalises it
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+def decode_cases(hub: attnhub.Hub, dev: torch.device, dtype: torch.dtype
+                 ) -> dict[str, tuple[str, str, dict[str, Callable[[], object]]]]:
+    """Per case: (bound backend, shape, the calls to time: direct, policy, forced, and raw
+    SDPA for the tiny decode). Each call is made once here, which binds it."""
     scale = 1 / math.sqrt(128)
-    hub = attnhub.Hub()
-    res: dict[str, object] = {"device": hub.device.describe(), "bound_us": BOUND_US}
-
     # tiny decode, contiguous KV
     q = torch.randn(1, 1, 32, 128, device=dev, dtype=dtype)
     k = torch.randn(1, 1024, 8, 128, device=dev, dtype=dtype)
@@ -113,18 +110,10 @@ def main() -> None:
     hub.attention(q, k, v, causal=True)
     params = AttnParams(scale=scale, causal=True, max_seqlen_q=1, max_seqlen_k=1024)
     name, direct = direct_call(hub, q, k, v, params)
-    t = measure({
-        "raw_sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True),
-        "direct": direct,
-        "policy": lambda: hub.attention(q, k, v, causal=True),
-        "forced": lambda: hub.attention(q, k, v, causal=True, backend=name),
-    }, args.calls, args.rounds, sync)
-    if args.profile:
-        res["tiny_decode_profile"] = {
-            "policy": profile_calls(lambda: hub.attention(q, k, v, causal=True), min(args.calls, 5000)),
-            "direct": profile_calls(direct, min(args.calls, 5000))}
-    res["tiny_decode"] = {"backend": name, **{f"{k}_us": x for k, x in t.items()},
-                          "added_us": t["policy"] - t["direct"]}
+    tiny = {"raw_sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True),
+            "direct": direct,
+            "policy": lambda: hub.attention(q, k, v, causal=True),
+            "forced": lambda: hub.attention(q, k, v, causal=True, backend=name)}
 
     # paged decode step
     b, ctx, page = 8, 1024, 16
@@ -141,27 +130,48 @@ def main() -> None:
     pparams = AttnParams(scale=scale, causal=True, block_table=table, seqlens_k=lens,
                          max_seqlen_q=1, max_seqlen_k=ctx)
     pname, pdirect = direct_call(hub, qp, kc, vc, pparams)
-    t = measure({
-        "direct": pdirect,
-        "policy": lambda: hub.attention(qp, kc, vc, **paged),
-        "forced": lambda: hub.attention(qp, kc, vc, backend=pname, **paged),
-    }, args.calls, args.rounds, sync)
-    if args.profile:
-        res["paged_decode_step_profile"] = {
-            "policy": profile_calls(lambda: hub.attention(qp, kc, vc, **paged), min(args.calls, 5000)),
-            "direct": profile_calls(pdirect, min(args.calls, 5000))}
-    res["paged_decode_step"] = {"backend": pname, "shape": f"b={b} ctx={ctx} page={page}",
-                                **{f"{k}_us": x for k, x in t.items()},
-                                "added_us": t["policy"] - t["direct"]}
+    step = {"direct": pdirect,
+            "policy": lambda: hub.attention(qp, kc, vc, **paged),
+            "forced": lambda: hub.attention(qp, kc, vc, backend=pname, **paged)}
+    return {"tiny_decode": (name, "1 query, 1k keys, causal, bshd", tiny),
+            "paged_decode_step": (pname, f"b={b} ctx={ctx} page={page}", step)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print a cProfile of the policy and direct calls per case")
+    args = ap.parse_args()
+    dev = torch.device(args.device)  # "cuda" is fine: the KV cache canonicalises it
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    hub = attnhub.Hub()
+    res: dict[str, Any] = {"device": hub.device.describe(), "bound_us": BOUND_US}
+    cases = decode_cases(hub, dev, dtype)
+    for suffix, mode in (("", torch.inference_mode), ("_grad_enabled", torch.enable_grad)):
+        for case, (name, shape, calls) in cases.items():
+            with mode():
+                t = measure(calls, args.calls, args.rounds, sync)
+                if args.profile and not suffix:
+                    res[f"{case}_profile"] = {
+                        which: profile_calls(calls[which], min(args.calls, 5000))
+                        for which in ("policy", "direct")}
+            res[case + suffix] = {"backend": name, "shape": shape,
+                                  **{f"{k}_us": x for k, x in t.items()},
+                                  "added_us": t["policy"] - t["direct"]}
     if args.json:
         print(json.dumps(res, indent=2))
         return
-    for case in ("tiny_decode", "paged_decode_step"):
+    for case in cases:
         for which, text in dict(res.get(f"{case}_profile", {})).items():
             print(f"--- {case}: cProfile of the {which} call ---\n{text}")
+    for case in (c + suffix for suffix in ("", "_grad_enabled") for c in cases):
         r = res[case]
-        assert isinstance(r, dict)
-        print(f"{case} (bound backend {r['backend']}):")
+        print(f"{case} (bound backend {r['backend']}, {r['shape']}):")
         for k, x in r.items():
             if k.endswith("_us"):
                 print(f"  {k[:-3]:<8} {x:8.2f} us")

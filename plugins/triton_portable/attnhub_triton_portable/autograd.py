@@ -31,8 +31,38 @@ def _key(kind: str, args: DenseArgs, extra: tuple[Any, ...] = ()) -> tuple[Any, 
             autotune.bucket(args.batch * args.num_heads), args.group, *extra)
 
 
+#: The forward config each exact call signature (``_call_key``) took: the candidates'
+#: filter and the tuned choice read nothing else, and redoing them (a ``supports`` check per
+#: Gluon candidate, the tuning key) cost tens of microseconds per call.
+_FWD_CHOICE: dict[tuple[Any, ...], Config] = {}
+_CHOICE_LIMIT = 1024
+
+
+def _call_key(args: DenseArgs) -> tuple[Any, ...]:
+    """Everything ``fwd_config_for`` depends on: q/k/v geometry, dtype, device and 16-byte
+    alignment (all three aligned or not), lengths, batch and the mask switches and values."""
+    q, k, v = args.q, args.k, args.v
+    return (q.device, q.dtype, k.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape,
+            v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0, args.varlen,
+            args.batch, args.max_seqlen_q, args.max_seqlen_k, args.causal, args.bottom_right,
+            args.left, args.right, args.softcap > 0, args.slopes is None, args.prefix is None,
+            args.colmask)
+
+
 def fwd_config_for(args: DenseArgs) -> Config:
-    """The forward tile config for this call (table entry, or tuned on a GPU)."""
+    """The forward tile config for this call (table entry, or tuned on a GPU), once per
+    call signature."""
+    key = _call_key(args)
+    cfg = _FWD_CHOICE.get(key)
+    if cfg is None:
+        cfg = _fwd_config(args)
+        if len(_FWD_CHOICE) >= _CHOICE_LIMIT:
+            _FWD_CHOICE.clear()
+        _FWD_CHOICE[key] = cfg
+    return cfg
+
+
+def _fwd_config(args: DenseArgs) -> Config:
     cands = fwd_candidates(device_arch(args.q.device), args.head_dim, dtype_name(args.q.dtype),
                            args.causal)
     if any(c.get("GLUON") for c in cands):  # drop the Gluon ones this call cannot take

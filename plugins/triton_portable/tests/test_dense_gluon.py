@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attnhub_triton_portable import autograd, autotune, configs
+from attnhub_triton_portable import autograd, autotune, configs, fwd
 from attnhub_triton_portable.fwd import flash_fwd, gluon_unsupported
 from attnhub_triton_portable.launch import DenseArgs
 
@@ -45,6 +45,7 @@ def test_asking_for_it_off_hopper_names_the_reason() -> None:
 
 def test_autotuner_never_sees_a_gluon_candidate_the_call_cannot_take(monkeypatch) -> None:
     seen: list = []
+    monkeypatch.setattr(autograd, "_FWD_CHOICE", {})  # the choice memo: no earlier call's
     monkeypatch.setattr(autograd, "device_arch", lambda device: "sm90")
     monkeypatch.setattr(autotune, "pick", lambda key, cands, device, run: seen.append(
         (key, cands)) or cands[0])
@@ -52,6 +53,37 @@ def test_autotuner_never_sees_a_gluon_candidate_the_call_cannot_take(monkeypatch
     (key, cands), = seen
     assert len(cands) > 1 and not any(c.get("GLUON") for c in cands)
     assert key[-1] == (False,) * len(cands)  # eligibility is part of the tuning key
+
+
+def test_the_config_is_chosen_once_per_call_signature(monkeypatch) -> None:
+    """The filter and tuning run once per exact signature; another geometry, alignment or
+    mask choosing again (a memo that ignored one would hand a Gluon config to a call the
+    kernel cannot take)."""
+    pytest.importorskip("attnhub_triton_portable.fwd_gluon")
+    seen: list = []
+    monkeypatch.setattr(autograd, "_FWD_CHOICE", {})
+    monkeypatch.setattr(autograd, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(fwd, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(autotune, "pick", lambda key, cands, device, run: seen.append(
+        (key, cands)) or cands[-1])
+    q = torch.randn(2, 256, 4, 128, dtype=torch.bfloat16)
+    k = torch.randn(2, 256, 2, 128, dtype=torch.bfloat16)
+    base = torch.randn(2 * 256 * 4 * 128 + 1, dtype=torch.bfloat16)
+    shifted = base[1:].view(2, 256, 4, 128)  # the same geometry, 2 bytes off alignment
+
+    def choose(q: torch.Tensor, **kw: object) -> dict:
+        args = DenseArgs.from_params(q, k, k.clone(), AttnParams(scale=0.1, **kw), "bshd")
+        return autograd.fwd_config_for(args)
+
+    first = choose(q)
+    assert choose(torch.randn_like(q)) is first and len(seen) == 1  # new tensors, same call
+    choose(q, causal=True)
+    choose(q, window=(64, 0))
+    choose(q[:, :128])
+    choose(shifted)
+    assert len(seen) == 5
+    assert any(c.get("GLUON") for c in seen[0][1])  # the aligned call may take one
+    assert not any(c.get("GLUON") for c in seen[-1][1])  # the misaligned one never
 
 
 @pytest.mark.parametrize(("kw", "reason"), [
@@ -108,40 +140,47 @@ def test_warp_specialised_variant_off_hopper_names_the_reason() -> None:
 
 
 @pytest.mark.parametrize("ws", [False, True])
-def test_both_gluon_forwards_launch_with_the_same_arguments(monkeypatch, ws) -> None:
-    """The two Hopper forwards share one host launcher: q/k/v descriptors of their tile
-    rows, the output strides, lengths, head counts, scale in log2 units, window bounds and
-    mask constants, then each kernel's own meta (recorded on a fake kernel, no GPU)."""
-    from attnhub_triton_portable import fwd_gluon, fwd_gluon_ws
+def test_the_launch_binds_every_parameter_in_order_once_per_key(monkeypatch, ws: bool) -> None:
+    """The launch skips Triton's dispatch after its first call, so it passes every kernel
+    parameter positionally itself: each must land on its name (the binary would otherwise
+    read a stride as a length), and one launch serves one specialization only."""
+    fwd_gluon = pytest.importorskip("attnhub_triton_portable.fwd_gluon")
+    mod = pytest.importorskip("attnhub_triton_portable.fwd_gluon_ws") if ws else fwd_gluon
+    kernel = mod._fwd_ws_kernel if ws else mod._fwd_kernel
+    made: list = []
 
-    calls: list = []
+    class Recording:
+        def __init__(self, fn, grid, options) -> None:
+            self.grid, self.options, self.calls = grid, options, []
+            made.append(self)
 
-    class Fake:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: calls.append((grid, a, kw))
+        def __call__(self, device, stream, direct, args) -> None:
+            self.calls.append(dict(zip(kernel.arg_names, args, strict=True)))
 
-    monkeypatch.setattr(fwd_gluon, "_desc", lambda t, rows, d: (t.data_ptr(), rows, d))
-    args = _args(sq=300, sk=200, causal=True)
-    if ws:
-        monkeypatch.setattr(fwd_gluon_ws, "_fwd_ws_kernel", Fake())
-        config = configs.GLUON_WS_SM90[0]
-        out, lse = fwd_gluon_ws.flash_fwd(args, config)
-        rows, q_rows = fwd_gluon_ws.BLOCK_M, fwd_gluon_ws.HALF_M
-        meta = fwd_gluon_ws.launch_meta(config)
-    else:
-        monkeypatch.setattr(fwd_gluon, "_fwd_kernel", Fake())
-        config = GLUON
-        out, lse = fwd_gluon.flash_fwd(args, config)
-        rows = q_rows = config["BLOCK_M"]
-        meta = {"BLOCK_M": rows, "NUM_WARPS": config["num_warps"],
-                "P_SMEM": bool(config.get("P_SMEM", True)), "num_warps": config["num_warps"],
-                "num_stages": 1}
-    (grid, a, kw), = calls
-    bn = config["BLOCK_N"]
-    assert grid == (-(-300 // rows), 2 * 4)
-    assert a[:3] == ((args.q.data_ptr(), q_rows, 128), (args.k.data_ptr(), bn, 128),
-                     (args.v.data_ptr(), bn, 128))
-    assert a[3] is out and a[4] is lse and out.shape == args.q.shape
-    assert a[-7:] == (300, 200, 4, 2, args.scale * fwd_gluon._LOG2E, args.left, args.right)
-    assert kw == {"HEAD_DIM": 128, "BLOCK_N": bn, "CAUSAL": True, "BOTTOM_RIGHT": True,
-                  "WIN_LEFT": args.left >= 0, "WIN_RIGHT": args.right >= 0, **meta}
+    monkeypatch.setattr(fwd_gluon, "Launcher", Recording)
+    monkeypatch.setattr(fwd_gluon, "launch_state", lambda index: (0, 0, True))
+    monkeypatch.setattr(fwd_gluon, "_LAUNCHES", {})
+    cfg = configs.GLUON_WS_WINNERS[0] if ws else GLUON
+    run = mod.flash_fwd
+    args = _args(sq=256, sk=512, causal=True, window=(100, 0))
+    out, lse = run(args, cfg)
+    got = made[0].calls[0]
+    assert got["O"] is out and got["LSE"] is lse
+    assert (got["sob"], got["sos"], got["soh"]) == args.bsh_strides(out)
+    assert (got["slb"], got["slh"]) == args.lse_strides(lse)
+    assert (got["seqlen_q"], got["seqlen_k"], got["num_heads"], got["group"]) == (256, 512, 4, 2)
+    assert (got["left"], got["right"]) == (100, 0)
+    assert got["scale2"] == pytest.approx(args.scale * 1.4426950408889634)
+    assert got["q_desc"].base is args.q and got["k_desc"].base is args.k
+    assert got["v_desc"].base is args.v and got["HEAD_DIM"] == 128
+    assert got["CAUSAL"] is True and got["WIN_LEFT"] is True and got["WIN_RIGHT"] is True
+    assert got["BLOCK_N"] == cfg["BLOCK_N"] and "num_warps" in made[0].options
+    rows, q_rows = (mod.BLOCK_M, mod.HALF_M) if ws else (cfg["BLOCK_M"], cfg["BLOCK_M"])
+    assert made[0].grid == (-(-256 // rows), 2 * 4)
+    assert list(got["q_desc"].block_shape) == [q_rows, 128]
+    assert list(got["k_desc"].block_shape) == [cfg["BLOCK_N"], 128]
+    run(_args(sq=256, sk=512, causal=True, window=(100, 0)), cfg)  # new tensors, same key
+    assert len(made) == 1 and len(made[0].calls) == 2
+    run(_args(sq=256, sk=256, causal=True, window=(100, 0)), cfg)  # another key length
+    run(_args(sq=256, sk=512, causal=True, window=(200, 0)), cfg)  # another window
+    assert len(made) == 3

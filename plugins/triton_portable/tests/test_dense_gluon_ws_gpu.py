@@ -93,3 +93,23 @@ def test_gluon_ws_scope() -> None:
     args = DenseArgs.from_params(q, q, q, AttnParams(scale=0.1), "bshd")
     assert "multiple of 128" in (gluon_unsupported(args, cfg) or "")
     assert gluon_unsupported(args, {**cfg, "BLOCK_M": 64}) is not None
+
+
+@pytest.mark.parametrize("cfg", [configs.GLUON_WS_WINNERS[0], configs.GLUON_SM90[0]],
+                         ids=["ws", "plain"])
+def test_later_launches_read_their_own_tensors(cfg: dict) -> None:
+    """After its first call a key launches the binary directly (``fwd_gluon.launch``):
+    calls with fresh tensors of the same shape must each compute their own attention."""
+    from attnhub_triton_portable.fwd import flash_fwd
+    from attnhub_triton_portable.launch import DenseArgs
+
+    params = AttnParams(scale=128 ** -0.5, causal=True)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        q = torch.randn(2, 512, 8, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 512, 2, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        out, lse = flash_fwd(DenseArgs.from_params(q, k, v, params, "bshd"), cfg)
+        ref64, ref_lse, ref_same = fa_references(q, k, v, params)
+        assert_fa_rule(out, ref64, ref_same)
+        assert_lse(lse, ref_lse)
