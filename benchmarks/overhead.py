@@ -125,14 +125,16 @@ def decode_cases(hub: attnhub.Hub, dev: torch.device, dtype: torch.dtype
     table, lens = cache.block_table(seqs), cache.seqlens(seqs)
     kc, vc = cache.k_cache(0), cache.v_cache(0)
     qp = torch.randn(b, 1, 32, 128, device=dev, dtype=dtype)
-    paged = {"layout": "paged", "block_table": table, "seqlens_k": lens, "causal": True}
-    hub.attention(qp, kc, vc, **paged)
+    hub.attention(qp, kc, vc, layout="paged", block_table=table, seqlens_k=lens, causal=True)
     pparams = AttnParams(scale=scale, causal=True, block_table=table, seqlens_k=lens,
                          max_seqlen_q=1, max_seqlen_k=ctx)
     pname, pdirect = direct_call(hub, qp, kc, vc, pparams)
     step = {"direct": pdirect,
-            "policy": lambda: hub.attention(qp, kc, vc, **paged),
-            "forced": lambda: hub.attention(qp, kc, vc, backend=pname, **paged)}
+            # written out as a caller writes it (no ** of a dict per call)
+            "policy": lambda: hub.attention(qp, kc, vc, layout="paged", block_table=table,
+                                            seqlens_k=lens, causal=True),
+            "forced": lambda: hub.attention(qp, kc, vc, layout="paged", block_table=table,
+                                            seqlens_k=lens, causal=True, backend=pname)}
     return {"tiny_decode": (name, "1 query, 1k keys, causal, bshd", tiny),
             "paged_decode_step": (pname, f"b={b} ctx={ctx} page={page}", step)}
 

@@ -84,7 +84,7 @@ say "step 2 rc=$?"
 
 say "step 3: host overhead"
 calls=20000; [[ -n "${DRY:-}" ]] && calls=5
-timeout "$(cap 60)" python3 benchmarks/overhead.py --json --calls "$calls" --rounds 3 \
+timeout "$(cap 90)" python3 benchmarks/overhead.py --json --calls "$calls" --rounds 3 \
   > "$out/overhead.json" 2>> "$log"
 say "step 3 rc=$?"
 cat "$out/overhead.json" >> "$log"
