@@ -55,7 +55,7 @@ step1=()
 if [[ -z "${SKIP_STEP1:-}" ]]; then
 rm -f "$pack"
 say "step 1: grid before (no profile, no pack), writing the pack"
-ATTNHUB_PROFILE_PACKS=off timeout "$(cap 220)" python3 -m attnhub "${common[@]}" "${step1[@]}" \
+ATTNHUB_PROFILE_PACKS=off timeout "$(cap "${STEP1_S:-260}")" python3 -m attnhub "${common[@]}" "${step1[@]}" \
   --out-json "$out/regret_before.json" --pack "$out/${PACK:-nvidia-h200}.json" \
   > "$out/before.txt" 2>> "$log"
 say "step 1 rc=$?"; tail -30 "$out/before.txt" >> "$log"

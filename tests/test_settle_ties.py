@@ -122,6 +122,15 @@ def test_a_near_tie_is_timed_once_and_the_fastest_bound(tmp_path, registry):
     assert hub.bound()[-1].decision.backend == "tie_fast"
 
 
+def test_a_pack_lead_inside_the_settle_margin_is_timed_again(tmp_path, registry):
+    """A 6% lead in the pack ranks (outside the 3% list-order tie) but is timed here: one
+    run on one host cannot tell 6% apart (fa3 vs torch_sdpa on the H200)."""
+    hub = _hub(tmp_path, registry, {"tie_slow": 1.00e-4, "tie_fast": 1.06e-4})
+    hub.attention(*_qkv())
+    d = hub.bound()[-1].decision
+    assert d.backend == "tie_fast" and registry.get("tie_slow").calls >= 3
+
+
 def test_no_timing_when_off_apart_or_measured_here(tmp_path, registry):
     q, k, v = _qkv()
     hub = _hub(tmp_path, registry, {"tie_slow": 1.00e-4, "tie_fast": 1.01e-4},

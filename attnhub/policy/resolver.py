@@ -20,7 +20,7 @@ from ..core.registry import Registry
 from ..core.spec import AttentionSpec, bucket
 from .loader import LoadedRule, PolicyData
 from .match import Matcher, RuleIndex, set_bits
-from .profile import TIE, ProfileStore, Ranking, bucket_key, device_key
+from .profile import SETTLE_MARGIN, ProfileStore, Ranking, bucket_key, device_key
 
 DISTRIBUTED = "distributed"
 
@@ -172,7 +172,7 @@ class Policy:
             out.tied = [n for n in ranking.tied(out.viable) if not _distributed(n, registry)]
             if len(out.tied) > 1:
                 notes.append(f"near-tie in the pack: {', '.join(out.tied)} within "
-                             f"{TIE:.0%}; the hub times them on this machine at the first call"
+                             f"{SETTLE_MARGIN:.0%}; the hub times them on this machine at the first call"
                              " and binds the fastest (ATTNHUB_SETTLE_TIES=0 keeps this order)")
             else:
                 out.tied = []
