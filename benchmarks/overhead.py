@@ -45,6 +45,8 @@ from attnhub.core.kvcache import PagedKVCache
 from attnhub.core.spec import AttnParams
 
 BOUND_US = 5.0
+#: Seconds each case runs before the timed calls (see ``measure``).
+WARM_S = 0.5
 
 
 def measure(cases: dict[str, Callable[[], object]], calls: int, rounds: int,
@@ -58,9 +60,17 @@ def measure(cases: dict[str, Callable[[], object]], calls: int, rounds: int,
     the chunks before it, which would time the GPU, not the host."""
     order = list(cases)
     rng = random.Random(seed)
-    for fn in cases.values():  # warm-up: caches, allocator, compiled kernels
-        for _ in range(min(200, calls)):
+    # warm-up: caches, allocator, compiled kernels, and the host's clock: on the H200 host
+    # the first case measured after other work once ran 1.5x slower than a minute later
+    # (triton_decode direct 29.1 vs 19.9 us), so each case runs for at least WARM_S first
+    for fn in cases.values():
+        end = time.perf_counter() + WARM_S
+        n = 0
+        while n < min(200, calls) or (time.perf_counter() < end and n < calls):
             fn()
+            n += 1
+            if n % 100 == 0:
+                sync()
     sync()
     times: dict[str, list[int]] = {name: [] for name in cases}
     clock = time.perf_counter_ns

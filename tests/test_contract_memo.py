@@ -348,3 +348,24 @@ def test_paged_layer_shortcut_sees_every_change(spy_hub, monkeypatch, how):
     kc, vc = _break_tables(how, bt, kc, vc)
     with pytest.raises(SeqlensError, match="outside"):
         hub.attention(q, kc, vc, **kw)
+
+
+def test_unstamped_accelerator_tables_are_said_once(monkeypatch, caplog):
+    """Tables made under inference_mode keep no version counter: on an accelerator every
+    call then proves them by reading them (a sync per call). That is warned, once per kind
+    (meta tensors stand in for an accelerator's: not CPU)."""
+    monkeypatch.setattr(contract, "_warned_unstamped", set())
+    with torch.inference_mode():
+        bt = torch.zeros(2, 4, dtype=torch.int32, device="meta")
+        sl = torch.zeros(2, dtype=torch.int32, device="meta")
+    memo = contract.PagedTables()
+    with caplog.at_level("WARNING", logger="attnhub"):
+        memo._store(bt, sl, (), bt, sl, 0)
+        memo._store(bt, sl, (), bt, sl, 0)
+    said = [r for r in caplog.records if "inference tensors" in r.getMessage()]
+    assert len(said) == 1 and "block_table/seqlens_k" in said[0].getMessage()
+    stamped = torch.zeros(2, 4, dtype=torch.int32, device="meta")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="attnhub"):
+        contract.CuSeqlens()._store(stamped, stamped, (), stamped, stamped, 0, 0)
+    assert not caplog.records  # a version counter: stamped, nothing to say

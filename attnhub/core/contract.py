@@ -15,6 +15,7 @@ on a fallback). ``docs/contract.md`` is the same contract in prose.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import threading
@@ -32,6 +33,8 @@ from ..errors import (
     SeqlensError,
     ShapeError,
 )
+
+log = logging.getLogger("attnhub")
 
 _RANK = {"bshd": 4, "bhsd": 4, "thd": 3, "paged": 4}
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -365,8 +368,10 @@ class _Memo:
 
     def _store(self, a: torch.Tensor, b: torch.Tensor, geometry: tuple, snap_a: torch.Tensor,
                snap_b: torch.Tensor, *facts: Any) -> None:
-        memo = (a, b, geometry, None if a.is_cpu else _stamp(a, b), (snap_a, snap_b, *facts),
-                (a.dtype, b.dtype))
+        stamp = None if a.is_cpu else _stamp(a, b)
+        if stamp is None and not a.is_cpu:
+            _warn_unstamped(type(self).__name__, a.device)
+        memo = (a, b, geometry, stamp, (snap_a, snap_b, *facts), (a.dtype, b.dtype))
         with self._lock:
             self._memo = memo
 
@@ -379,6 +384,25 @@ def _stamp(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
         return (a._version, b._version, a.data_ptr(), b.data_ptr())
     except RuntimeError:
         return None
+
+
+_warned_unstamped: set[str] = set()
+
+
+def _warn_unstamped(kind: str, device: torch.device) -> None:
+    """Once per kind: tables on an accelerator made under ``torch.inference_mode`` carry no
+    version counter, so every call proves them unchanged by reading them (a host sync per
+    call, per layer). Said, never silent."""
+    if kind in _warned_unstamped:
+        return
+    _warned_unstamped.add(kind)
+    tables = "block_table/seqlens_k" if kind == "PagedTables" else "cu_seqlens_q/cu_seqlens_k"
+    log.warning(
+        "attnhub: %s on %s are inference tensors (made under torch.inference_mode): they "
+        "keep no version counter, so each call compares their contents with the checked "
+        "copy, a host sync per call. Build them outside inference_mode (PagedKVCache."
+        "block_table/seqlens do), or as t = x.clone() under torch.inference_mode(False).",
+        tables, device)
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:

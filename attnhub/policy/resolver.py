@@ -20,7 +20,15 @@ from ..core.registry import Registry
 from ..core.spec import AttentionSpec, bucket
 from .loader import LoadedRule, PolicyData
 from .match import Matcher, RuleIndex, set_bits
-from .profile import SETTLE_MARGIN, ProfileStore, Ranking, bucket_key, device_key
+from .profile import (
+    SETTLE_MARGIN,
+    SETTLE_MARGIN_SHORT,
+    SHORT_CALL_S,
+    ProfileStore,
+    Ranking,
+    bucket_key,
+    device_key,
+)
 
 DISTRIBUTED = "distributed"
 
@@ -172,8 +180,10 @@ class Policy:
             out.tied = [n for n in ranking.tied(out.viable) if not _distributed(n, registry)]
             if len(out.tied) > 1:
                 notes.append(f"near-tie in the pack: {', '.join(out.tied)} within "
-                             f"{SETTLE_MARGIN:.0%}; the hub times them on this machine at the first call"
-                             " and binds the fastest (ATTNHUB_SETTLE_TIES=0 keeps this order)")
+                             f"{SETTLE_MARGIN:.0%} ({SETTLE_MARGIN_SHORT:.0%} for calls under "
+                             f"{SHORT_CALL_S * 1e3:g} ms); the hub times them on this machine "
+                             "at the first call and binds the fastest (ATTNHUB_SETTLE_TIES=0 "
+                             "keeps this order)")
             else:
                 out.tied = []
         if out.viable:
