@@ -328,6 +328,9 @@ class _Memo:
     Normal in-place edits and new tensors are re-checked.
     """
 
+    #: the tables a memo holds, as the caller names them (its messages say these)
+    TABLES = "tables"
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._memo: tuple = ()
@@ -370,7 +373,7 @@ class _Memo:
                snap_b: torch.Tensor, *facts: Any) -> None:
         stamp = None if a.is_cpu else _stamp(a, b)
         if stamp is None and not a.is_cpu:
-            _warn_unstamped(type(self).__name__, a.device)
+            _warn_unstamped(self.TABLES, a.device)
         memo = (a, b, geometry, stamp, (snap_a, snap_b, *facts), (a.dtype, b.dtype))
         with self._lock:
             self._memo = memo
@@ -389,14 +392,13 @@ def _stamp(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
 _warned_unstamped: set[str] = set()
 
 
-def _warn_unstamped(kind: str, device: torch.device) -> None:
-    """Once per kind: tables on an accelerator made under ``torch.inference_mode`` carry no
-    version counter, so every call proves them unchanged by reading them (a host sync per
-    call, per layer). Said, never silent."""
-    if kind in _warned_unstamped:
+def _warn_unstamped(tables: str, device: torch.device) -> None:
+    """Once per pair of tables: tables on an accelerator made under ``torch.inference_mode``
+    carry no version counter, so every call proves them unchanged by reading them (a host
+    sync per call, per layer). Said, never silent."""
+    if tables in _warned_unstamped:
         return
-    _warned_unstamped.add(kind)
-    tables = "block_table/seqlens_k" if kind == "PagedTables" else "cu_seqlens_q/cu_seqlens_k"
+    _warned_unstamped.add(tables)
     log.warning(
         "attnhub: %s on %s are inference tensors (made under torch.inference_mode): they "
         "keep no version counter, so each call compares their contents with the checked "
@@ -415,6 +417,8 @@ def _snapshot(t: torch.Tensor) -> torch.Tensor:
 class CuSeqlens(_Memo):
     """Checks ``cu_seqlens_q``/``cu_seqlens_k`` of a ``thd`` call once per change (a host
     copy then) and hands backends a private snapshot (see :class:`_Memo`)."""
+
+    TABLES = "cu_seqlens_q/cu_seqlens_k"
 
     def check(self, q: torch.Tensor, k: torch.Tensor, cu_q: Any,
               cu_k: Any) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -458,6 +462,8 @@ class PagedTables(_Memo):
     (:meth:`vouch`): the cache built them from host lists it knows, so a new step's tables
     are taken without reading them back (no host sync on an accelerator).
     """
+
+    TABLES = "block_table/seqlens_k"
 
     def __init__(self) -> None:
         super().__init__()

@@ -56,3 +56,33 @@ def test_error_raises_with_the_decision_record(hub):
     assert "on_failure=error" in str(info.value) and "rule:    strict" in str(info.value)
     assert any("torch_sdpa will not be tried" in n for n in d.notes)
     assert not hub.fallback_counts
+
+
+def test_a_failure_on_a_later_call_follows_the_rule_too(write, make_registry, fake):
+    """The hot path runs the bound backend itself once its binding is cached: a failure
+    there (a kernel that worked before) must follow the rule as on the first call, and an
+    InputError (the caller's data) is raised, never retried elsewhere."""
+    from attnhub.errors import InputError
+
+    flaky = fake("boom")  # works at first
+    hub = attnhub.Hub(policy=str(write("flaky.yaml", POLICY)), hardware="cpu",
+                      registry=make_registry(flaky))
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    hub.attention(q, k, v)
+    flaky.raises = RuntimeError("device lost")
+    out = hub.attention(q, k, v)  # lenient: next candidate
+    ref, _ = reference_attention(q, k, v, AttnParams(scale=16 ** -0.5))
+    torch.testing.assert_close(out, ref.to(q.dtype), atol=2e-5, rtol=2e-5)
+    assert hub.fallback_counts == {("boom", "torch_sdpa"): 1}
+    flaky.raises = InputError("boom: this call's data is refused")
+    with pytest.raises(InputError, match="refused"):
+        hub.attention(q, k, v)
+    assert hub.fallback_counts == {("boom", "torch_sdpa"): 1}
+
+    flaky.raises = None
+    qg, kg, vg = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    hub.attention(qg, kg, vg)  # strict (training): bound and cached
+    flaky.raises = RuntimeError("device lost")
+    with pytest.raises(NoBackendError, match="device lost") as info:
+        hub.attention(qg, kg, vg)
+    assert info.value.decision.rule == "strict"

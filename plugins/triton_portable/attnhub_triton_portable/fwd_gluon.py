@@ -415,8 +415,11 @@ def launch(kernel: Any, args: DenseArgs, block_m: int, q_rows: int, block_n: int
     if entry is None:
         names = kernel.arg_names
         if set(names[_RUNTIME_ARGS:]) != set(consts):  # positional: every one, in order
-            raise TypeError(f"{getattr(kernel, '__name__', kernel)} takes constexprs "
-                            f"{names[_RUNTIME_ARGS:]}, the launch gave {sorted(consts)}")
+            raise TypeError(f"fwd_gluon.launch: {getattr(kernel, '__name__', kernel)} takes "
+                            f"constexprs {names[_RUNTIME_ARGS:]}, the launch gave "
+                            f"{sorted(consts)}; pass every constexpr of the kernel (and only "
+                            f"those) in the config or meta, after its {_RUNTIME_ARGS} runtime "
+                            "arguments")
         tail = tuple(consts[n] for n in names[_RUNTIME_ARGS:])
         if len(_LAUNCHES) >= _LAUNCH_LIMIT:
             _LAUNCHES.clear()

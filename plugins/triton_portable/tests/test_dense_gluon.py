@@ -184,3 +184,18 @@ def test_the_launch_binds_every_parameter_in_order_once_per_key(monkeypatch, ws:
     run(_args(sq=256, sk=256, causal=True, window=(100, 0)), cfg)  # another key length
     run(_args(sq=256, sk=512, causal=True, window=(200, 0)), cfg)  # another window
     assert len(made) == 3
+
+
+def test_a_launch_missing_a_constexpr_names_the_place_and_the_fix(monkeypatch) -> None:
+    """Positional launches cannot leave a constexpr to Triton's binder: one the kernel
+    takes and the launch lacks is an error naming both lists, before anything runs."""
+    fwd_gluon = pytest.importorskip("attnhub_triton_portable.fwd_gluon")
+    class Kernel:  # hashable, as a JIT function is (the launch key holds it)
+        __name__ = "_fake_kernel"
+        arg_names = [*fwd_gluon._fwd_kernel.arg_names, "EXTRA"]
+
+    kernel = Kernel()
+    monkeypatch.setattr(fwd_gluon, "_LAUNCHES", {})
+    with pytest.raises(TypeError, match="fwd_gluon.launch: _fake_kernel.*EXTRA.*pass every"):
+        fwd_gluon.launch(kernel, _args(), 64, 64, 64, BLOCK_M=64, NUM_WARPS=4, P_SMEM=True,
+                         num_warps=4)
