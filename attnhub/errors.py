@@ -60,11 +60,15 @@ class OutputContractError(AttnhubError, RuntimeError):
 
 
 class BackendUnavailableError(AttnhubError, RuntimeError):
-    """A forced backend cannot serve this call; ``reasons`` lists why."""
+    """A forced backend cannot serve this call; ``reasons`` lists why. ``lasting``: it will
+    refuse every later call of the same binding too (a per-shape build budget spent, say),
+    so the hub moves it behind the binding's other candidates instead of trying it first
+    on every call."""
 
-    def __init__(self, backend: str, reasons: list[str]):
+    def __init__(self, backend: str, reasons: list[str], lasting: bool = False):
         self.backend = backend
         self.reasons = list(reasons)
+        self.lasting = lasting
         lines = "\n".join(f"  - {r}" for r in self.reasons)
         super().__init__(f"backend {backend!r} cannot serve this call:\n{lines}")
 

@@ -89,24 +89,29 @@ class Runner:
             params.extra["local_backend"] = self.local
         if want is None:
             want = (*q.shape[:-1], v.shape[-1])
-        return self._fallback(0, q, k, v, spec, params, want, device or q.device,
+        return self._fallback(self.chain, 0, q, k, v, spec, params, want, device or q.device,
                               dtype or q.dtype)
 
-    def recover(self, exc: Exception, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                spec: AttentionSpec, params: AttnParams, want: tuple[int, ...],
-                device: torch.device, dtype: torch.dtype) -> AttentionOutput:
-        """The hot path's first candidate raised ``exc`` (not an ``InputError``: the call
-        was checked before any backend ran, so that one is never retried) or broke the
-        output contract: raise per the rule, or go on with the next candidate."""
-        return self._fallback(self.hub._on_failure(self, 0, exc), q, k, v, spec, params,
-                              want, device, dtype)
+    def recover(self, exc: Exception, failed: Backend, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, spec: AttentionSpec, params: AttnParams,
+                want: tuple[int, ...], device: torch.device,
+                dtype: torch.dtype) -> AttentionOutput:
+        """The hot path's first candidate ``failed`` raised ``exc`` (not an ``InputError``:
+        the call was checked before any backend ran, so that one is never retried) or broke
+        the output contract: raise per the rule, or go on with the next candidate."""
+        chain = self.chain
+        if chain[0] is not failed:  # moved back meanwhile (another thread): the chain now
+            return self._fallback(chain, 0, q, k, v, spec, params, want, device, dtype)
+        return self._fallback(chain, self.hub._on_failure(self, chain, 0, exc), q, k, v,
+                              spec, params, want, device, dtype)
 
-    def _fallback(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  spec: AttentionSpec, params: AttnParams, want: tuple[int, ...],
-                  device: torch.device, dtype: torch.dtype) -> AttentionOutput:
-        """The chain from candidate ``i``: load, run, check (and NaN-check in debug mode)."""
+    def _fallback(self, chain: list[Backend], i: int, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, spec: AttentionSpec, params: AttnParams,
+                  want: tuple[int, ...], device: torch.device,
+                  dtype: torch.dtype) -> AttentionOutput:
+        """``chain`` from candidate ``i``: load, run, check (and NaN-check in debug mode)."""
         while True:
-            backend = self.chain[i]
+            backend = chain[i]
             try:
                 if not backend._loaded:
                     backend.load()
@@ -119,7 +124,7 @@ class Runner:
             except InputError:
                 raise
             except Exception as exc:
-                i = self.hub._on_failure(self, i, exc)
+                i = self.hub._on_failure(self, chain, i, exc)
 
     @staticmethod
     def _checked(backend: Backend, res: Any, q: torch.Tensor, v: torch.Tensor,
@@ -248,22 +253,49 @@ class Hub:
         return Runner(d, chain, self)
 
     # -- run-time failure -------------------------------------------------------------------
-    def _on_failure(self, runner: Runner, i: int, exc: Exception) -> int:
-        """Candidate ``i`` failed: raise per the rule, or count and return the next index."""
+    def _on_failure(self, runner: Runner, chain: list[Backend], i: int,
+                    exc: Exception) -> int:
+        """Candidate ``i`` of ``chain`` failed: raise per the rule, or count and return the
+        next index. A lasting refusal also moves that candidate behind the others."""
         d = runner.decision
-        name = runner.chain[i].name
-        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        if d.on_failure == "error" or i + 1 >= len(runner.chain):
+        name = chain[i].name
+        # a refusal's reasons follow its first line: keep them (one line, for the log)
+        said = "; ".join(exc.reasons) if isinstance(exc, BackendUnavailableError) \
+            and exc.reasons else str(exc).splitlines()[0] if str(exc) else ""
+        reason = f"{type(exc).__name__}: {said}"[:500]
+        if d.on_failure == "error" or i + 1 >= len(chain):
             raise NoBackendError(
                 f"backend {name!r} raised {reason}\n(rule on_failure={d.on_failure}; "
                 f"no further candidate)\n{d.explain()}", decision=d) from exc
-        nxt = runner.chain[i + 1]
+        nxt = chain[i + 1]
         self.fallback_counts[(name, nxt.name)] += 1
         if (name, reason) not in self._warned:
             self._warned.add((name, reason))
             log.warning("attnhub: backend %s failed (%s); falling back to %s as rule %s allows",
                         name, reason, nxt.name, d.rule)
+        if isinstance(exc, BackendUnavailableError) and exc.lasting:
+            self._move_back(runner, chain[i], "; ".join(exc.reasons) or reason)
         return i + 1
+
+    def _move_back(self, runner: Runner, failed: Backend, why: str) -> None:
+        """``failed`` refuses every later call of ``runner``'s binding: put it behind the
+        other candidates (the hot path then calls the next one directly) and say so in the
+        decision that ``decide``/``explain`` report."""
+        with self._lock:
+            chain = runner.chain
+            if chain[0] is not failed:
+                return  # another thread did it
+            new = [*chain[1:], failed]
+            d = runner.decision
+            note = (f"{failed.name} moved behind {new[0].name} after a lasting refusal at "
+                    f"run time: {why}")
+            d = dataclasses.replace(d, backend=new[0].name,
+                                    fallbacks=tuple(b.name for b in new[1:]),
+                                    notes=(note, *d.notes))
+            runner.decision, runner.chain = d, new
+            runner.first = new[0] if runner.local is None else None
+            self._decisions[(d.spec, d.context)] = d
+        log.warning("attnhub: %s", note)
 
     # -- the call path ----------------------------------------------------------------------
     def attention(
@@ -448,7 +480,7 @@ class Hub:
                 except InputError:
                     raise
                 except Exception as exc:
-                    res = run.recover(exc, q, k, v, spec, params, want, device, dtype)
+                    res = run.recover(exc, first, q, k, v, spec, params, want, device, dtype)
             else:
                 res = run(q, k, v, spec, params, want, device, dtype)
             out, lse = res

@@ -5,6 +5,14 @@ Two shapes where the kernel is short, so the difference is attnhub's per-call wo
   DynamicCache decode step);
 - paged decode step: batch 8, 1k-token contexts in a paged cache (page 16), 32/8 heads, d128.
 
+``--walks`` adds the calls whose length changes every call, as the regret grid's walking
+cells make them (a new shape each call: the hub's length-bucket table, not its exact one):
+- growing cache: 8 x 2k+ keys, 32/8 heads, d64, one key more per call (HF DynamicCache);
+- new-length prefill: causal 1 x 4k+, 8/2 heads, d64, a new prompt length per call;
+- the same prefill at one fixed length (4k);
+each beside SDPA called directly (its cuDNN kernel off, as torch_sdpa runs it) and, where the
+fa3 backend serves, FA3's own ``flash_attn_func``.
+
 For each: raw torch SDPA (tiny decode only), the backend the policy binds called directly
 (``backend.forward`` with a prepared spec and params: no attnhub call path at all), and
 ``attnhub.attention`` through the policy and with that backend forced. Each figure is the
@@ -18,9 +26,12 @@ under ``torch.inference_mode``), so the headline figures are taken under
 ordinary code) follow as ``*_grad_enabled``. Target (issue 15): policy - direct <= 5 us.
 
     python benchmarks/overhead.py [--device cuda] [--calls 20000] [--json] [--profile]
+                                  [--walks] [--kernels]
 
 ``--profile`` adds, per case, a cProfile of the policy call and of the direct call (the
-functions with the most own time): where the added microseconds go.
+functions with the most own time): where the added microseconds go. ``--kernels`` lists,
+per case, the device kernels one policy call and one direct call launch (torch.profiler):
+attnhub must launch exactly the kernels of the backend it binds.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import math
 import pstats
@@ -149,6 +161,91 @@ def decode_cases(hub: attnhub.Hub, dev: torch.device, dtype: torch.dtype
             "paged_decode_step": (pname, f"b={b} ctx={ctx} page={page}", step)}
 
 
+def cycling(items: list[tuple[Any, ...]], fn: Callable[..., object]) -> Callable[[], object]:
+    """A call of ``fn`` on the next of ``items`` each time (every case pays this alike)."""
+    nxt = itertools.cycle(items).__next__
+    return lambda: fn(*nxt())
+
+
+def walk_cases(hub: attnhub.Hub, dev: torch.device, dtype: torch.dtype, scale: int = 1
+               ) -> dict[str, tuple[str, str, dict[str, Callable[[], object]]]]:
+    """The walking cells (a new length per call) and a fixed-length prefill beside them:
+    direct (the bound backend's ``forward`` with each length's params, made beforehand),
+    policy, forced, raw SDPA without cuDNN, and raw FA3 where the fa3 backend serves.
+    ``scale`` divides every length (CPU dry runs)."""
+    from attnhub.core.builtin import sdpa
+
+    out: dict[str, tuple[str, str, dict[str, Callable[[], object]]]] = {}
+    shapes = (("growing_cache_decode", "8 x 2k+ keys, 32/8 heads, d64, one key more per call",
+               8, 32, 8, 64, 1, range(2048 // scale + 1, 4096 // scale + 1)),
+              ("new_length_prefill", "causal 1 x 4k+, 8/2 heads, d64, a new length per call",
+               1, 8, 2, 64, 0, range(4096 // scale + 1, 8192 // scale + 1, 7)),
+              ("fixed_prefill", "causal 1 x 4k, 8/2 heads, d64", 1, 8, 2, 64, 0,
+               range(4096 // scale, 4096 // scale + 1)))
+    fa = None
+    try:
+        from attnhub_sm90_fa3.build import fa3_build, import_interface
+        build = fa3_build()
+        fa = import_interface(build) if build.module is not None else None
+    except ImportError:
+        pass
+    for case, shape, b, hq, hkv, d, sq, lengths in shapes:
+        top = lengths[-1]
+        bufs = [torch.randn(b * h * top * d, device=dev, dtype=dtype) for h in (hq, hkv, hkv)]
+        views = []
+        for s in lengths:
+            n = sq or s
+            if sq:  # decode: a (B, Hkv, S, D) cache seen as bshd, as transformers passes it
+                kv = [buf[:b * hkv * s * d].view(b, hkv, s, d).transpose(1, 2)
+                      for buf in bufs[1:]]
+                q = bufs[0][:b * n * hq * d].view(b, n, hq, d)
+            else:
+                q, *kv = (buf[:b * s * h * d].view(b, s, h, d)
+                          for buf, h in zip(bufs, (hq, hkv, hkv)))
+            views.append((q, *kv))
+        hub.attention(*views[0], causal=True)
+        name, _ = direct_call(hub, *views[0], AttnParams(scale=d ** -0.5))
+        runner = hub.bound()[-1]
+        backend, spec = runner.chain[0], runner.decision.spec
+        with_params = [(*qkv, AttnParams(scale=d ** -0.5, causal=True,
+                                         max_seqlen_q=qkv[0].shape[1],
+                                         max_seqlen_k=qkv[1].shape[1])) for qkv in views]
+        # (every lambda binds this case's values: a loop variable read later is the last's)
+        cases: dict[str, Callable[[], object]] = {
+            "direct": cycling(with_params, lambda q, k, v, p, f=backend.forward, s=spec:
+                              f(q, k, v, s, p)),
+            "policy": cycling(views, lambda q, k, v: hub.attention(q, k, v, causal=True)),
+            "forced": cycling(views, lambda q, k, v, n=name: hub.attention(
+                q, k, v, causal=True, backend=n)),
+            "raw_sdpa": cycling(views, lambda q, k, v, c=sq == 0, s=d ** -0.5: sdpa(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=c,
+                scale=s, enable_gqa=True))}
+        if fa is not None and not sq:
+            cases["raw_fa3"] = cycling(views, lambda q, k, v: fa.flash_attn_func(
+                q, k, v, causal=True))
+            if name != "fa3":
+                cases["fa3_forced"] = cycling(views, lambda q, k, v: hub.attention(
+                    q, k, v, causal=True, backend="fa3"))
+        for fn in cases.values():  # every length bucket met once before timing
+            fn()
+        out[case] = (name, shape, cases)
+    return out
+
+
+def kernels_of(fn: Callable[[], object]) -> list[str]:
+    """The device kernels one call of ``fn`` launches, in order, each with its device time
+    (torch.profiler): the policy call must launch the direct call's kernels, no more."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [f"{e.name[:70]} ({e.device_time:.1f} us)" for e in prof.events()
+            if e.device_type.name == "CUDA"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -157,6 +254,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="also print a cProfile of the policy and direct calls per case")
+    ap.add_argument("--walks", action="store_true",
+                    help="also the cases of a new length per call (growing cache, prompts)")
+    ap.add_argument("--scale", type=int, default=1,
+                    help="divide the walking cases' lengths by this (CPU dry runs)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="list the device kernels of one policy and one direct call per case")
     args = ap.parse_args()
     dev = torch.device(args.device)  # "cuda" is fine: the KV cache canonicalises it
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -164,6 +267,8 @@ def main() -> None:
     hub = attnhub.Hub()
     res: dict[str, Any] = {"device": hub.device.describe(), "bound_us": BOUND_US}
     cases = decode_cases(hub, dev, dtype)
+    if args.walks:
+        cases.update(walk_cases(hub, dev, dtype, args.scale))
     for suffix, mode in (("", torch.inference_mode), ("_grad_enabled", torch.enable_grad)):
         for case, (name, shape, calls) in cases.items():
             with mode():
@@ -175,6 +280,11 @@ def main() -> None:
             res[case + suffix] = {"backend": name, "shape": shape,
                                   **{f"{k}_us": x for k, x in t.items()},
                                   "added_us": t["policy"] - t["direct"]}
+            if args.kernels and not suffix and dev.type == "cuda":
+                with mode():
+                    res[case]["kernels"] = {which: kernels_of(calls[which]) for which in
+                                            ("policy", "direct", "forced", "raw_fa3",
+                                             "fa3_forced") if which in calls}
     if args.json:
         print(json.dumps(res, indent=2))
         return
@@ -186,7 +296,9 @@ def main() -> None:
         print(f"{case} (bound backend {r['backend']}, {r['shape']}):")
         for k, x in r.items():
             if k.endswith("_us"):
-                print(f"  {k[:-3]:<8} {x:8.2f} us")
+                print(f"  {k[:-3]:<10} {x:8.2f} us")
+        for which, names in r.get("kernels", {}).items():
+            print(f"  kernels of one {which} call: {names}")
         print(f"  -> attnhub adds {r['added_us']:.2f} us over the backend called directly "
               f"({'within' if r['added_us'] <= BOUND_US else 'OVER'} the {BOUND_US} us bound)")
 

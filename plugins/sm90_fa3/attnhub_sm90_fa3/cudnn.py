@@ -116,7 +116,7 @@ class CudnnBackend(Backend):
                     f"backend's budget, so a new one is refused: set {RAGGED_ENV}=1 before "
                     "the first cuDNN attention "
                     "call (torch's ragged path, a graph per power-of-two length) or pad to "
-                    "fixed lengths"])
+                    "fixed lengths"], lasting=True)  # the hub moves cudnn behind the next
             built.add(key)
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:

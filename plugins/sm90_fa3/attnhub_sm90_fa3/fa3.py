@@ -5,11 +5,17 @@ window, softcap, fp16, varlen and the head-dim buckets each appear only when com
 FA3 has no ALiBi. Decode (one short query against a long cache) goes through
 ``flash_attn_with_kvcache`` with the split-KV heuristic (``num_splits=0``) when the build has
 split-KV; everything else through ``flash_attn_func`` / ``flash_attn_varlen_func``.
+
+A call without autograd goes to FA3's registered forward op itself (``Fa3Op``) when its
+schema takes every argument attnhub passes: the interface's Python layers (an autograd
+Function, a ``torch.library`` custom op, two empty device tensors per call) are host time on
+every call, and on small cells the host is what the GPU waits for.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from types import ModuleType
 from typing import Any
 
@@ -27,11 +33,14 @@ from attnhub.plugin import (
     flash_output_kwargs,
     flash_paged_form,
     flash_varlen,
+    flash_varlen_form,
     natural_lse,
     top_left_reason,
 )
 
 from .build import INSTALL_FA3, Fa3Build, fa3_build, import_interface
+
+log = logging.getLogger("attnhub.sm90_fa3")
 
 
 def fa3_masks(build: Fa3Build) -> frozenset[str]:
@@ -63,6 +72,48 @@ def fa3_capabilities(build: Fa3Build) -> Capabilities:
     )
 
 
+#: The arguments of FA3's forward op that attnhub passes by name (the op is used only when
+#: its schema has every one; else the interface functions are called).
+OP_ARGS: frozenset[str] = frozenset({
+    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q",
+    "max_seqlen_k", "page_table", "q_descale", "k_descale", "v_descale", "softmax_scale",
+    "is_causal", "window_size_left", "window_size_right", "softcap", "num_splits"})
+#: Where the interface modules keep their op namespace (fa3-fwd wheel; upstream hopper/).
+OP_NAMESPACES: tuple[str, ...] = ("fa3_fwd_cuda", "flash_attn_3_cuda")
+
+
+def forward_op(fa: ModuleType) -> tuple[Any | None, str]:
+    """FA3's registered forward op (``<namespace>.fwd.default``) behind the interface ``fa``,
+    or None and why the interface functions are called instead."""
+    for attr in OP_NAMESPACES:
+        ns = getattr(fa, attr, None)
+        if ns is None:
+            continue
+        schema = getattr(getattr(getattr(ns, "fwd", None), "default", None), "_schema", None)
+        if schema is None:  # an older pybind module: positional arguments only
+            return None, f"{fa.__name__}.{attr}.fwd has no operator schema"
+        missing = OP_ARGS - {a.name for a in schema.arguments}
+        if missing:
+            return None, (f"{fa.__name__}.{attr}.fwd lacks argument(s) "
+                          f"{', '.join(sorted(missing))}")
+        return ns.fwd.default, f"{fa.__name__}.{attr}.fwd"
+    return None, f"{fa.__name__} exposes no forward op ({' or '.join(OP_NAMESPACES)})"
+
+
+def op_kwargs(params: AttnParams, form: Any) -> dict[str, Any]:
+    """``flash_kwargs`` under the op's argument names (FA3 has no ALiBi: never declared)."""
+    kw: dict[str, Any] = {"softmax_scale": params.scale, "is_causal": form.causal}
+    if form.window != (-1, -1):
+        kw["window_size_left"], kw["window_size_right"] = form.window
+    if params.softcap:
+        kw["softcap"] = float(params.softcap)
+    return kw
+
+
+def _last_dim_unit(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def split_outputs(res: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FA3 interfaces return ``out`` or ``(out, lse, ...)`` depending on flags and version."""
     if isinstance(res, (tuple, list)):
@@ -78,11 +129,18 @@ class Fa3Runner:
         self.build = build
         self.name = name
         self.splits = 0 if build.has("SPLIT") else 1  # 0: FA3's split-KV heuristic
+        #: the op for calls without autograd, and which op it is or why there is none
+        self.op, self.op_note = forward_op(fa)
+        log.info("%s: calls without autograd go to %s", name,
+                 self.op_note if self.op is not None
+                 else f"the interface functions ({self.op_note})")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
                  **extra: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out, lse or None); ``extra`` carries FP8 descales."""
+        if self.op is not None and not spec.needs_grad:
+            return self._op_call(q, k, v, spec, params, extra)
         fa = self.fa
         splits = self.splits
         if spec.layout == "paged":
@@ -102,6 +160,31 @@ class Fa3Runner:
                                              return_softmax_lse=True, **kw, **extra)
             return split_outputs(res)
         return split_outputs(fa.flash_attn_func(q, k, v, **kw, **out_kw, **extra))
+
+    def _op_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 spec: AttentionSpec, params: AttnParams,
+                 extra: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op with the arguments the interface function for this call would pass it
+        (``flash_attn_with_kvcache`` / ``_varlen_func`` / ``_func``), the same kernel."""
+        q, k = _last_dim_unit(q), _last_dim_unit(k)
+        if v.stride(-1) != 1 and v.stride(-3) != 1:  # the interface's rule for v
+            v = v.contiguous()
+        if spec.layout == "paged":
+            kw = op_kwargs(params, flash_paged_form(self.name, params, q, k))
+            kw.update(seqused_k=_last_dim_unit(params.seqlens_k),
+                      page_table=_last_dim_unit(params.block_table), num_splits=self.splits)
+        elif spec.layout == "thd":
+            kw = op_kwargs(params, flash_varlen_form(self.name, params))
+            kw.update(cu_seqlens_q=_last_dim_unit(params.cu_seqlens_q),
+                      cu_seqlens_k=_last_dim_unit(params.cu_seqlens_k),
+                      max_seqlen_q=params.max_seqlen_q, max_seqlen_k=params.max_seqlen_k,
+                      num_splits=1)
+        else:
+            form, k, v = flash_dense_form(self.name, params, q, k, v)
+            kw = op_kwargs(params, form)
+            kw["num_splits"] = self.splits if spec.phase == "decode" else 1
+        res = self.op(q, k, v, **kw, **extra)
+        return res[0], res[1]
 
 
 class Fa3Backend(Backend):

@@ -57,7 +57,31 @@ class Fa3Fake:
         out, lse = flash_reference(q, k, v, **kw)
         return (out.to(torch.bfloat16) if fp8 else out), lse
 
-    def module(self) -> types.ModuleType:
+    # -- what FA3 computes, per entry point (shared by the interface fakes and the op) ---
+    def _varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        outs, lses = [], []
+        for i in range(len(cq) - 1):
+            o, lse = self._attend(q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]],
+                                  v[None, ck[i]:ck[i + 1]], **kw)
+            outs.append(o[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, -1)
+
+    def _paged(self, q, k_cache, v_cache, cache_seqlens, page_table, **kw):
+        page, outs, lses = k_cache.shape[1], [], []
+        for i, n in enumerate(cache_seqlens.tolist()):
+            pages = page_table[i, : (n + page - 1) // page].long()
+            kk = k_cache[pages].flatten(0, 1)[:n][None]
+            vv = v_cache[pages].flatten(0, 1)[:n][None]
+            o, lse = self._attend(q[i:i + 1], kk, vv, **kw)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
+
+    def module(self, op_arguments: frozenset[str] | None = None) -> types.ModuleType:
+        """The interface module; with ``op_arguments``, also the registered forward op
+        (``fa3_fwd_cuda.fwd.default``) whose schema has those argument names."""
         fake = self
 
         def flash_attn_func(q, k, v, return_attn_probs=False, **kw):
@@ -68,14 +92,7 @@ class Fa3Fake:
         def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, return_attn_probs=False, **kw):
             fake.calls.append(("flash_attn_varlen_func", dict(kw, max_seqlen_k=max_seqlen_k)))
-            cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-            outs, lses = [], []
-            for i in range(len(cq) - 1):
-                o, lse = fake._attend(q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]],
-                                      v[None, ck[i]:ck[i + 1]], **kw)
-                outs.append(o[0])
-                lses.append(lse[0])
-            out, lse = torch.cat(outs), torch.cat(lses, -1)
+            out, lse = fake._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
             return (out, lse) if return_attn_probs else out
 
         def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, page_table=None,
@@ -85,27 +102,51 @@ class Fa3Fake:
             if page_table is None:
                 out, lse = fake._attend(q, k_cache, v_cache, **kw)
             else:
-                page, outs, lses = k_cache.shape[1], [], []
-                for i, n in enumerate(cache_seqlens.tolist()):
-                    pages = page_table[i, : (n + page - 1) // page].long()
-                    kk = k_cache[pages].flatten(0, 1)[:n][None]
-                    vv = v_cache[pages].flatten(0, 1)[:n][None]
-                    o, lse = fake._attend(q[i:i + 1], kk, vv, **kw)
-                    outs.append(o)
-                    lses.append(lse)
-                out, lse = torch.cat(outs), torch.cat(lses)
+                out, lse = fake._paged(q, k_cache, v_cache, cache_seqlens, page_table, **kw)
             return (out, lse, None, None) if return_softmax_lse else out
 
+        attrs: dict[str, Any] = {}
+        if op_arguments is not None:
+            def fwd(q, k, v, *, softmax_scale=None, is_causal=False, window_size_left=-1,
+                    window_size_right=-1, softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                    max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, page_table=None,
+                    **kw):
+                """FA3's ``fwd`` op: what the interface functions call, by the names of
+                ``csrc/flash_api.cpp``'s schema (hopper/flash_attn_interface.py maps them)."""
+                fake.calls.append(("op", dict(
+                    kw, q=q, k=k, v=v, softmax_scale=softmax_scale, is_causal=is_causal,
+                    window=(window_size_left, window_size_right), softcap=softcap,
+                    cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, page_table=page_table)))
+                same = dict(softmax_scale=softmax_scale, causal=is_causal, softcap=softcap,
+                            window_size=(window_size_left, window_size_right),
+                            **{n: kw[n] for n in ("q_descale", "k_descale", "v_descale")
+                               if n in kw})
+                if page_table is not None:
+                    out, lse = fake._paged(q, k, v, seqused_k, page_table, **same)
+                elif cu_seqlens_q is not None:
+                    out, lse = fake._varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **same)
+                else:
+                    out, lse = fake._attend(q, k, v, **same)
+                return out, lse, None, None
+
+            schema = types.SimpleNamespace(arguments=[types.SimpleNamespace(name=n)
+                                                      for n in sorted(op_arguments)])
+            fwd._schema = schema  # type: ignore[attr-defined]
+            attrs["fa3_fwd_cuda"] = types.SimpleNamespace(
+                fwd=types.SimpleNamespace(default=fwd))
         return module("fa3_fwd_interface", flash_attn_func=flash_attn_func,
                       flash_attn_varlen_func=flash_attn_varlen_func,
-                      flash_attn_with_kvcache=flash_attn_with_kvcache)
+                      flash_attn_with_kvcache=flash_attn_with_kvcache, **attrs)
 
 
 def install_fa3(monkeypatch: pytest.MonkeyPatch, flags: dict[str, bool] | None,
-                interface: str = "fa3_fwd_interface") -> Fa3Fake:
-    """Put a fake FA3 (and, unless ``flags`` is None, its config module) in sys.modules."""
+                interface: str = "fa3_fwd_interface",
+                op_arguments: frozenset[str] | None = None) -> Fa3Fake:
+    """Put a fake FA3 (and, unless ``flags`` is None, its config module) in sys.modules;
+    with ``op_arguments``, its interface exposes the forward op with that schema."""
     fake = Fa3Fake()
-    mod = fake.module()
+    mod = fake.module(op_arguments)
     mod.__name__ = interface
     for name in ("flash_attn_interface", "fa3_fwd_interface", "flash_attn_config",
                  "fa3_fwd_config"):
@@ -132,9 +173,10 @@ def fa3_full(monkeypatch: pytest.MonkeyPatch) -> Fa3Fake:
 
 @pytest.fixture
 def install(monkeypatch: pytest.MonkeyPatch):
-    """``install(flags, interface=...)`` for tests that switch features off."""
-    return lambda flags, interface="fa3_fwd_interface": install_fa3(monkeypatch, flags,
-                                                                    interface)
+    """``install(flags, interface=..., op_arguments=...)`` for tests that switch features
+    off or give the interface its forward op."""
+    return lambda flags, interface="fa3_fwd_interface", op_arguments=None: install_fa3(
+        monkeypatch, flags, interface, op_arguments)
 
 
 def make_spec(q: torch.Tensor, k: torch.Tensor, layout: str = "bshd", *, phase: str = "prefill",

@@ -115,3 +115,38 @@ def test_fp8_within_declared_budget_and_smoothing_helps(hub):
         assert torch.isfinite(lse).all()
     assert errs["smooth_k"] < errs["plain"], errs
     assert errs["smooth_k"] <= budget, errs
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[7]}")
+def test_op_path_is_the_interface_path(hub, case):
+    """The forward op called directly (calls without autograd) computes exactly what FA3's
+    interface functions compute: the same kernel, bit for bit."""
+    from attnhub_sm90_fa3.fa3 import Fa3Backend
+
+    b, sq, sk, hq, hkv, d, causal, align, softcap = case
+    q, k, v = inputs(b, sq, sk, hq, hkv, d, seed=5)
+    fa3 = hub.registry.get("fa3")
+    fa3.load()
+    if fa3._run.op is None:
+        pytest.skip(f"no direct op: {fa3._run.op_note}")
+    p = AttnParams(scale=1 / math.sqrt(d), causal=causal, alignment=align, softcap=softcap,
+                   return_lse=True)
+    for phase in ("prefill", "decode") if sq == 1 else ("prefill",):
+        spec = _spec(q, k, causal, align, softcap, phase)
+        if fa3.check(spec, hub.device):
+            pytest.skip(f"fa3 declines: {fa3.check(spec, hub.device)}")
+        op_out, op_lse = fa3.forward(q, k, v, spec, p)
+        iface = Fa3Backend()
+        iface.load()
+        iface._run.op = None  # the interface functions
+        out, lse = iface.forward(q, k, v, spec, p)
+        assert torch.equal(op_out, out) and torch.equal(op_lse, lse), phase
+
+
+def _spec(q, k, causal, align, softcap, phase):
+    from attnhub.plugin import AttentionSpec, MaskSpec
+
+    return AttentionSpec(phase=phase, dtype="bf16", kv_dtype="bf16", head_dim=q.shape[-1],
+                         num_q_heads=q.shape[2], num_kv_heads=k.shape[2], layout="bshd",
+                         mask=MaskSpec(causal=causal, alignment=align, softcap=bool(softcap)),
+                         max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1]).bucketed()

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.nn.attention import flex_attention as _fa
 
-from attnhub.plugin import AttnParams, query_offset, unit_head_stride
+from attnhub.plugin import AttnParams, BackendUnavailableError, query_offset, unit_head_stride
 
 Mod = Callable[..., torch.Tensor]
 
@@ -269,9 +269,13 @@ def compiled_flex() -> Callable[..., Any]:
     return torch.compile(_fa.flex_attention, dynamic=False)
 
 
-class FlexRecompileLimit(RuntimeError):
+class FlexRecompileLimit(BackendUnavailableError):
     """flex has compiled ``RECOMPILE_LIMIT`` variants in this process; running uncompiled
-    would materialise the scores, so the call fails and the policy's fallback serves it."""
+    would materialise the scores, so the call fails and the policy's fallback serves it.
+    Lasting: every new shape would fail alike, so the hub moves flex behind that fallback."""
+
+    def __init__(self, message: str):
+        super().__init__("flex", [message], lasting=True)
 
 
 _SEEN_LIMIT = 4096
