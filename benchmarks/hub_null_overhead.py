@@ -4,7 +4,9 @@ The null backend returns preallocated tensors of the right shape, so the time me
 hub's own per-call work: argument checks, the exact-shape lookup, the output contract. Prints
 the median per call of ``hub.attention`` minus that of calling the backend's ``forward``
 directly (the goal of issue 15 is <= 5 us), for a plain call, a call with side tensors
-(ALiBi slopes, softcap, scale), a paged decode call and a varlen (``thd``) call.
+(ALiBi slopes, softcap, scale), a paged decode call, a varlen (``thd``) call, and a cache
+one key longer per call (``growing_cache``: the length-bucket table) or per 32 calls
+(``growing_cache_32_layers``: a decoder's layers at one step, as HF DynamicCache calls).
 
 On ``--device cuda`` the tensors live on the GPU (nothing is launched): the paged and varlen
 memos then prove their tables unchanged by stamps, as in serving, where on the CPU they
@@ -17,6 +19,7 @@ hub's own work from what the real backend's call costs around it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 
@@ -51,6 +54,10 @@ class NullBackend(Backend):
         return AttentionOutput(out, None)
 
 
+def _grow_call(hub: attnhub.Hub, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    return hub.attention(q, kv, kv, causal=True, backend="null")
+
+
 def median_us(fn, calls: int) -> float:
     return median_ms(fn, "cpu", warmup=500, repeats=calls) * 1e3
 
@@ -82,11 +89,17 @@ def main() -> None:
     qp = torch.randn(2, 1, 32, 128, device=dev)
     qt, kt = torch.randn(96, 32, 128, device=dev), torch.randn(96, 8, 128, device=dev)
     cu = torch.tensor([0, 40, 96], dtype=torch.int32, device=dev)
+    buf = torch.randn(8 * 4096 * 128, device=dev)
+    grow = [buf[:8 * s * 128].view(1, 8, s, 128).transpose(1, 2) for s in range(2049, 4097)]
+    nxt = itertools.cycle(grow).__next__
+    layers = itertools.cycle([kv for kv in grow for _ in range(32)]).__next__
     spec = hub.runner_for(attnhub.AttentionSpec(dtype="fp32", num_q_heads=32, num_kv_heads=8),
                           backend="null").decision.spec
     params = AttnParams(scale=1 / math.sqrt(128))
     res = {}
     direct = median_us(lambda: null.forward(q, k, v, spec, params), args.calls)
+    # the cycling's own cost (a next() per call) is in the growing cases, not the hub's
+    direct_cycled = median_us(lambda: null.forward(q, nxt(), v, spec, params), args.calls)
     cases = {
         "plain": lambda: hub.attention(q, k, v, backend="null"),
         "side_tensors": lambda: hub.attention(q, k, v, backend="null", alibi_slopes=slopes,
@@ -95,10 +108,13 @@ def main() -> None:
                                               block_table=bt, seqlens_k=sl, backend="null"),
         "varlen_thd": lambda: hub.attention(qt, kt, kt, layout="thd", cu_seqlens_q=cu,
                                             cu_seqlens_k=cu, causal=True, backend="null"),
+        "growing_cache": lambda: _grow_call(hub, q, nxt()),
+        "growing_cache_32_layers": lambda: _grow_call(hub, q, layers()),
     }
     for name, fn in cases.items():
         res[name + "_us"] = median_us(fn, args.calls)
-        res[name + "_added_us"] = res[name + "_us"] - direct
+        res[name + "_added_us"] = res[name + "_us"] - (
+            direct_cycled if name.startswith("growing") else direct)
     res["direct_null_forward_us"] = direct
     if args.json:
         print(json.dumps(res, indent=2))

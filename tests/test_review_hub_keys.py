@@ -136,3 +136,29 @@ def test_growing_cache_refuses_lookalikes():
     with pytest.raises(ArgumentError):
         hub.attention(q, k, k, causal=1)
     hub.attention(q, k, k, causal=True)  # and the valid call still hits
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_growing_cache_layers_then_next_length(layout):
+    """A step's layers at one length (the last-key compare after a bucket hit), then the
+    next length, then a shape that is not 4-D: each gets its own exact answer or the
+    contract's error, never the previous call's binding."""
+    hub = attnhub.Hub(hardware="cpu")
+    g = torch.Generator().manual_seed(7)
+    axis = 1 if layout == "bshd" else 2
+    q = torch.randn(1, 1, 4, 8, generator=g)
+    if layout == "bhsd":
+        q = q.transpose(1, 2)
+    for s in (20, 21, 21, 21, 22, 23):  # a bind, then bucket hits, repeated per "layer"
+        shape = [1, 2, 8]
+        shape.insert(axis, s)
+        k, v = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        out = hub.attention(q, k, v, causal=True, layout=layout)
+        if layout == "bhsd":
+            qd, kd, vd, od = (t.transpose(1, 2) for t in (q, k, v, out))
+        else:
+            qd, kd, vd, od = q, k, v, out
+        ref64, _, same = fa_references(qd, kd, vd, AttnParams(scale=8 ** -0.5, causal=True))
+        assert_fa_rule(od, ref64, same)
+    with pytest.raises(attnhub.errors.ShapeError):
+        hub.attention(q[0], k[0], v[0], causal=True, layout=layout)  # 3-D: the contract says
