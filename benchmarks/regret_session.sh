@@ -4,7 +4,8 @@
 #      write the shipped profile pack from the forced timings (nvidia-h200.json);
 #   2. put the pack in place (attnhub/profiles/) and measure the grid again: the regret report
 #      (regret.md / regret.json / regret.png);
-#   3. benchmarks/overhead.py: host cost of attnhub over the bound backend called directly;
+#   3. benchmarks/overhead.py --walks: host cost of attnhub over the bound backend called
+#      directly (fixed shapes, and a new length per call);
 #   4. benchmarks/sdpa_thd.py: torch_sdpa's loop-free thd paths vs the per-document loop
 #      (thd_paths.md / thd_paths.json; skip with THD=0).
 # The regret report times the policy's call, every forced backend and the raw libraries
@@ -83,9 +84,10 @@ timeout "$(cap "${STEP2_S:-170}")" python3 -m attnhub "${common[@]}" "${step1[@]
 say "step 2 rc=$?"
 
 say "step 3: host overhead"
-calls=20000; [[ -n "${DRY:-}" ]] && calls=5
-timeout "$(cap 90)" python3 benchmarks/overhead.py --json --calls "$calls" --rounds 3 \
-  > "$out/overhead.json" 2>> "$log"
+calls=${OVERHEAD_CALLS:-5000}; [[ -n "${DRY:-}" ]] && calls=5
+walks=(--walks); [[ -n "${DRY:-}" ]] && walks=(--walks --scale 64)
+timeout "$(cap "${OVERHEAD_S:-130}")" python3 benchmarks/overhead.py --json --calls "$calls" \
+  --rounds 3 "${walks[@]}" > "$out/overhead.json" 2>> "$log"
 say "step 3 rc=$?"
 cat "$out/overhead.json" >> "$log"
 if [[ "${THD:-1}" != 0 ]]; then
