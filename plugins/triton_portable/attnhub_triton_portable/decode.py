@@ -434,9 +434,9 @@ class _Shape:
     the same specialization, which is what lets ``Launcher`` skip Triton's dispatch.
     """
 
-    __slots__ = ("by_longest", "by_splits", "cap_k", "consts", "copy", "cuda_index",
-                 "device", "dim", "empty", "interpreted", "ints", "launchers", "new_lse",
-                 "new_out", "plan_args", "plan_opts", "strides", "templates")
+    __slots__ = ("block_n", "by_longest", "by_splits", "cap_k", "consts", "copy",
+                 "cuda_index", "device", "dim", "empty", "interpreted", "ints", "launchers",
+                 "new_lse", "new_out", "plan_args", "plan_opts", "strides", "templates")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  alignment: str, window: tuple[int, int] | None, softcap: bool,
@@ -484,6 +484,8 @@ class _Shape:
                        descales is not None)
         if config is None and paged and descales is not None:  # e4m3 pages: Gluon on sm90
             self.plan_opts = (paged, num_splits, self._gluon_default(batch, hkv), True)
+        #: the plan's key tile (0 until the first ``launches``; rebased shapes share it)
+        self.block_n = 0
         self.by_longest: dict[int, _Launches] = {}
         self.by_splits: dict[int, _Launches] = {}
         #: split count -> launches as first built for this shape or one ``rebased`` from it
@@ -508,7 +510,7 @@ class _Shape:
         new.interpreted, new.launchers, new.templates = (self.interpreted, self.launchers,
                                                          self.templates)
         new.new_lse, new.new_out = self.new_lse, self.new_out
-        new.plan_args, new.plan_opts = self.plan_args, self.plan_opts
+        new.plan_args, new.plan_opts, new.block_n = self.plan_args, self.plan_opts, self.block_n
         new.cap_k = cap_k = k.shape[1]
         new.strides = (*self.strides[:3], *k.stride()[:3], *v.stride()[:3], *self.strides[9:])
         new.ints = (*self.ints[:3], cap_k, *self.ints[4:])
@@ -521,8 +523,11 @@ class _Shape:
             self.by_longest.clear()
         # a plan depends on the length only through its key tiles: lengths rounded up to
         # whole tiles share one (a growing cache plans anew once per tile, not per key)
-        paged, _, config, kv_fp8 = self.plan_opts
-        block_n = _plan_base(*self.plan_args, paged, config, kv_fp8)[0].block_n
+        block_n = self.block_n
+        if block_n == 0:  # the first length of this family (shared by its rebased shapes)
+            paged, _, config, kv_fp8 = self.plan_opts
+            block_n = self.block_n = _plan_base(*self.plan_args, paged, config,
+                                                kv_fp8)[0].block_n
         plan = _plan(*self.plan_args, -(-longest // block_n) * block_n, *self.plan_opts)
         hit = self.by_splits.get(plan.splits)
         if hit is None:
@@ -531,7 +536,8 @@ class _Shape:
                 hit = self.templates[plan.splits] = self._build(plan)
             tail = hit.split_tail
             if tail[3] != self.cap_k:  # built for another length of this family
-                hit = hit._replace(split_tail=(*tail[:3], self.cap_k, *tail[4:]))
+                split, _, *rest = hit  # (positionally: ``_replace`` costs ~3 us)
+                hit = _Launches(split, (*tail[:3], self.cap_k, *tail[4:]), *rest)
             self.by_splits[plan.splits] = hit
         self.by_longest[longest] = hit
         return hit
@@ -619,19 +625,22 @@ _shapes: dict[tuple[Any, ...], _Shape] = {}
 _families: dict[tuple[Any, ...], _Shape] = {}
 
 
-def _spec_class(x: int) -> tuple[bool, bool, int]:
-    """What Triton specializes an integer argument on: == 1, divisibility by 16, and its
-    width (i32, i64, u64)."""
-    width = 32 if -2**31 <= x < 2**31 else 64 if x < 2**63 else 65
-    return x == 1, x % 16 == 0, width
+def _spec_class(x: int) -> int:
+    """What Triton specializes an integer argument on, as one small int: == 1, divisibility
+    by 16, and its width (i32, i64, u64)."""
+    return (x == 1) | (x % 16 == 0) << 1 | (0 if -2**31 <= x < 2**31 else
+                                             4 if x < 2**63 else 8)
 
 
-def _family(key: tuple[Any, ...], k: torch.Tensor, v: torch.Tensor) -> tuple[Any, ...]:
+def _family(key: tuple[Any, ...]) -> tuple[Any, ...]:
     """``key`` of a contiguous-cache call with the length and the k/v strides replaced by
-    their Triton specialization (the length is the kernel's capacity argument)."""
-    return (key[:2], k.shape[0], k.shape[2:], v.shape[0], v.shape[2:],
-            _spec_class(k.shape[1]), tuple(map(_spec_class, k.stride())),
-            tuple(map(_spec_class, v.stride())), key[6:])
+    their Triton specialization (the length is the kernel's capacity argument). Read from
+    the key's own k/v shapes and strides (indexing, no new ``torch.Size``: this runs once
+    per length of a growing cache)."""
+    (kb, sk, kh, kd), ks, (vb, _, vh, vd), vs = key[2:6]
+    c = _spec_class
+    return (key[:2], kb, kh, kd, vb, vh, vd, c(sk), c(ks[0]), c(ks[1]), c(ks[2]), c(ks[3]),
+            c(vs[0]), c(vs[1]), c(vs[2]), c(vs[3]), key[6:])
 
 
 @functools.cache
@@ -811,8 +820,8 @@ def decode_attention(
     shape = _shapes.get(key)
     if shape is None:
         # (a cache copied for its last dim keeps the copy's strides: not rebased)
-        family = _family(key, k, v) if (block_table is None and k.dim() == 4 == v.dim()
-                                        and k.stride(-1) == 1 == v.stride(-1)) else None
+        family = _family(key) if (block_table is None and k.dim() == 4 == v.dim()
+                                  and k.stride(-1) == 1 == v.stride(-1)) else None
         base = _families.get(family) if family is not None else None
         if base is not None:
             shape = base.rebased(k, v)
