@@ -29,6 +29,7 @@ from attnhub.plugin import (
     Capabilities,
     DeviceInfo,
     flash_dense_form,
+    flash_form,
     flash_kwargs,
     flash_output_kwargs,
     flash_paged_form,
@@ -78,6 +79,8 @@ OP_ARGS: frozenset[str] = frozenset({
     "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q",
     "max_seqlen_k", "page_table", "q_descale", "k_descale", "v_descale", "softmax_scale",
     "is_causal", "window_size_left", "window_size_right", "softcap", "num_splits"})
+#: Entries of a runner's memo of bshd op arguments before it is cleared (new lengths add one)
+DENSE_MEMO = 4096
 #: Where the interface modules keep their op namespace (fa3-fwd wheel; upstream hopper/).
 OP_NAMESPACES: tuple[str, ...] = ("fa3_fwd_cuda", "flash_attn_3_cuda")
 
@@ -131,6 +134,8 @@ class Fa3Runner:
         self.splits = 0 if build.has("SPLIT") else 1  # 0: FA3's split-KV heuristic
         #: the op for calls without autograd, and which op it is or why there is none
         self.op, self.op_note = forward_op(fa)
+        #: bshd calls: (keys the form keeps, the op's keyword arguments) per ``_op_call`` key
+        self._dense: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
         log.info("%s: calls without autograd go to %s", name,
                  self.op_note if self.op is not None
                  else f"the interface functions ({self.op_note})")
@@ -166,23 +171,39 @@ class Fa3Runner:
                  extra: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """The op with the arguments the interface function for this call would pass it
         (``flash_attn_with_kvcache`` / ``_varlen_func`` / ``_func``), the same kernel."""
-        q, k = _last_dim_unit(q), _last_dim_unit(k)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k.stride(-1) != 1:
+            k = k.contiguous()
         if v.stride(-1) != 1 and v.stride(-3) != 1:  # the interface's rule for v
             v = v.contiguous()
-        if spec.layout == "paged":
+        if spec.layout == "bshd":
+            # the op's scalar arguments follow from these values alone: made once per key
+            # (the mask's form and its checks are ~2.5 us a call; a new length makes a key)
+            sq, sk = q.shape[1], k.shape[1]
+            key = (sq, sk, params.causal, params.alignment, params.window, params.softcap,
+                   params.scale, params.alibi_slopes is None, spec.phase)
+            hit = self._dense.get(key)
+            if hit is None:
+                form = flash_form(self.name, params, sq, sk)  # raises where no form exists
+                kw = op_kwargs(params, form)
+                kw["num_splits"] = self.splits if spec.phase == "decode" else 1
+                if len(self._dense) >= DENSE_MEMO:
+                    self._dense.clear()
+                hit = self._dense[key] = (form.keys, kw)
+            keys, kw = hit
+            if keys < sk:  # a top-left causal mask with Sq < Sk never reaches the keys past Sq
+                k, v = k[:, :keys], v[:, :keys]
+        elif spec.layout == "paged":
             kw = op_kwargs(params, flash_paged_form(self.name, params, q, k))
             kw.update(seqused_k=_last_dim_unit(params.seqlens_k),
                       page_table=_last_dim_unit(params.block_table), num_splits=self.splits)
-        elif spec.layout == "thd":
+        else:  # thd
             kw = op_kwargs(params, flash_varlen_form(self.name, params))
             kw.update(cu_seqlens_q=_last_dim_unit(params.cu_seqlens_q),
                       cu_seqlens_k=_last_dim_unit(params.cu_seqlens_k),
                       max_seqlen_q=params.max_seqlen_q, max_seqlen_k=params.max_seqlen_k,
                       num_splits=1)
-        else:
-            form, k, v = flash_dense_form(self.name, params, q, k, v)
-            kw = op_kwargs(params, form)
-            kw["num_splits"] = self.splits if spec.phase == "decode" else 1
         res = self.op(q, k, v, **kw, **extra)
         return res[0], res[1]
 

@@ -11,6 +11,7 @@ from attnhub_sm90_fa3.fa3_fp8 import Fa3Fp8Backend
 from attnhub_sm90_fa3.fp8 import quantize
 
 from attnhub.plugin import AttnParams, paged_to_varlen
+from attnhub.plugin import reference_attention as ref_attn
 
 from .conftest import FA3_FWD_FLAGS
 from .test_translation import qkv
@@ -113,3 +114,28 @@ def test_autograd_and_a_short_schema_take_the_interface(install, spec_of):
     assert b._run.op is None and "seqused_k" in b._run.op_note
     b.forward(q, k, v, spec, p)
     assert fake.calls[-1][0] == "flash_attn_func"
+
+
+def test_op_arguments_memo_never_serves_another_call(install, spec_of):
+    """One runner, calls that differ in one value each (scale, softcap, mask, window,
+    lengths): every call gets its own arguments (the memo is keyed by all of them)."""
+    fake = install({}, op_arguments=OP_ARGS)
+    b = Fa3Backend()
+    b.load()
+    calls = [dict(sq=6, sk=9, scale=0.3), dict(sq=6, sk=9, scale=0.2),
+             dict(sq=6, sk=9, scale=0.2, softcap=3.0), dict(sq=6, sk=9, scale=0.2, causal=False),
+             dict(sq=6, sk=9, scale=0.2, window=(2, 0)), dict(sq=6, sk=9, scale=0.2,
+                                                                 align="top_left"),
+             dict(sq=7, sk=9, scale=0.2), dict(sq=6, sk=9, scale=0.3)]
+    for c in calls * 2:
+        q, k, v = qkv(1, c["sq"], c["sk"], seed=c["sq"])
+        causal, align = c.get("causal", True), c.get("align", "bottom_right")
+        p = AttnParams(scale=c["scale"], causal=causal, alignment=align,
+                       softcap=c.get("softcap"), window=c.get("window"))
+        spec = spec_of(q, k, causal=causal, alignment=align, softcap="softcap" in c,
+                       window=c.get("window"))
+        out, _ = b.forward(q, k, v, spec, p)
+        kw = fake.last("op")
+        assert kw["softmax_scale"] == c["scale"] and kw["softcap"] == c.get("softcap", 0.0)
+        ref, _ = ref_attn(q, k, v, p, compute_dtype=torch.float32)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
