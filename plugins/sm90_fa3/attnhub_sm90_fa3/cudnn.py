@@ -162,14 +162,35 @@ class CudnnBackend(Backend):
         return AttentionOutput(out, lse)
 
 
+#: (set, read) of SDPA's kernel switches and whether a cuDNN-only call wants each on: what
+#: ``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`` sets, without its context manager
+_CUDNN_ONLY = tuple((getattr(torch.backends.cuda, f"enable_{name}_sdp"),
+                     getattr(torch.backends.cuda, f"{name}_sdp_enabled"), name == "cudnn")
+                    for name in ("cudnn", "flash", "mem_efficient", "math"))
+
+
 def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                scale: float) -> torch.Tensor:
-    """SDPA restricted to cuDNN (B, H, S, D): raises rather than run another kernel."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """SDPA restricted to cuDNN (B, H, S, D): raises rather than run another kernel. The
+    switches are set and restored here: ``sdpa_kernel``'s context manager costs ~11 us a
+    call on the CPU box (under torch.compile it is used, as Dynamo traces it). Like it,
+    this sets process-wide flags: another thread's SDPA during the call sees cuDNN only."""
+    gqa = q.shape[1] != k.shape[1]
+    if torch.compiler.is_compiling():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                  enable_gqa=gqa)
+    saved = [enabled() for _, enabled, _ in _CUDNN_ONLY]
+    try:
+        for enable, _, on in _CUDNN_ONLY:
+            enable(on)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+                                              enable_gqa=gqa)
+    finally:
+        for (enable, _, _), was in zip(_CUDNN_ONLY, saved):
+            enable(was)
 
 
 def cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

@@ -260,3 +260,35 @@ def test_cudnn_ragged_path_gets_dense_bshd(monkeypatch, spec_of, want_lse):
     if want_lse:
         assert_lse(lse, ref_lse, atol=1e-4)
     assert seen == [True]
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_sdpa_cudnn_allows_cudnn_only_and_restores_the_switches(monkeypatch, raises):
+    """During the call SDPA may run cuDNN only (as under ``sdpa_kernel``); afterwards every
+    switch is as the caller left it (here: flash off), also when SDPA raises."""
+    cuda = torch.backends.cuda
+    names = ("cudnn", "flash", "mem_efficient", "math")
+    before = {n: getattr(cuda, f"{n}_sdp_enabled")() for n in names}
+    seen = {}
+
+    def fake_sdpa(q, k, v, **kw):
+        seen.update({n: getattr(cuda, f"{n}_sdp_enabled")() for n in names}, gqa=kw["enable_gqa"])
+        if raises:
+            raise RuntimeError("No available kernel")
+        return q
+
+    monkeypatch.setattr(cudnn.F, "scaled_dot_product_attention", fake_sdpa)
+    cuda.enable_flash_sdp(False)
+    try:
+        q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+        if raises:
+            with pytest.raises(RuntimeError, match="No available kernel"):
+                cudnn.sdpa_cudnn(q, k, k, True, 0.3)
+        else:
+            assert cudnn.sdpa_cudnn(q, k, k, True, 0.3) is q
+        assert seen == {"cudnn": True, "flash": False, "mem_efficient": False,
+                        "math": False, "gqa": True}
+        assert {n: getattr(cuda, f"{n}_sdp_enabled")() for n in names} == {
+            **before, "flash": False}
+    finally:
+        cuda.enable_flash_sdp(before["flash"])
