@@ -259,10 +259,7 @@ class Hub:
         next index. A lasting refusal also moves that candidate behind the others."""
         d = runner.decision
         name = chain[i].name
-        # a refusal's reasons follow its first line: keep them (one line, for the log)
-        said = "; ".join(exc.reasons) if isinstance(exc, BackendUnavailableError) \
-            and exc.reasons else str(exc).splitlines()[0] if str(exc) else ""
-        reason = f"{type(exc).__name__}: {said}"[:500]
+        reason = _failure_reason(exc)
         if d.on_failure == "error" or i + 1 >= len(chain):
             raise NoBackendError(
                 f"backend {name!r} raised {reason}\n(rule on_failure={d.on_failure}; "
@@ -638,6 +635,16 @@ class HubRef:
 _PAGED_TABLES = ("paged tables",)
 #: The first of a varlen call's side entry (then ``cu_seqlens_q.shape``): ``THD`` vouches.
 _THD_TABLES = "thd offsets"
+
+
+def _failure_reason(exc: Exception) -> str:
+    """One line for the log and the error: a refusal's reasons (they follow its first line,
+    "cannot serve this call:"), else the exception's first line."""
+    if isinstance(exc, BackendUnavailableError) and exc.reasons:
+        said = "; ".join(exc.reasons)
+    else:
+        said = next(iter(str(exc).splitlines()), "")
+    return f"{type(exc).__name__}: {said}"[:500]
 
 
 def _grow_key(fast_key: tuple, qs: torch.Size, ks: torch.Size, vs: torch.Size,
