@@ -164,9 +164,12 @@ class CudnnBackend(Backend):
 
 #: (set, read) of SDPA's kernel switches and whether a cuDNN-only call wants each on: what
 #: ``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`` sets, without its context manager
-_CUDNN_ONLY = tuple((getattr(torch.backends.cuda, f"enable_{name}_sdp"),
-                     getattr(torch.backends.cuda, f"{name}_sdp_enabled"), name == "cudnn")
+#: (None on a torch without one of these switches: the context manager is used)
+_CUDNN_ONLY = tuple((getattr(torch.backends.cuda, f"enable_{name}_sdp", None),
+                     getattr(torch.backends.cuda, f"{name}_sdp_enabled", None), name == "cudnn")
                     for name in ("cudnn", "flash", "mem_efficient", "math"))
+if not all(enable and enabled for enable, enabled, _ in _CUDNN_ONLY):
+    _CUDNN_ONLY = None  # type: ignore[assignment]
 
 
 def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -176,7 +179,7 @@ def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     call on the CPU box (under torch.compile it is used, as Dynamo traces it). Like it,
     this sets process-wide flags: another thread's SDPA during the call sees cuDNN only."""
     gqa = q.shape[1] != k.shape[1]
-    if torch.compiler.is_compiling():
+    if _CUDNN_ONLY is None or torch.compiler.is_compiling():
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
