@@ -60,7 +60,8 @@ class OutputContractError(AttnhubError, RuntimeError):
 
 
 class BackendUnavailableError(AttnhubError, RuntimeError):
-    """A forced backend cannot serve this call; ``reasons`` lists why. ``lasting``: it will
+    """A backend cannot serve this call (forced and refusing it, or finding at run time what
+    its check could not see); ``reasons`` lists why. ``lasting``: it will
     refuse every later call of the same binding too (a per-shape build budget spent, say),
     so the hub moves it behind the binding's other candidates instead of trying it first
     on every call."""

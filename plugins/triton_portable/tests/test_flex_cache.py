@@ -122,5 +122,6 @@ def test_compiled_per_static_shape_then_loud_at_the_limit(monkeypatch) -> None:
         _check(backend.forward(q, k, v, spec, params).out, q, k, v, params)
     assert len(flex._seen) == 2
     q, k, v = _qkv(9, seed=9)
-    with pytest.raises(flex.FlexRecompileLimit, match="refused"):
+    with pytest.raises(flex.FlexRecompileLimit, match="refused") as refused:
         backend.forward(q, k, v, spec, params)
+    assert refused.value.lasting and refused.value.backend == "flex"  # moved back by the hub
