@@ -2,12 +2,13 @@
 and the portable FP8 row, on the random table: GPU time (CUDA-graph replay) and eager time
 (``do_bench``), relative L2 error vs fp32 over the bf16 pool, speedup vs the bf16 row of
 the same run. Cells: 64 x 32k, 1 x 128k, 32 x 4k (32 query / 8 KV heads, d128, page 16).
-The Gluon rows run at the heuristic's split count and at twice it, with 32-key tiles
-(two pages per tile, two page ids), and software-pipelined (``prefetch_pages``: the next
-tile's K and V loaded before this tile is used): as built, capped at 168 registers, two
-tiles ahead (``fp8_v_ahead``) and with 32-key tiles, each planned for the programs per SM
-its registers allow (``resident``); a variant that fails or is refused is recorded as a
-result. The JSON is rewritten after every row, so a run cut short keeps what it measured.
+The Gluon rows: the software-pipelined
+pass (``prefetch_pages``: the next tile's K and V in registers before this tile is used)
+as built and capped at 168 registers (what ``gluon_fp8_row`` bound before), and the cp.async ring
+(``fp8_ring``: K and V tiles through shared memory, ring - 1 tiles in flight) of 2, 4 and 8
+slots, with 32-key tiles, and at twice the splits, each planned for the programs per SM its
+registers and shared memory allow (``resident``); a variant that fails or is refused is
+recorded as a result. The JSON is rewritten after every row, so a run cut short keeps what it measured.
 
     python benchmarks/decode_fp8_gluon.py --out $OUT [--smoke]
 """
@@ -68,21 +69,25 @@ def main() -> None:
         res["cells"].append(cell)
         bf16 = decode_config(arch, paged=True, programs=(batch * HKV, sms))
         row8 = decode_config(arch, paged=True, kv_fp8=True)
-        g_splits = choose_splits(batch, HKV, ctx, sms, GLUON_FP8_PAGED)
         pre = GLUON_FP8_PAGED.with_(prefetch_pages=True)
+        ring = GLUON_FP8_PAGED.with_(ctas_per_sm=resident(163))
         rows = [("bf16", False, bf16, None), ("fp8_row", True, row8, None),
-                ("gluon", True, GLUON_FP8_PAGED, g_splits),
-                ("gluon_twice_splits", True, GLUON_FP8_PAGED, 2 * g_splits),
-                ("gluon_n32", True, GLUON_FP8_PAGED.with_(block_n=32, ctas_per_sm=10), None),
                 # software-pipelined: the next tile's K / V in flight (203 registers), the
-                # same capped at 168 (12 per SM; spills loop invariants), the next two tiles
-                # (fp8_v_ahead: 228), 32-key tiles (255; 16-24 bytes of stack)
+                # same capped at 168 (12 per SM): the rows gluon_fp8_row bound before the ring
                 ("gluon_pre", True, pre.with_(ctas_per_sm=resident(203)), None),
                 ("gluon_pre_r168", True, pre.with_(maxnreg=168, ctas_per_sm=resident(168)),
                  None),
-                ("gluon_pre2", True, pre.with_(fp8_v_ahead=True, ctas_per_sm=resident(228)),
+                # the cp.async ring (155-163 registers: 12 per SM by registers; 8 KB of
+                # shared memory per 2 slots of 16-key tiles: 8 slots fit 7 per SM), 32-key
+                # tiles in a 4-slot ring (170-172 registers, 32 KB: 7 per SM), and the
+                # 4-slot ring at twice the splits
+                ("gluon_ring2", True, ring.with_(fp8_ring=2), None),
+                ("gluon_ring4", True, ring.with_(fp8_ring=4), None),
+                ("gluon_ring8", True, ring.with_(fp8_ring=8, ctas_per_sm=7), None),
+                ("gluon_ring4_n32", True, ring.with_(fp8_ring=4, block_n=32, ctas_per_sm=7),
                  None),
-                ("gluon_pre_n32", True, pre.with_(block_n=32, ctas_per_sm=resident(255)), None)]
+                ("gluon_ring4_twice_splits", True, ring.with_(fp8_ring=4),
+                 2 * choose_splits(batch, HKV, ctx, sms, ring))]
         for name, fp8, cfg, splits in rows:
             splits = splits or choose_splits(batch, HKV, ctx, sms, cfg)
             r: dict[str, Any] = {"name": name, "splits": splits, "config": repr(cfg)}

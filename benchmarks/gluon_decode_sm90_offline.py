@@ -36,7 +36,7 @@ OPS = ("LDL", "STL", "LDS", "STS", "LDSM", "BAR", "HMMA", "F2FP", "F2FP.F16.E4M3
 
 
 def split_args(block_n: int, splits: int, ahead: bool, page: int = 16,
-               prefetch: bool = False) -> tuple:
+               prefetch: bool = False, ring: int = 0) -> tuple:
     """``_split_kernel``'s argument tuple for 32/8 heads, d128, ``page``-key pages, as
     decode builds it."""
     hq, hkv, d, pages, batch = 32, 8, 128, 4096, 64
@@ -53,7 +53,8 @@ def split_args(block_n: int, splits: int, ahead: bool, page: int = 16,
             128 ** -0.5, 1.0, -1, -1, 1, 2048 * page, batch, batch, pages, hq, hkv, hq // hkv,
             1, splits,
             d, page, True, True, True, True, False, False, False, False, True, splits == 1,
-            False, prefetch, True, ahead, 0, False, 16, block_n, d, max(2, splits), "tf32", False)
+            False, prefetch, True, ahead, 0, False, 16, block_n, d, max(2, splits), "tf32", False,
+            ring)
 
 
 #: (splits, V_AHEAD, PREFETCH) built per block_n: the shipped kernel at one split and at
@@ -110,24 +111,28 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap (0: none)")
     ap.add_argument("--variants", nargs="*", default=[],
                     help="only these: base, ahead, pre, preahead (default: all)")
+    ap.add_argument("--ring", type=int, nargs="*", default=[0],
+                    help="fp8_ring slots (0: none; 2 or 4: the cp.async ring, which "
+                         "replaces the register pipeline)")
     a = ap.parse_args()
     os.makedirs(a.dump, exist_ok=True)
     driver.set_active(_Sm90())
     from attnhub_triton_portable import decode_gluon
 
     bad = 0
-    for bn in a.block_n:
-        for splits, ahead, pre in VARIANTS:
+    builds = [(bn, v, ring) for bn in a.block_n for ring in a.ring for v in VARIANTS
+              if not ring or v[1:] == (False, False)]  # the ring: its own loop only
+    for bn, (splits, ahead, pre), ring in builds:
             name = ("pre" if pre else "") + ("ahead" if ahead else "") or "base"
-            if a.variants and name not in a.variants:
+            if a.variants and name not in a.variants and not ring:
                 continue
             tag = (f"fp8_decode_p{a.page}_bn{bn}_s{splits}{'_pre' if pre else ''}"
-                   f"{'_ahead' if ahead else ''}"
+                   f"{'_ahead' if ahead else ''}{f'_ring{ring}' if ring else ''}"
                    f"{f'_r{a.maxnreg}' if a.maxnreg else ''}")
             cap = {"maxnreg": a.maxnreg} if a.maxnreg else {}
             try:
                 ck = decode_gluon._fp8_paged_split_kernel.run(
-                    *split_args(bn, splits, ahead, a.page, pre), grid=(splits, 512, 1),
+                    *split_args(bn, splits, ahead, a.page, pre, ring), grid=(splits, 512, 1),
                     warmup=True, num_warps=1, **cap)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 bad += 1

@@ -112,8 +112,10 @@ def _split_kernel(
     V_AHEAD: tl.constexpr, FP8_QK: tl.constexpr, FP8_PV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    RING: tl.constexpr,
 ):
-    """Pass 1: one (split, sequence x KV head x row block) per program.
+    """Pass 1: one (split, sequence x KV head x row block) per program. (``RING`` is the
+    Gluon pass 1's, :mod:`.decode_gluon`: the argument lists are one; 0 here.)
 
     ``seqlen_k`` is the cache's capacity per sequence (keys of a contiguous cache, table
     width x PAGE of a paged one). Lengths and page ids are clamped in here, whatever the
@@ -558,7 +560,7 @@ class _Shape:
             has_seqlens=has_lens, kv_fp8=kv_fp8, window=win_left or win_right,
             softcap=softcap, alibi=alibi, fused_merge=fused, block_n=cfg.block_n,
             num_warps=cfg.num_warps, min_block_m=cfg.min_block_m,
-            v_ahead=cfg.fp8_v_ahead)
+            v_ahead=cfg.fp8_v_ahead, ring=cfg.fp8_ring)
 
     def _gluon_default(self, batch: int, hkv: int) -> DecodeConfig | None:
         """The Gluon row for a paged e4m3 cache where the kernel serves this shape, else
@@ -599,8 +601,9 @@ class _Shape:
                       cfg.prefetch_pages, cfg.fp8_dot != "q",
                       cfg.fp8_v_ahead and self.consts[-1],
                       _Q_TERMS.get(cfg.fp8_dot, 0) if self.consts[-1] else 0,
-                      cfg.fp8_dot in ("fp8", "fp8_2") and self.consts[-1], plan.block_m, cfg.block_n, bd,
-                      plan.block_s, prec, plan.upcast)
+                      cfg.fp8_dot in ("fp8", "fp8_2") and self.consts[-1], plan.block_m,
+                      cfg.block_n, bd, plan.block_s, prec, plan.upcast,
+                      cfg.fp8_ring if cfg.gluon else 0)
         merge = None
         if shared:
             merge = shared[1]

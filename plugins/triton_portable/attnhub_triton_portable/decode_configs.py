@@ -50,7 +50,11 @@ class DecodeConfig:
     ``maxnreg``: a register cap for pass 1 (0: the compiler's choice), to fit more
     programs per SM. ``gluon`` (paged e4m3 caches on sm90): pass 1 is the Gluon kernel of
     :mod:`.decode_gluon`; the table never holds it, but an e4m3 paged call on sm90 with no
-    ``config`` takes ``gluon_fp8_row``'s row wherever the kernel serves it.
+    ``config`` takes ``gluon_fp8_row``'s row wherever the kernel serves it. ``fp8_ring``
+    (Gluon pass 1, a power of two, 0: off): K and V tiles go through a shared-memory ring
+    of this many slots by ``cp.async``, ``fp8_ring - 1`` tiles in flight per program
+    without registers to hold them (it takes the place of ``prefetch_pages``' register
+    pipeline).
     """
 
     block_n: int = 64
@@ -68,6 +72,7 @@ class DecodeConfig:
     min_block_m: int = 0
     maxnreg: int = 0
     gluon: bool = False
+    fp8_ring: int = 0
 
     def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -155,14 +160,25 @@ GLUON_FP8_PAGED_PRE = GLUON_FP8_PAGED.with_(prefetch_pages=True, maxnreg=168)
 GLUON_FP8_PAGED_FEW = GLUON_FP8_PAGED.with_(prefetch_pages=True, ctas_per_sm=8)
 
 
+#: The cp.async ring (``fp8_ring``): K and V tiles through shared memory, so that a program
+#: has ring - 1 tiles in flight with no registers held for them (the register pipeline
+#: above holds one: 64 registers). The pipelined pass moved 3.7 TB/s at 64 x 32k, the bf16
+#: row 4.4: about 48 KB in flight per SM (12 programs x one 4 KB tile) is short of what the
+#: memory latency asks at that rate. sm90 builds (Triton 3.6, page 16, 16-key tiles): 155-163
+#: registers, no stack, 499 instructions per tile (485 pipelined); 4 slots take 16 KB of
+#: shared memory (12 programs: 144 KB in flight per SM), 8 slots 32 KB (7 per SM: 196 KB).
+GLUON_FP8_PAGED_RING = GLUON_FP8_PAGED.with_(fp8_ring=4)
+#: Few pairs: more slots per program, as the programs an SM holds are few anyway.
+GLUON_FP8_PAGED_RING_FEW = GLUON_FP8_PAGED.with_(fp8_ring=8, ctas_per_sm=7)
+
+
 def gluon_fp8_row(arch: str, pairs: int, sm_count: int) -> DecodeConfig | None:
-    """The Gluon row for a paged e4m3 cache (None off sm90): the uncapped pipelined build
-    when the ``pairs`` (sequence, KV head, row block) fit one per SM, else the one capped at
-    168 registers. The caller checks that the kernel serves the call
-    (``decode_gluon.supports``)."""
+    """The Gluon row for a paged e4m3 cache (None off sm90): the cp.async ring, of 8 slots
+    when the ``pairs`` (sequence, KV head, row block) fit one per SM, else of 4. The caller
+    checks that the kernel serves the call (``decode_gluon.supports``)."""
     if arch != "sm90":  # built and checked for Hopper only
         return None
-    return GLUON_FP8_PAGED_FEW if pairs <= sm_count else GLUON_FP8_PAGED_PRE
+    return GLUON_FP8_PAGED_RING_FEW if pairs <= sm_count else GLUON_FP8_PAGED_RING
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
 INTERPRETER_SM_COUNT = 4

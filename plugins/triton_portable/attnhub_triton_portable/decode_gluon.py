@@ -26,7 +26,12 @@ within a warp (``PREFETCH``, ``config.prefetch_pages``): a software pipeline in 
 the next tile's K and V bytes and descales loaded before this tile is widened, multiplied
 and softmaxed (with ``V_AHEAD`` too: the next two tiles), so a warp always has one (two)
 tiles of bytes in flight; the tiles in flight are held as int32 words (an e4m3 tensor
-carried across a loop iteration takes a register per byte). Without ``PREFETCH``,
+carried across a loop iteration takes a register per byte). With ``RING`` (``config.fp8_ring``) the
+tiles go through a ring of that many shared-memory slots instead, copied by ``cp.async``
+(16 bytes a copy, zero-filled past the sequence's end) and read back in the layout they
+were copied in, so ``RING - 1`` tiles are in flight per program with no registers held
+for them; each slot's 16-byte chunks are XOR-swizzled by key (``_ring_layout``), so
+neither the copies nor the reads have bank conflicts. Without ``PREFETCH``,
 ``V_AHEAD`` loads only V a tile ahead (as e4m3: 219 registers). Host planning, scratch and
 the split merge are :mod:`.decode`'s: this kernel takes ``_split_kernel``'s arguments
 unchanged and refuses (``supports``) what it does not serve.
@@ -51,7 +56,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
@@ -63,6 +68,8 @@ HEAD_DIMS = (128,)
 #: key tiles the layouts are written for (multiples of the 16-key MMA K step); 64 spills
 #: registers in the sm90 build, so it is refused
 BLOCK_NS = (16, 32)
+#: ``fp8_ring`` sizes (0: no ring): powers of two, as its shared layout's bases are
+RINGS = (0, 2, 4, 8)
 #: the key tile whose sm90 build holds a V tile a tile ahead (or, with PREFETCH, two K and V
 #: tiles) without spilling (219 / 228 registers; 32-key tiles: 272 / 360 bytes of stack)
 V_AHEAD_BLOCK_N = 16
@@ -71,7 +78,7 @@ V_AHEAD_BLOCK_N = 16
 def supports(*, arch: str, interpreted: bool, q_dtype: torch.dtype, seqlen_q: int,
              group: int, head_dim: int, paged: bool, has_seqlens: bool, kv_fp8: bool,
              window: bool, softcap: bool, alibi: bool, fused_merge: bool, block_n: int,
-             num_warps: int, min_block_m: int, v_ahead: bool) -> str | None:
+             num_warps: int, min_block_m: int, v_ahead: bool, ring: int = 0) -> str | None:
     """None when this kernel serves the call as :mod:`.decode` would; else why not."""
     if interpreted or arch == "cpu":
         return "Gluon kernels do not run in Triton's interpreter (needs an sm90 GPU)"
@@ -96,11 +103,36 @@ def supports(*, arch: str, interpreted: bool, q_dtype: torch.dtype, seqlen_q: in
     if v_ahead and block_n != V_AHEAD_BLOCK_N:
         return (f"fp8_v_ahead with block_n {block_n}: only {V_AHEAD_BLOCK_N} builds without "
                 "spilling registers")
+    if ring not in RINGS:
+        return f"fp8_ring {ring}: a ring of {', '.join(map(str, RINGS[1:]))} slots, or 0"
+    if ring and v_ahead:
+        return "fp8_ring with fp8_v_ahead: the ring keeps V in flight itself"
     if num_warps != 1:
         return f"one warp per program (num_warps=1), not {num_warps}"
     if min_block_m > ROWS:
         return f"min_block_m {min_block_m} > {ROWS.value} rows"
     return None
+
+
+@gluon.constexpr_function
+def _ring_layout(block_n, groups):
+    """Shared layout of one ring slot: a K (``groups`` 4: [keys, 4, 32]) or V (8:
+    [keys, 8, 16]) tile, written by ``cp.async`` and read back in the layout it was copied
+    in (``KL`` / ``VL``). A key's 128 bytes are one row of eight 16-byte chunks; the
+    chunk's place in the row is XORed with the key's low three bits, so the eight lanes of
+    each 16-byte access phase (two keys of four K runs, or four keys of two V runs) hit
+    eight different bank groups: no bank conflicts either way. As linear bases (offset bit
+    -> logical [key, group, byte]); ``block_n`` a power of two. (The ring's leading slot
+    dimension is outside the layout.)"""
+    if groups == 4:  # K: chunk = 2 x group + byte // 16
+        chunk = [[0, 0, 16], [0, 1, 0], [0, 2, 0]]
+    else:  # V: chunk = group
+        chunk = [[0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    bases = [[0, 0, 1 << b] for b in range(4)] + chunk
+    for j in range(block_n.bit_length() - 1):
+        key = [1 << j, 0, 0]
+        bases.append([a ^ b for a, b in zip(key, chunk[j])] if j < 3 else key)
+    return gl.SharedLinearLayout(bases)
 
 
 @gluon.jit
@@ -151,12 +183,10 @@ def _scales(table, n, hi, num_pages, Scale, ssr, ssh, h, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(head, table, n0, hi, num_pages, pages, stride_page, stride_row,
+def _tile_ptrs(head, table, n0, hi, num_pages, pages, stride_page, stride_row,
                PAGE: gl.constexpr, TILE_PAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                GROUPS: gl.constexpr, BYTES: gl.constexpr, L: gl.constexpr):
-    """A K or V tile as stored, [BLOCK_N keys, GROUPS, BYTES] e4m3 in layout ``L``: each key
-    row's 128 bytes as GROUPS runs of BYTES contiguous bytes (K: 4 x 32, V: 8 x 16; a
-    thread holds whole runs, so they load as 16-byte vectors). Keys at or past ``hi``: 0."""
+    """(addresses, mask) of a K or V tile, [BLOCK_N, GROUPS, BYTES] in layout ``L``."""
     n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
     grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
     byte = gl.arange(0, BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
@@ -164,7 +194,34 @@ def _load_tile(head, table, n0, hi, num_pages, pages, stride_page, stride_row,
                       TILE_PAGES)
     off = gl.expand_dims(gl.expand_dims(rows, 1), 2) + gl.expand_dims(
         gl.expand_dims(grp * BYTES, 0), 2) + gl.expand_dims(gl.expand_dims(byte, 0), 1)
-    return gl.load(head + off, mask=gl.expand_dims(gl.expand_dims(n < hi, 1), 2), other=0.0)
+    return head + off, gl.expand_dims(gl.expand_dims(n < hi, 1), 2)
+
+
+@gluon.jit
+def _load_tile(head, table, n0, hi, num_pages, pages, stride_page, stride_row,
+               PAGE: gl.constexpr, TILE_PAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+               GROUPS: gl.constexpr, BYTES: gl.constexpr, L: gl.constexpr):
+    """A K or V tile as stored, [BLOCK_N keys, GROUPS, BYTES] e4m3 in layout ``L``: each key
+    row's 128 bytes as GROUPS runs of BYTES contiguous bytes (K: 4 x 32, V: 8 x 16; a
+    thread holds whole runs, so they load as 16-byte vectors). Keys at or past ``hi``: 0."""
+    ptrs, ok = _tile_ptrs(head, table, n0, hi, num_pages, pages, stride_page, stride_row,
+                          PAGE, TILE_PAGES, BLOCK_N, GROUPS, BYTES, L)
+    return gl.load(ptrs, mask=ok, other=0.0)
+
+
+@gluon.jit
+def _copy_tile(k_slot, v_slot, k_head, v_head, table, n0, hi, num_pages, pages, skp, sks,
+               svp, svs, PAGE: gl.constexpr, TILE_PAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+               KL: gl.constexpr, VL: gl.constexpr):
+    """The K and V tiles at ``n0`` into their ring slots by ``cp.async`` (16 bytes a copy,
+    keys at or past ``hi`` zero-filled), committed as one group."""
+    ptrs, ok = _tile_ptrs(k_head, table, n0, hi, num_pages, pages, skp, sks, PAGE, TILE_PAGES,
+                          BLOCK_N, 4, 32, KL)
+    async_copy.async_copy_global_to_shared(k_slot, ptrs, mask=ok)
+    ptrs, ok = _tile_ptrs(v_head, table, n0, hi, num_pages, pages, svp, svs, PAGE, TILE_PAGES,
+                          BLOCK_N, 8, 16, VL)
+    async_copy.async_copy_global_to_shared(v_slot, ptrs, mask=ok)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -293,6 +350,7 @@ def _fp8_paged_split_kernel(
     V_AHEAD: gl.constexpr, FP8_QK: gl.constexpr, FP8_PV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_S: gl.constexpr, DOT_PREC: gl.constexpr, UPCAST: gl.constexpr,
+    RING: gl.constexpr,
 ):
     """Pass 1 of :mod:`.decode` for what ``supports`` admits: one (split, sequence x KV
     head) per one-warp program, partials (normalised output, base-2 LSE) as there.
@@ -354,7 +412,51 @@ def _fp8_paged_split_kernel(
     # tile's page ids and descales are scalars, fetched a tile early; 0: per key
     TILE_PAGES: gl.constexpr = 1 if PAGE % BLOCK_N == 0 else (2 if BLOCK_N == 2 * PAGE else 0)
     pages_next = _tile_pages(table, lo, hi, num_pages, PAGE, TILE_PAGES)
-    if PREFETCH:
+    if RING > 0:
+        # K and V tiles through a shared-memory ring by cp.async: RING - 1 tiles in flight
+        # while one is widened, multiplied and softmaxed, with no registers held for them
+        # (the register pipeline below holds one tile, 64 registers, and no more fits)
+        k_ring = gl.allocate_shared_memory(K.dtype.element_ty, [RING, BLOCK_N, 4, 32],
+                                           _ring_layout(BLOCK_N, 4))
+        v_ring = gl.allocate_shared_memory(V.dtype.element_ty, [RING, BLOCK_N, 8, 16],
+                                           _ring_layout(BLOCK_N, 8))
+        pages = pages_next
+        sc_next = _tile_scales(table, lo, hi, num_pages, pages, KScale, sksr, sksh, VScale,
+                               svsr, svsh, h, PAGE, TILE_PAGES, BLOCK_N, COL)
+        for t in gl.static_range(RING - 1):
+            _copy_tile(k_ring.index(t), v_ring.index(t), k_head, v_head, table,
+                       lo + t * BLOCK_N, hi, num_pages, pages, skp, sks, svp, svs, PAGE,
+                       TILE_PAGES, BLOCK_N, KL, VL)
+            pages = _tile_pages(table, lo + (t + 1) * BLOCK_N, hi, num_pages, PAGE,
+                                TILE_PAGES)
+        for n0 in range(lo, hi, BLOCK_N):
+            i = (n0 - lo) // BLOCK_N
+            # the slot refilled now was read an iteration ago: every lane is past that read
+            gl.thread_barrier()
+            ahead = n0 + (RING - 1) * BLOCK_N
+            _copy_tile(k_ring.index((i + RING - 1) % RING), v_ring.index((i + RING - 1) % RING),
+                       k_head, v_head, table, ahead, hi, num_pages, pages, skp, sks, svp, svs,
+                       PAGE, TILE_PAGES, BLOCK_N, KL, VL)
+            pages = _tile_pages(table, ahead + BLOCK_N, hi, num_pages, PAGE, TILE_PAGES)
+            k_sc, v_sc = sc_next
+            sc_next = _tile_scales(table, n0 + BLOCK_N, hi, num_pages,
+                                   _tile_pages(table, n0 + BLOCK_N, hi, num_pages, PAGE,
+                                               TILE_PAGES),
+                                   KScale, sksr, sksh, VScale, svsr, svsh, h, PAGE,
+                                   TILE_PAGES, BLOCK_N, COL)
+            async_copy.wait_group(RING - 1)  # this tile's group, copied RING - 1 ago
+            gl.thread_barrier()
+            k = _word_halves(_words(k_ring.index(i % RING).load(KL), BLOCK_N, 4, 32),
+                             BLOCK_N, 4, 8)
+            v = _word_halves(_words(v_ring.index(i % RING).load(VL), BLOCK_N, 8, 16),
+                             BLOCK_N, 8, 4)
+            qk = mma_v2(q, _k_operand(k, BLOCK_N, B_OP), zero_s)
+            pw, m_i, l_i, acc, acc_scale = _softmax(qk, k_sc, v_sc, n0, hi, row_ok, qk_scale,
+                                                    m_i, l_i, acc, acc_scale, TILE_PAGES,
+                                                    BLOCK_N, COL)
+            acc = mma_v2(gl.convert_layout(pw, A_OP), _v_operand(v, BLOCK_N, B_OP), acc)
+        async_copy.wait_group(0)  # the tail's copies (past hi: zero fills) land before exit
+    elif PREFETCH:
         # software pipeline in registers: the K and V bytes (as int32 words) and descales of
         # the next tile (DEPTH 1), or of the next two (DEPTH 2: with V_AHEAD), are loaded
         # before this tile is widened, multiplied and softmaxed, so that a warp always has

@@ -44,7 +44,8 @@ def test_never_chosen_by_the_table() -> None:
 def test_supports_the_served_call() -> None:
     assert decode_gluon.supports(**OK) is None
     for change in ({"q_dtype": torch.float16}, {"group": 16}, {"group": 1},
-                   {"block_n": 32}, {"min_block_m": 16}, {"v_ahead": True}):
+                   {"block_n": 32}, {"min_block_m": 16}, {"v_ahead": True},
+                   {"ring": 2}, {"ring": 4}, {"ring": 8, "block_n": 32}):
         assert decode_gluon.supports(**{**OK, **change}) is None, change
 
 
@@ -67,6 +68,9 @@ def test_supports_the_served_call() -> None:
     ({"block_n": 64}, "block_n 64"),
     ({"num_warps": 4}, "num_warps=1"),
     ({"min_block_m": 64}, "min_block_m 64"),
+    ({"ring": 3}, "fp8_ring 3: a ring of 2, 4, 8 slots"),
+    ({"ring": 1}, "fp8_ring 1"),
+    ({"ring": 4, "v_ahead": True}, "fp8_ring with fp8_v_ahead"),
 ])
 def test_refusals_name_their_reason(change: dict[str, Any], reason: str) -> None:
     why = decode_gluon.supports(**{**OK, **change})
@@ -163,19 +167,19 @@ def test_launched_with_the_split_kernels_arguments(recorded: list[tuple[Any, ...
         assert recorded[1][0] is decode._merge_kernel
 
 
-@pytest.mark.parametrize(("b", "maxnreg"), [(3, None), (18, 168)])
+@pytest.mark.parametrize(("b", "ring"), [(3, 8), (18, 4)])
 def test_sm90_takes_it_by_default_where_it_serves(recorded: list[tuple[Any, ...]], b: int,
-                                                  maxnreg: int | None) -> None:
-    """No config: an e4m3 paged call on sm90 launches the pipelined Gluon pass, uncapped
-    when the (sequence, KV head) pairs fit one per SM (3 x 8 <= 132), else capped at 168
-    registers (18 x 8 > 132)."""
+                                                  ring: int) -> None:
+    """No config: an e4m3 paged call on sm90 launches the Gluon pass with its cp.async
+    ring, of 8 slots when the (sequence, KV head) pairs fit one per SM (3 x 8 <= 132), else
+    of 4 (18 x 8 > 132)."""
     (q, k, v), kw = _paged_call(b=b)
     decode.decode_attention(q, k, v, **kw)
     fn, _, opt, args = recorded[0]
     got = dict(zip(fn.arg_names, args))
     assert fn is decode_gluon._fp8_paged_split_kernel and opt["num_warps"] == 1
-    assert got["BLOCK_N"] == 16 and got["KV_FP8"] and got["PREFETCH"]
-    assert opt.get("maxnreg") == maxnreg
+    assert got["BLOCK_N"] == 16 and got["KV_FP8"] and got["RING"] == ring
+    assert "maxnreg" not in opt
 
 
 @pytest.mark.parametrize("call", [{"window": (8, 0)}, {"softcap": 30.0}])
@@ -300,3 +304,26 @@ def test_register_cap_reaches_the_launch(recorded: list[tuple[Any, ...]]) -> Non
     (q, k, v), kw = _paged_call()
     decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED.with_(maxnreg=144), **kw)
     assert recorded[0][2]["maxnreg"] == 144
+
+
+@pytest.mark.parametrize("ring", [2, 4, 8])
+def test_the_ring_reaches_only_the_gluon_pass(recorded: list[tuple[Any, ...]],
+                                             ring: int) -> None:
+    """``fp8_ring`` is the Gluon pass 1's ``RING``; the portable kernel, which shares the
+    argument list, always gets 0 (its pipeline is the compiler's)."""
+    (q, k, v), kw = _paged_call()
+    cfg = GLUON_FP8_PAGED.with_(fp8_ring=ring)
+    decode.decode_attention(q, k, v, config=cfg, num_splits=1, **kw)
+    decode.decode_attention(q, k, v, config=cfg.with_(gluon=False), num_splits=1, **kw)
+    (g_fn, _, _, g_args), (p_fn, _, _, p_args) = recorded
+    assert g_fn is decode_gluon._fp8_paged_split_kernel and p_fn is decode._split_kernel
+    assert dict(zip(g_fn.arg_names, g_args))["RING"] == ring
+    assert dict(zip(p_fn.arg_names, p_args))["RING"] == 0
+
+
+def test_a_ring_it_cannot_build_fails_before_any_launch(
+        recorded: list[tuple[Any, ...]]) -> None:
+    (q, k, v), kw = _paged_call()
+    with pytest.raises(ValueError, match=ASKS + "fp8_ring 3"):
+        decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED.with_(fp8_ring=3), **kw)
+    assert not recorded

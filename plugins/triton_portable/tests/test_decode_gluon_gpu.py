@@ -40,13 +40,17 @@ CASES = [  # (hq, hkv, lengths, splits, q dtype)
 #: and 32-key tiles over 8-key pages (page ids and descales per key); the software-pipelined
 #: loop (``prefetch_pages``: the next tile in flight) as built, capped at 168 registers, two
 #: tiles ahead (with ``fp8_v_ahead``), with 32-key tiles, and over 8-key pages (16-key
-#: tiles: two pages a tile; 32-key tiles: per key)
+#: tiles: two pages a tile; 32-key tiles: per key); the cp.async ring (``fp8_ring``) of 2,
+#: 4 and 8 slots, with 32-key tiles, over 8-key pages, and capped at 168 registers
 PRE = {"prefetch_pages": True}
+RING = {"fp8_ring": 4}
 VARIANTS = [{}, {"fp8_v_ahead": True}, {"maxnreg": 144}, {"block_n": 32},
             {"block_n": 32, "page": 8},
             PRE, {**PRE, "maxnreg": 168}, {**PRE, "fp8_v_ahead": True}, {**PRE, "block_n": 32},
             {**PRE, "page": 8}, {**PRE, "block_n": 32, "page": 8},
-            {**PRE, "fp8_v_ahead": True, "page": 8}]
+            {**PRE, "fp8_v_ahead": True, "page": 8},
+            {"fp8_ring": 2}, RING, {"fp8_ring": 8}, {**RING, "block_n": 32}, {**RING, "page": 8},
+            {**RING, "block_n": 32, "page": 8}, {**RING, "maxnreg": 168}]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
