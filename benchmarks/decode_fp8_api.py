@@ -37,7 +37,7 @@ def pass1(decode: Any) -> str:
     if cfg is None or not cfg.gluon:
         return "portable"
     return (f"gluon block_n={cfg.block_n} prefetch={cfg.prefetch_pages} "
-            f"maxnreg={cfg.maxnreg or '-'}")
+            f"ring={cfg.fp8_ring or '-'} maxnreg={cfg.maxnreg or '-'}")
 
 
 def main() -> None:
