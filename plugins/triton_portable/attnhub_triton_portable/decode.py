@@ -19,8 +19,8 @@ KV head) descales, widened in registers (``KV_FP8``; to fp16 with ``FP8_F16``, V
 tile ahead with ``V_AHEAD``); on an H200 that path runs at about the bf16 cache's speed
 (0.98-1.05x), not twice it: it saves memory (docs/benchmarks/triton_decode_paged.md).
 On sm90, a paged e4m3 cache takes :mod:`.decode_gluon`'s Hopper pass 1 wherever it serves
-the call (``gluon_fp8_row``: 1.6-1.9x the bf16 cache's GPU time on an H200), the portable FP8 path
-elsewhere; ``config.gluon`` asks for it explicitly (same arguments).
+the call (``gluon_fp8_row``: 1.6-2.1x the bf16 cache's throughput on an H200), the portable
+FP8 path elsewhere; ``config.gluon`` asks for it explicitly (same arguments).
 """
 
 from __future__ import annotations
@@ -485,7 +485,7 @@ class _Shape:
                        causal, left >= 0, right >= 0, softcap, slopes is not None,
                        descales is not None)
         if config is None and paged and descales is not None:  # e4m3 pages: Gluon on sm90
-            self.plan_opts = (paged, num_splits, self._gluon_default(batch, hkv), True)
+            self.plan_opts = (paged, num_splits, self._gluon_default(), True)
         #: the plan's key tile (0 until the first ``launches``; rebased shapes share it)
         self.block_n = 0
         self.by_longest: dict[int, _Launches] = {}
@@ -562,14 +562,12 @@ class _Shape:
             num_warps=cfg.num_warps, min_block_m=cfg.min_block_m,
             v_ahead=cfg.fp8_v_ahead, ring=cfg.fp8_ring)
 
-    def _gluon_default(self, batch: int, hkv: int) -> DecodeConfig | None:
+    def _gluon_default(self) -> DecodeConfig | None:
         """The Gluon row for a paged e4m3 cache where the kernel serves this shape, else
         None (the table's portable FP8 row)."""
         if self.interpreted:
             return None
-        rows = self.plan_args[3] * (self.plan_args[4] // hkv)
-        pairs = batch * hkv * -(-rows // block_m(rows))
-        row = gluon_fp8_row(device_arch(self.device), pairs, _sm_count(self.device.index or 0))
+        row = gluon_fp8_row(device_arch(self.device))
         return row if row is not None and self._gluon_refusal(row, False) is None else None
 
     def _gluon_kernel(self, cfg: DecodeConfig, fused: bool) -> Any:

@@ -144,41 +144,34 @@ _FP8_PAGED: dict[str, DecodeConfig] = {
 #: build takes 168 registers, so 12 one-warp programs fit an SM: 12 per SM plan the splits.
 #: H200, 2026-12-02 (ca449c7, random table, GPU time; bf16 row / portable e4m3 row / this):
 #: 64 x 32k 2204 / 1949 / 1360 us, 1 x 128k 147 / 129 / 121, 32 x 4k 131 / 129 / 100; it
-#: passed the FlashAttention-rule GPU tests. ``gluon_fp8_row`` binds its pipelined builds.
+#: passed the FlashAttention-rule GPU tests. ``gluon_fp8_row`` binds its cp.async ring.
 GLUON_FP8_PAGED = DecodeConfig(block_n=16, num_warps=1, num_stages=1, ctas_per_sm=12,
                                fp8_dot="fp16", gluon=True)
-#: The software-pipelined loop (``prefetch_pages``: the next tile's bytes in flight while
-#: this one is converted and multiplied) capped at 168 registers, so 12 one-warp programs
-#: still fit an SM (32-40 stack bytes, no spill in the loop). H200, 2026-12-02 (d9fd75b,
-#: random table, GPU time, bf16 row 2156 / 131 us): 64 x 32k 1153 us (1.87x the bf16 row;
-#: the plain Gluon pass 1360, uncapped 203 registers at 8 per SM 1231), 32 x 4k 86.5 us
-#: (plain 100.7). It passed the FlashAttention-rule GPU tests (72 cases, every variant).
-GLUON_FP8_PAGED_PRE = GLUON_FP8_PAGED.with_(prefetch_pages=True, maxnreg=168)
-#: Few (sequence, KV head) pairs: the uncapped pipelined build (203 registers, 8 programs
-#: per SM), which keeps more in flight per program: 1 x 128k 89.5 us against 99.8 capped,
-#: 97.7 for 32-key plain tiles, 120.9 plain (bf16 row 148.8).
-GLUON_FP8_PAGED_FEW = GLUON_FP8_PAGED.with_(prefetch_pages=True, ctas_per_sm=8)
+#: The software-pipelined loop (``prefetch_pages``, not a row: ``config`` asks for it) ran
+#: 64 x 32k in 1153 us capped at 168 registers (d9fd75b; 1.87x that run's bf16 row), 32 x
+#: 4k in 86.5 us; uncapped (203 registers, 8 per SM) 1 x 128k in 89.5 us.
+#: The cp.async ring (``fp8_ring``): K and V tiles through shared memory instead of the
+#: register pipeline above (which holds one tile in 64 registers and needs the 168 cap to
+#: keep 12 programs per SM). sm90 builds (Triton 3.6, page 16, 16-key tiles): 155-163
+#: registers, no stack, 499 instructions per tile (485 pipelined), 4 KB of shared memory
+#: per slot. H200, 2026-12-02 (d6cb600, random table, GPU time, bf16 row 2172 / 145.3 /
+#: 128.1 us in that run; 7e02af2, docs/benchmarks/h200_20261202_s9): 64 x 32k 2 slots 1051 us (2.07x
+#: the bf16 row), 4 slots 1071, pipelined capped 1123, uncapped 1207; 1 x 128k 88.4 / 89.1 /
+#: 99.5 / 88.8; 32 x 4k 81.7 / 83.2 / 85.3 / 89.0. 8 slots (32 KB: 7 programs per SM) lost
+#: everywhere (1503 / 149.5 / 131.1), as did 32-key tiles in 4 slots (1489 / 138.7 / 128.2)
+#: and twice the splits (1072 / 107.1 / 95.3). Two slots win every cell: what this pass
+#: needed was its registers back, not more tiles in flight.
+GLUON_FP8_PAGED_RING = GLUON_FP8_PAGED.with_(fp8_ring=2)
 
 
-#: The cp.async ring (``fp8_ring``): K and V tiles through shared memory, so that a program
-#: has ring - 1 tiles in flight with no registers held for them (the register pipeline
-#: above holds one: 64 registers). The pipelined pass moved 3.7 TB/s at 64 x 32k, the bf16
-#: row 4.4: about 48 KB in flight per SM (12 programs x one 4 KB tile) is short of what the
-#: memory latency asks at that rate. sm90 builds (Triton 3.6, page 16, 16-key tiles): 155-163
-#: registers, no stack, 499 instructions per tile (485 pipelined); 4 slots take 16 KB of
-#: shared memory (12 programs: 144 KB in flight per SM), 8 slots 32 KB (7 per SM: 196 KB).
-GLUON_FP8_PAGED_RING = GLUON_FP8_PAGED.with_(fp8_ring=4)
-#: Few pairs: more slots per program, as the programs an SM holds are few anyway.
-GLUON_FP8_PAGED_RING_FEW = GLUON_FP8_PAGED.with_(fp8_ring=8, ctas_per_sm=7)
-
-
-def gluon_fp8_row(arch: str, pairs: int, sm_count: int) -> DecodeConfig | None:
-    """The Gluon row for a paged e4m3 cache (None off sm90): the cp.async ring, of 8 slots
-    when the ``pairs`` (sequence, KV head, row block) fit one per SM, else of 4. The caller
-    checks that the kernel serves the call (``decode_gluon.supports``)."""
+def gluon_fp8_row(arch: str) -> DecodeConfig | None:
+    """The Gluon row for a paged e4m3 cache (None off sm90): the two-slot cp.async ring,
+    12 programs per SM. The caller checks that the kernel serves the call
+    (``decode_gluon.supports``)."""
     if arch != "sm90":  # built and checked for Hopper only
         return None
-    return GLUON_FP8_PAGED_RING_FEW if pairs <= sm_count else GLUON_FP8_PAGED_RING
+    return GLUON_FP8_PAGED_RING
+
 
 #: SM count assumed under the CPU interpreter: small, so that the tests exercise splitting.
 INTERPRETER_SM_COUNT = 4

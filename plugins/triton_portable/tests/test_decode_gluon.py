@@ -167,19 +167,19 @@ def test_launched_with_the_split_kernels_arguments(recorded: list[tuple[Any, ...
         assert recorded[1][0] is decode._merge_kernel
 
 
-@pytest.mark.parametrize(("b", "ring"), [(3, 8), (18, 4)])
-def test_sm90_takes_it_by_default_where_it_serves(recorded: list[tuple[Any, ...]], b: int,
-                                                  ring: int) -> None:
-    """No config: an e4m3 paged call on sm90 launches the Gluon pass with its cp.async
-    ring, of 8 slots when the (sequence, KV head) pairs fit one per SM (3 x 8 <= 132), else
-    of 4 (18 x 8 > 132)."""
+@pytest.mark.parametrize("b", [3, 18])
+def test_sm90_takes_it_by_default_where_it_serves(recorded: list[tuple[Any, ...]],
+                                                  b: int) -> None:
+    """No config: an e4m3 paged call on sm90 launches the Gluon pass with its two-slot
+    cp.async ring, whether the (sequence, KV head) pairs fit one per SM (3 x 8 <= 132) or
+    not (18 x 8 > 132)."""
     (q, k, v), kw = _paged_call(b=b)
     decode.decode_attention(q, k, v, **kw)
     fn, _, opt, args = recorded[0]
     got = dict(zip(fn.arg_names, args))
     assert fn is decode_gluon._fp8_paged_split_kernel and opt["num_warps"] == 1
-    assert got["BLOCK_N"] == 16 and got["KV_FP8"] and got["RING"] == ring
-    assert "maxnreg" not in opt
+    assert got["BLOCK_N"] == 16 and got["KV_FP8"] and got["RING"] == 2
+    assert "maxnreg" not in opt and not got["PREFETCH"]
 
 
 @pytest.mark.parametrize("call", [{"window": (8, 0)}, {"softcap": 30.0}])
