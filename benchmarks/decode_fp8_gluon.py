@@ -48,6 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/fp8_gluon")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--rows", nargs="*", default=[], help="only these rows (default: all)")
     args = ap.parse_args()
     t0 = time.time()
     out, gpu, sms, arch = sweep_setup(args.out)
@@ -87,7 +88,12 @@ def main() -> None:
                 ("gluon_ring4_n32", True, ring.with_(fp8_ring=4, block_n=32, ctas_per_sm=7),
                  None),
                 ("gluon_ring4_twice_splits", True, ring.with_(fp8_ring=4),
-                 2 * choose_splits(batch, HKV, ctx, sms, ring))]
+                 2 * choose_splits(batch, HKV, ctx, sms, ring)),
+                # two slots capped at 128 registers: 16 programs per SM, 29 spill loads and
+                # stores per tile in the sm90 build
+                ("gluon_ring2_r128", True, ring.with_(fp8_ring=2, maxnreg=128,
+                                                      ctas_per_sm=resident(128)), None)]
+        rows = [r for r in rows if not args.rows or r[0] in args.rows]
         for name, fp8, cfg, splits in rows:
             splits = splits or choose_splits(batch, HKV, ctx, sms, cfg)
             r: dict[str, Any] = {"name": name, "splits": splits, "config": repr(cfg)}

@@ -41,7 +41,7 @@ CASES = [  # (hq, hkv, lengths, splits, q dtype)
 #: loop (``prefetch_pages``: the next tile in flight) as built, capped at 168 registers, two
 #: tiles ahead (with ``fp8_v_ahead``), with 32-key tiles, and over 8-key pages (16-key
 #: tiles: two pages a tile; 32-key tiles: per key); the cp.async ring (``fp8_ring``) of 2,
-#: 4 and 8 slots, with 32-key tiles, over 8-key pages, and capped at 168 registers
+#: 4 and 8 slots, with 32-key tiles, over 8-key pages, and capped at 168 / 128 registers
 PRE = {"prefetch_pages": True}
 RING = {"fp8_ring": 4}
 VARIANTS = [{}, {"fp8_v_ahead": True}, {"maxnreg": 144}, {"block_n": 32},
@@ -50,7 +50,8 @@ VARIANTS = [{}, {"fp8_v_ahead": True}, {"maxnreg": 144}, {"block_n": 32},
             {**PRE, "page": 8}, {**PRE, "block_n": 32, "page": 8},
             {**PRE, "fp8_v_ahead": True, "page": 8},
             {"fp8_ring": 2}, RING, {"fp8_ring": 8}, {**RING, "block_n": 32}, {**RING, "page": 8},
-            {**RING, "block_n": 32, "page": 8}, {**RING, "maxnreg": 168}]
+            {**RING, "block_n": 32, "page": 8}, {**RING, "maxnreg": 168},
+            {"fp8_ring": 2, "maxnreg": 128}]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
