@@ -74,6 +74,15 @@ class DecodeConfig:
     gluon: bool = False
     fp8_ring: int = 0
 
+    def __post_init__(self) -> None:
+        if self.fp8_ring not in (0, 2, 4, 8):
+            raise ValueError(f"DecodeConfig: fp8_ring={self.fp8_ring}; use 0 (none) or a ring "
+                             "of 2, 4 or 8 slots")
+        if self.fp8_ring and not self.gluon:
+            raise ValueError(f"DecodeConfig: fp8_ring={self.fp8_ring} without gluon=True: the "
+                             "ring is the Gluon pass 1's (the portable kernel's pipeline is "
+                             "the compiler's, num_stages)")
+
     def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
