@@ -497,14 +497,16 @@ class _Shape:
         #: ``rebased`` from this one, which launch the same binaries
         self.launchers: dict[tuple[Any, ...], tuple[Launcher, Launcher | None]] = {}
 
-    def rebased(self, k: torch.Tensor, v: torch.Tensor) -> _Shape:
+    def rebased(self, k_shape: torch.Size, k_stride: tuple[int, ...], v_shape: torch.Size,
+                v_stride: tuple[int, ...]) -> _Shape:
         """This shape for a contiguous cache of another length (a cache that grows by a key
         per decode step), sharing its launchers: the caller's family key guarantees that
         every integer that changes with the length (the capacity and the k/v strides) keeps
         its Triton specialization (== 1, divisible by 16, integer width), so the binaries
-        stay valid and only the arguments change."""
-        if k.shape[:3] != v.shape[:3]:
-            raise ValueError(f"decode_attention: k {tuple(k.shape)} and v {tuple(v.shape)} "
+        stay valid and only the arguments change. Takes k's and v's shapes and strides as
+        the caller's key holds them (reading them from the tensors again costs ~2 us)."""
+        if k_shape[:3] != v_shape[:3]:
+            raise ValueError(f"decode_attention: k {tuple(k_shape)} and v {tuple(v_shape)} "
                              "must be 4-D and agree in all but the head dim")
         new = object.__new__(_Shape)  # every slot set here, by hand: a loop costs ~2 us more
         new.consts, new.copy, new.cuda_index = self.consts, self.copy, self.cuda_index
@@ -513,8 +515,8 @@ class _Shape:
                                                          self.templates)
         new.new_lse, new.new_out = self.new_lse, self.new_out
         new.plan_args, new.plan_opts, new.block_n = self.plan_args, self.plan_opts, self.block_n
-        new.cap_k = cap_k = k.shape[1]
-        new.strides = (*self.strides[:3], *k.stride()[:3], *v.stride()[:3], *self.strides[9:])
+        new.cap_k = cap_k = k_shape[1]
+        new.strides = (*self.strides[:3], *k_stride[:3], *v_stride[:3], *self.strides[9:])
         new.ints = (*self.ints[:3], cap_k, *self.ints[4:])
         new.by_longest, new.by_splits = {}, {}
         return new
@@ -825,7 +827,7 @@ def decode_attention(
                                   and k.stride(-1) == 1 == v.stride(-1)) else None
         base = _families.get(family) if family is not None else None
         if base is not None:
-            shape = base.rebased(k, v)
+            shape = base.rebased(*key[2:6])
         else:
             shape = _Shape(q, k, v, causal=causal, alignment=alignment, window=window,
                            softcap=bool(softcap), slopes=slopes, block_table=block_table,

@@ -201,6 +201,22 @@ def test_growing_cache_is_rebased_and_launches_as_cold(stubbed: dict[str, Any],
     assert dispatched["_split_kernel"] <= 45 + len(stubbed["made"]["_split_kernel"]), binaries
 
 
+@pytest.mark.parametrize("known", [False, True])
+def test_a_growing_cache_whose_v_lags_is_refused(stubbed: dict[str, Any], known: bool) -> None:
+    """k one key longer than v: refused before any launch, whether the length is new to a
+    known family (``rebased``, which reads the shapes from the call's key) or the first."""
+    log = stubbed["log"]
+    q, big = torch.randn(2, 1, 8, 32), torch.randn(2, 80, 2, 32)
+    if known:
+        decode.decode_attention(q, big[:, :40].contiguous(), big[:, :40].contiguous(),
+                                scale=0.2)
+    log.clear()
+    with pytest.raises(ValueError, match="k .* and v .* must .* agree"):
+        decode.decode_attention(q, big[:, :51].contiguous(), big[:, :50].contiguous(),
+                                scale=0.2)
+    assert not log
+
+
 def test_growing_cache_builds_launches_once_per_split_count(stubbed: dict[str, Any],
                                                             monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
