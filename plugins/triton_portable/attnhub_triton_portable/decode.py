@@ -540,8 +540,9 @@ class _Shape:
                 hit = self.templates[plan.splits] = self._build(plan)
             tail = hit.split_tail
             if tail[3] != self.cap_k:  # built for another length of this family
-                split, _, *rest = hit  # (positionally: ``_replace`` costs ~3 us)
-                hit = _Launches(split, (*tail[:3], self.cap_k, *tail[4:]), *rest)
+                # tuple.__new__: ``_replace`` costs ~3 us, the NamedTuple's __new__ 0.2 more
+                hit = tuple.__new__(_Launches, (hit[0], (*tail[:3], self.cap_k, *tail[4:]),
+                                                *hit[2:]))
             self.by_splits[plan.splits] = hit
         self.by_longest[longest] = hit
         return hit
