@@ -8,7 +8,8 @@ as built and capped at 168 registers (what ``gluon_fp8_row`` bound before), and 
 (``fp8_ring``: K and V tiles through shared memory, ring - 1 tiles in flight) of 2, 4 and 8
 slots, with 32-key tiles, and at twice the splits, each planned for the programs per SM its
 registers and shared memory allow (``resident``); a variant that fails or is refused is
-recorded as a result. The JSON is rewritten after every row, so a run cut short keeps what it measured.
+recorded as a result. The JSON is rewritten after every row, so a run cut short keeps what it
+measured.
 
     python benchmarks/decode_fp8_gluon.py --out $OUT [--smoke]
 """
