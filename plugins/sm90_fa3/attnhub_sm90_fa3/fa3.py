@@ -104,12 +104,13 @@ def forward_op(fa: ModuleType) -> tuple[Any | None, str]:
 
 
 def op_kwargs(params: AttnParams, form: Any) -> dict[str, Any]:
-    """``flash_kwargs`` under the op's argument names (FA3 has no ALiBi: never declared)."""
-    kw: dict[str, Any] = {"softmax_scale": params.scale, "is_causal": form.causal}
-    if form.window != (-1, -1):
-        kw["window_size_left"], kw["window_size_right"] = form.window
-    if params.softcap:
-        kw["softcap"] = float(params.softcap)
+    """``flash_kwargs`` under the op's argument names (FA3 has no ALiBi: never declared),
+    so that both paths pass the same values."""
+    kw = flash_kwargs(params, form)
+    kw["is_causal"] = kw.pop("causal")
+    window = kw.pop("window_size", None)
+    if window is not None:
+        kw["window_size_left"], kw["window_size_right"] = window
     return kw
 
 
