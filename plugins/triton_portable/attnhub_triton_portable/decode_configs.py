@@ -81,7 +81,7 @@ class DecodeConfig:
         if self.fp8_ring and not self.gluon:
             raise ValueError(f"DecodeConfig: fp8_ring={self.fp8_ring} without gluon=True: the "
                              "ring is the Gluon pass 1's (the portable kernel's pipeline is "
-                             "the compiler's, num_stages)")
+                             "the compiler's, num_stages); set gluon=True or fp8_ring=0")
 
     def with_(self, **changes: object) -> DecodeConfig:
         return replace(self, **changes)  # type: ignore[arg-type]

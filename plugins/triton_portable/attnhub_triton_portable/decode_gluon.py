@@ -106,7 +106,8 @@ def supports(*, arch: str, interpreted: bool, q_dtype: torch.dtype, seqlen_q: in
     if ring not in RINGS:
         return f"fp8_ring {ring}: a ring of {', '.join(map(str, RINGS[1:]))} slots, or 0"
     if ring and v_ahead:
-        return "fp8_ring with fp8_v_ahead: the ring keeps V in flight itself"
+        return ("fp8_ring with fp8_v_ahead: the ring keeps V in flight itself; drop "
+                "fp8_v_ahead")
     if num_warps != 1:
         return f"one warp per program (num_warps=1), not {num_warps}"
     if min_block_m > ROWS:
