@@ -197,8 +197,10 @@ def main() -> None:
         gpu_main(args, results)
     else:
         decode = load_decode()
-        with stub_triton([decode._split_kernel, decode._merge_kernel],
-                         check=args.check) as stubs:
+        from attnhub_triton_portable import decode_gluon  # the e4m3 pages' pass 1 on sm90
+
+        with stub_triton([decode._split_kernel, decode._merge_kernel,
+                          decode_gluon._fp8_paged_split_kernel], check=args.check) as stubs:
             for name, fn in cases(decode, args.ctx).items():
                 results["cases"][name] = measure(name, fn, stubs.made, args)
                 stubs.log.clear()

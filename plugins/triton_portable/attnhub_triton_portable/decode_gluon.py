@@ -58,6 +58,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .gluon_compat import cp_async, cta_barrier
+
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
 
@@ -218,10 +220,10 @@ def _copy_tile(k_slot, v_slot, k_head, v_head, table, n0, hi, num_pages, pages, 
     keys at or past ``hi`` zero-filled), committed as one group."""
     ptrs, ok = _tile_ptrs(k_head, table, n0, hi, num_pages, pages, skp, sks, PAGE, TILE_PAGES,
                           BLOCK_N, 4, 32, KL)
-    async_copy.async_copy_global_to_shared(k_slot, ptrs, mask=ok)
+    cp_async(k_slot, ptrs, mask=ok)
     ptrs, ok = _tile_ptrs(v_head, table, n0, hi, num_pages, pages, svp, svs, PAGE, TILE_PAGES,
                           BLOCK_N, 8, 16, VL)
-    async_copy.async_copy_global_to_shared(v_slot, ptrs, mask=ok)
+    cp_async(v_slot, ptrs, mask=ok)
     async_copy.commit_group()
 
 
@@ -433,7 +435,7 @@ def _fp8_paged_split_kernel(
         for n0 in range(lo, hi, BLOCK_N):
             i = (n0 - lo) // BLOCK_N
             # the slot refilled now was read an iteration ago: every lane is past that read
-            gl.thread_barrier()
+            cta_barrier()
             ahead = n0 + (RING - 1) * BLOCK_N
             _copy_tile(k_ring.index((i + RING - 1) % RING), v_ring.index((i + RING - 1) % RING),
                        k_head, v_head, table, ahead, hi, num_pages, pages, skp, sks, svp, svs,
@@ -446,7 +448,7 @@ def _fp8_paged_split_kernel(
                                    KScale, sksr, sksh, VScale, svsr, svsh, h, PAGE,
                                    TILE_PAGES, BLOCK_N, COL)
             async_copy.wait_group(RING - 1)  # this tile's group, copied RING - 1 ago
-            gl.thread_barrier()
+            cta_barrier()
             k = _word_halves(_words(k_ring.index(i % RING).load(KL), BLOCK_N, 4, 32),
                              BLOCK_N, 4, 8)
             v = _word_halves(_words(v_ring.index(i % RING).load(VL), BLOCK_N, 8, 16),

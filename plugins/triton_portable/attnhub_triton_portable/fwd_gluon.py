@@ -28,17 +28,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .fastlaunch import Launcher, launch_state
+from .gluon_compat import tma_load
 from .launch import DenseArgs
-
-# The TMA copy was renamed between Triton releases (async_copy_global_to_shared -> async_load).
-_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 _LOG2E = 1.4426950408889634
 #: The runtime parameters both Hopper forwards take before their constexprs: the three
@@ -201,7 +198,7 @@ def _stage_p(p, p_smem, dtype: gl.constexpr, p_layout: gl.constexpr, P_SMEM: gl.
 @gluon.jit
 def _load_tile(desc, row, col, bar, buf):
     mbarrier.expect(bar, desc.block_type.nbytes)
-    _tma_load(desc, [row, col], bar, buf)
+    tma_load(desc, [row, col], bar, buf)
 
 
 @gluon.jit

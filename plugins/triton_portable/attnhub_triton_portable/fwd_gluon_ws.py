@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .fwd_gluon import (_band, _epilogue, _first_softmax, _key_plan, _load_tile,
                         _program_tile, _softmax, launch)
 from .fwd_gluon import supports as _base_supports
+from .gluon_compat import cta_barrier
 from .launch import DenseArgs
 
 #: query rows per consumer warpgroup (one m64 wgmma); a CTA holds two.
@@ -71,7 +72,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
 def _release(bar):
     """Every warp of this warpgroup is past its wait on the wgmma that read the buffer
     (the arrive is issued by one thread), then the buffer goes back to the producer."""
-    gl.thread_barrier()
+    cta_barrier()
     mbarrier.arrive(bar, count=1)
 
 

@@ -300,6 +300,21 @@ def test_sm90_prefetch_build_holds_the_next_tiles_in_registers() -> None:
         _one_tile_per_iteration(tag, body)
 
 
+def test_sm90_ring_build_stages_tiles_in_shared_memory_without_spills() -> None:
+    """The shipped sm90 FP8 row (``fp8_ring=2``) built for sm90 offline with this Triton
+    (its cp.async and barrier builtins are bound by name in ``gluon_compat``): two 16-key
+    K and V e4m3 tiles of shared memory (2 x 16 x 128 x 2 bytes), no spills, and per loop
+    iteration one tile's MMAs and widenings, within 12 programs per SM (168 registers)."""
+    built = _sm90_builds("--block-n", "16", "--ring", "2")
+    assert len(built) == 2, built
+    for tag, regs, stack, local, smem, whole, body in built:
+        assert smem == 2 * 16 * 128 * 2, (tag, smem)
+        assert stack == local == 0 and whole["LDL"] == whole["STL"] == 0, tag
+        assert body["HMMA"] == 32 and body["F2FP.F16.E4M3"] == 64, (tag, body)
+        assert body["BAR"] >= 1, (tag, body)  # the slot refilled is past every lane's read
+        assert regs <= 168, tag
+
+
 def test_register_cap_reaches_the_launch(recorded: list[tuple[Any, ...]]) -> None:
     (q, k, v), kw = _paged_call()
     decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED.with_(maxnreg=144), **kw)
