@@ -25,6 +25,7 @@ FP8 path elsewhere; ``config.gluon`` asks for it explicitly (same arguments).
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -627,6 +628,9 @@ _shapes: dict[tuple[Any, ...], _Shape] = {}
 #: growing cache is ``rebased`` from the shape of an earlier one, not built afresh (which
 #: cost ~200 us a call on the CPU box, each call launching through Triton's dispatch).
 _families: dict[tuple[Any, ...], _Shape] = {}
+#: The keys of the ``rebased`` shapes in ``_shapes``, oldest first (at most _RECENT_LIMIT).
+_recent: collections.deque[tuple[Any, ...]] = collections.deque()
+_RECENT_LIMIT = 16
 
 
 def _spec_class(x: int) -> int:
@@ -824,11 +828,18 @@ def decode_attention(
     shape = _shapes.get(key)
     if shape is None:
         # (a cache copied for its last dim keeps the copy's strides: not rebased)
-        family = _family(key) if (block_table is None and k.dim() == 4 == v.dim()
-                                  and k.stride(-1) == 1 == v.stride(-1)) else None
+        family = _family(key) if (block_table is None and len(key[2]) == 4 == len(key[4])
+                                  and key[3][-1] == 1 == key[5][-1]) else None
         base = _families.get(family) if family is not None else None
         if base is not None:
             shape = base.rebased(*key[2:6])
+            # a growing cache's lengths are each called for one step (by every layer),
+            # then never again: only the last few stay, so that they die young instead of
+            # piling up to the limit, where the garbage collector's full passes over them
+            # and their clearing cost a walk ~5 us a call on the CPU box
+            _recent.append(key)
+            if len(_recent) > _RECENT_LIMIT:
+                _shapes.pop(_recent.popleft(), None)
         else:
             shape = _Shape(q, k, v, causal=causal, alignment=alignment, window=window,
                            softcap=bool(softcap), slopes=slopes, block_table=block_table,

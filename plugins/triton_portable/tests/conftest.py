@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ def stub_decode(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[Any], St
     monkeypatch.setattr(decode, "_sm_count", lambda index: 132)
     monkeypatch.setattr(decode, "_shapes", {})
     monkeypatch.setattr(decode, "_families", {})
+    monkeypatch.setattr(decode, "_recent", collections.deque())
     decode._plan.cache_clear()  # its plans for CPU tensors would say sm90 after the test
     decode._plan_base.cache_clear()
     try:

@@ -201,6 +201,32 @@ def test_growing_cache_is_rebased_and_launches_as_cold(stubbed: dict[str, Any],
     assert dispatched["_split_kernel"] <= 45 + len(stubbed["made"]["_split_kernel"]), binaries
 
 
+def test_a_walk_keeps_only_its_last_lengths(stubbed: dict[str, Any]) -> None:
+    """A growing cache's shapes are kept for its last ``_RECENT_LIMIT`` lengths only (each
+    length is called for one step, by every layer, then never again): the shape cache stays
+    small over a long walk, and a length met again after it was dropped launches what a cold
+    cache launches."""
+    log = stubbed["log"]
+    big = torch.randn(2, 200, 2, 32)
+    q = torch.randn(2, 1, 8, 32)
+    view = lambda n: big[:, :n].transpose(1, 2).contiguous().transpose(1, 2)
+    for n in range(30, 190):
+        decode.decode_attention(q, view(n), view(n), scale=0.2)
+        assert len(decode._shapes) <= decode._RECENT_LIMIT + 2, n  # + the built ones
+        assert len(decode._recent) <= decode._RECENT_LIMIT
+    for n in (31, 100, 188):  # dropped (31, 100) and still kept (188)
+        log.clear()
+        again = _tokens(log, *decode.decode_attention(q, view(n), view(n), scale=0.2))
+        kept, families = dict(decode._shapes), dict(decode._families)
+        decode._shapes.clear()
+        decode._families.clear()
+        log.clear()
+        cold = _tokens(log, *decode.decode_attention(q, view(n), view(n), scale=0.2))
+        decode._shapes.update(kept)
+        decode._families.update(families)
+        assert again == cold, n
+
+
 @pytest.mark.parametrize("known", [False, True])
 def test_a_growing_cache_whose_v_lags_is_refused(stubbed: dict[str, Any], known: bool) -> None:
     """k one key longer than v: refused before any launch, whether the length is new to a
