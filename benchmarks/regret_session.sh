@@ -14,6 +14,8 @@
 # FlashInfer compiles ~90 s per kernel on first use, Flex compiles per shape, and the
 # default policy binds neither for these cells (flex only for score_mod/mask_mod calls).
 # Usage on the H200 (wheels carried in .whl): COMMIT=abc1234 bash benchmarks/regret_session.sh
+# (ROUNDS: timing rounds per cell, min of medians, default 3: a host-bound cell of ~50 us
+# once timed 1.08 of the same backend forced with 2; a round costs little beside the checks)
 # CPU dry run: DRY=1 bash benchmarks/regret_session.sh (its pack goes to $out/packs, never
 # over the shipped attnhub/profiles/nvidia-h200.json)
 set -uo pipefail
@@ -39,7 +41,7 @@ rm -f "$ATTNHUB_PROFILE"
 say "setup done"
 
 common=(bench --regret --no-store --exclude "${EXCLUDE:-flashinfer_decode,flashinfer_prefill,flex}"
-        --header "commit ${COMMIT:-?}" --warmup 3 --repeats "${REPEATS:-30}" --rounds 2)
+        --header "commit ${COMMIT:-?}" --warmup 3 --repeats "${REPEATS:-30}" --rounds "${ROUNDS:-3}")
 if [[ -n "${DRY:-}" ]]; then common+=(--backends torch_sdpa --scale 256 --repeats 2 --rounds 1 --warmup 1); fi
 
 packdir=attnhub/profiles
