@@ -148,6 +148,10 @@ class CellResult:
     seconds: float = 0.0
     #: calls per timed sample (a batch of back-to-back calls for short ones)
     batch: int = 1
+    #: what the policy's hub ran while timed: every backend it bound (a walk past the first
+    #: call's length bucket binds again) and its run-time fallbacks ("a->b": count)
+    policy_bound: list[str] = field(default_factory=list)
+    policy_fallbacks: dict[str, int] = field(default_factory=dict)
 
     @property
     def raw_sdpa_ms(self) -> float | None:
@@ -188,7 +192,8 @@ class CellResult:
                 "policy": {"backend": self.policy_backend, "rule": self.policy_rule,
                            "source": self.policy_source, "ms": self.policy_ms,
                            "forced_ms": self.policy_forced_ms, "path_ratio": self.path_ratio,
-                           "error": self.policy_error},
+                           "error": self.policy_error, "bound_while_timed": self.policy_bound,
+                           "fallbacks_while_timed": self.policy_fallbacks},
                 "best": {"backend": best[0], "ms": best[1]} if best else None,
                 "regret": self.regret, "choice_regret": self.choice_regret,
                 "times_ms": self.times, "skipped": self.skipped, "failed": self.failed,
@@ -207,7 +212,9 @@ def from_json(d: dict[str, Any]) -> CellResult:
                       pol.get("source") or "", pol.get("ms"), pol.get("error"),
                       dict(d.get("times_ms", {})), dict(d.get("skipped", {})),
                       dict(d.get("failed", {})), raw, dict(d.get("raw_failed") or {}),
-                      d.get("seconds", 0.0), d.get("batch", 1))
+                      d.get("seconds", 0.0), d.get("batch", 1),
+                      list(pol.get("bound_while_timed") or []),
+                      dict(pol.get("fallbacks_while_timed") or {}))
 
 
 def regret(policy_ms: float | None, times: dict[str, float]) -> float | None:
@@ -235,6 +242,11 @@ def misses(results: list[CellResult], bound: float = BOUND) -> list[tuple[CellRe
                 why = (f"policy bound {r.policy_backend}, the best or within the bound when "
                        f"forced (choice regret {r.choice_regret or 0:.2f}); the difference is "
                        "in the policy call path or timing noise")
+            others = [b for b in r.policy_bound if b != r.policy_backend]
+            if others:
+                why += f"; while timed the policy also bound {', '.join(others)}"
+            if r.policy_fallbacks:
+                why += f"; it fell back at run time: {r.policy_fallbacks}"
             out.append((r, why))
     return out
 
@@ -312,6 +324,8 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
                                 batch_ms=BATCH_MS)
     res.batch = t.batch
     res.policy_ms = t.ms.get(None)
+    res.policy_bound = sorted({r.decision.backend for r in policy_hub.bound()})
+    res.policy_fallbacks = {f"{a}->{b}": n for (a, b), n in policy_hub.fallback_counts.items()}
     res.times = {k: v for k, v in t.ms.items() if isinstance(k, str)}
     res.raw = {k[1]: v for k, v in t.ms.items() if isinstance(k, tuple)}
     res.seconds = time.perf_counter() - t0

@@ -51,6 +51,20 @@ def test_misses_name_the_cause():
     assert f"worst regret 1.50 (bound {BOUND})" in md
 
 
+def test_a_path_miss_says_what_the_policy_ran_while_timed():
+    """A policy slower than its own backend forced: the report names any other backend the
+    policy bound while timed and its run-time fallbacks (data, not a guess), and both
+    survive the JSON round trip."""
+    quiet = _cell("quiet", "a", 1.2, {"a": 1.0}, policy_bound=["a"])
+    busy = _cell("busy", "a", 1.2, {"a": 1.0}, policy_bound=["a", "cudnn"],
+                 policy_fallbacks={"cudnn->a": 7})
+    got = dict((r.cell, why) for r, why in misses([quiet, busy]))
+    assert "also bound" not in got["quiet"] and "fell back" not in got["quiet"]
+    assert "also bound cudnn" in got["busy"] and "{'cudnn->a': 7}" in got["busy"]
+    back = from_json(busy.to_json())
+    assert (back.policy_bound, back.policy_fallbacks) == (["a", "cudnn"], {"cudnn->a": 7})
+
+
 def test_pack_from_results_drives_fastest(tmp_path: Path):
     dev = simulate("sm90")
     results = [_cell("c", "fa3", 0.33, {"fa3": 0.322, "torch_sdpa": 0.114})]
