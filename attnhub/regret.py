@@ -318,7 +318,8 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
         for lib, peer in _raw_peers(inp, cell.spec, "fa3" in timed).items():
             admit(("raw", lib), lambda peer=peer: peer, res.raw_failed, lib)
     # a growing cell's callables take a new length per call: fewer calls per sample
-    t = _timed_until_none_fails(timed, res, device, warmup=warmup, repeats=repeats,
+    t = _timed_until_none_fails(timed, res, device, walks.rewind if walks else None,
+                                warmup=warmup, repeats=repeats,
                                 rounds=rounds, drop_above=DROP_ABOVE,
                                 max_batch=4 if walks else 64, batch_below_ms=BATCH_BELOW_MS,
                                 batch_ms=BATCH_MS)
@@ -342,10 +343,16 @@ class _FailedWhileTimed(Exception):
 
 
 def _timed_until_none_fails(timed: dict[Any, Callable[[], torch.Tensor]], res: CellResult,
-                            device: torch.device, **kw: Any) -> Any:
+                            device: torch.device, rewind: Callable[[], None] | None,
+                            **kw: Any) -> Any:
     """``interleaved_ms`` over ``timed``; a callable that raises while timed (a backend that
     refuses a new shape past its build budget, say) is recorded as failed with its reason
-    and the timing starts again without it, so one failure never loses the cell."""
+    and the timing starts again without it, so one failure never loses the cell. A walking
+    cell's walks are rewound first (``rewind``): every callable then times the same lengths
+    again. (Left where the failure found them, the callables timed before it had walked
+    further, to longer lengths: on the H200 the policy's call then timed 1.07 and 1.20 of
+    the same backend forced on the two new-length prefill cells, where cudnn's build budget
+    runs out while timed.)"""
     def guarded(key: Any, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def call() -> torch.Tensor:
             try:
@@ -366,6 +373,8 @@ def _timed_until_none_fails(timed: dict[Any, Callable[[], torch.Tensor]], res: C
             else:
                 res.failed[failure.key] = why
             del timed[failure.key]
+            if rewind is not None:
+                rewind()
 
 
 def _caller(hub: Any, inp: Inputs, backend: str | None,
@@ -429,6 +438,10 @@ class _Walk:
     def api_kwargs(self) -> dict[str, Any]:
         return self.inp.api_kwargs()
 
+    def rewind(self) -> None:
+        """The next call takes the first fresh length again."""
+        self._i = 0
+
 
 def walk_calls(warmup: int, repeats: int, rounds: int, max_batch: int = 4) -> int:
     """The most calls one callable of a walking cell takes: the check, the warm-up, the
@@ -452,6 +465,7 @@ class _Walks:
         self.inp, self.count, self.calls, self._n = inp, count, calls, 0
         self.stride = count | 1
         self.limit = bucket(sk)
+        self._made: list[_Walk] = []
         top = max(self.limit, sk)
         self.bufs = tuple(torch.randn(b * h * top * d, device=inp.k.device).to(inp.k.dtype)
                           for h in (inp.q.shape[2], hkv, hkv))
@@ -462,7 +476,14 @@ class _Walks:
             raise RuntimeError(f"walking cell: walk {self._n} of {self.count} asked for")
         sk = self.inp.k.shape[1]
         lengths = range(sk + self._n, self.limit + 1, self.stride)[:self.calls]
-        return _Walk(self.inp, self.bufs, lengths)
+        walk = _Walk(self.inp, self.bufs, lengths)
+        self._made.append(walk)
+        return walk
+
+    def rewind(self) -> None:
+        """Every walk back to its first fresh length (see ``_timed_until_none_fails``)."""
+        for walk in self._made:
+            walk.rewind()
 
 
 def _raw_sdpa_walk(walk: _Walk, cudnn: bool = True) -> Callable[[], torch.Tensor]:

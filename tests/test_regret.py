@@ -454,3 +454,41 @@ def test_a_backend_failing_while_timed_is_recorded_not_fatal(monkeypatch):
     assert set(r.times) == {"torch_sdpa"} and r.policy_ms is not None
     assert r.failed["reference"].startswith("raised while timed") and "budget" in \
         r.failed["reference"]
+
+
+def test_a_failure_while_timed_rewinds_every_walk(monkeypatch):
+    """A walking cell whose forced backend raises mid-timing: the timing starts again with
+    every walk rewound, so the policy's call and the same backend forced time the same
+    lengths from there on, call for call (left where the failure found them, the callables
+    timed before it in that repeat had walked further, to longer and slower lengths: the
+    policy's call timed 1.07-1.20 of the same backend forced on the H200)."""
+    import torch
+
+    from attnhub import regret as rg
+    from attnhub.core.registry import Registry
+    from attnhub.hub import Hub
+
+    seen: dict[str, list[int]] = {"policy": [], "torch_sdpa": [], "reference": []}
+    real = Hub.attention
+
+    def recording(self, q, k, v, **kw):
+        name = kw.get("backend") or "policy"
+        seen[name].append(q.shape[1])
+        if name == "reference" and len(seen[name]) > 8:  # mid-timing: in a repeat
+            raise RuntimeError("budget spent")
+        return real(self, q, k, v, **kw)
+
+    monkeypatch.setattr(Hub, "attention", recording)
+    cell = next(c for c in rg.standard_grid("fp32", scale=16)
+                if "new prompt length" in c.name)
+    r = rg.measure_cell(cell, ["torch_sdpa", "reference"], Registry.load(),
+                        torch.device("cpu"), warmup=1, repeats=4, rounds=1)
+    assert r.failed["reference"].startswith("raised while timed")
+    policy, forced = seen["policy"], seen["torch_sdpa"]
+    # from the restart (the last call at each walk's first fresh length) the same walk
+    # position at every call: lengths apart by the walks' residues alone
+    tails = [calls[len(calls) - 1 - calls[::-1].index(calls[1]):] for calls in (policy, forced)]
+    assert len(tails[0]) < len(policy) and len(tails[1]) < len(forced)  # rewound
+    offset = forced[1] - policy[1]
+    assert len(tails[0]) == len(tails[1]) > 5 and 0 < offset < 8
+    assert all(b - a == offset for a, b in zip(*tails)), (policy, forced)
