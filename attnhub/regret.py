@@ -349,10 +349,9 @@ def _timed_until_none_fails(timed: dict[Any, Callable[[], torch.Tensor]], res: C
     refuses a new shape past its build budget, say) is recorded as failed with its reason
     and the timing starts again without it, so one failure never loses the cell. A walking
     cell's walks are rewound first (``rewind``): every callable then times the same lengths
-    again. (Left where the failure found them, the callables timed before it had walked
-    further, to longer lengths: on the H200 the policy's call then timed 1.07 and 1.20 of
-    the same backend forced on the two new-length prefill cells, where cudnn's build budget
-    runs out while timed.)"""
+    again. (Left where the failure found them, the callables timed before it in that
+    repeat had walked further, to longer and slower lengths. This happens in the new-length
+    prefill cells, where cudnn's build budget runs out while timed.)"""
     def guarded(key: Any, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def call() -> torch.Tensor:
             try:

@@ -44,6 +44,9 @@ def _compile(kernel, call):
     kernel.run = run
     try:
         call()
+    except Exception:  # the launch after the compile: the stub driver has no launcher
+        if "k" not in got:
+            raise
     finally:
         kernel.run = orig
     return got["k"]
