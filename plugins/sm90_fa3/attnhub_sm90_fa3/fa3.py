@@ -79,8 +79,11 @@ OP_ARGS: frozenset[str] = frozenset({
     "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q",
     "max_seqlen_k", "page_table", "q_descale", "k_descale", "v_descale", "softmax_scale",
     "is_causal", "window_size_left", "window_size_right", "softcap", "num_splits"})
-#: Entries of a runner's memo of bshd op arguments before it is cleared (new lengths add one)
-DENSE_MEMO = 4096
+#: Entries of a runner's memo of bshd op arguments, the oldest dropped first: a new length
+#: adds one (a prompt of a new length, a growing cache), and a fixed shape's layers hit it;
+#: kept small so that a walk's entries die young (thousands of long-lived dicts cost the
+#: garbage collector's full passes, as triton_decode's shape cache did)
+DENSE_MEMO = 64
 #: Where the interface modules keep their op namespace (fa3-fwd wheel; upstream hopper/).
 OP_NAMESPACES: tuple[str, ...] = ("fa3_fwd_cuda", "flash_attn_3_cuda")
 
@@ -190,7 +193,7 @@ class Fa3Runner:
                 kw = op_kwargs(params, form)
                 kw["num_splits"] = self.splits if spec.phase == "decode" else 1
                 if len(self._dense) >= DENSE_MEMO:
-                    self._dense.clear()
+                    del self._dense[next(iter(self._dense))]  # the oldest
                 hit = self._dense[key] = (form.keys, kw)
             keys, kw = hit
             if keys < sk:  # a top-left causal mask with Sq < Sk never reaches the keys past Sq

@@ -139,3 +139,25 @@ def test_op_arguments_memo_never_serves_another_call(install, spec_of):
         assert kw["softmax_scale"] == c["scale"] and kw["softcap"] == c.get("softcap", 0.0)
         ref, _ = ref_attn(q, k, v, p, compute_dtype=torch.float32)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_op_arguments_memo_stays_small_over_a_walk(install, spec_of):
+    """Prompts of a new length each call: the memo keeps its last ``DENSE_MEMO`` entries
+    (oldest out), and a length met again after it was dropped gets its own arguments."""
+    from attnhub_sm90_fa3 import fa3
+
+    fake = install({}, op_arguments=OP_ARGS)
+    b = Fa3Backend()
+    b.load()
+    for n in [*range(4, 4 + fa3.DENSE_MEMO + 40), 5]:
+        q, k, v = qkv(1, n, n, seed=n)
+        p = AttnParams(scale=0.25, causal=True)
+        out, _ = b.forward(q, k, v, spec_of(q, k, causal=True), p)
+        assert len(b._run._dense) <= fa3.DENSE_MEMO
+        assert fake.last("op")["softmax_scale"] == 0.25
+    ref, _ = ref_attn(q, k, v, p, compute_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    kept = [key[:2] for key in b._run._dense]
+    assert kept[-1] == (5, 5)  # re-added, as the newest
+    last = 4 + fa3.DENSE_MEMO + 39
+    assert kept[:-1] == [(n, n) for n in range(last - fa3.DENSE_MEMO + 2, last + 1)]
