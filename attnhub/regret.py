@@ -10,8 +10,11 @@ policy and its own backend forced are timed under the same conditions; a sample 
 back-to-back calls between CUDA events lasting about ``BATCH_MS`` when a call is under
 ``BATCH_BELOW_MS`` (the same batch for every callable of the cell), otherwise one call from
 an idle GPU; no cache flush for any; median of
-the repeats, minimum over rounds; a callable over ``DROP_ABOVE`` times the fastest after a
-round keeps that round's figure and sits out the next. Training cells time forward + backward.
+the repeats, read against each repeat's reference (``paired``: the lengths of a walking cell
+grow call by call, and the ratio to the callables timed beside it cancels that), minimum
+over rounds; a callable over ``DROP_ABOVE`` times the fastest after a round keeps that
+round's figure and sits out the next, one over ``SKIP_ABOVE`` times in the calibration
+calls sits out every round. Training cells time forward + backward.
 
 Raw libraries called directly on the same inputs, checked like the backends and timed in the
 same rounds, for information: torch SDPA (bshd; paged cells on the contiguous copy of their
@@ -46,6 +49,11 @@ from .timing import interleaved_ms
 #: 2.5 ms calls being compared; the policy's call and its backend forced timed 0.99 and
 #: 1.05 apart in two runs of one session).
 DROP_ABOVE = 3.0
+#: Callables slower than this many times the fastest in the calibration calls keep that
+#: figure and are never interleaved: raw SDPA's cuDNN kernel builds a graph per new shape
+#: (50-70 ms a call on the walking cells of the H200 grid), and the GPU idled meanwhile
+#: for whatever was timed after it.
+SKIP_ABOVE = 20.0
 #: Calls under this many ms are timed in back-to-back batches of about ``BATCH_MS``. At
 #: 0.1 ms the H200 grid's d64 prefill cell (a best call of 0.10-0.12 ms) was batched in one
 #: step of a run and timed one call from an idle GPU in the next: 0.115 vs 0.233 ms for the
@@ -321,6 +329,7 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
     t = _timed_until_none_fails(timed, res, device, walks.rewind if walks else None,
                                 warmup=warmup, repeats=repeats,
                                 rounds=rounds, drop_above=DROP_ABOVE,
+                                skip_above=SKIP_ABOVE, paired=True,
                                 max_batch=4 if walks else 64, batch_below_ms=BATCH_BELOW_MS,
                                 batch_ms=BATCH_MS)
     res.batch = t.batch

@@ -102,7 +102,8 @@ def balanced_orders(n: int) -> list[list[int]]:
 def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.device | str, *,
                    warmup: int = 3, repeats: int = 20, rounds: int = 2,
                    batch_below_ms: float = 0.1, batch_ms: float = 0.5,
-                   max_batch: int = 64, drop_above: float | None = None) -> Interleaved:
+                   max_batch: int = 64, drop_above: float | None = None,
+                   skip_above: float | None = None, paired: bool = False) -> Interleaved:
     """Time several callables so that two of them running the same kernel get the same
     figure: each repeat takes one sample of every callable in turn, in the next order of a
     :func:`balanced_orders` cycle (callables shuffled onto its indices each round), so a
@@ -118,20 +119,34 @@ def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.d
     ``rounds``. ``drop_above``: after a round, a callable slower than that many times the
     fastest keeps its figure and is not timed again: a call 50x slower than the rest takes
     most of a round's time, and whatever clock or heat change it causes lands on the calls
-    that follow it."""
+    that follow it. ``skip_above``: a callable whose calibration calls (three single calls,
+    the fastest kept) took over that many times the fastest callable's keeps that figure
+    and sits out every round (a 50 ms call per new shape leaves the GPU idle and its clocks
+    low for whatever is timed next).
+
+    ``paired``: each repeat's samples are read against that repeat's reference, the median
+    of its samples over the callables, and a callable's figure is the median of its ratios
+    to the reference times the median reference. The callables of one repeat run back to
+    back, so whatever moves them all alike (the lengths of a walk that grows call by call,
+    a clock change) cancels in the ratios instead of in the ranks of a wide distribution,
+    where a few slow samples move the median by a few percent."""
     names = list(fns)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     batch = 1
+    best: dict[Hashable, float] = {}
     if names:
-        one = min(min(sample_ms(fn, device) for _ in range(3)) for fn in fns.values())
+        single = {n: min(sample_ms(fns[n], device) for _ in range(3)) for n in names}
+        one = min(single.values())
+        if skip_above is not None:
+            best = {n: t for n, t in single.items() if t > skip_above * one}
+            names = [n for n in names if n not in best]
         if one < batch_below_ms:
             batch = max(1, min(max_batch, math.ceil(batch_ms / max(one, 1e-6))))
-    best: dict[Hashable, float] = {}
     rng = random.Random(0)
-    for _ in range(rounds):
-        if drop_above is not None and best:
+    for i in range(rounds):
+        if drop_above is not None and i:
             fastest = min(best.values())
             names = [n for n in names if best[n] <= drop_above * fastest]
         samples: dict[Hashable, list[float]] = {n: [] for n in names}
@@ -142,9 +157,23 @@ def interleaved_ms(fns: Mapping[Hashable, Callable[[], object]], device: torch.d
             for i in orders[r % len(orders)]:
                 n = labels[i]
                 samples[n].append(sample_ms(fns[n], device, batch))
+        figures = _paired(samples) if paired else {
+            n: statistics.median(samples[n]) for n in names}
         for n in names:
-            best[n] = min(best.get(n, math.inf), statistics.median(samples[n]))
+            best[n] = min(best.get(n, math.inf), figures[n])
     return Interleaved(best, batch)
+
+
+def _paired(samples: Mapping[Hashable, list[float]]) -> dict[Hashable, float]:
+    """Per callable: the median of its ratios to each repeat's reference (the median
+    sample of that repeat), times the median reference (see ``interleaved_ms``)."""
+    names = list(samples)
+    refs = [statistics.median(samples[n][r] for n in names)
+            for r in range(len(samples[names[0]]))] if names else []
+    scale = statistics.median(refs) if refs else 0.0
+    return {n: scale * statistics.median(s / max(ref, 1e-12)
+                                         for s, ref in zip(samples[n], refs))
+            for n in names}
 
 
 class CallClock:

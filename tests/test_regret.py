@@ -161,6 +161,62 @@ def test_balanced_orders_give_no_callable_a_favoured_predecessor(n):
     assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
 
 
+class _Timed:
+    """A callable whose samples a fake ``sample_ms`` reads: ``calib`` for the three
+    calibration samples, then ``series[i]`` for its i-th sample of the rounds."""
+
+    def __init__(self, calib: float, series: list[float]):
+        self.calib, self.series, self.n = calib, series, -3
+
+    def __call__(self) -> None:
+        pass
+
+    def sample(self) -> float:
+        self.n += 1
+        return self.calib if self.n <= 0 else self.series[self.n - 1]
+
+
+def _fake_samples(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import attnhub.timing as timing
+
+    monkeypatch.setattr(timing, "sample_ms", lambda fn, device, calls=1: fn.sample())
+
+
+def test_paired_timing_cancels_what_moves_every_callable_alike(monkeypatch):
+    """A walk's lengths grow call by call (a trend every callable shares) and four early
+    samples of the faster callable are slow: its plain median then lands above the other's,
+    while the paired figures keep the true 2% between them."""
+    from attnhub.timing import interleaved_ms
+
+    _fake_samples(monkeypatch)
+    trend = [1.0 + 0.05 * r for r in range(30)]
+
+    def make() -> dict[str, _Timed]:
+        a = [t * (3.0 if r < 4 else 1.0) for r, t in enumerate(trend)]
+        return {"a": _Timed(1.0, a), "b": _Timed(1.02, [t * 1.02 for t in trend])}
+
+    plain = interleaved_ms(make(), "cpu", warmup=0, repeats=30, rounds=1, batch_below_ms=0)
+    assert plain.ms["a"] > plain.ms["b"]  # the ranks moved: a looks slower
+    paired = interleaved_ms(make(), "cpu", warmup=0, repeats=30, rounds=1, batch_below_ms=0,
+                            paired=True)
+    assert paired.ms["b"] / paired.ms["a"] == pytest.approx(1.02, rel=1e-9)
+    assert min(trend) < paired.ms["a"] < max(trend)  # still milliseconds of a call
+
+
+def test_interleaved_timing_skips_callables_far_slower_in_calibration(monkeypatch):
+    """A callable over ``skip_above`` x the fastest in its calibration calls keeps that
+    figure and is never sampled in a round; the others are."""
+    from attnhub.timing import interleaved_ms
+
+    _fake_samples(monkeypatch)
+    fns = {"fast": _Timed(1.0, [1.0] * 6), "near": _Timed(2.0, [2.0] * 6),
+           "slow": _Timed(50.0, [50.0] * 6)}
+    t = interleaved_ms(fns, "cpu", warmup=0, repeats=3, rounds=2, batch_below_ms=0,
+                       skip_above=20.0, drop_above=3.0, paired=True)
+    assert t.ms == pytest.approx({"fast": 1.0, "near": 2.0, "slow": 50.0})
+    assert fns["slow"].n == 0 and fns["fast"].n == fns["near"].n == 6
+
+
 def test_interleaved_timing_drops_far_slower_callables_after_a_round():
     """A callable over ``drop_above`` x the fastest keeps its first round's figure and is
     not sampled again; the others are sampled in every round."""

@@ -198,8 +198,9 @@ def run_regret(args: argparse.Namespace) -> int:
     head = (f"Regret report, {when}, {hub.device.describe()}, {args.header}\n\n"
             f"through attnhub.attention (policy, or backend= forced), raw libraries called "
             f"directly; each checked against the fp64 reference first. Per callable: median "
-            f"of {args.repeats} samples after {args.warmup} warm-up calls, min over "
-            f"{args.rounds} rounds; within each repeat the policy's call, every forced backend "
+            f"of {args.repeats} samples after {args.warmup} warm-up calls, each read against "
+            "its repeat's median sample (the median ratio times the median reference), min "
+            f"over {args.rounds} rounds; within each repeat the policy's call, every forced backend "
             "and every raw library take one sample in turn (in orders where each follows "
             "every other equally often); a "
             f"sample is one call from an idle GPU, or, where a call is under {rg.BATCH_BELOW_MS:g} ms, "
@@ -207,7 +208,8 @@ def run_regret(args: argparse.Namespace) -> int:
             "CUDA events, per call; host time counts "
             "where the "
             f"GPU waits for it; no cache flush for any; a callable over {rg.DROP_ABOVE:g}x the "
-            "fastest after a round keeps that figure and sits out the next.\n")
+            "fastest after a round keeps that figure and sits out the next, one over "
+            f"{rg.SKIP_ABOVE:g}x in three calibration calls sits out every round.\n")
     md = rg.markdown(results, head)
     print(md)
     if args.md:

@@ -428,6 +428,11 @@ class _Launches(NamedTuple):
 _CACHE_LIMIT = 1024
 
 
+def _kv_disagree(k_shape: torch.Size, v_shape: torch.Size) -> None:
+    raise ValueError(f"decode_attention: k {tuple(k_shape)} and v {tuple(v_shape)} must be "
+                     "4-D and agree in all but the head dim")
+
+
 class _Shape:
     """What all calls with one key share (see ``decode_attention``): the checks, the output
     shapes, the strides, and per context length the launches of its split count.
@@ -507,8 +512,7 @@ class _Shape:
         stay valid and only the arguments change. Takes k's and v's shapes and strides as
         the caller's key holds them (reading them from the tensors again costs ~2 us)."""
         if k_shape[:3] != v_shape[:3]:
-            raise ValueError(f"decode_attention: k {tuple(k_shape)} and v {tuple(v_shape)} "
-                             "must be 4-D and agree in all but the head dim")
+            _kv_disagree(k_shape, v_shape)
         new = object.__new__(_Shape)  # every slot set here, by hand: a loop costs ~2 us more
         new.consts, new.copy, new.cuda_index = self.consts, self.copy, self.cuda_index
         new.device, new.dim, new.empty = self.device, self.dim, self.empty
@@ -631,6 +635,9 @@ _families: dict[tuple[Any, ...], _Shape] = {}
 #: The keys of the ``rebased`` shapes in ``_shapes``, oldest first (at most _RECENT_LIMIT).
 _recent: collections.deque[tuple[Any, ...]] = collections.deque()
 _RECENT_LIMIT = 16
+#: The key of the last new length served from its family without a shape of its own (a
+#: one-layer walk never stores one; a model's next layer at that length does)
+_first_sight: list[Any] = [None]
 
 
 def _spec_class(x: int) -> int:
@@ -641,14 +648,20 @@ def _spec_class(x: int) -> int:
 
 
 def _family(key: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``key`` of a contiguous-cache call with the length and the k/v strides replaced by
-    their Triton specialization (the length is the kernel's capacity argument). Read from
-    the key's own k/v shapes and strides (indexing, no new ``torch.Size``: this runs once
-    per length of a growing cache)."""
-    (kb, sk, kh, kd), ks, (vb, _, vh, vd), vs = key[2:6]
-    c = _spec_class
-    return (key[:2], kb, kh, kd, vb, vh, vd, c(sk), c(ks[0]), c(ks[1]), c(ks[2]), c(ks[3]),
-            c(vs[0]), c(vs[1]), c(vs[2]), c(vs[3]), key[6:])
+    """``key`` of a contiguous-cache call (k's and v's last strides 1) with the length and
+    the k/v strides replaced by their Triton specialization (``_spec_class``, here as bit
+    sets: == 1 and divisible by 16, and the integers' widths where one is past i32; the
+    length is the kernel's capacity argument). Inline arithmetic on the key's own sizes: this runs once per length
+    of a growing cache, where nine calls of ``_spec_class`` cost ~1 us."""
+    (kb, sk, kh, kd), (k0, k1, k2, _), (vb, _, vh, vd), (v0, v1, v2, _) = key[2:6]
+    div = ((sk & 15 == 0) | (k0 & 15 == 0) << 1 | (k1 & 15 == 0) << 2 | (k2 & 15 == 0) << 3
+           | (v0 & 15 == 0) << 4 | (v1 & 15 == 0) << 5 | (v2 & 15 == 0) << 6)
+    one = ((sk == 1) | (k0 == 1) << 1 | (k1 == 1) << 2 | (k2 == 1) << 3 | (v0 == 1) << 4
+           | (v1 == 1) << 5 | (v2 == 1) << 6)
+    ints = (sk, k0, k1, k2, v0, v1, v2)
+    # each integer's width where one is past i32 (sizes and strides are never negative)
+    wide = tuple(map(_spec_class, ints)) if max(ints) >> 31 else 0
+    return (key[:2], kb, kh, kd, vb, vh, vd, div, one, wide, key[6:])
 
 
 @functools.cache
@@ -779,8 +792,9 @@ def decode_attention(
     Host work per call is kept small for eager decode loops: everything that follows from
     shapes, strides, dtypes, flags and pointer alignment is computed once per such key
     (``_Shape``, which also holds cheap allocators for the outputs; a contiguous cache of a
-    new length, as a decode loop's growing cache, is ``rebased`` from an earlier length's
-    shape and keeps its launchers); the device's stream and
+    new length, as a decode loop's growing cache, launches from an earlier length's shape
+    with its own capacity and strides, and the next call of that length, the next layer's,
+    stores a shape ``rebased`` from it, keeping the launchers); the device's stream and
     the launch-hook state are read once per call and shared by both launches; the kernels
     are launched through ``Launcher`` (Triton's dispatch skipped once the binary is known);
     and the partial outputs live in reused per-thread, per-stream scratch (``scratch.fp32``).
@@ -826,12 +840,24 @@ def decode_attention(
            ptrs % 16 == 0 or _aligned(q, k, v, block_table, seqlens_k, slopes,
                                       *(descales or ())))
     shape = _shapes.get(key)
+    grown = None  # a new length served from its family's shape: (capacity, strides)
     if shape is None:
         # (a cache copied for its last dim keeps the copy's strides: not rebased)
         family = _family(key) if (block_table is None and len(key[2]) == 4 == len(key[4])
                                   and key[3][-1] == 1 == key[5][-1]) else None
         base = _families.get(family) if family is not None else None
-        if base is not None:
+        if base is not None and base.block_n and key != _first_sight[0]:
+            # the first call of a new length (one layer of a decode step): the family's
+            # launches with this length's capacity and strides, nothing stored; the next
+            # call of the same length (the next layer) stores a shape for it below
+            if key[2][1] != key[4][1]:  # the family fixes the rest of k's and v's shapes
+                _kv_disagree(key[2], key[4])
+            _first_sight[0] = key
+            shape = base
+            kst, vst = key[3], key[5]
+            grown = (key[2][1], (*base.strides[:3], kst[0], kst[1], kst[2], vst[0], vst[1],
+                                 vst[2], *base.strides[9:]))
+        elif base is not None:
             shape = base.rebased(*key[2:6])
             # a growing cache's lengths are each called for one step (by every layer),
             # then never again: only the last few stay, so that they die young instead of
@@ -849,9 +875,10 @@ def decode_attention(
                 if len(_families) >= _CACHE_LIMIT:
                     _families.clear()
                 _families[family] = shape
-        if len(_shapes) >= _CACHE_LIMIT:
-            _shapes.clear()
-        _shapes[key] = shape
+        if grown is None:
+            if len(_shapes) >= _CACHE_LIMIT:
+                _shapes.clear()
+            _shapes[key] = shape
     if shape.interpreted:
         device, stream, direct = -1, 0, False  # the interpreter launches on neither
     else:
@@ -870,8 +897,18 @@ def decode_attention(
         return out, shape.new_lse() if return_lse else None
     if shape.copy:
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    longest = shape.cap_k if max_seqlen_k is None else min(max_seqlen_k, shape.cap_k)
-    run = shape.by_longest.get(longest) or shape.launches(longest)
+    if grown is None:
+        cap_k, arg_strides = shape.cap_k, shape.strides
+        longest = cap_k if max_seqlen_k is None else min(max_seqlen_k, cap_k)
+        run = shape.by_longest.get(longest) or shape.launches(longest)
+        tail = run.split_tail
+    else:  # the family's launches by whole key tiles (the plan reads nothing finer)
+        cap_k, arg_strides = grown
+        longest = cap_k if max_seqlen_k is None else min(max_seqlen_k, cap_k)
+        longest = -(-longest // shape.block_n) * shape.block_n
+        run = shape.by_longest.get(longest) or shape.launches(longest)
+        tail = run.split_tail
+        tail = (tail[0], tail[1], tail[2], cap_k, *tail[4:])
     cuda = shape.cuda_index is not None
     if return_lse:
         lse = shape.new_lse()
@@ -887,8 +924,8 @@ def decode_attention(
     ks, vs = descales if descales is not None else (lse, lse)
     args = (q, k, v, out, lse, opart, lpart, counters,
             lse if block_table is None else block_table, lse if seqlens_k is None else seqlens_k,
-            lse if slopes is None else slopes, ks, vs, *shape.strides, float(scale),
-            float(softcap) if softcap else 1.0, *run.split_tail)
+            lse if slopes is None else slopes, ks, vs, *arg_strides, float(scale),
+            float(softcap) if softcap else 1.0, *tail)
     # the binaries' direct launches where known and allowed (``Launcher`` without its frame)
     go = run.split.ready.get(device) if direct else None
     if go is None:

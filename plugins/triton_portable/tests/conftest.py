@@ -26,6 +26,7 @@ def stub_decode(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[Any], St
     monkeypatch.setattr(decode, "_shapes", {})
     monkeypatch.setattr(decode, "_families", {})
     monkeypatch.setattr(decode, "_recent", collections.deque())
+    monkeypatch.setattr(decode, "_first_sight", [None])
     decode._plan.cache_clear()  # its plans for CPU tensors would say sm90 after the test
     decode._plan_base.cache_clear()
     try:

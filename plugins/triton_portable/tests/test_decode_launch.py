@@ -227,6 +227,41 @@ def test_a_walk_keeps_only_its_last_lengths(stubbed: dict[str, Any]) -> None:
         assert again == cold, n
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_new_length_is_served_from_its_family_then_stored(stubbed: dict[str, Any],
+                                                            layers: int) -> None:
+    """A decode step of ``layers`` layers at a new length (each layer its own cache
+    tensors): the first call launches from the family's shape without storing one for the
+    length, the next layer's call stores it, the rest hit it; every call launches what a
+    cold cache launches. A one-layer walk stores no shape but its families' first ones."""
+    log = stubbed["log"]
+    caches = [torch.randn(2, 120, 2, 32) for _ in range(layers)]
+    q = torch.randn(2, 1, 8, 32)
+    view = lambda x, n: x[:, :n].transpose(1, 2).contiguous().transpose(1, 2)
+    decode.decode_attention(q, view(caches[0], 30), view(caches[0], 30), scale=0.2)
+    for n in range(31, 100):
+        for i, x in enumerate(caches):
+            log.clear()
+            families_before, recent = len(decode._families), list(decode._recent)
+            got = _tokens(log, *decode.decode_attention(q, view(x, n), view(x, n), scale=0.2))
+            if i == 0:  # the length founded a family (divisible by 16): stored as built
+                founded = len(decode._families) > families_before
+            # a shape stored for the length: rebased on the second call (the recent ones)
+            assert (list(decode._recent) != recent) == (i == 1 and not founded), (n, i)
+            kept, families = dict(decode._shapes), dict(decode._families)
+            decode._shapes.clear()
+            decode._families.clear()
+            log.clear()
+            cold = _tokens(log, *decode.decode_attention(q, view(x, n), view(x, n), scale=0.2))
+            decode._shapes.clear()
+            decode._shapes.update(kept)
+            decode._families.clear()
+            decode._families.update(families)
+            assert got == cold, (n, i)
+    if layers == 1:  # each family's first shape only
+        assert len(decode._shapes) == len(decode._families) == 2 and not decode._recent
+
+
 @pytest.mark.parametrize("known", [False, True])
 def test_a_growing_cache_whose_v_lags_is_refused(stubbed: dict[str, Any], known: bool) -> None:
     """k one key longer than v: refused before any launch, whether the length is new to a
