@@ -18,7 +18,9 @@ For each: raw torch SDPA (tiny decode only), the backend the policy binds called
 ``attnhub.attention`` through the policy and with that backend forced. Each figure is the
 median host time per call (``perf_counter`` around the call; the GPU queue absorbs the
 kernels and is drained between chunks, outside the timing), the cases interleaved in chunks
-of 100 calls in a random order (see ``measure``).
+of 100 calls in a random order (see ``measure``), in ``--rounds`` passes spread over the run
+(pass 1 of every case, then pass 2...), each figure the minimum of its passes' medians (the
+JSON keeps every pass), as the GPU timings take the minimum over rounds.
 
 Decoding runs without autograd (HF ``generate`` under ``torch.no_grad``, vLLM and SGLang
 under ``torch.inference_mode``), so the headline figures are taken under
@@ -62,7 +64,8 @@ WARM_S = 0.5
 
 
 def measure(cases: dict[str, Callable[[], object]], calls: int, rounds: int,
-            sync: Callable[[], None], chunk: int = 100, seed: int = 0) -> dict[str, float]:
+            sync: Callable[[], None], chunk: int = 100, seed: int = 0,
+            warm_s: float = WARM_S) -> dict[str, float]:
     """Median host microseconds per call of each case (``perf_counter`` around each call,
     no synchronisation inside a chunk: the GPU queue absorbs its kernels), over ``rounds``
     x ``calls`` calls taken in chunks of ``chunk`` calls, the cases in a fresh random order
@@ -74,9 +77,9 @@ def measure(cases: dict[str, Callable[[], object]], calls: int, rounds: int,
     rng = random.Random(seed)
     # warm-up: caches, allocator, compiled kernels, and the host's clock: on the H200 host
     # the first case measured after other work once ran 1.5x slower than a minute later
-    # (triton_decode direct 29.1 vs 19.9 us), so each case runs for at least WARM_S first
+    # (triton_decode direct 29.1 vs 19.9 us), so each case runs for at least ``warm_s`` first
     for fn in cases.values():
-        end = time.perf_counter() + WARM_S
+        end = time.perf_counter() + warm_s
         n = 0
         while n < min(200, calls) or (time.perf_counter() < end and n < calls):
             fn()
@@ -271,17 +274,32 @@ def main() -> None:
     cases = decode_cases(hub, dev, dtype)
     if args.walks:
         cases.update(walk_cases(hub, dev, dtype, args.scale))
-    for suffix, mode in (("", torch.inference_mode), ("_grad_enabled", torch.enable_grad)):
+    modes = (("", torch.inference_mode), ("_grad_enabled", torch.enable_grad))
+    # passes spread over the whole run: pass r of every case, then pass r + 1 of every case,
+    # so that a slow stretch of the host (once 1.7x for the ~7 s of one case, direct call
+    # included, on the H200 host) lands in one pass of each case, not in all of one case's
+    passes: dict[str, list[dict[str, float]]] = {}
+    for r in range(max(1, args.rounds)):
+        for suffix, mode in modes:
+            for case, (name, shape, calls) in cases.items():
+                with mode():
+                    passes.setdefault(case + suffix, []).append(
+                        measure(calls, args.calls, 1, sync, seed=r,
+                                warm_s=WARM_S if r == 0 else 0.05))
+    for suffix, mode in modes:
         for case, (name, shape, calls) in cases.items():
-            with mode():
-                t = measure(calls, args.calls, args.rounds, sync)
-                if args.profile and not suffix:
+            runs = passes[case + suffix]
+            t = {k: min(run[k] for run in runs) for k in runs[0]}  # each at the host's best
+            if args.profile and not suffix:
+                with mode():
                     res[f"{case}_profile"] = {
                         which: profile_calls(calls[which], min(args.calls, 5000))
                         for which in ("policy", "direct")}
             res[case + suffix] = {"backend": name, "shape": shape,
                                   **{f"{k}_us": x for k, x in t.items()},
-                                  "added_us": t["policy"] - t["direct"]}
+                                  "added_us": t["policy"] - t["direct"],
+                                  "passes": [{k: round(x, 3) for k, x in run.items()}
+                                             for run in runs]}
             if args.kernels and not suffix and dev.type == "cuda":
                 with mode():
                     res[case]["kernels"] = {which: kernels_of(calls[which]) for which in
