@@ -152,6 +152,9 @@ class Hub:
         self._exact: dict[tuple, tuple] = {}
         #: ``(fast_key, entry)`` of the last exact hit or binding, read and replaced whole
         self._last_exact: tuple[tuple, tuple | None] = ((), None)
+        #: the last length-bucket key that hit, and its entry: a growing cache's next step
+        #: (a new length, the same buckets) compares with it instead of two hashed misses
+        self._last_grow: tuple[tuple, tuple | None] = ((), None)
         #: ``(PAGED memo, exact entry)``: that memo was checked for that binding (paged)
         self._paged_last: tuple[Any, Any] = (None, None)
         self._decisions: dict[tuple[AttentionSpec, BindContext], Decision] = {}
@@ -207,6 +210,7 @@ class Hub:
             self._runners.clear()
             self._exact.clear()
             self._last_exact = ((), None)
+            self._last_grow = ((), None)
             self._paged_last = (None, None)
             self._decisions.clear()
             self._settled.clear()
@@ -367,26 +371,39 @@ class Hub:
             # the layers of a step repeat one key: comparing it with the last one costs
             # about half a lookup (no hash of ~25 items)
             last = self._last_exact
+            grows = side is None and max_seqlen_k is None and (
+                layout == "bshd" or layout == "bhsd")
             if fast_key == last[0]:
                 hit = last[1]
+            elif grows:
+                # a contiguous KV cache grows by a key per decode step, prompts come at a new
+                # length per call: look the call up by its length buckets (the slow path
+                # depends on Sq and Sk only through them), the last such key first (the next
+                # step of a growing cache: an equality test instead of two hashed lookups)
+                axis = 1 if layout == "bshd" else 2
+                grow_key = _grow_key(fast_key, q_shape, k_shape, v.shape, axis)
+                lg, base = self._last_grow, None
+                if grow_key is not None and grow_key == lg[0]:
+                    base = lg[1]
+                else:
+                    hit = self._exact.get(fast_key)
+                    if hit is not None:
+                        self._last_exact = (fast_key, hit)
+                        grow_key = None
+                    elif grow_key is not None:
+                        base = self._exact.get(grow_key)
+                        if base is not None:
+                            self._last_grow = (grow_key, base)
+                if base is not None:
+                    sq, sk = q_shape[axis], k_shape[axis]
+                    hit = None if v.shape[axis] != sk else (
+                        *base[:-3], (q_shape[0], sq, q_shape[3 - axis], v.shape[-1]), sq, sk)
+                    if hit is not None:  # the next layers of this step: the last-key compare
+                        self._last_exact = (fast_key, hit)
             else:
                 hit = self._exact.get(fast_key)
                 if hit is not None:
                     self._last_exact = (fast_key, hit)
-            if hit is None and side is None and max_seqlen_k is None and (
-                    layout == "bshd" or layout == "bhsd"):
-                # a contiguous KV cache grows by a key per decode step, prompts come at a new
-                # length per call: look the call up by its length buckets too (the slow path
-                # depends on Sq and Sk only through them)
-                axis = 1 if layout == "bshd" else 2
-                grow_key = _grow_key(fast_key, q_shape, k_shape, v.shape, axis)
-                hit = self._exact.get(grow_key)
-                if hit is not None:
-                    sq, sk = q_shape[axis], k_shape[axis]
-                    hit = None if v.shape[axis] != sk else (
-                        *hit[:-3], (q_shape[0], sq, q_shape[3 - axis], v.shape[-1]), sq, sk)
-                    if hit is not None:  # the next layers of this step: the last-key compare
-                        self._last_exact = (fast_key, hit)
         except (TypeError, AttributeError):  # unhashable or not a tensor: slow path
             hit, fast_key = None, None
         if hit is not None and not (

@@ -162,3 +162,23 @@ def test_growing_cache_layers_then_next_length(layout):
         assert_fa_rule(od, ref64, same)
     with pytest.raises(attnhub.errors.ShapeError):
         hub.attention(q[0], k[0], v[0], causal=True, layout=layout)  # 3-D: the contract says
+
+
+def test_two_growing_caches_and_a_bucket_edge_keep_their_own_bindings():
+    """Two caches of different head counts grow in turn (each step's bucket lookup misses
+    the other's last key), one crosses a length bucket (32 -> 33 keys: bound anew), and a
+    v one key short of k is refused: every call gets its own exact answer or the error."""
+    hub = attnhub.Hub(hardware="cpu")
+    g = torch.Generator().manual_seed(3)
+    qa, qb = torch.randn(1, 1, 4, 8, generator=g), torch.randn(1, 1, 6, 8, generator=g)
+    for s in range(28, 37):
+        for q, hkv in ((qa, 2), (qb, 3)):
+            k, v = (torch.randn(1, s, hkv, 8, generator=g) for _ in range(2))
+            out = hub.attention(q, k, v, causal=True)
+            ref64, _, same = fa_references(q, k, v, AttnParams(scale=8 ** -0.5, causal=True))
+            assert_fa_rule(out, ref64, same)
+    buckets = {r.decision.spec.max_seqlen_k for r in hub.bound()}
+    assert buckets == {32, 64}
+    k = torch.randn(1, 37, 2, 8, generator=g)
+    with pytest.raises(attnhub.errors.ShapeError):
+        hub.attention(qa, k, k[:, :36], causal=True)
