@@ -294,7 +294,6 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
     except (AttnhubError, RuntimeError, ValueError, TypeError) as exc:
         res.policy_error = _short(exc)
     spec = res.spec or cell.spec.bucketed()
-    forced_hub = Hub(policy, registry=registry)
     timed: dict[Any, Callable[[], torch.Tensor]] = dict(fns)
 
     def admit(key: Any, make: Callable[[], Callable[[], torch.Tensor]],
@@ -310,13 +309,20 @@ def measure_cell(cell: Cell, backends: list[str], registry: Any, device: torch.d
                 f"{err[:120] if err else 'ok'}")
 
     for name in backends:
-        reasons = registry.get(name).check(spec, forced_hub.device)
+        reasons = registry.get(name).check(spec, policy_hub.device)
         if not reasons and walks and name not in serving:  # no walk was set aside for it
             reasons = [f"refused the cell's spec {spec0.describe()} when the walks were made"]
         if reasons:
             res.skipped[name] = "; ".join(reasons)
             continue
-        admit(name, functools.partial(_caller, forced_hub, walks.next() if walks else inp,
+        # each forced backend in a hub of its own, as a caller who forces one backend has
+        # it: in one hub shared by all, each call follows another backend's, so the hot
+        # path's memo of the last call (and of a growing cache's last length bucket) never
+        # holds. With a shared hub the policy's call timed 6-7% faster than its backend
+        # forced on the H200's growing-cache cells (2026-12-02, 8b0b0e2), the hub being the
+        # one difference between the two paths.
+        admit(name, functools.partial(_caller, Hub(policy, registry=registry),
+                                      walks.next() if walks else inp,
                                       name, train), res.failed, name)
     if walks and not train:  # SDPA as torch picks, and with its cuDNN kernel off
         for lib, cudnn in (("SDPA", True), ("SDPA cuDNN off", False)):

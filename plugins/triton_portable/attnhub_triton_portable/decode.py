@@ -651,8 +651,9 @@ def _family(key: tuple[Any, ...]) -> tuple[Any, ...]:
     """``key`` of a contiguous-cache call (k's and v's last strides 1) with the length and
     the k/v strides replaced by their Triton specialization (``_spec_class``, here as bit
     sets: == 1 and divisible by 16, and the integers' widths where one is past i32; the
-    length is the kernel's capacity argument). Inline arithmetic on the key's own sizes: this runs once per length
-    of a growing cache, where nine calls of ``_spec_class`` cost ~1 us."""
+    length is the kernel's capacity argument). Inline arithmetic on the key's own sizes:
+    this runs once per length of a growing cache, where nine calls of ``_spec_class`` cost
+    ~1 us."""
     (kb, sk, kh, kd), (k0, k1, k2, _), (vb, _, vh, vd), (v0, v1, v2, _) = key[2:6]
     div = ((sk & 15 == 0) | (k0 & 15 == 0) << 1 | (k1 & 15 == 0) << 2 | (k2 & 15 == 0) << 3
            | (v0 & 15 == 0) << 4 | (v1 & 15 == 0) << 5 | (v2 & 15 == 0) << 6)
