@@ -359,7 +359,8 @@ class Hub:
                 side = (_meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
                         _meta(colmask_end), _meta(block_table), _meta(seqlens_k),
                         _meta(cu_seqlens_q), _meta(cu_seqlens_k))
-            device, dtype, q_shape, k_shape = q.device, q.dtype, q.shape, k.shape
+            device, dtype = q.device, q.dtype
+            q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
             # flags first, shapes last: comparing with the last key fails fast on a flag
             fast_key = (layout, causal, causal_alignment, window, softcap is not None, side,
                         max_seqlen_q, max_seqlen_k,
@@ -367,7 +368,7 @@ class Hub:
                         mask_mod if mask_mod is None else _mod_kind(mask_mod),
                         phase, return_lse, backend, context, deterministic, needs_grad,
                         dtype, k.dtype, v.dtype, device, k.device, v.device,
-                        q_shape, k_shape, v.shape)
+                        q_shape, k_shape, v_shape)
             # the layers of a step repeat one key: comparing it with the last one costs
             # about half a lookup (no hash of ~25 items)
             last = self._last_exact
@@ -381,7 +382,7 @@ class Hub:
                 # depends on Sq and Sk only through them), the last such key first (the next
                 # step of a growing cache: an equality test instead of two hashed lookups)
                 axis = 1 if layout == "bshd" else 2
-                grow_key = _grow_key(fast_key, q_shape, k_shape, v.shape, axis)
+                grow_key = _grow_key(fast_key, q_shape, k_shape, v_shape, axis)
                 lg, base = self._last_grow, None
                 if grow_key is not None and grow_key == lg[0]:
                     base = lg[1]
@@ -396,8 +397,8 @@ class Hub:
                             self._last_grow = (grow_key, base)
                 if base is not None:
                     sq, sk = q_shape[axis], k_shape[axis]
-                    hit = None if v.shape[axis] != sk else (
-                        *base[:-3], (q_shape[0], sq, q_shape[3 - axis], v.shape[-1]), sq, sk)
+                    hit = None if v_shape[axis] != sk else (
+                        *base[:-3], (q_shape[0], sq, q_shape[3 - axis], v_shape[-1]), sq, sk)
                     if hit is not None:  # the next layers of this step: the last-key compare
                         self._last_exact = (fast_key, hit)
             else:
