@@ -376,17 +376,19 @@ class Hub:
                 layout == "bshd" or layout == "bhsd")
             if fast_key == last[0]:
                 hit = last[1]
-            elif grows:
-                # a contiguous KV cache grows by a key per decode step, prompts come at a new
-                # length per call: look the call up by its length buckets (the slow path
-                # depends on Sq and Sk only through them), the last such key first (the next
-                # step of a growing cache: an equality test instead of two hashed lookups)
-                axis = 1 if layout == "bshd" else 2
-                grow_key = _grow_key(fast_key, q_shape, k_shape, v_shape, axis)
-                lg, base = self._last_grow, None
-                if grow_key is not None and grow_key == lg[0]:
-                    base = lg[1]
-                else:
+            else:
+                hit = base = None
+                if grows:
+                    # a contiguous KV cache grows by a key per decode step, prompts come at a
+                    # new length per call: look the call up by its length buckets too (the
+                    # slow path depends on Sq and Sk only through them), the last such key
+                    # first (a growing cache's next step: an equality test, no hash)
+                    axis = 1 if layout == "bshd" else 2
+                    grow_key = _grow_key(fast_key, q_shape, k_shape, v_shape, axis)
+                    lg = self._last_grow
+                    if grow_key is not None and grow_key == lg[0]:
+                        base = lg[1]
+                if base is None:
                     hit = self._exact.get(fast_key)
                     if hit is not None:
                         self._last_exact = (fast_key, hit)
@@ -401,10 +403,6 @@ class Hub:
                         *base[:-3], (q_shape[0], sq, q_shape[3 - axis], v_shape[-1]), sq, sk)
                     if hit is not None:  # the next layers of this step: the last-key compare
                         self._last_exact = (fast_key, hit)
-            else:
-                hit = self._exact.get(fast_key)
-                if hit is not None:
-                    self._last_exact = (fast_key, hit)
         except (TypeError, AttributeError):  # unhashable or not a tensor: slow path
             hit, fast_key = None, None
         if hit is not None and not (

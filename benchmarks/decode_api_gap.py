@@ -34,25 +34,15 @@ from triton_decode import DEV, SCALE, SMOKE, PagedCase, decode_attention  # noqa
 
 import attnhub  # noqa: E402
 from attnhub.core.spec import AttnParams  # noqa: E402
+from attnhub.timing import sample_ms  # noqa: E402
 
 
 def b2b_ms(fn: Any, calls: int, repeats: int) -> float:
-    """Median over ``repeats`` of the ms per call of ``calls`` back-to-back calls."""
+    """Median over ``repeats`` of the ms per call of ``calls`` back-to-back calls
+    (``attnhub.timing.sample_ms``: CUDA events, from an idle GPU)."""
     for _ in range(3):
         fn()
-    if SMOKE:
-        return 0.0
-    runs = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(calls):
-            fn()
-        e1.record()
-        e1.synchronize()
-        runs.append(e0.elapsed_time(e1) / calls)
-    return statistics.median(runs)
+    return statistics.median(sample_ms(fn, DEV, calls) for _ in range(repeats))
 
 
 def graph_ms(fn: Any, calls: int, repeats: int) -> float | None:

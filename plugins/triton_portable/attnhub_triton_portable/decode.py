@@ -898,17 +898,13 @@ def decode_attention(
         return out, shape.new_lse() if return_lse else None
     if shape.copy:
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    if grown is None:
-        cap_k, arg_strides = shape.cap_k, shape.strides
-        longest = cap_k if max_seqlen_k is None else min(max_seqlen_k, cap_k)
-        run = shape.by_longest.get(longest) or shape.launches(longest)
-        tail = run.split_tail
-    else:  # the family's launches by whole key tiles (the plan reads nothing finer)
-        cap_k, arg_strides = grown
-        longest = cap_k if max_seqlen_k is None else min(max_seqlen_k, cap_k)
+    cap_k, arg_strides = (shape.cap_k, shape.strides) if grown is None else grown
+    longest = cap_k if max_seqlen_k is None else min(max_seqlen_k, cap_k)
+    if grown is not None:  # the family's launches by whole key tiles (the plan reads no finer)
         longest = -(-longest // shape.block_n) * shape.block_n
-        run = shape.by_longest.get(longest) or shape.launches(longest)
-        tail = run.split_tail
+    run = shape.by_longest.get(longest) or shape.launches(longest)
+    tail = run.split_tail
+    if grown is not None:  # with this length's capacity
         tail = (tail[0], tail[1], tail[2], cap_k, *tail[4:])
     cuda = shape.cuda_index is not None
     if return_lse:

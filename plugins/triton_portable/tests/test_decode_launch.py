@@ -262,6 +262,34 @@ def test_a_new_length_is_served_from_its_family_then_stored(stubbed: dict[str, A
         assert len(decode._shapes) == len(decode._families) == 2 and not decode._recent
 
 
+def test_a_growing_e4m3_cache_launches_as_cold(stubbed: dict[str, Any]) -> None:
+    """The family path with an e4m3 contiguous cache and per-(sequence, KV head) descales
+    (their strides sit after k's and v's in the launch): each new length, first call and
+    the next layer's, launches what a cold cache launches."""
+    log = stubbed["log"]
+    cache = torch.randn(2, 120, 2, 32).to(torch.float8_e4m3fn)
+    kd, vd = torch.rand(2, 2) + 0.5, torch.rand(2, 2) + 0.5
+    q = torch.randn(2, 1, 8, 32).to(torch.bfloat16)
+    view = lambda n: cache[:, :n].transpose(1, 2).contiguous().transpose(1, 2)
+    for n in range(30, 60):
+        for _ in range(2):  # two layers: the family path, then the stored shape
+            kv = view(n)
+            log.clear()
+            got = _tokens(log, *decode.decode_attention(q, kv, kv, scale=0.2, k_descale=kd,
+                                                        v_descale=vd))
+            kept, families = dict(decode._shapes), dict(decode._families)
+            decode._shapes.clear()
+            decode._families.clear()
+            log.clear()
+            cold = _tokens(log, *decode.decode_attention(q, kv, kv, scale=0.2, k_descale=kd,
+                                                         v_descale=vd))
+            decode._shapes.clear()
+            decode._shapes.update(kept)
+            decode._families.clear()
+            decode._families.update(families)
+            assert got == cold, n
+
+
 @pytest.mark.parametrize("known", [False, True])
 def test_a_growing_cache_whose_v_lags_is_refused(stubbed: dict[str, Any], known: bool) -> None:
     """k one key longer than v: refused before any launch, whether the length is new to a
