@@ -103,7 +103,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--masks", nargs="+", default=["full", "causal"])
-    ap.add_argument("--gluon", action="store_true", help="also the Gluon dK/dV backward")
+    ap.add_argument("--gluon", action="store_true", help="also the Hopper Gluon backward")
+    ap.add_argument("--only", nargs="*", default=None, help="config names to time (default all)")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
 
@@ -124,14 +125,17 @@ def main() -> None:
         dout = torch.randn_like(out)
         impls = [(n, (lambda c=c: flash_bwd(args, out, lse, dout, c))) for n, c in CONFIGS]
         if a.gluon:
-            from attnhub_triton_portable import bwd_gluon
+            from attnhub_triton_portable.bwd import gluon_bwd_unsupported
+            from attnhub_triton_portable.configs import GLUON_BWD_SM90
 
-            why = bwd_gluon.supports(args)
+            why = gluon_bwd_unsupported(args)
             if why is None:
-                impls.append(("gluon dkdv", lambda: bwd_gluon.flash_bwd(args, out, lse, dout)))
+                impls.insert(0, ("gluon", lambda: flash_bwd(args, out, lse, dout, GLUON_BWD_SM90)))
             else:
                 print("gluon skipped:", why)
         for name, fn in impls:
+            if a.only is not None and name not in a.only:
+                continue
             row: dict[str, Any] = {"mask": mask, "impl": name}
             try:
                 ms = wall_ms(fn)

@@ -67,6 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", default="/tmp/gluon_sm90")
     ap.add_argument("--ws-only", action="store_true")
+    ap.add_argument("--bwd", action="store_true", help="the Gluon backward (bwd_gluon) only")
     a = ap.parse_args()
     os.makedirs(a.dump, exist_ok=True)
     driver.set_active(_Sm90())
@@ -81,6 +82,9 @@ def main() -> None:
              ("causal_tl", {"causal": True, "alignment": "top_left"}),
              ("window", {"causal": True, "window": (4096, 0)})]
     cfgs = configs.GLUON_WS_SM90 + ([] if a.ws_only else configs.GLUON_SM90)
+    if a.bwd:
+        from attnhub_triton_portable import bwd_gluon
+        cfgs = [{"BWD": True}]
     bad = 0
     for cfg in cfgs:
         mod = fwd_gluon_ws if cfg.get("WS") else fwd_gluon
@@ -90,13 +94,19 @@ def main() -> None:
             k = torch.randn(1, 1024, 8, 128, dtype=torch.bfloat16)
             params = AttnParams(scale=128 ** -0.5, **kw)
             args = DenseArgs.from_params(q, k, k, params, "bshd")
-            why = fwd_mod.gluon_unsupported(args, cfg)
+            why = bwd_gluon.supports(args) if a.bwd else fwd_mod.gluon_unsupported(args, cfg)
             if why:
                 print(f"{cfg} {name}: unsupported: {why}")
                 continue
             tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{cfg}_{name}")[:120]
+            if a.bwd:
+                lse = torch.zeros(1, 16, 1024)
+                kern = bwd_gluon._bwd_kernel
+                call = lambda: bwd_gluon.flash_bwd(args, q, lse, q, lse)  # noqa: E731
+            else:
+                call = lambda: mod.flash_fwd(args, cfg)  # noqa: E731
             try:
-                ck = _compile(kern, lambda: mod.flash_fwd(args, cfg))
+                ck = _compile(kern, call)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 bad += 1
                 print(f"FAIL {cfg} {name}: {type(exc).__name__}: {str(exc)[-3000:]}")

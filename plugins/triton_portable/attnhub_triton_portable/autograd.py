@@ -16,7 +16,7 @@ import torch
 from attnhub.plugin import AttnParams, InputError, dtype_name
 
 from . import autotune
-from .bwd import flash_bwd
+from .bwd import flash_bwd, gluon_bwd_unsupported
 from .configs import bwd_candidates, fwd_candidates
 from .fwd import flash_fwd, gluon_unsupported
 from .launch import DenseArgs, device_arch
@@ -77,7 +77,10 @@ def bwd_config_for(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor,
     """The backward configs for this call; only atomic-free ones when deterministic."""
     cands = bwd_candidates(device_arch(args.q.device), args.head_dim, dtype_name(args.q.dtype),
                            args.causal, deterministic)
-    return autotune.pick(_key("bwd", args, (deterministic,)), cands, args.q.device,
+    if any(c.get("GLUON") for c in cands):  # drop the Gluon one where it cannot run
+        cands = [c for c in cands if not c.get("GLUON") or gluon_bwd_unsupported(args) is None]
+    gluon_ok = any(c.get("GLUON") for c in cands)
+    return autotune.pick(_key("bwd", args, (deterministic, gluon_ok)), cands, args.q.device,
                          lambda cfg: flash_bwd(args, out, lse, dout, cfg))
 
 

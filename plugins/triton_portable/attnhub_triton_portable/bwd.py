@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .launch import DenseArgs, launch_options
+from attnhub.plugin import InputError
+
+from .launch import DenseArgs, device_arch, launch_options
 
 _DELTA_BLOCK = 64
 
@@ -281,12 +283,25 @@ def _dq_kernel(
                      offs_r, offs_d, HEAD_DIM, USE_TMA)
 
 
+def gluon_bwd_unsupported(args: DenseArgs) -> str | None:
+    """Why the Hopper Gluon backward (:mod:`.bwd_gluon`) cannot run this call, or None."""
+    arch = device_arch(args.q.device)
+    if not arch.startswith("sm9"):
+        return f"the Gluon backward is written for sm90 (Hopper) wgmma, not {arch}"
+    try:
+        from . import bwd_gluon
+    except ImportError as exc:  # an older Triton without triton.experimental.gluon
+        return f"triton.experimental.gluon is not importable ({exc})"
+    return bwd_gluon.supports(args)
+
+
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               config: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of the forward that produced ``out``/``lse`` from ``args``.
 
     ``config`` is ``{"dkdv": cfg, "dq": cfg, "dq_mode": "separate"|"atomic"}`` (see
-    :func:`.configs.bwd_config`).
+    :func:`.configs.bwd_config`); with ``"GLUON": True`` the Hopper kernel of
+    :mod:`.bwd_gluon` computes all three (dq by TMA reduce-add: "atomic").
     """
     q, k, v = args.q, args.k, args.v
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
@@ -302,6 +317,14 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         out, dout, delta, *args.bsh_strides(out), *args.bsh_strides(dout),
         *args.lse_strides(lse), args.cu_q, args.seqlen_q, args.num_heads,
         HEAD_DIM=args.head_dim, BLOCK_M=_DELTA_BLOCK, BLOCK_D=args.block_d, VARLEN=args.varlen)
+    if config.get("GLUON"):
+        why = gluon_bwd_unsupported(args)
+        if why is not None:
+            raise InputError(f"backward config asks GLUON=True, but {why}; drop GLUON from "
+                             "the config (the portable kernels take every call)")
+        from . import bwd_gluon
+
+        return bwd_gluon.flash_bwd(args, out, lse, dout, delta)
 
     atomic = config.get("dq_mode", "separate") == "atomic"
     dqacc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq

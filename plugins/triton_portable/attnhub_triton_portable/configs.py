@@ -195,10 +195,17 @@ def bwd_candidates(arch: str, head_dim: int, dtype: str, causal: bool,
         return [base]
     out = [base,
            {"dkdv": _cfg(64, 128, 8, 2), "dq": _cfg(128, 128, 8, 2), "dq_mode": "separate"}]
-    if not deterministic:  # dq by TMA reduce-add inside the dk/dv kernel: fewer dots
-        out += [{**out[1], "dq_mode": "atomic"},
-                {"dkdv": _cfg(32, 128, 8, 3), "dq": base["dq"], "dq_mode": "atomic"}]
+    if not deterministic and block_d(head_dim) == head_dim:
+        out.append(GLUON_BWD_SM90)  # 5 GEMMs, dq by TMA reduce-add (taken where it serves)
     return _unique(out)
+
+
+#: The Hopper Gluon backward (:mod:`.bwd_gluon`): one kernel, 128 keys a program, 64 query
+#: rows a step, dq summed by TMA reduce-add (not deterministic). The portable atomic-dq
+#: configs it replaces measured 308 / 226 TFLOP/s at 16k full on the H200 against 390 for
+#: the atomic-free pair (benchmarks/bwd_probe.py, 2026-12-02).
+GLUON_BWD_SM90: Config = {"GLUON": True, "dq_mode": "atomic",
+                          "dkdv": _cfg(64, 128, 8, 1), "dq": _cfg(64, 128, 8, 1)}
 
 
 def _unique(cfgs: list[Any]) -> list[Any]:

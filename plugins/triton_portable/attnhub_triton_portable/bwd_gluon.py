@@ -1,0 +1,284 @@
+"""Hopper (sm90) backward attention in Gluon: dK, dV and dQ from one kernel, five GEMMs.
+
+Why: the portable backward (:mod:`.bwd`) is atomic-free, so a dQ kernel of its own recomputes
+``QK^T`` and ``dP``: 7 GEMMs where FlashAttention needs 5, and its dK/dV kernel holds K and V
+in registers and spills at 255. Measured on the H200 (benchmarks/bwd_probe.py, 16k full, d128,
+16 heads) its two kernels run at about 555 TFLOP/s of executed work, yet count 390: no tiling
+of that scheme reaches issue 16's 480. Here one program owns a key tile of one KV head (K and
+V stay in shared memory), walks the query tiles that can see it (Q and dO arrive by TMA, two
+stages ahead) and per tile issues the five GEMMs as async wgmmas: ``S^T = K Q^T`` and
+``dP^T = V dO^T`` together, the softmax under the second, ``dV += P^T dO`` from registers
+under the ``dS`` arithmetic, then ``dK += dS^T Q`` and ``dQ = dS K`` (dS through shared
+memory). Each dQ tile leaves by one TMA reduce-add into an fp32 buffer (FlashAttention-3's
+way), whose wait is deferred to the next tile, so the sum runs under the next GEMMs.
+
+dQ's summation order varies run to run: this kernel is not deterministic and is never picked
+when ``deterministic=True`` (the dq_mode "atomic" rule of :mod:`.configs`).
+
+Scope as the Gluon forward (:func:`supports` says why not): bshd, bf16/fp16, head dim 64 or
+128, packed heads, Sq a multiple of BLOCK_M and Sk of BLOCK_N, causal (either alignment) and
+sliding windows, GQA; no softcap, ALiBi, prefix-LM, column-sparse or varlen.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import fwd_gluon
+from .gluon_compat import cta_barrier, tma_load, tma_reduce_add
+from .launch import DenseArgs
+
+_LOG2E = 1.4426950408889634
+#: The tile the kernel is written for: 128 keys per program, 64 query rows per step, 8 warps
+#: (two warpgroups, 64 keys each).
+BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
+
+
+@gluon.jit
+def _query_plan(n0, seqlen_q, q_off, left, right, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr,
+                WIN_RIGHT: gl.constexpr):
+    """(lo, number of query tiles, full_lo, full_hi) that see keys [n0, n0 + BLOCK_N); query
+    tiles in [full_lo, full_hi) see every key of the tile (no mask)."""
+    n1 = n0 + BLOCK_N
+    lo = n0 * 0
+    hi = seqlen_q + n0 * 0
+    full_lo = lo
+    full_hi = hi
+    if CAUSAL:  # key j visible from row i when j <= i + q_off
+        lo = gl.maximum(lo, n0 - q_off)
+        full_lo = gl.maximum(full_lo, n1 - 1 - q_off)
+    if WIN_RIGHT:  # j <= i + q_off + right
+        lo = gl.maximum(lo, n0 - right - q_off)
+        full_lo = gl.maximum(full_lo, n1 - 1 - right - q_off)
+    if WIN_LEFT:  # j >= i + q_off - left
+        hi = gl.minimum(hi, n1 + left - q_off)
+        full_hi = gl.minimum(full_hi, n0 + left - q_off + 1)
+    lo = (gl.minimum(gl.maximum(lo, 0), seqlen_q) // BLOCK_M) * BLOCK_M
+    hi = gl.minimum(((gl.maximum(hi, lo) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, seqlen_q)
+    hi = gl.maximum(hi, lo)
+    full_lo = ((gl.maximum(full_lo, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
+    full_hi = (gl.maximum(full_hi, 0) // BLOCK_M) * BLOCK_M
+    full_hi = gl.maximum(gl.minimum(full_hi, hi), full_lo)
+    return lo, (hi - lo) // BLOCK_M, full_lo, full_hi
+
+
+@gluon.jit
+def _load_q_do(q_desc, do_desc, row, col, bar, q_buf, do_buf):
+    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma_load(q_desc, [row, col], bar, q_buf)
+    tma_load(do_desc, [row, col], bar, do_buf)
+
+
+@gluon.jit
+def _step(c, total, n_tiles, lo, g, hk, group, b, n0, dk, dv, k_smem,
+          v_smem, q_smem, do_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc, dq_desc, LSEb,
+          DELTAb, slh, seqlen_q, q_off, left, right, scale, scale2,
+          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          MASK_TILE: gl.constexpr, CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr,
+          WIN_RIGHT: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr,
+          dq_layout: gl.constexpr):
+    """Query tile ``c`` of this program's walk (head g of the group, tile c - g * n_tiles):
+    its five GEMMs. Nothing is in flight across the step's ends but the dQ reduce-add."""
+    # Both warpgroups finished step c - 1 (its stage is the one refilled below).
+    cta_barrier()
+    if c + 1 < total:
+        nxt = c + 1
+        g1 = nxt // n_tiles
+        row = b * seqlen_q + lo + (nxt - g1 * n_tiles) * BLOCK_M
+        _load_q_do(q_desc, do_desc, row, (hk * group + g1) * HEAD_DIM,
+                   ld_bar.index(nxt % 2), q_smem.index(nxt % 2), do_smem.index(nxt % 2))
+    stage = c % 2
+    m0 = lo + (c - g * n_tiles) * BLOCK_M
+    h = hk * group + g
+    mbarrier.wait(ld_bar.index(stage), (c // 2) & 1)
+    qs = q_smem.index(stage)
+    dos = do_smem.index(stage)
+    # zero accumulators made here, not carried through the loop: 64 registers a thread
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+    st = warpgroup_mma(k_smem, qs.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_smem, dos.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+    cols = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    lse = gl.load(LSEb + h * slh + cols)
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = gl.load(DELTAb + h * slh + cols)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+    s = st * scale2
+    if MASK_TILE:
+        jj = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)), 1)
+        p = gl.expand_dims(cols, 0) + q_off
+        ok = jj >= 0
+        if CAUSAL:
+            ok = ok & (jj <= p)
+        if WIN_LEFT:
+            ok = ok & (jj >= p - left)
+        if WIN_RIGHT:
+            ok = ok & (jj <= p + right)
+        s = gl.where(ok, s, float("-inf"))
+    pt = gl.exp2(s - gl.expand_dims(lse2, 0))
+    dv = warpgroup_mma(gl.convert_layout(pt.to(q_smem.dtype), op_layout), dos, dv,
+                       is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_smem.dtype)
+    ds_smem.store(dst)
+    fence_async_shared()
+    cta_barrier()  # dQ's GEMM reads both warpgroups' rows of dS^T
+    dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
+    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                       gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout),
+                       use_acc=False, is_async=True)
+    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+    tma.store_wait(0)  # the previous tile's reduce-add has read dq_smem
+    cta_barrier()
+    dq_smem.store(dq * scale)
+    fence_async_shared()
+    cta_barrier()
+    tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dq_smem)
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV,
+                sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh,
+                seqlen_q, seqlen_k, num_kv_heads, group, scale, scale2, left, right,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
+                WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr):
+    pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
+    bh = gl.program_id(1)
+    b = bh // num_kv_heads
+    hk = bh % num_kv_heads
+    n0 = pid_n * BLOCK_N
+    q_off = seqlen_k * 0
+    if BOTTOM_RIGHT:
+        q_off = seqlen_k - seqlen_q
+
+    # S^T / dP^T: keys x queries, each warpgroup 64 keys; dK / dV: keys x d; dQ: queries x d
+    # with the two warpgroups splitting d.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+        instr_shape=[16, HEAD_DIM // (NUM_WARPS // 4), 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+    ds_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ld_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for t in gl.static_range(2):
+        mbarrier.init(ld_bar.index(t), count=1)
+
+    lo, n_tiles, full_lo, full_hi = _query_plan(n0, seqlen_q, q_off, left, right, BLOCK_M,
+                                                BLOCK_N, CAUSAL, WIN_LEFT, WIN_RIGHT)
+    total = group * n_tiles
+    k_row = b * seqlen_k + n0
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [k_row, hk * HEAD_DIM], kv_bar, k_smem)
+    tma_load(v_desc, [k_row, hk * HEAD_DIM], kv_bar, v_smem)
+    if total > 0:
+        _load_q_do(q_desc, do_desc, b * seqlen_q + lo, hk * group * HEAD_DIM, ld_bar.index(0),
+                   q_smem.index(0), do_smem.index(0))
+
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    LSEb = LSE + b.to(gl.int64) * slb
+    DELTAb = DELTA + b.to(gl.int64) * slb
+    mbarrier.wait(kv_bar, 0)
+    MASKED: gl.constexpr = CAUSAL or WIN_LEFT or WIN_RIGHT
+    t_lo = (full_lo - lo) // BLOCK_M
+    t_hi = (full_hi - lo) // BLOCK_M
+    for g in range(group):
+        for bnd in gl.static_range(3):  # query tiles [0, t_lo) masked, [t_lo, t_hi) not, rest masked
+            if MASKED or bnd == 1:
+                start = 0
+                end = n_tiles
+                if MASKED:
+                    if bnd == 0:
+                        end = t_lo
+                    elif bnd == 1:
+                        start = t_lo
+                        end = t_hi
+                    else:
+                        start = t_hi
+                for i in range(start, end):
+                    dk, dv = _step(g * n_tiles + i, total, n_tiles, lo, g, hk, group, b, n0,
+                                   dk, dv, k_smem, v_smem, q_smem, do_smem,
+                                   ds_smem, dq_smem, ld_bar, q_desc, do_desc, dq_desc, LSEb,
+                                   DELTAb, slh, seqlen_q, q_off, left, right, scale, scale2,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, MASKED and bnd != 1, CAUSAL,
+                                   WIN_LEFT, WIN_RIGHT, st_layout, op_layout, dq_layout)
+    tma.store_wait(0)
+    mbarrier.invalidate(kv_bar)
+    for t in gl.static_range(2):
+        mbarrier.invalidate(ld_bar.index(t))
+
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    dcol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    b64 = b.to(gl.int64)
+    r64 = gl.expand_dims(rows.to(gl.int64), 1)
+    dk_ptrs = DK + b64 * sdkb + hk * sdkh + r64 * sdks + gl.expand_dims(dcol, 0)
+    dv_ptrs = DV + b64 * sdvb + hk * sdvh + r64 * sdvs + gl.expand_dims(dcol, 0)
+    gl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty))
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+
+
+def supports(args: DenseArgs) -> str | None:
+    """None when this kernel computes the backward of the call, else why not."""
+    why = fwd_gluon.supports(args, {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N})
+    if why is not None:
+        return why
+    if args.seqlen_q == 0:
+        return "empty query sequence (no TMA view to build)"
+    return None
+
+
+def _dq_desc(dqacc: torch.Tensor, head_dim: int) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl.float32)
+    rows, cols = dqacc.shape[0] * dqacc.shape[1], dqacc.shape[2] * dqacc.shape[3]
+    return TensorDescriptor(dqacc, [rows, cols], [dqacc.stride(1), 1], [BLOCK_M, head_dim],
+                            layout)
+
+
+def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+              delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
+    ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`."""
+    q, k, v = args.q, args.k, args.v
+    d = args.head_dim
+    if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
+        dout = dout.contiguous()
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dqacc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    grid = (args.seqlen_k // BLOCK_N, args.batch * args.num_kv_heads)
+    _bwd_kernel[grid](
+        fwd_gluon._desc(q, BLOCK_M, d), fwd_gluon._desc(k, BLOCK_N, d),
+        fwd_gluon._desc(v, BLOCK_N, d), fwd_gluon._desc(dout, BLOCK_M, d), _dq_desc(dqacc, d),
+        lse, delta, dk, dv, *args.bsh_strides(dk), *args.bsh_strides(dv),
+        *args.lse_strides(lse), args.seqlen_q, args.seqlen_k, args.num_kv_heads, args.group,
+        args.scale, args.scale * _LOG2E, args.left, args.right,
+        HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=args.causal,
+        BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
+        NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, num_stages=1)
+    return dqacc.to(q.dtype), dk, dv
+
