@@ -131,6 +131,13 @@ def main() -> None:
             why = gluon_bwd_unsupported(args)
             if why is None:
                 impls.insert(0, ("gluon", lambda: flash_bwd(args, out, lse, dout, GLUON_BWD_SM90)))
+                from attnhub_triton_portable import bwd_gluon
+
+                # timing probes (wrong gradients): without the dq reduce-add, without dq at all
+                delta = torch.empty_like(lse)
+                for pr, nm in ((1, "gluon no-reduce"), (2, "gluon no-dq")):
+                    impls.insert(1, (nm, lambda pr=pr: bwd_gluon.flash_bwd(
+                        args, out, lse, dout, delta, _probe=pr)))
             else:
                 print("gluon skipped:", why)
         for name, fn in impls:

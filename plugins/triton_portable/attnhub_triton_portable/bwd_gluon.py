@@ -88,7 +88,7 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, dk, dv, k_smem,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           MASK_TILE: gl.constexpr, CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr,
           WIN_RIGHT: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr,
-          dq_layout: gl.constexpr):
+          dq_layout: gl.constexpr, PROBE: gl.constexpr):
     """Query tile ``c`` of this program's walk (head g of the group, tile c - g * n_tiles):
     its five GEMMs. Nothing is in flight across the step's ends but the dQ reduce-add."""
     # Both warpgroups finished step c - 1 (its stage is the one refilled below).
@@ -135,16 +135,20 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, dk, dv, k_smem,
     fence_async_shared()
     cta_barrier()  # dQ's GEMM reads both warpgroups' rows of dS^T
     dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
-    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                       gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout),
-                       use_acc=False, is_async=True)
-    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-    tma.store_wait(0)  # the previous tile's reduce-add has read dq_smem
-    cta_barrier()
-    dq_smem.store(dq * scale)
-    fence_async_shared()
-    cta_barrier()
-    tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dq_smem)
+    if PROBE < 2:
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                           gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout),
+                           use_acc=False, is_async=True)
+        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+        if PROBE == 0:
+            tma.store_wait(0)  # the previous tile's reduce-add has read dq_smem
+            cta_barrier()
+            dq_smem.store(dq * scale)
+            fence_async_shared()
+            cta_barrier()
+            tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dq_smem)
+    else:
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     return dk, dv
 
 
@@ -154,7 +158,7 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV,
                 seqlen_q, seqlen_k, num_kv_heads, group, scale, scale2, left, right,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
-                WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr):
+                WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, PROBE: gl.constexpr = 0):
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
     bh = gl.program_id(1)
     b = bh // num_kv_heads
@@ -227,7 +231,7 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV,
                                    ds_smem, dq_smem, ld_bar, q_desc, do_desc, dq_desc, LSEb,
                                    DELTAb, slh, seqlen_q, q_off, left, right, scale, scale2,
                                    HEAD_DIM, BLOCK_M, BLOCK_N, MASKED and bnd != 1, CAUSAL,
-                                   WIN_LEFT, WIN_RIGHT, st_layout, op_layout, dq_layout)
+                                   WIN_LEFT, WIN_RIGHT, st_layout, op_layout, dq_layout, PROBE)
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
     for t in gl.static_range(2):
@@ -261,7 +265,8 @@ def _dq_desc(dqacc: torch.Tensor, head_dim: int) -> TensorDescriptor:
 
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-              delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              delta: torch.Tensor, _probe: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`."""
     q, k, v = args.q, args.k, args.v
@@ -279,6 +284,6 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         args.scale, args.scale * _LOG2E, args.left, args.right,
         HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=args.causal,
         BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
-        NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, num_stages=1)
+        NUM_WARPS=NUM_WARPS, PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
     return dqacc.to(q.dtype), dk, dv
 
