@@ -135,7 +135,8 @@ def main() -> None:
 
                 # timing probes (wrong gradients): without the dq reduce-add, without dq at all
                 delta = torch.empty_like(lse)
-                for pr, nm in ((1, "gluon no-reduce"), (2, "gluon no-dq")):
+                for pr, nm in ((1, "gluon no-dq-store"), (2, "gluon no-dq"), (3, "gluon no-reduce"),
+                               (4, "gluon no-wait")):
                     impls.insert(1, (nm, lambda pr=pr: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, _probe=pr)))
             else:

@@ -42,6 +42,8 @@ _LOG2E = 1.4426950408889634
 #: The tile the kernel is written for: 128 keys per program, 64 query rows per step, 8 warps
 #: (two warpgroups, 64 keys each).
 BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
+#: Q / dO / LSE / delta ring: tile c + 2 is loaded while tile c computes.
+STAGES = 3
 
 
 @gluon.jit
@@ -75,47 +77,51 @@ def _query_plan(n0, seqlen_q, q_off, left, right, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _load_q_do(q_desc, do_desc, row, col, bar, q_buf, do_buf):
-    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma_load(q_desc, [row, col], bar, q_buf)
-    tma_load(do_desc, [row, col], bar, do_buf)
+def _load_tile(c, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc, lse_desc,
+               delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Query tile ``c`` of the walk into ring stage c % STAGES: Q and dO rows, and the LSE
+    and delta of those rows (shared memory, so the softmax never waits on a global load)."""
+    g = c // n_tiles
+    m0 = lo + (c - g * n_tiles) * BLOCK_M
+    h = hk * group + g
+    st = c % STAGES
+    bar = ld_bar.index(st)
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+    tma_load(q_desc, [b * seqlen_q + m0, h * HEAD_DIM], bar, q_smem.index(st))
+    tma_load(do_desc, [b * seqlen_q + m0, h * HEAD_DIM], bar, do_smem.index(st))
+    lrow = (b * num_heads + h) * seqlen_q + m0
+    tma_load(lse_desc, [lrow], bar, lse_smem.index(st))
+    tma_load(delta_desc, [lrow], bar, delta_smem.index(st))
 
 
 @gluon.jit
-def _step(c, total, n_tiles, lo, g, hk, group, b, n0, dk, dv, k_smem,
-          v_smem, q_smem, do_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc, dq_desc, LSEb,
-          DELTAb, slh, seqlen_q, q_off, left, right, scale, scale2,
+def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem, v_smem,
+          q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc,
+          lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right, scale, scale2,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          MASK_TILE: gl.constexpr, CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr,
-          WIN_RIGHT: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr,
-          dq_layout: gl.constexpr, PROBE: gl.constexpr):
+          STAGES: gl.constexpr, MASK_TILE: gl.constexpr, CAUSAL: gl.constexpr,
+          WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, st_layout: gl.constexpr,
+          op_layout: gl.constexpr, dq_layout: gl.constexpr, PROBE: gl.constexpr):
     """Query tile ``c`` of this program's walk (head g of the group, tile c - g * n_tiles):
-    its five GEMMs. Nothing is in flight across the step's ends but the dQ reduce-add."""
-    # Both warpgroups finished step c - 1 (its stage is the one refilled below).
-    cta_barrier()
-    if c + 1 < total:
-        nxt = c + 1
-        g1 = nxt // n_tiles
-        row = b * seqlen_q + lo + (nxt - g1 * n_tiles) * BLOCK_M
-        _load_q_do(q_desc, do_desc, row, (hk * group + g1) * HEAD_DIM,
-                   ld_bar.index(nxt % 2), q_smem.index(nxt % 2), do_smem.index(nxt % 2))
-    stage = c % 2
+    its five GEMMs. Nothing is in flight across the step's ends but the dQ reduce-add and
+    the loads of the next STAGES - 1 tiles."""
+    stage = c % STAGES
     m0 = lo + (c - g * n_tiles) * BLOCK_M
     h = hk * group + g
-    mbarrier.wait(ld_bar.index(stage), (c // 2) & 1)
+    mbarrier.wait(ld_bar.index(stage), (c // STAGES) & 1)
     qs = q_smem.index(stage)
     dos = do_smem.index(stage)
-    # zero accumulators made here, not carried through the loop: 64 registers a thread
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
     st = warpgroup_mma(k_smem, qs.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_smem, dos.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-    cols = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    lse = gl.load(LSEb + h * slh + cols)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    lse = lse_smem.index(stage).load(col_layout)
     lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = gl.load(DELTAb + h * slh + cols)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
     s = st * scale2
     if MASK_TILE:
+        cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
         jj = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)), 1)
         p = gl.expand_dims(cols, 0) + q_off
         ok = jj >= 0
@@ -129,36 +135,46 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, dk, dv, k_smem,
     pt = gl.exp2(s - gl.expand_dims(lse2, 0))
     dv = warpgroup_mma(gl.convert_layout(pt.to(q_smem.dtype), op_layout), dos, dv,
                        is_async=True)
+    delta = delta_smem.index(stage).load(col_layout)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
     dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_smem.dtype)
     ds_smem.store(dst)
     fence_async_shared()
-    cta_barrier()  # dQ's GEMM reads both warpgroups' rows of dS^T
+    # dQ's GEMM reads both warpgroups' rows of dS^T; past this barrier both warpgroups are
+    # done with tile c - 1, whose stage takes tile c + STAGES - 1.
+    cta_barrier()
+    if c + STAGES - 1 < total:
+        _load_tile(c + STAGES - 1, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc,
+                   do_desc, lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem,
+                   delta_smem, HEAD_DIM, BLOCK_M, STAGES)
     dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
     if PROBE < 2:
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
                            gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout),
                            use_acc=False, is_async=True)
         dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-        if PROBE == 0:
-            tma.store_wait(0)  # the previous tile's reduce-add has read dq_smem
+        if PROBE != 1:
+            if PROBE != 4:
+                tma.store_wait(0)  # the previous tile's reduce-add has read dq_smem
             cta_barrier()
             dq_smem.store(dq * scale)
             fence_async_shared()
             cta_barrier()
-            tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dq_smem)
+            if PROBE != 3:
+                tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dq_smem)
     else:
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     return dk, dv
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV,
-                sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh,
-                seqlen_q, seqlen_k, num_kv_heads, group, scale, scale2, left, right,
+def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV,
+                sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                seqlen_q, seqlen_k, num_heads, num_kv_heads, group, scale, scale2, left, right,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
-                WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, PROBE: gl.constexpr = 0):
+                WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
+                PROBE: gl.constexpr):
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
     bh = gl.program_id(1)
     b = bh // num_kv_heads
@@ -182,15 +198,17 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV,
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     ds_smem = gl.allocate_shared_memory(
         dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ld_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ld_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for t in gl.static_range(2):
+    for t in gl.static_range(STAGES):
         mbarrier.init(ld_bar.index(t), count=1)
 
     lo, n_tiles, full_lo, full_hi = _query_plan(n0, seqlen_q, q_off, left, right, BLOCK_M,
@@ -200,14 +218,14 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV,
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [k_row, hk * HEAD_DIM], kv_bar, k_smem)
     tma_load(v_desc, [k_row, hk * HEAD_DIM], kv_bar, v_smem)
-    if total > 0:
-        _load_q_do(q_desc, do_desc, b * seqlen_q + lo, hk * group * HEAD_DIM, ld_bar.index(0),
-                   q_smem.index(0), do_smem.index(0))
+    for t in gl.static_range(STAGES - 1):
+        if t < total:
+            _load_tile(t, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc,
+                       lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem,
+                       HEAD_DIM, BLOCK_M, STAGES)
 
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
-    LSEb = LSE + b.to(gl.int64) * slb
-    DELTAb = DELTA + b.to(gl.int64) * slb
     mbarrier.wait(kv_bar, 0)
     MASKED: gl.constexpr = CAUSAL or WIN_LEFT or WIN_RIGHT
     t_lo = (full_lo - lo) // BLOCK_M
@@ -227,14 +245,15 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV,
                         start = t_hi
                 for i in range(start, end):
                     dk, dv = _step(g * n_tiles + i, total, n_tiles, lo, g, hk, group, b, n0,
-                                   dk, dv, k_smem, v_smem, q_smem, do_smem,
-                                   ds_smem, dq_smem, ld_bar, q_desc, do_desc, dq_desc, LSEb,
-                                   DELTAb, slh, seqlen_q, q_off, left, right, scale, scale2,
-                                   HEAD_DIM, BLOCK_M, BLOCK_N, MASKED and bnd != 1, CAUSAL,
-                                   WIN_LEFT, WIN_RIGHT, st_layout, op_layout, dq_layout, PROBE)
+                                   num_heads, dk, dv, k_smem, v_smem, q_smem, do_smem,
+                                   lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc,
+                                   do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off,
+                                   left, right, scale, scale2, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                   STAGES, MASKED and bnd != 1, CAUSAL, WIN_LEFT, WIN_RIGHT,
+                                   st_layout, op_layout, dq_layout, PROBE)
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
-    for t in gl.static_range(2):
+    for t in gl.static_range(STAGES):
         mbarrier.invalidate(ld_bar.index(t))
 
     rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
@@ -264,26 +283,35 @@ def _dq_desc(dqacc: torch.Tensor, head_dim: int) -> TensorDescriptor:
                             layout)
 
 
+def _row_desc(t: torch.Tensor) -> TensorDescriptor:
+    """1-D TMA view of an LSE-shaped (B, H, Sq) fp32 tensor: one block is BLOCK_M rows."""
+    flat = t.reshape(-1)  # contiguous: LSE and delta are made here and by the forward
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M], layout)
+
+
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               delta: torch.Tensor, _probe: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
-    ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`."""
+    ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
+    ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
+    2 dq altogether, 3 the reduce-add only, 4 the wait for the previous reduce-add."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
         dout = dout.contiguous()
+    lse = lse.contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dqacc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     grid = (args.seqlen_k // BLOCK_N, args.batch * args.num_kv_heads)
     _bwd_kernel[grid](
         fwd_gluon._desc(q, BLOCK_M, d), fwd_gluon._desc(k, BLOCK_N, d),
         fwd_gluon._desc(v, BLOCK_N, d), fwd_gluon._desc(dout, BLOCK_M, d), _dq_desc(dqacc, d),
-        lse, delta, dk, dv, *args.bsh_strides(dk), *args.bsh_strides(dv),
-        *args.lse_strides(lse), args.seqlen_q, args.seqlen_k, args.num_kv_heads, args.group,
+        _row_desc(lse), _row_desc(delta), dk, dv, *args.bsh_strides(dk), *args.bsh_strides(dv),
+        args.seqlen_q, args.seqlen_k, args.num_heads, args.num_kv_heads, args.group,
         args.scale, args.scale * _LOG2E, args.left, args.right,
         HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=args.causal,
         BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
-        NUM_WARPS=NUM_WARPS, PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
+        NUM_WARPS=NUM_WARPS, STAGES=STAGES, PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
     return dqacc.to(q.dtype), dk, dv
-
