@@ -3,8 +3,10 @@
 Issue 16's backward target is 480 TFLOP/s at 16k full (bf16, d128, 16/16 heads, batch 1);
 the shipped backward measured 392. This probe times, per tile config and dq mode, the delta,
 dK/dV and dQ kernels separately (CUDA profiler, device time), with each kernel's registers and
-spills as compiled, so a rewrite goes to the kernel that needs it. cuDNN's backward (SDPA)
-and, when given ``--gluon``, the Hopper Gluon dK/dV kernel are timed in the same run.
+spills as compiled, so a rewrite goes to the kernel that needs it. cuDNN's backward (SDPA),
+the backward through ``attnhub.attention`` (the autotuned config a user gets) and, when given
+``--gluon``, the Hopper Gluon backward (ring depths and a no-dq probe) are timed in the same
+run.
 
     python benchmarks/bwd_probe.py [--json out.json] [--masks full causal] [--smoke]
 
@@ -61,9 +63,15 @@ def _kernel_stats() -> dict[str, dict[str, int]]:
     """Registers and spills of every compiled backward kernel (Triton's JIT caches)."""
     from attnhub_triton_portable import bwd
 
+    kernels = {"_dkdv_kernel": bwd._dkdv_kernel, "_dq_kernel": bwd._dq_kernel}
+    try:
+        from attnhub_triton_portable import bwd_gluon
+
+        kernels["gluon _bwd_kernel"] = bwd_gluon._bwd_kernel
+    except ImportError:  # a Triton without Gluon
+        pass
     out: dict[str, dict[str, int]] = {}
-    for name in ("_dkdv_kernel", "_dq_kernel"):
-        fn = getattr(bwd, name)
+    for name, fn in kernels.items():
         for caches in getattr(fn, "device_caches", {}).values():
             for i, k in enumerate(caches[0].values()):
                 regs, spills = getattr(k, "n_regs", None), getattr(k, "n_spills", None)
@@ -97,6 +105,17 @@ def wall_ms(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+
+def _api_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """The backward as a user gets it: ``attnhub.attention(..., backend="triton")`` with
+    grads, its autotuned config; one forward, then the gradients timed."""
+    import attnhub
+
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = attnhub.attention(qq, kk, vv, causal=causal, backend="triton")
+    go = torch.randn_like(o)
+    return lambda: torch.autograd.grad(o, (qq, kk, vv), go, retain_graph=True)
 
 
 def main() -> None:
@@ -133,14 +152,17 @@ def main() -> None:
                 impls.insert(0, ("gluon", lambda: flash_bwd(args, out, lse, dout, GLUON_BWD_SM90)))
                 from attnhub_triton_portable import bwd_gluon
 
-                # timing probes (wrong gradients): without the dq reduce-add, without dq at all
                 delta = torch.empty_like(lse)
-                for pr, nm in ((1, "gluon no-dq-store"), (2, "gluon no-dq"), (3, "gluon no-reduce"),
-                               (4, "gluon no-wait")):
-                    impls.insert(1, (nm, lambda pr=pr: bwd_gluon.flash_bwd(
-                        args, out, lse, dout, delta, _probe=pr)))
+                # other ring depths (stages, dq buffers), and a timing probe without dq
+                # (wrong gradients): what the dq reduce-adds cost
+                for nm, kw in (("gluon s3 dq1", {"_stages": 3, "_dq_bufs": 1}),
+                               ("gluon s2 dq1", {"_stages": 2, "_dq_bufs": 1}),
+                               ("gluon no-dq (probe)", {"_probe": 2})):
+                    impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
+                        args, out, lse, dout, delta, **kw)))
             else:
                 print("gluon skipped:", why)
+        impls.append(("attnhub.attention (policy's triton)", _api_backward(q, k, v, causal)))
         for name, fn in impls:
             if a.only is not None and name not in a.only:
                 continue

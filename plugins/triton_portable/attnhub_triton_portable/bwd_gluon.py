@@ -42,8 +42,11 @@ _LOG2E = 1.4426950408889634
 #: The tile the kernel is written for: 128 keys per program, 64 query rows per step, 8 warps
 #: (two warpgroups, 64 keys each).
 BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
-#: Q / dO / LSE / delta ring: tile c + 2 is loaded while tile c computes.
-STAGES = 3
+#: Q / dO / LSE / delta ring of STAGES tiles (tile c + STAGES - 1 loads while tile c
+#: computes), and DQ_BUFS fp32 dQ tiles in shared memory: with two, tile c's reduce-add runs
+#: under tile c + 1's GEMMs (with one, each step waits for the last one to be read: on the
+#: H200 that wait was 40% of the kernel at 16k). 2 + 2 fill 208 of the 227 KiB at d128.
+STAGES, DQ_BUFS = 2, 2
 
 
 @gluon.jit
@@ -100,12 +103,13 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
           q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc,
           lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right, scale, scale2,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr, MASK_TILE: gl.constexpr, CAUSAL: gl.constexpr,
-          WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, st_layout: gl.constexpr,
-          op_layout: gl.constexpr, dq_layout: gl.constexpr, PROBE: gl.constexpr):
+          STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, MASK_TILE: gl.constexpr,
+          CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
+          st_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
+          PROBE: gl.constexpr):
     """Query tile ``c`` of this program's walk (head g of the group, tile c - g * n_tiles):
-    its five GEMMs. Nothing is in flight across the step's ends but the dQ reduce-add and
-    the loads of the next STAGES - 1 tiles."""
+    its five GEMMs. Nothing is in flight across the step's ends but the last DQ_BUFS - 1 dQ
+    reduce-adds and the loads of the next STAGES - 1 tiles."""
     stage = c % STAGES
     m0 = lo + (c - g * n_tiles) * BLOCK_M
     h = hk * group + g
@@ -148,20 +152,19 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
                    do_desc, lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem,
                    delta_smem, HEAD_DIM, BLOCK_M, STAGES)
     dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
-    if PROBE < 2:
+    if PROBE != 2:
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
                            gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout),
                            use_acc=False, is_async=True)
         dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
         if PROBE != 1:
-            if PROBE != 4:
-                tma.store_wait(0)  # the previous tile's reduce-add has read dq_smem
+            dqs = dq_smem.index(c % DQ_BUFS)
+            tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this buffer is done
             cta_barrier()
-            dq_smem.store(dq * scale)
+            dqs.store(dq * scale)
             fence_async_shared()
             cta_barrier()
-            if PROBE != 3:
-                tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dq_smem)
+            tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dqs)
     else:
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     return dk, dv
@@ -174,7 +177,7 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
                 WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
-                PROBE: gl.constexpr):
+                DQ_BUFS: gl.constexpr, PROBE: gl.constexpr):
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
     bh = gl.program_id(1)
     b = bh // num_kv_heads
@@ -204,7 +207,8 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
     ds_smem = gl.allocate_shared_memory(
         dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM],
+                                        dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ld_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -249,8 +253,8 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                                    lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc,
                                    do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off,
                                    left, right, scale, scale2, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   STAGES, MASKED and bnd != 1, CAUSAL, WIN_LEFT, WIN_RIGHT,
-                                   st_layout, op_layout, dq_layout, PROBE)
+                                   STAGES, DQ_BUFS, MASKED and bnd != 1, CAUSAL, WIN_LEFT,
+                                   WIN_RIGHT, st_layout, op_layout, dq_layout, PROBE)
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
     for t in gl.static_range(STAGES):
@@ -291,12 +295,12 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
 
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-              delta: torch.Tensor, _probe: int = 0
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              delta: torch.Tensor, _probe: int = 0, _stages: int = STAGES,
+              _dq_bufs: int = DQ_BUFS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
-    2 dq altogether, 3 the reduce-add only, 4 the wait for the previous reduce-add."""
+    2 dq altogether; ``_stages`` / ``_dq_bufs`` try other ring depths (benchmarks)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
@@ -313,5 +317,5 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         args.scale, args.scale * _LOG2E, args.left, args.right,
         HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=args.causal,
         BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
-        NUM_WARPS=NUM_WARPS, STAGES=STAGES, PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
+        NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs, PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
     return dqacc.to(q.dtype), dk, dv
