@@ -5,12 +5,13 @@ Why: the portable backward (:mod:`.bwd`) is atomic-free, so a dQ kernel of its o
 in registers and spills at 255. Measured on the H200 (benchmarks/bwd_probe.py, 16k full, d128,
 16 heads) its two kernels run at about 555 TFLOP/s of executed work, yet count 390: no tiling
 of that scheme reaches issue 16's 480. Here one program owns a key tile of one KV head (K and
-V stay in shared memory), walks the query tiles that can see it (Q and dO arrive by TMA, two
-stages ahead) and per tile issues the five GEMMs as async wgmmas: ``S^T = K Q^T`` and
-``dP^T = V dO^T`` together, the softmax under the second, ``dV += P^T dO`` from registers
-under the ``dS`` arithmetic, then ``dK += dS^T Q`` and ``dQ = dS K`` (dS through shared
-memory). Each dQ tile leaves by one TMA reduce-add into an fp32 buffer (FlashAttention-3's
-way), whose wait is deferred to the next tile, so the sum runs under the next GEMMs.
+V stay in shared memory), walks the query tiles that can see it (Q, dO and their rows' LSE
+and delta arrive by TMA, one tile ahead) and per tile issues the five GEMMs as async wgmmas:
+``S^T = K Q^T`` and ``dP^T = V dO^T`` together, the softmax under the second, ``dV += P^T dO``
+from registers under the ``dS`` arithmetic, then ``dK += dS^T Q`` and ``dQ = dS K`` (dS
+through shared memory). Each dQ tile leaves by one TMA reduce-add into an fp32 buffer
+(FlashAttention-3's way) from one of two shared-memory buffers, so the sum runs under the
+next tile's GEMMs; with one buffer the wait for it cost 40% of the kernel (H200, 16k).
 
 dQ's summation order varies run to run: this kernel is not deterministic and is never picked
 when ``deterministic=True`` (the dq_mode "atomic" rule of :mod:`.configs`).
