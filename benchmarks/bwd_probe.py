@@ -156,6 +156,7 @@ def main() -> None:
                 # other ring depths (stages, dq buffers), and a timing probe without dq
                 # (wrong gradients): what the dq reduce-adds cost
                 for nm, kw in (("gluon s3 dq1", {"_stages": 3, "_dq_bufs": 1}),
+                               ("gluon dq-first", {"_dq_first": True}),
                                ("gluon s2 dq1", {"_stages": 2, "_dq_bufs": 1}),
                                ("gluon no-dq (probe)", {"_probe": 2})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(

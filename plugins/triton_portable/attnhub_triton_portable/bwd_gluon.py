@@ -48,6 +48,8 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 #: under tile c + 1's GEMMs (with one, each step waits for the last one to be read: on the
 #: H200 that wait was 40% of the kernel at 16k). 2 + 2 fill 208 of the 227 KiB at d128.
 STAGES, DQ_BUFS = 2, 2
+#: Issue dQ's GEMM before dK's, so dQ's store runs under dK's (a timing variant).
+DQ_FIRST = False
 
 
 @gluon.jit
@@ -104,7 +106,8 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
           q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc,
           lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right, scale, scale2,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, MASK_TILE: gl.constexpr,
+          STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_FIRST: gl.constexpr,
+          MASK_TILE: gl.constexpr,
           CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
           st_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
           PROBE: gl.constexpr):
@@ -152,12 +155,22 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
         _load_tile(c + STAGES - 1, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc,
                    do_desc, lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem,
                    delta_smem, HEAD_DIM, BLOCK_M, STAGES)
-    dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
-    if PROBE != 2:
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                           gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout),
-                           use_acc=False, is_async=True)
-        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+    dsr = gl.convert_layout(dst, op_layout)
+    if PROBE == 2:
+        dk = warpgroup_mma(dsr, qs, dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    else:
+        zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+        if DQ_FIRST:  # dQ's store and reduce-add run under dK's GEMM
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False,
+                               is_async=True)
+            dk = warpgroup_mma(dsr, qs, dk, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
+        else:
+            dk = warpgroup_mma(dsr, qs, dk, is_async=True)
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False,
+                               is_async=True)
+            dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
         if PROBE != 1:
             dqs = dq_smem.index(c % DQ_BUFS)
             tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this buffer is done
@@ -166,8 +179,8 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
             fence_async_shared()
             cta_barrier()
             tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dqs)
-    else:
-        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        if DQ_FIRST:
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     return dk, dv
 
 
@@ -178,7 +191,7 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
                 WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
-                DQ_BUFS: gl.constexpr, PROBE: gl.constexpr):
+                DQ_BUFS: gl.constexpr, DQ_FIRST: gl.constexpr, PROBE: gl.constexpr):
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
     bh = gl.program_id(1)
     b = bh // num_kv_heads
@@ -254,8 +267,9 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                                    lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc,
                                    do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off,
                                    left, right, scale, scale2, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   STAGES, DQ_BUFS, MASKED and bnd != 1, CAUSAL, WIN_LEFT,
-                                   WIN_RIGHT, st_layout, op_layout, dq_layout, PROBE)
+                                   STAGES, DQ_BUFS, DQ_FIRST, MASKED and bnd != 1, CAUSAL,
+                                   WIN_LEFT, WIN_RIGHT, st_layout, op_layout, dq_layout,
+                                   PROBE)
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
     for t in gl.static_range(STAGES):
@@ -297,11 +311,13 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               delta: torch.Tensor, _probe: int = 0, _stages: int = STAGES,
-              _dq_bufs: int = DQ_BUFS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              _dq_bufs: int = DQ_BUFS, _dq_first: bool = DQ_FIRST
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
-    2 dq altogether; ``_stages`` / ``_dq_bufs`` try other ring depths (benchmarks)."""
+    2 dq altogether; ``_stages`` / ``_dq_bufs`` / ``_dq_first`` try other ring depths and
+    GEMM orders (benchmarks)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
@@ -318,5 +334,6 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         args.scale, args.scale * _LOG2E, args.left, args.right,
         HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=args.causal,
         BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
-        NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs, PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
+        NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs,
+        DQ_FIRST=_dq_first, PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
     return dqacc.to(q.dtype), dk, dv
