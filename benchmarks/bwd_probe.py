@@ -108,7 +108,7 @@ def wall_ms(fn) -> float:
 
 
 def _api_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """The backward as a user gets it: ``attnhub.attention(..., backend="triton")`` with
+    """Row ``api``: the backward as a user gets it: ``attnhub.attention(..., backend="triton")`` with
     grads, its autotuned config; one forward, then the gradients timed."""
     import attnhub
 
@@ -155,15 +155,16 @@ def main() -> None:
                 delta = torch.empty_like(lse)
                 # other ring depths (stages, dq buffers), and a timing probe without dq
                 # (wrong gradients): what the dq reduce-adds cost
-                for nm, kw in (("gluon s3 dq1", {"_stages": 3, "_dq_bufs": 1}),
-                               ("gluon dq-first", {"_dq_first": True}),
-                               ("gluon s2 dq1", {"_stages": 2, "_dq_bufs": 1}),
-                               ("gluon no-dq (probe)", {"_probe": 2})):
+                for nm, kw in (("gluon-s3-dq1", {"_stages": 3, "_dq_bufs": 1}),
+                               ("gluon-dq-first", {"_dq_first": True}),
+                               ("gluon-s2-dq1", {"_stages": 2, "_dq_bufs": 1}),
+                               ("gluon-no-rotate", {"_rotate": False}),
+                               ("gluon-no-dq-probe", {"_probe": 2})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))
             else:
                 print("gluon skipped:", why)
-        impls.append(("attnhub.attention (policy's triton)", _api_backward(q, k, v, causal)))
+        impls.append(("api", _api_backward(q, k, v, causal)))
         for name, fn in impls:
             if a.only is not None and name not in a.only:
                 continue

@@ -50,6 +50,8 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 STAGES, DQ_BUFS = 2, 2
 #: Issue dQ's GEMM before dK's, so dQ's store runs under dK's (a timing variant).
 DQ_FIRST = False
+#: Each program starts its walk of the unmasked query tiles at its own offset (_tile_row).
+ROTATE = True
 
 
 @gluon.jit
@@ -83,13 +85,25 @@ def _query_plan(n0, seqlen_q, q_off, left, right, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _load_tile(c, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc, lse_desc,
-               delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem,
+def _tile_row(c, g, n_tiles, lo, t_lo, t_hi, rot, BLOCK_M: gl.constexpr):
+    """First query row of walk position ``c`` (head g of the group). The unmasked tiles
+    [t_lo, t_hi) are walked from t_lo + rot on, wrapping: neighbouring key tiles' programs,
+    which run side by side, then reduce-add into different dQ rows at a time instead of
+    queueing on the same L2 lines in lockstep."""
+    t = c - g * n_tiles
+    if (t >= t_lo) & (t < t_hi):
+        t = t_lo + (t - t_lo + rot) % (t_hi - t_lo)
+    return lo + t * BLOCK_M
+
+
+@gluon.jit
+def _load_tile(c, n_tiles, lo, t_lo, t_hi, rot, b, hk, group, seqlen_q, num_heads, q_desc,
+               do_desc, lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem,
                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Query tile ``c`` of the walk into ring stage c % STAGES: Q and dO rows, and the LSE
     and delta of those rows (shared memory, so the softmax never waits on a global load)."""
     g = c // n_tiles
-    m0 = lo + (c - g * n_tiles) * BLOCK_M
+    m0 = _tile_row(c, g, n_tiles, lo, t_lo, t_hi, rot, BLOCK_M)
     h = hk * group + g
     st = c % STAGES
     bar = ld_bar.index(st)
@@ -102,7 +116,8 @@ def _load_tile(c, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_des
 
 
 @gluon.jit
-def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem, v_smem,
+def _step(c, total, n_tiles, lo, t_lo, t_hi, rot, g, hk, group, b, n0, num_heads, dk, dv,
+          k_smem, v_smem,
           q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc,
           lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right, scale, scale2,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -115,7 +130,7 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
     its five GEMMs. Nothing is in flight across the step's ends but the last DQ_BUFS - 1 dQ
     reduce-adds and the loads of the next STAGES - 1 tiles."""
     stage = c % STAGES
-    m0 = lo + (c - g * n_tiles) * BLOCK_M
+    m0 = _tile_row(c, g, n_tiles, lo, t_lo, t_hi, rot, BLOCK_M)
     h = hk * group + g
     mbarrier.wait(ld_bar.index(stage), (c // STAGES) & 1)
     qs = q_smem.index(stage)
@@ -152,7 +167,8 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
     # done with tile c - 1, whose stage takes tile c + STAGES - 1.
     cta_barrier()
     if c + STAGES - 1 < total:
-        _load_tile(c + STAGES - 1, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc,
+        _load_tile(c + STAGES - 1, n_tiles, lo, t_lo, t_hi, rot, b, hk, group, seqlen_q,
+                   num_heads, q_desc,
                    do_desc, lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem,
                    delta_smem, HEAD_DIM, BLOCK_M, STAGES)
     dsr = gl.convert_layout(dst, op_layout)
@@ -191,7 +207,8 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
                 WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
-                DQ_BUFS: gl.constexpr, DQ_FIRST: gl.constexpr, PROBE: gl.constexpr):
+                DQ_BUFS: gl.constexpr, DQ_FIRST: gl.constexpr, ROTATE: gl.constexpr,
+                PROBE: gl.constexpr):
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
     bh = gl.program_id(1)
     b = bh // num_kv_heads
@@ -232,13 +249,19 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
     lo, n_tiles, full_lo, full_hi = _query_plan(n0, seqlen_q, q_off, left, right, BLOCK_M,
                                                 BLOCK_N, CAUSAL, WIN_LEFT, WIN_RIGHT)
     total = group * n_tiles
+    t_lo = (full_lo - lo) // BLOCK_M
+    t_hi = (full_hi - lo) // BLOCK_M
+    rot = pid_n * 0
+    if ROTATE:
+        rot = pid_n
     k_row = b * seqlen_k + n0
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [k_row, hk * HEAD_DIM], kv_bar, k_smem)
     tma_load(v_desc, [k_row, hk * HEAD_DIM], kv_bar, v_smem)
     for t in gl.static_range(STAGES - 1):
         if t < total:
-            _load_tile(t, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc,
+            _load_tile(t, n_tiles, lo, t_lo, t_hi, rot, b, hk, group, seqlen_q, num_heads,
+                       q_desc, do_desc,
                        lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem,
                        HEAD_DIM, BLOCK_M, STAGES)
 
@@ -246,10 +269,9 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
     mbarrier.wait(kv_bar, 0)
     MASKED: gl.constexpr = CAUSAL or WIN_LEFT or WIN_RIGHT
-    t_lo = (full_lo - lo) // BLOCK_M
-    t_hi = (full_hi - lo) // BLOCK_M
     for g in range(group):
-        for bnd in gl.static_range(3):  # query tiles [0, t_lo) masked, [t_lo, t_hi) not, rest masked
+        # query tiles [0, t_lo) masked, [t_lo, t_hi) not, the rest masked
+        for bnd in gl.static_range(3):
             if MASKED or bnd == 1:
                 start = 0
                 end = n_tiles
@@ -262,7 +284,8 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                     else:
                         start = t_hi
                 for i in range(start, end):
-                    dk, dv = _step(g * n_tiles + i, total, n_tiles, lo, g, hk, group, b, n0,
+                    dk, dv = _step(g * n_tiles + i, total, n_tiles, lo, t_lo, t_hi, rot, g,
+                                   hk, group, b, n0,
                                    num_heads, dk, dv, k_smem, v_smem, q_smem, do_smem,
                                    lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc,
                                    do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off,
@@ -311,13 +334,13 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               delta: torch.Tensor, _probe: int = 0, _stages: int = STAGES,
-              _dq_bufs: int = DQ_BUFS, _dq_first: bool = DQ_FIRST
+              _dq_bufs: int = DQ_BUFS, _dq_first: bool = DQ_FIRST, _rotate: bool = ROTATE
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
-    2 dq altogether; ``_stages`` / ``_dq_bufs`` / ``_dq_first`` try other ring depths and
-    GEMM orders (benchmarks)."""
+    2 dq altogether; ``_stages`` / ``_dq_bufs`` / ``_dq_first`` / ``_rotate`` try other ring
+    depths, GEMM orders and walks (benchmarks)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
@@ -335,5 +358,5 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=args.causal,
         BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
         NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs,
-        DQ_FIRST=_dq_first, PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
+        DQ_FIRST=_dq_first, ROTATE=_rotate, PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
     return dqacc.to(q.dtype), dk, dv
