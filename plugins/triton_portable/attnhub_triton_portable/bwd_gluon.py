@@ -51,7 +51,8 @@ STAGES, DQ_BUFS = 2, 2
 #: Issue dQ's GEMM before dK's, so dQ's store runs under dK's (a timing variant).
 DQ_FIRST = False
 #: Each program starts its walk of the unmasked query tiles at its own offset (_tile_row).
-ROTATE = True
+#: Off until measured and checked on an H200: written after the session's last GPU run.
+ROTATE = False
 
 
 @gluon.jit
