@@ -82,9 +82,10 @@ def main() -> None:
              ("causal_tl", {"causal": True, "alignment": "top_left"}),
              ("window", {"causal": True, "window": (4096, 0)})]
     cfgs = configs.GLUON_WS_SM90 + ([] if a.ws_only else configs.GLUON_SM90)
-    if a.bwd:
+    if a.bwd:  # the shipped backward, then its timing variants (bwd_gluon.flash_bwd's _kw)
         from attnhub_triton_portable import bwd_gluon
-        cfgs = [{"BWD": True}]
+        cfgs = [{"BWD": True}, {"BWD": True, "_rotate": not bwd_gluon.ROTATE},
+                {"BWD": True, "_dq_first": not bwd_gluon.DQ_FIRST}]
     bad = 0
     for cfg in cfgs:
         mod = fwd_gluon_ws if cfg.get("WS") else fwd_gluon
@@ -102,7 +103,8 @@ def main() -> None:
             if a.bwd:
                 lse = torch.zeros(1, 16, 1024)
                 kern = bwd_gluon._bwd_kernel
-                call = lambda: bwd_gluon.flash_bwd(args, q, lse, q, lse)  # noqa: E731
+                kw = {n: x for n, x in cfg.items() if n.startswith("_")}
+                call = lambda: bwd_gluon.flash_bwd(args, q, lse, q, lse, **kw)  # noqa: E731
             else:
                 call = lambda: mod.flash_fwd(args, cfg)  # noqa: E731
             try:

@@ -201,12 +201,14 @@ def test_a_launch_missing_a_constexpr_names_the_place_and_the_fix(monkeypatch) -
                          num_warps=4)
 
 
-def test_every_hopper_forward_builds_for_sm90_with_this_triton() -> None:
-    """Every Gluon forward config (warp-specialised and not) and mask form, compiled for sm90
-    offline with the installed Triton (benchmarks/gluon_sm90_offline.py, in a subprocess:
-    the stub driver stays there). Triton 3.8/3.9 renamed the TMA load and the CTA barrier,
-    whose old names raise only when a kernel compiles (``gluon_compat`` binds them); the
-    shared memory of each build fits sm90's 227 KB and the SASS has its wgmmas."""
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+def test_every_hopper_kernel_builds_for_sm90_with_this_triton(kernel: str) -> None:
+    """Every Gluon forward config (warp-specialised and not) and mask form, and the backward
+    with its timing variants, compiled for sm90 offline with the installed Triton
+    (benchmarks/gluon_sm90_offline.py, in a subprocess: the stub driver stays there).
+    Triton 3.8/3.9 renamed the TMA load and the CTA barrier, whose old names raise only when
+    a kernel compiles (``gluon_compat`` binds them); the shared memory of each build fits
+    sm90's 227 KB and the SASS has its wgmmas."""
     import os
     import re
     import subprocess
@@ -217,12 +219,14 @@ def test_every_hopper_forward_builds_for_sm90_with_this_triton() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "plugins" / "triton_portable"),
                                          env.get("PYTHONPATH", "")])
+    flags = ["--bwd"] if kernel == "backward" else []
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "gluon_sm90_offline.py"),
-                          "--dump", "/tmp/attnhub_gluon_dense_test"], capture_output=True,
-                         text=True, env=env, timeout=600, check=False)
+                          "--dump", f"/tmp/attnhub_gluon_{kernel}_test", *flags],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
     built = re.findall(r"^OK .* smem=(\d+) .*HGMMA=(\d+)", run.stdout, re.M)
     if not built and "ptxas" in run.stdout + run.stderr:
         pytest.skip("no sm90 toolchain in this Triton")
     assert "FAIL" not in run.stdout and run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert len(built) == 4 * (len(configs.GLUON_WS_SM90) + len(configs.GLUON_SM90)), run.stdout
+    builds = 3 if kernel == "backward" else len(configs.GLUON_WS_SM90) + len(configs.GLUON_SM90)
+    assert len(built) == 4 * builds, run.stdout
     assert all(int(smem) <= 227 * 1024 and int(hgmma) > 0 for smem, hgmma in built), built
