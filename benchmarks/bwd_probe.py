@@ -8,7 +8,8 @@ the backward through ``attnhub.attention`` (the autotuned config a user gets) an
 ``--gluon``, the Hopper Gluon backward (ring depths and a no-dq probe) are timed in the same
 run.
 
-    python benchmarks/bwd_probe.py [--json out.json] [--masks full causal] [--smoke]
+    python benchmarks/bwd_probe.py [--json out.json] [--png out.png] [--masks full causal]
+    python benchmarks/bwd_probe.py --plot out.json --png out.png   # re-draw a saved run
 
 TFLOP/s count 2.5x the forward's FLOPs (FlashAttention's convention), half when causal.
 """
@@ -118,6 +119,35 @@ def _api_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return lambda: torch.autograd.grad(o, (qq, kk, vv), go, retain_graph=True)
 
 
+def plot(data: dict[str, Any], path: str) -> None:
+    """Bars of TFLOP/s per implementation, one panel per mask, cuDNN's as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    masks = list(dict.fromkeys(r["mask"] for r in data["rows"]))
+    fig, axes = plt.subplots(1, len(masks), figsize=(6 * len(masks), 4.5), squeeze=False)
+    for ax, mask in zip(axes[0], masks):
+        rows = [r for r in data["rows"] if r["mask"] == mask and "tflops" in r]
+        peer = [r["tflops"] for r in rows if r["impl"].startswith("SDPA")]
+        ours = [r for r in rows if not r["impl"].startswith("SDPA")]
+        colors = ["tab:gray" if "probe" in r["impl"] else
+                  "tab:orange" if r["impl"].startswith(("gluon", "api")) else "tab:blue"
+                  for r in ours]
+        ax.barh([r["impl"] for r in ours], [r["tflops"] for r in ours], color=colors)
+        for p in peer:
+            ax.axvline(p, color="tab:red", ls="--", label=f"cuDNN {p:.0f}")
+        ax.invert_yaxis()
+        ax.set_xlabel("TFLOP/s (2.5x forward FLOPs)")
+        ax.set_title(f"backward, {mask}, shape {data['shape']}")
+        if peer:
+            ax.legend(loc="best")
+    fig.suptitle(data.get("title", ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
@@ -125,7 +155,12 @@ def main() -> None:
     ap.add_argument("--gluon", action="store_true", help="also the Hopper Gluon backward")
     ap.add_argument("--only", nargs="*", default=None, help="config names to time (default all)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--png", default=None, help="draw the rows (TFLOP/s per impl and mask)")
+    ap.add_argument("--plot", default=None, help="only draw this saved JSON into --png")
     a = ap.parse_args()
+    if a.plot:
+        plot(json.loads(Path(a.plot).read_text()), a.png or a.plot.replace(".json", ".png"))
+        return
 
     from attnhub.plugin import AttnParams
     from attnhub_triton_portable.autograd import flash_attention
@@ -196,6 +231,8 @@ def main() -> None:
     print(json.dumps(data["kernel_stats"]))
     if a.json:
         Path(a.json).write_text(json.dumps(data, indent=1))
+    if a.png:
+        plot(data, a.png)
 
 
 if __name__ == "__main__":

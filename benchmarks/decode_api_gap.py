@@ -16,6 +16,13 @@ then a ``torch.profiler`` trace of a few API calls back to back: the idle gaps b
 call's last kernel and the next call's first (``gaps_us``; all near zero if the host runs
 ahead, about the host's time per call if each call waits).
 
+The eight figures (four ways, two dtypes) are timed interleaved (``attnhub.timing.
+interleaved_ms``: every repeat takes one sample of each, in balanced orders), each sample
+``--calls`` calls back to back. Timed one after the other, on 2026-12-03 the H200 reached
+its 700 W cap and lowered its clocks during the run, and whichever way was timed late
+looked 12-15% slower: the API's e4m3 call at first (1.306 against 1.162 ms), the kernel
+when the order was reversed.
+
     python benchmarks/decode_api_gap.py [--batch 64] [--ctx 32768] [--json out.json] [--smoke]
 """
 
@@ -23,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,19 +40,12 @@ from triton_decode import DEV, SCALE, SMOKE, PagedCase, decode_attention  # noqa
 
 import attnhub  # noqa: E402
 from attnhub.core.spec import AttnParams  # noqa: E402
-from attnhub.timing import sample_ms  # noqa: E402
+from attnhub.timing import interleaved_ms  # noqa: E402
 
 
-def b2b_ms(fn: Any, calls: int, repeats: int) -> float:
-    """Median over ``repeats`` of the ms per call of ``calls`` back-to-back calls
-    (``attnhub.timing.sample_ms``: CUDA events, from an idle GPU)."""
-    for _ in range(3):
-        fn()
-    return statistics.median(sample_ms(fn, DEV, calls) for _ in range(repeats))
-
-
-def graph_ms(fn: Any, calls: int, repeats: int) -> float | None:
-    """ms per call of ``calls`` calls captured in one CUDA graph, median replay."""
+def graph_replay(fn: Any, calls: int) -> Any:
+    """A callable replaying ``calls`` calls of ``fn`` captured in one CUDA graph, or None
+    on the CPU."""
     if SMOKE:
         return None
     side = torch.cuda.Stream()
@@ -58,7 +57,7 @@ def graph_ms(fn: Any, calls: int, repeats: int) -> float | None:
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
-    return b2b_ms(g.replay, 1, repeats) / calls
+    return g.replay
 
 
 def gaps_us(fn: Any, calls: int = 6) -> list[float]:
@@ -90,7 +89,9 @@ def main() -> None:
     c = PagedCase(a.batch, a.ctx, fp8=True)
     t = c.tables["random"]
     hub = attnhub.Hub()
-    res: dict[str, Any] = {"batch": a.batch, "ctx": a.ctx, "rows": {}}
+    res: dict[str, Any] = {"batch": a.batch, "ctx": a.ctx, "calls": a.calls, "rows": {}}
+    timed: dict[tuple[str, str], Any] = {}
+    apis: dict[str, Any] = {}
     for name, k, v, backend, extra in (
             ("bf16", c.kc, c.vc, "triton_decode", None),
             ("e4m3", c.k8, c.v8, "triton_decode_fp8", {"k_descale": c.kd, "v_descale": c.vd})):
@@ -111,12 +112,22 @@ def main() -> None:
                "backend": lambda k=k, v=v, p=params, be=be, spec=spec: be.forward(
                    c.q, k, v, spec, p),
                "api": api}
-        row = {w: b2b_ms(f, a.calls, a.repeats) for w, f in fns.items()}
-        row["graph"] = graph_ms(fns["kernel"], a.calls, a.repeats)
+        for way, fn in fns.items():
+            timed[name, way] = lambda fn=fn: [fn() for _ in range(a.calls)]
+        replay = graph_replay(fns["kernel"], a.calls)
+        if replay is not None:
+            timed[name, "graph"] = replay
+        apis[name] = (api, fns["kernel"])
+    ms = interleaved_ms(timed, DEV, warmup=2, repeats=a.repeats, rounds=2).ms
+    for name, (api, kernel) in apis.items():
+        row: dict[str, Any] = {way: ms[n, way] / a.calls for n, way in ms if n == name}
         row["api_gaps_us"] = gaps_us(api)
-        row["kernel_gaps_us"] = gaps_us(fns["kernel"])
+        row["kernel_gaps_us"] = gaps_us(kernel)
         res["rows"][name] = row
         print(name, json.dumps(row), flush=True)
+    bf, e4 = res["rows"]["bf16"], res["rows"]["e4m3"]
+    res["e4m3_speedup"] = {way: bf[way] / e4[way] for way in ("kernel", "backend", "api")}
+    print("e4m3 over bf16", json.dumps(res["e4m3_speedup"]), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 

@@ -221,6 +221,60 @@ def test_refused_when_not_a_paged_fp8_cache(recorded: list[tuple[Any, ...]]) -> 
     assert not recorded
 
 
+def _launch_tokens(log: list[tuple[Any, ...]]) -> list[Any]:
+    """Launches as comparable values: kernel, grid, options, and each argument (tensors by
+    dtype, shape, strides, 16-byte alignment and, for the inputs, contents: the hub hands
+    backends its checked snapshot of the tables, equal in all of these; outputs and scratch
+    are fresh or reused per call, so by dtype and shape only)."""
+    fresh = ("Out", "Lse", "OP", "LP", "Counters")
+
+    def token(name: str, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return (type(x), x)
+        meta = (x.dtype, tuple(x.shape))
+        if name in fresh:
+            return meta
+        return (*meta, x.stride(), x.data_ptr() % 16 == 0,
+                x.contiguous().view(torch.uint8).numpy().tobytes())
+
+    return [(fn, grid, options, [token(n, a) for n, a in zip(fn.arg_names, args)])
+            for fn, grid, options, args in log]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("b", [3, 18])
+def test_the_api_launches_what_the_kernel_is_given_directly(recorded: list[tuple[Any, ...]],
+                                                            fp8: bool, b: int) -> None:
+    """``benchmarks/decode_api_gap.py``'s comparison on the stub sm90: a paged call through
+    ``Hub.attention`` (forced backend, no ``max_seqlen_k``: the hub takes the longest length
+    from its table check and passes its snapshot of the tables, descales in ``extra``)
+    launches the same kernels (the Gluon pass 1 for e4m3, its merge), grids, options and
+    arguments as ``decode_attention`` called directly with the caller's tensors and
+    ``max_seqlen_k``, on the slow path (first call) and the exact-table path (later ones)."""
+    from attnhub import Hub
+
+    (q, k, v), kw = _paged_call(b=b)
+    # the longest (33 keys: 3 of the Gluon row's 16-key tiles) well below the tables'
+    # capacity (96) and its length bucket (64): a split count from either would differ
+    kw["seqlens_k"] = torch.tensor([20, 0, 33] * (b // 3), dtype=torch.int32)
+    descales = {"k_descale": kw.pop("k_descale"), "v_descale": kw.pop("v_descale")}
+    if not fp8:
+        k, v, descales = k.bfloat16(), v.bfloat16(), {}
+    longest = int(kw["seqlens_k"].max())
+    decode.decode_attention(q, k, v, max_seqlen_k=longest, return_lse=False, **kw, **descales)
+    direct = _launch_tokens(recorded)
+    want = decode_gluon._fp8_paged_split_kernel if fp8 else decode._split_kernel
+    assert direct and direct[0][0] is want
+    hub = Hub()
+    for call in range(3):
+        recorded.clear()
+        hub.attention(q, k, v, layout="paged", block_table=kw["block_table"],
+                      seqlens_k=kw["seqlens_k"], scale=kw["scale"],
+                      backend="triton_decode_fp8" if fp8 else "triton_decode",
+                      extra=descales or None)
+        assert _launch_tokens(recorded) == direct, call
+
+
 def _sm90_builds(*args: str) -> list[tuple[str, int, int, int, int, dict[str, int],
                                            dict[str, int]]]:
     """Build the kernel for sm90 offline (stub driver, this machine's Triton and ptxas, in a
