@@ -36,14 +36,16 @@ def interpreter_on() -> bool:
 
 
 class TritonDenseBackend(Backend):
-    """FlashAttention-2-style tiled attention written in Triton: forward with LSE, backward
-    with deterministic (atomic-free) gradients, masks fused into the tile loops."""
+    """FlashAttention-2-style tiled attention written in Triton: forward with LSE, backward,
+    masks fused into the tile loops. Gradients are bitwise reproducible when the call asks
+    (``deterministic=True``: the atomic-free kernels only); otherwise the autotuner may also
+    take a dQ summed by reduce-adds (the Hopper Gluon backward on sm90)."""
 
     name = "triton"
     tier = "portable"
     description = ("own Triton flash attention (fwd+bwd, bshd+thd varlen): causal both "
                    "alignments, window, softcap, ALiBi, prefix-LM, documents, column-sparse; "
-                   "GQA in place; TMA tiles and a Gluon forward on sm90")
+                   "GQA in place; TMA tiles and a Gluon forward and backward on sm90")
     capabilities = Capabilities(
         vendors=frozenset({"cpu", "cuda", "rocm"}),
         min_capability=(8, 0),
