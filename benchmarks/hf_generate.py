@@ -235,11 +235,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
-    import transformers
-
-    from attnhub import Hub
-    from attnhub.integrations.transformers import register
-
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("hf_generate: --device cuda but no GPU; use --device cpu --tiny")
@@ -249,7 +244,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shapes = [tuple(int(x) for x in c.lower().split("x")) for c in cells.split(",")]
     new_tokens = args.new_tokens or (4 if args.tiny else 32)
     budget = Budget(args.budget_s)
-    watchdog(args.hard_timeout_s or 2 * args.budget_s)
+    timer = watchdog(args.hard_timeout_s or 2 * args.budget_s)
+    try:
+        return _run(args, device, dtype, shapes, new_tokens, budget)
+    finally:  # a caller in this process (the tests) outlives main: never leave it armed
+        timer.cancel()
+
+
+def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+         shapes: list[tuple[int, ...]], new_tokens: int, budget: Budget) -> dict[str, Any]:
+    import transformers
+
+    from attnhub import Hub
+    from attnhub.integrations.transformers import register
 
     register(Hub())
     cfg = tiny_config() if args.tiny else big_config()
@@ -290,9 +297,9 @@ def write(result: dict[str, Any], out: Path) -> None:
     (out / "hf_generate.md").write_text(markdown(result))
 
 
-def watchdog(seconds: float) -> None:
+def watchdog(seconds: float) -> threading.Timer:
     """End the process (exit 124) if it is still running after ``seconds``: the results of
-    the cells finished so far are already on disk."""
+    the cells finished so far are already on disk. The caller cancels the timer it gets."""
     def fire() -> None:
         log(f"hard timeout after {seconds:.0f} s: exiting; finished cells are on disk")
         os._exit(124)
@@ -300,6 +307,7 @@ def watchdog(seconds: float) -> None:
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
+    return timer
 
 
 if __name__ == "__main__":
