@@ -109,8 +109,9 @@ def wall_ms(fn) -> float:
 
 
 def _api_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """Row ``api``: the backward as a user gets it: ``attnhub.attention(..., backend="triton")`` with
-    grads, its autotuned config; one forward, then the gradients timed."""
+    """Row ``api``: the backward as a user gets it, ``attnhub.attention(...,
+    backend="triton")`` with grads and its autotuned config; one forward, then the gradients
+    timed."""
     import attnhub
 
     qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -190,10 +191,11 @@ def main() -> None:
                 delta = torch.empty_like(lse)
                 # other ring depths (stages, dq buffers), and a timing probe without dq
                 # (wrong gradients): what the dq reduce-adds cost
+                rot, first = not bwd_gluon.ROTATE, not bwd_gluon.DQ_FIRST  # the flipped ones
                 for nm, kw in (("gluon-s3-dq1", {"_stages": 3, "_dq_bufs": 1}),
-                               ("gluon-dq-first", {"_dq_first": True}),
+                               ("gluon-" + "no-" * (not first) + "dq-first", {"_dq_first": first}),
                                ("gluon-s2-dq1", {"_stages": 2, "_dq_bufs": 1}),
-                               ("gluon-no-rotate", {"_rotate": False}),
+                               ("gluon-" + "no-" * (not rot) + "rotate", {"_rotate": rot}),
                                ("gluon-no-dq-probe", {"_probe": 2})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))
@@ -209,7 +211,8 @@ def main() -> None:
                 row["ms"] = round(ms, 3)
                 row["tflops"] = round(_flops(causal) / (ms * 1e-3) / 1e12, 1)
                 if not SMOKE:
-                    row["kernels_ms"] = {kk: round(vv, 3) for kk, vv in per_kernel_ms(fn, 5).items()}
+                    row["kernels_ms"] = {kk: round(vv, 3)
+                                         for kk, vv in per_kernel_ms(fn, 5).items()}
             except Exception as exc:  # noqa: BLE001
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(json.dumps(row), flush=True)

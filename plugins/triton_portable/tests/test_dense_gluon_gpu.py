@@ -52,7 +52,7 @@ def test_gluon_forward_and_grads(cfg: dict, shape: tuple[int, ...], kw: dict) ->
 def test_gluon_backward(shape: tuple[int, ...], kw: dict) -> None:
     """The Hopper Gluon backward (dq by TMA reduce-add) by the FlashAttention rule, on every
     mask kind it declares, GQA, Sq != Sk and fully masked rows; the gradients of two runs
-    agree to fp32 summation noise."""
+    agree to fp32 summation noise, and so do those of its timing variants."""
     from attnhub_triton_portable.autograd import flash_attention
     from attnhub_triton_portable.bwd import gluon_bwd_unsupported
     from attnhub_triton_portable.launch import DenseArgs
@@ -66,7 +66,7 @@ def test_gluon_backward(shape: tuple[int, ...], kw: dict) -> None:
     args = DenseArgs.from_params(q.detach(), k.detach(), v.detach(), params, "bshd")
     assert gluon_bwd_unsupported(args) is None
     ref64, _, ref_same = fa_references(q, k, v, params)
-    out, _ = flash_attention(q, k, v, params, bwd_cfg=configs.GLUON_BWD_SM90)
+    out, lse = flash_attention(q, k, v, params, bwd_cfg=configs.GLUON_BWD_SM90)
     g = torch.randn_like(out)
     first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
     second = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
@@ -74,3 +74,14 @@ def test_gluon_backward(shape: tuple[int, ...], kw: dict) -> None:
     for a, c in zip(first, second):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a.float(), c.float(), atol=1e-2, rtol=1e-2)
+    # the timing variants (bwd_gluon's switches, flipped) give the same gradients, so a
+    # default can move to the faster one on this evidence
+    from attnhub_triton_portable import bwd_gluon
+
+    out = out.detach()
+    delta = (out.float() * g.float()).sum(-1).transpose(1, 2).contiguous()  # lse's layout
+    for variant in ({"_rotate": not bwd_gluon.ROTATE}, {"_dq_first": not bwd_gluon.DQ_FIRST}):
+        got = bwd_gluon.flash_bwd(args, out, lse, g, delta, **variant)
+        for a, c in zip(first, got):
+            torch.testing.assert_close(c.float(), a.float(), atol=1e-2, rtol=1e-2,
+                                       msg=lambda m, v=variant: f"{v}: {m}")
