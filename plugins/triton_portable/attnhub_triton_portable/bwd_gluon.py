@@ -147,14 +147,8 @@ def _step(c, total, n_tiles, lo, t_lo, t_hi, rot, g, hk, group, b, n0, num_heads
     if MASK_TILE:
         cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
         jj = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)), 1)
-        p = gl.expand_dims(cols, 0) + q_off
-        ok = jj >= 0
-        if CAUSAL:
-            ok = ok & (jj <= p)
-        if WIN_LEFT:
-            ok = ok & (jj >= p - left)
-        if WIN_RIGHT:
-            ok = ok & (jj <= p + right)
+        ok = fwd_gluon.band_mask(jj >= 0, gl.expand_dims(cols, 0) + q_off, jj, left, right,
+                                 CAUSAL, WIN_LEFT, WIN_RIGHT)
         s = gl.where(ok, s, float("-inf"))
     pt = gl.exp2(s - gl.expand_dims(lse2, 0))
     dv = warpgroup_mma(gl.convert_layout(pt.to(q_smem.dtype), op_layout), dos, dv,

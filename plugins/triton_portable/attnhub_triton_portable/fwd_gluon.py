@@ -75,6 +75,20 @@ def _key_plan(m0, seqlen_q, seqlen_k, q_off, left, right, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
+def band_mask(ok, p, jj, left, right, CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr,
+              WIN_RIGHT: gl.constexpr):
+    """``ok`` narrowed to the keys ``jj`` that query position ``p`` (row + q_off) sees:
+    causal, then the window's left and right edges (the backward masks with it too)."""
+    if CAUSAL:
+        ok = ok & (jj <= p)
+    if WIN_LEFT:
+        ok = ok & (jj >= p - left)
+    if WIN_RIGHT:
+        ok = ok & (jj <= p + right)
+    return ok
+
+
+@gluon.jit
 def _softmax(n0, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off, left, right, scale2,
              BLOCK_N: gl.constexpr, MASK_TILE: gl.constexpr, CAUSAL: gl.constexpr,
              WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, s_layout: gl.constexpr):
@@ -85,14 +99,8 @@ def _softmax(n0, s, m_i, l_i, offs_m, seqlen_q, seqlen_k, q_off, left, right, sc
         j = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         ii = gl.expand_dims(offs_m, 1)
         jj = gl.expand_dims(j, 0)
-        p = ii + q_off
-        ok = (ii < seqlen_q) & (jj < seqlen_k)
-        if CAUSAL:
-            ok = ok & (jj <= p)
-        if WIN_LEFT:
-            ok = ok & (jj >= p - left)
-        if WIN_RIGHT:
-            ok = ok & (jj <= p + right)
+        ok = band_mask((ii < seqlen_q) & (jj < seqlen_k), ii + q_off, jj, left, right,
+                       CAUSAL, WIN_LEFT, WIN_RIGHT)
         s = gl.where(ok, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale2)
     m_use = m_new
