@@ -66,7 +66,8 @@ want gluon_ws && step gluon_ws "${GLUON_WS_S:-190}" python3 benchmarks/gluon_ws.
   --json "$out/gluon_ws.json" --deadline "$(( ${GLUON_WS_S:-190} - 15 ))"
 want fp8api && step fp8api "${FP8API_S:-120}" python3 benchmarks/decode_fp8_api.py --json "$out/fp8api.json"
 want gap && step gap "${GAP_S:-120}" python3 benchmarks/decode_api_gap.py --json "$out/gap.json"
-want bwd && step bwd "${BWD_S:-200}" python3 benchmarks/bwd_probe.py ${BWD_ARGS:-} --json "$out/bwd.json"
+want bwd && step bwd "${BWD_S:-200}" python3 benchmarks/bwd_probe.py ${BWD_ARGS:-} --json "$out/bwd.json" \
+  --png "$out/bwd.png"
 want fp8g && step fp8g "${FP8G_S:-200}" python3 benchmarks/decode_fp8_gluon.py --out "$out/fp8g"
 want grow && step grow "${GROW_S:-150}" python3 benchmarks/decode_growing_gpu.py ${GROW_ARGS:-} --json "$out/grow.json"
 # torch's opt-in ragged cuDNN path (read once per process): does it remove the per-shape build?
@@ -99,7 +100,7 @@ grep -B2 -A8 "attnhub adds" "$out/profile.out" 2>/dev/null
 tail -25 "$out/regret/regret.md" 2>/dev/null
 say "done"
 (cd "$out" && tar czf "$final/results.tar.gz" ./* 2>/dev/null)
-for f in session.log overhead.json null.out probe.out fp8api.out fp8api.json gap.out gap.json bwd.out bwd.json fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
+for f in session.log overhead.json null.out probe.out fp8api.out fp8api.json gap.out gap.json bwd.out bwd.json bwd.png fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
     regret/regret.md regret/regret.png; do
   [[ -f "$out/$f" ]] && cp "$out/$f" "$final/"
 done
