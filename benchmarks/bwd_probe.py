@@ -235,7 +235,10 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(data, indent=1))
     if a.png:
-        plot(data, a.png)
+        try:
+            plot(data, a.png)
+        except ImportError as exc:  # the H200 image has no matplotlib: draw it here later
+            print(f"no plot ({exc}); draw it with: bwd_probe.py --plot {a.json} --png {a.png}")
 
 
 if __name__ == "__main__":
