@@ -10,8 +10,10 @@ and delta arrive by TMA, one tile ahead) and per tile issues the five GEMMs as a
 ``S^T = K Q^T`` and ``dP^T = V dO^T`` together, the softmax under the second, ``dV += P^T dO``
 from registers under the ``dS`` arithmetic, then ``dK += dS^T Q`` and ``dQ = dS K`` (dS
 through shared memory). Each dQ tile leaves by one TMA reduce-add into an fp32 buffer
-(FlashAttention-3's way) from one of two shared-memory buffers, so the sum runs under the
-next tile's GEMMs; with one buffer the wait for it cost 40% of the kernel (H200, 16k).
+(FlashAttention-3's way) from one of two shared-memory buffers, so the sum may run under
+the next tile's GEMMs. On the H200 (16k, d128) those reduce-adds are what keeps the kernel
+from 618 TFLOP/s (without dQ) at 448: each step waits for an earlier one to leave shared
+memory (docs/benchmarks/h200_20261203_s12).
 
 dQ's summation order varies run to run: this kernel is not deterministic and is never picked
 when ``deterministic=True`` (the dq_mode "atomic" rule of :mod:`.configs`).
@@ -44,9 +46,9 @@ _LOG2E = 1.4426950408889634
 #: (two warpgroups, 64 keys each).
 BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 #: Q / dO / LSE / delta ring of STAGES tiles (tile c + STAGES - 1 loads while tile c
-#: computes), and DQ_BUFS fp32 dQ tiles in shared memory: with two, tile c's reduce-add runs
-#: under tile c + 1's GEMMs (with one, each step waits for the last one to be read: on the
-#: H200 that wait was 40% of the kernel at 16k). 2 + 2 fill 208 of the 227 KiB at d128.
+#: computes), and DQ_BUFS fp32 dQ tiles in shared memory (each step waits for the reduce-add
+#: that last read its buffer). H200, 16k full: 2 stages 12.3 ms with 1 or 2 buffers, 3
+#: stages and 1 buffer 14.1 ms. 2 + 2 fill 208 of the 227 KiB at d128.
 STAGES, DQ_BUFS = 2, 2
 #: Issue dQ's GEMM before dK's, so dQ's store runs under dK's (a timing variant).
 DQ_FIRST = False
