@@ -191,11 +191,11 @@ def main() -> None:
                 delta = torch.empty_like(lse)
                 # other ring depths (stages, dq buffers), and a timing probe without dq
                 # (wrong gradients): what the dq reduce-adds cost
-                rot, first = not bwd_gluon.ROTATE, not bwd_gluon.DQ_FIRST  # the flipped ones
-                for nm, kw in (("gluon-s3-dq1", {"_stages": 3, "_dq_bufs": 1}),
-                               ("gluon-" + "no-" * (not first) + "dq-first", {"_dq_first": first}),
-                               ("gluon-s2-dq1", {"_stages": 2, "_dq_bufs": 1}),
-                               ("gluon-" + "no-" * (not rot) + "rotate", {"_rotate": rot}),
+                tiled = not bwd_gluon.DQ_TILED  # the flipped layout
+                for nm, kw in (("gluon-s2-dq1", {"_stages": 2, "_dq_bufs": 1}),
+                               ("gluon-" + "un" * (not tiled) + "tiled-dq-dq1",
+                                {"_dq_tiled": tiled, "_dq_bufs": 1}),
+                               ("gluon-" + "un" * (not tiled) + "tiled-dq", {"_dq_tiled": tiled}),
                                ("gluon-no-dq-probe", {"_probe": 2})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))
