@@ -191,11 +191,13 @@ def main() -> None:
                 delta = torch.empty_like(lse)
                 # other ring depths (stages, dq buffers), and a timing probe without dq
                 # (wrong gradients): what the dq reduce-adds cost
-                tiled = not bwd_gluon.DQ_TILED  # the flipped layout
+                early = not bwd_gluon.DQ_EARLY_WAIT  # the flipped wait
                 for nm, kw in (("gluon-s2-dq1", {"_stages": 2, "_dq_bufs": 1}),
-                               ("gluon-" + "un" * (not tiled) + "tiled-dq-dq1",
-                                {"_dq_tiled": tiled, "_dq_bufs": 1}),
-                               ("gluon-" + "un" * (not tiled) + "tiled-dq", {"_dq_tiled": tiled}),
+                               ("gluon-" + "late-" * (not early) + "early-wait",
+                                {"_dq_early_wait": early}),
+                               ("gluon-" + "late-" * (not early) + "early-wait-dq1",
+                                {"_dq_early_wait": early, "_dq_bufs": 1}),
+                               ("gluon-no-dq-wait-probe", {"_probe": 3}),
                                ("gluon-no-dq-probe", {"_probe": 2})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))

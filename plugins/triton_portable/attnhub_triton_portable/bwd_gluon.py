@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import fwd_gluon
-from .gluon_compat import cta_barrier, smem_reinterpret, tma_load, tma_reduce_add
+from .gluon_compat import cta_barrier, tma_load, tma_reduce_add
 from .launch import DenseArgs
 
 _LOG2E = 1.4426950408889634
@@ -50,10 +50,9 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 #: that last read its buffer). H200, 16k full: 2 stages 12.3 ms with 1 or 2 buffers, 3
 #: stages and 1 buffer 14.1 ms. 2 + 2 fill 208 of the 227 KiB at d128.
 STAGES, DQ_BUFS = 2, 2
-#: dQ's fp32 buffer laid out tile by tile (FlashAttention-3's dQaccum): each reduce-add then
-#: covers one contiguous 32 KiB run of global memory in one TMA operation, where the (B, S, H,
-#: D) buffer takes four, of 64 rows 8 KiB apart each. A timing variant until an H200 ran it.
-DQ_TILED = False
+#: Wait for dQ's buffer before the dS barrier, which then serves both (one CTA barrier less
+#: per step, the wait half a step earlier). A timing variant until an H200 ran it.
+DQ_EARLY_WAIT = False
 
 
 @gluon.jit
@@ -110,7 +109,7 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
           q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc,
           lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right, scale, scale2,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_TILED: gl.constexpr,
+          STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_EARLY_WAIT: gl.constexpr,
           MASK_TILE: gl.constexpr,
           CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
           st_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
@@ -145,6 +144,8 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
     dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_smem.dtype)
     ds_smem.store(dst)
+    if DQ_EARLY_WAIT:
+        tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this step's dQ buffer
     fence_async_shared()
     # dQ's GEMM reads both warpgroups' rows of dS^T; past this barrier both warpgroups are
     # done with tile c - 1, whose stage takes tile c + STAGES - 1.
@@ -163,18 +164,14 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
         dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
         if PROBE != 1:
             dqs = dq_smem.index(c % DQ_BUFS)
-            tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this buffer is done
-            cta_barrier()
+            if not DQ_EARLY_WAIT:
+                if PROBE != 3:
+                    tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this buffer
+                cta_barrier()
             dqs.store(dq * scale)
             fence_async_shared()
             cta_barrier()
-            if DQ_TILED:  # the swizzled [64, d] tile is d / 32 column blocks of [64, 32]
-                rows: gl.constexpr = BLOCK_M * HEAD_DIM // 32
-                tile = (b * num_heads + h) * (seqlen_q // BLOCK_M) + m0 // BLOCK_M
-                tma_reduce_add(dq_desc, [tile * rows, 0], smem_reinterpret(
-                    dqs, gl.float32, [rows, 32], dq_desc.layout))
-            else:
-                tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dqs)
+            tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dqs)
     return dk, dv
 
 
@@ -185,7 +182,7 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
                 WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
-                DQ_BUFS: gl.constexpr, DQ_TILED: gl.constexpr, PROBE: gl.constexpr):
+                DQ_BUFS: gl.constexpr, DQ_EARLY_WAIT: gl.constexpr, PROBE: gl.constexpr):
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
     bh = gl.program_id(1)
     b = bh // num_kv_heads
@@ -262,7 +259,7 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                                    lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc,
                                    do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off,
                                    left, right, scale, scale2, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   STAGES, DQ_BUFS, DQ_TILED, MASKED and bnd != 1, CAUSAL,
+                                   STAGES, DQ_BUFS, DQ_EARLY_WAIT, MASKED and bnd != 1, CAUSAL,
                                    WIN_LEFT, WIN_RIGHT, st_layout, op_layout, dq_layout,
                                    PROBE)
     tma.store_wait(0)
@@ -292,26 +289,11 @@ def supports(args: DenseArgs) -> str | None:
     return None
 
 
-def _dq_desc(dqacc: torch.Tensor, head_dim: int, tiled: bool) -> TensorDescriptor:
-    """TMA view of dQ's fp32 buffer: (B*S, H*D) in [BLOCK_M, D] blocks, or when ``tiled``
-    (shape :func:`_dq_tiled_shape`) rows of 32 in blocks of one tile's BLOCK_M * D / 32 rows.
-    Both with the 128-byte swizzle of the kernel's shared-memory tile, whose bytes are the
-    D / 32 column blocks of [BLOCK_M, 32] one after the other: the same bytes either way."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    if tiled:
-        rows = dqacc.numel() // 32
-        return TensorDescriptor(dqacc, [rows, 32], [32, 1], [BLOCK_M * head_dim // 32, 32],
-                                layout)
+def _dq_desc(dqacc: torch.Tensor, head_dim: int) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl.float32)
     rows, cols = dqacc.shape[0] * dqacc.shape[1], dqacc.shape[2] * dqacc.shape[3]
     return TensorDescriptor(dqacc, [rows, cols], [dqacc.stride(1), 1], [BLOCK_M, head_dim],
                             layout)
-
-
-def _dq_tiled_shape(args: DenseArgs) -> tuple[int, ...]:
-    """(B, H, query tile, column block, row in tile, column in block): each tile of BLOCK_M
-    rows of one head is contiguous, and within it the swizzled tile's column blocks."""
-    d = args.head_dim
-    return (args.batch, args.num_heads, args.seqlen_q // BLOCK_M, d // 32, BLOCK_M, 32)
 
 
 def _row_desc(t: torch.Tensor) -> TensorDescriptor:
@@ -323,41 +305,30 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               delta: torch.Tensor, _probe: int = 0, _stages: int = STAGES,
-              _dq_bufs: int = DQ_BUFS, _dq_tiled: bool = DQ_TILED
+              _dq_bufs: int = DQ_BUFS, _dq_early_wait: bool = DQ_EARLY_WAIT
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
-    2 dq altogether; ``_stages`` / ``_dq_bufs`` / ``_dq_tiled`` try other ring depths and
-    dQ layouts (benchmarks)."""
+    2 dq altogether, 3 the wait for dq's buffer (its barriers stay); ``_stages`` /
+    ``_dq_bufs`` / ``_dq_early_wait`` try other ring depths and waits (benchmarks)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
         dout = dout.contiguous()
     lse = lse.contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    shape = _dq_tiled_shape(args) if _dq_tiled else q.shape
-    dqacc = torch.zeros(shape, device=q.device, dtype=torch.float32)
+    dqacc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     grid = (args.seqlen_k // BLOCK_N, args.batch * args.num_kv_heads)
     _bwd_kernel[grid](
         fwd_gluon._desc(q, BLOCK_M, d), fwd_gluon._desc(k, BLOCK_N, d),
         fwd_gluon._desc(v, BLOCK_N, d), fwd_gluon._desc(dout, BLOCK_M, d),
-        _dq_desc(dqacc, d, _dq_tiled),
+        _dq_desc(dqacc, d),
         _row_desc(lse), _row_desc(delta), dk, dv, *args.bsh_strides(dk), *args.bsh_strides(dv),
         args.seqlen_q, args.seqlen_k, args.num_heads, args.num_kv_heads, args.group,
         args.scale, args.scale * _LOG2E, args.left, args.right,
         HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=args.causal,
         BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
-        NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs, DQ_TILED=_dq_tiled,
+        NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs, DQ_EARLY_WAIT=_dq_early_wait,
         PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
-    if not _dq_tiled:
-        return dqacc.to(q.dtype), dk, dv
-    return untile_dq(dqacc, q), dk, dv
-
-
-def untile_dq(dqacc: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """dQ in q's (B, S, H, D) shape and dtype from the tiled fp32 buffer, in one copy."""
-    b, h, tiles, blocks, bm, w = dqacc.shape
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dq.view(b, tiles, bm, h, blocks, w).copy_(dqacc.permute(0, 2, 4, 1, 3, 5))
-    return dq
+    return dqacc.to(q.dtype), dk, dv

@@ -38,19 +38,3 @@ def _tma_reduce_add_36():
 tma_reduce_add = (tma.async_atomic_add if hasattr(tma, "async_atomic_add")
                   else _tma_reduce_add_36())
 
-
-def _smem_reinterpret():
-    """Another dtype, shape or layout over the same shared-memory bytes (3.6 names the
-    method ``_reinterpret``, 3.9 ``reinterpret``; both lower through ``memdesc_reinterpret``)."""
-    from triton.experimental.gluon.language._core import builtin
-
-    @builtin
-    def reinterpret(desc, dtype, shape, layout, _semantic=None):
-        return _semantic.memdesc_reinterpret(desc, gl._unwrap_if_constexpr(dtype),
-                                             [gl._unwrap_if_constexpr(s) for s in shape],
-                                             gl._unwrap_if_constexpr(layout))
-
-    return reinterpret
-
-
-smem_reinterpret = _smem_reinterpret()

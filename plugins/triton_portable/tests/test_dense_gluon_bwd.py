@@ -88,18 +88,3 @@ def test_the_autotuner_sees_it_only_where_the_call_can_take_it(
     assert key[-1] is offered  # eligibility is part of the tuning key
     assert all(c.get("dq_mode", "separate") == "separate" for c in cands) or not deterministic
 
-
-@pytest.mark.parametrize("d", [64, 128])
-def test_the_tiled_dq_buffer_comes_back_in_q_layout(d: int) -> None:
-    """The tiled dQ layout's inverse: a buffer filled the way the kernel's reduce-adds fill it
-    (per head and query tile, the tile's [BLOCK_M, 32] column blocks one after the other)
-    comes back as dQ itself, in q's shape and dtype."""
-    args = _args(sq=256, d=d)
-    dq = torch.randn(args.q.shape, generator=torch.Generator().manual_seed(d))
-    b, s, h, _ = dq.shape
-    bm = bwd_gluon.BLOCK_M
-    tiles = dq.view(b, s // bm, bm, h, d // 32, 32).permute(0, 3, 1, 4, 2, 5).contiguous()
-    assert tiles.shape == bwd_gluon._dq_tiled_shape(args)
-    back = bwd_gluon.untile_dq(tiles, args.q)
-    assert back.dtype == args.q.dtype and back.shape == args.q.shape
-    torch.testing.assert_close(back, dq.to(args.q.dtype), rtol=0, atol=0)
