@@ -198,6 +198,10 @@ def main() -> None:
                                ("gluon-" + "late-" * (not early) + "early-wait-dq1",
                                 {"_dq_early_wait": early, "_dq_bufs": 1}),
                                ("gluon-no-dq-wait-probe", {"_probe": 3}),
+                               ("gluon-" + "no-" * bwd_gluon.PIPE + "pipe",
+                                {"_pipe": not bwd_gluon.PIPE}),
+                               ("gluon-" + "no-" * bwd_gluon.PIPE + "pipe-dq1",
+                                {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}),
                                ("gluon-no-dq-probe", {"_probe": 2})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))

@@ -80,7 +80,8 @@ def test_gluon_backward(shape: tuple[int, ...], kw: dict) -> None:
 
     out = out.detach()
     delta = (out.float() * g.float()).sum(-1).transpose(1, 2).contiguous()  # lse's layout
-    for variant in ({"_dq_early_wait": not bwd_gluon.DQ_EARLY_WAIT},):
+    for variant in ({"_dq_early_wait": not bwd_gluon.DQ_EARLY_WAIT},
+                    {"_pipe": not bwd_gluon.PIPE}, {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}):
         got = bwd_gluon.flash_bwd(args, out, lse, g, delta, **variant)
         for a, c in zip(first, got):
             torch.testing.assert_close(c.float(), a.float(), atol=1e-2, rtol=1e-2,
