@@ -189,19 +189,9 @@ def main() -> None:
                 from attnhub_triton_portable import bwd_gluon
 
                 delta = torch.empty_like(lse)
-                # other ring depths (stages, dq buffers), and a timing probe without dq
-                # (wrong gradients): what the dq reduce-adds cost
-                early = not bwd_gluon.DQ_EARLY_WAIT  # the flipped wait
+                # another ring depth (one dq buffer), and a timing probe without dq (wrong
+                # gradients: four of the five GEMMs)
                 for nm, kw in (("gluon-s2-dq1", {"_stages": 2, "_dq_bufs": 1}),
-                               ("gluon-" + "late-" * (not early) + "early-wait",
-                                {"_dq_early_wait": early}),
-                               ("gluon-" + "late-" * (not early) + "early-wait-dq1",
-                                {"_dq_early_wait": early, "_dq_bufs": 1}),
-                               ("gluon-no-dq-wait-probe", {"_probe": 3}),
-                               ("gluon-" + "no-" * bwd_gluon.PIPE + "pipe",
-                                {"_pipe": not bwd_gluon.PIPE}),
-                               ("gluon-" + "no-" * bwd_gluon.PIPE + "pipe-dq1",
-                                {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}),
                                ("gluon-no-dq-probe", {"_probe": 2})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))

@@ -10,10 +10,17 @@ and delta arrive by TMA, one tile ahead) and per tile issues the five GEMMs as a
 ``S^T = K Q^T`` and ``dP^T = V dO^T`` together, the softmax under the second, ``dV += P^T dO``
 from registers under the ``dS`` arithmetic, then ``dK += dS^T Q`` and ``dQ = dS K`` (dS
 through shared memory). Each dQ tile leaves by one TMA reduce-add into an fp32 buffer
-(FlashAttention-3's way) from one of two shared-memory buffers, so the sum may run under
-the next tile's GEMMs. On the H200 (16k, d128) those reduce-adds are what keeps the kernel
-from 618 TFLOP/s (without dQ) at 448: each step waits for an earlier one to leave shared
-memory (docs/benchmarks/h200_20261203_s12).
+(FlashAttention-3's way) from one of two shared-memory buffers, so the sum runs under the
+next tile's GEMMs.
+
+What limits it (H200, 16k full, d128; docs/benchmarks/h200_20261203_s12): about 450 TFLOP/s.
+Without dQ it runs 8.9 ms, which counts as 618 but executes four of the five GEMMs, so 494
+of executed work; dQ's GEMM is a fifth of the tensor work. The wait for dQ's buffer costs
+about 1% (the barriers without it: 12.03 ms against 12.13), a tile-contiguous dQ buffer
+(FlashAttention-3's layout, one TMA op a tile), a rotated walk of the query tiles, dQ's
+GEMM before dK's, and dK's left running under the next tile's first two GEMMs each timed
+no faster. The rest is the step's serial chain (softmax and dS between the GEMMs, two CTA
+barriers) at 255 registers with spills, two warpgroups and no ping-pong.
 
 dQ's summation order varies run to run: this kernel is not deterministic and is never picked
 when ``deterministic=True`` (the dq_mode "atomic" rule of :mod:`.configs`).
@@ -33,7 +40,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -51,12 +57,6 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 #: that last read its buffer). H200, 16k full: 2 stages 12.3 ms with 1 or 2 buffers, 3
 #: stages and 1 buffer 14.1 ms. 2 + 2 fill 208 of the 227 KiB at d128.
 STAGES, DQ_BUFS = 2, 2
-#: dQ's GEMM before dK's, dK's from dS^T in shared memory and still running when the next
-#: tile's first GEMMs are issued (_step). A timing variant until an H200 ran it.
-PIPE = False
-#: Wait for dQ's buffer before the dS barrier, which then serves both (one CTA barrier less
-#: per step, the wait half a step earlier). A timing variant until an H200 ran it.
-DQ_EARLY_WAIT = False
 
 
 @gluon.jit
@@ -113,8 +113,7 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
           q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc,
           lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right, scale, scale2,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_EARLY_WAIT: gl.constexpr,
-          PIPE: gl.constexpr, MASK_TILE: gl.constexpr,
+          STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, MASK_TILE: gl.constexpr,
           CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
           st_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
           PROBE: gl.constexpr):
@@ -148,49 +147,31 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
     dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_smem.dtype)
     ds_smem.store(dst)
-    if DQ_EARLY_WAIT or PIPE:
-        tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this step's dQ buffer
+    tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this step's dQ buffer
     fence_async_shared()
     # dQ's GEMM reads both warpgroups' rows of dS^T; past this barrier both warpgroups are
-    # done with tile c - 1, whose stage takes tile c + STAGES - 1.
+    # done with tile c - 1, whose stage takes tile c + STAGES - 1, and this step's dQ buffer
+    # is free (H200, 16k: the wait here rather than after dQ's GEMM, with its own barrier,
+    # timed 0.5-1% faster at full and 2.5% at causal, in two runs).
     cta_barrier()
     if c + STAGES - 1 < total:
         _load_tile(c + STAGES - 1, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc,
                    do_desc, lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem,
                    delta_smem, HEAD_DIM, BLOCK_M, STAGES)
-    if PIPE:
-        # dQ's GEMM first and dK's from dS^T in shared memory: dQ leaves for the reduce-add
-        # while dK's GEMM runs, and dK's is still running when the next tile's S^T and dP^T
-        # are issued (the next step's first wait retires it)
+    dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
+    if PROBE == 2:
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    else:
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
                            gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout),
                            use_acc=False, is_async=True)
-        dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
-        dq, dv = warpgroup_mma_wait(num_outstanding=1, deps=(dq, dv))
-        dqs = dq_smem.index(c % DQ_BUFS)
-        dqs.store(dq * scale)
-        fence_async_shared()
-        cta_barrier()  # both halves of dQ stored, both dQ GEMMs (every row of dS^T) done
-        tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dqs)
-    else:
-        dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
-        if PROBE == 2:
-            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        else:
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                               gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout),
-                               use_acc=False, is_async=True)
-            dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-            if PROBE != 1:
-                dqs = dq_smem.index(c % DQ_BUFS)
-                if not DQ_EARLY_WAIT:
-                    if PROBE != 3:
-                        tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this buffer
-                    cta_barrier()
-                dqs.store(dq * scale)
-                fence_async_shared()
-                cta_barrier()
-                tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dqs)
+        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+        if PROBE != 1:
+            dqs = dq_smem.index(c % DQ_BUFS)
+            dqs.store(dq * scale)
+            fence_async_shared()
+            cta_barrier()
+            tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dqs)
     return dk, dv
 
 
@@ -201,8 +182,7 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
                 WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
-                DQ_BUFS: gl.constexpr, DQ_EARLY_WAIT: gl.constexpr, PIPE: gl.constexpr,
-                PROBE: gl.constexpr):
+                DQ_BUFS: gl.constexpr, PROBE: gl.constexpr):
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
     bh = gl.program_id(1)
     b = bh // num_kv_heads
@@ -259,8 +239,6 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
     MASKED: gl.constexpr = CAUSAL or WIN_LEFT or WIN_RIGHT
     t_lo = (full_lo - lo) // BLOCK_M
     t_hi = (full_hi - lo) // BLOCK_M
-    if PIPE:
-        dk = warpgroup_mma_init(dk)  # dK's GEMM runs across steps (_step)
     for g in range(group):
         # query tiles [0, t_lo) masked, [t_lo, t_hi) not, the rest masked
         for bnd in gl.static_range(3):
@@ -281,12 +259,9 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                                    lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc,
                                    do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off,
                                    left, right, scale, scale2, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   STAGES, DQ_BUFS, DQ_EARLY_WAIT, PIPE, MASKED and bnd != 1,
-                                   CAUSAL,
+                                   STAGES, DQ_BUFS, MASKED and bnd != 1, CAUSAL,
                                    WIN_LEFT, WIN_RIGHT, st_layout, op_layout, dq_layout,
                                    PROBE)
-    if PIPE:
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
     for t in gl.static_range(STAGES):
@@ -330,14 +305,11 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               delta: torch.Tensor, _probe: int = 0, _stages: int = STAGES,
-              _dq_bufs: int = DQ_BUFS, _dq_early_wait: bool = DQ_EARLY_WAIT,
-              _pipe: bool = PIPE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              _dq_bufs: int = DQ_BUFS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
-    2 dq altogether, 3 the wait for dq's buffer (its barriers stay); ``_stages`` /
-    ``_dq_bufs`` / ``_dq_early_wait`` / ``_pipe`` try other ring depths, waits and GEMM
-    orders (benchmarks)."""
+    2 dq altogether; ``_stages`` / ``_dq_bufs`` try other ring depths (benchmarks)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
@@ -355,7 +327,6 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         args.scale, args.scale * _LOG2E, args.left, args.right,
         HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=args.causal,
         BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
-        NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs, DQ_EARLY_WAIT=_dq_early_wait,
-        PIPE=_pipe,
-        PROBE=_probe, num_warps=NUM_WARPS, num_stages=1)
+        NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs, PROBE=_probe,
+        num_warps=NUM_WARPS, num_stages=1)
     return dqacc.to(q.dtype), dk, dv
