@@ -5,8 +5,9 @@ rank differently on another (on the H200, fa2_torch, torch_sdpa and triton_decod
 1% in one run and 8% apart in the next, on another host). So the hub times the tied
 candidates once, on the call that binds them, with that call's own tensors, and binds the
 fastest for the bucket. Never inside CUDA graph capture or a ``torch.compile`` trace (a sync
-there is an error), and never for a training call (its backward, which a forward timing
-cannot see, is part of its cost): those keep the pack's order, with a note saying why.
+there is an error), never for a training call (its backward, which a forward timing cannot
+see, is part of its cost), and never for a call that updates per-sequence state (each timed
+run would advance it): those keep the pack's order, with a note saying why.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from .core.backend import Backend
 from .core.decision import Decision
+from .core.seqstate import STATE_KEY
 from .core.spec import AttentionSpec, AttnParams
 from .timing import interleaved_ms
 
@@ -23,10 +25,14 @@ from .timing import interleaved_ms
 WARMUP, REPEATS, BATCH_MS = 2, 7, 0.3
 
 
-def blocker(q: torch.Tensor, spec: AttentionSpec) -> str | None:
+def blocker(q: torch.Tensor, spec: AttentionSpec,
+            params: AttnParams | None = None) -> str | None:
     """Why this call cannot time its candidates (None: it can)."""
     if spec.needs_grad:
         return "a training call (its backward is part of its cost; a forward timing misses it)"
+    if params is not None and STATE_KEY in (params.extra or {}):
+        # every timed forward would advance the sequences' recurrent state once more
+        return "a call that updates per-sequence state (timing would run it many times)"
     if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return "the first call came inside CUDA graph capture, where timing cannot sync"
     compiler = getattr(torch, "compiler", None)
@@ -40,7 +46,7 @@ def settle(d: Decision, backends: dict[str, Backend], q: torch.Tensor, k: torch.
     """``d`` with its tied candidates timed on this call's tensors and the fastest bound
     (the others follow it as fallbacks where the rule has them); a candidate that raises is
     left out, with its reason in the notes."""
-    why = blocker(q, spec)
+    why = blocker(q, spec, params)
     if why is not None:
         return replace(d, tied=(), notes=(*d.notes, f"near-tie not timed: {why}; the "
                                           f"pack's order binds {d.backend}"))
@@ -57,8 +63,15 @@ def settle(d: Decision, backends: dict[str, Backend], q: torch.Tensor, k: torch.
         fns[name] = (lambda b=b: b.forward(q, k, v, spec, params))
     if not fns:
         return replace(d, tied=(), notes=(*d.notes, "near-tie not timed: " + "; ".join(failed)))
-    ms = interleaved_ms(fns, q.device, warmup=WARMUP, repeats=REPEATS, rounds=1,
-                        batch_ms=BATCH_MS, batch_below_ms=BATCH_MS).ms
+    try:
+        ms = interleaved_ms(fns, q.device, warmup=WARMUP, repeats=REPEATS, rounds=1,
+                            batch_ms=BATCH_MS, batch_below_ms=BATCH_MS).ms
+    except Exception as exc:  # noqa: BLE001 - a candidate failing on a later call: the
+        # timing is an optimisation, so the pack's order binds (the call itself must not fail)
+        return replace(d, tied=(), notes=(*d.notes, f"near-tie not timed: a candidate raised "
+                                          f"{type(exc).__name__} while timed: "
+                                          f"{str(exc)[:120]}; the pack's order binds "
+                                          f"{d.backend}"))
     winner = min(ms, key=ms.__getitem__)
     timed = ", ".join(f"{n} {ms[n] * 1e3:.1f} us" for n in sorted(ms, key=ms.__getitem__))
     note = (f"fastest (timed at bind time): {timed} on this machine's first call of the "

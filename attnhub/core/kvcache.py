@@ -15,6 +15,7 @@ recurrent state) keep their per-sequence state beside the pages (``attach_state`
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,19 +99,22 @@ class PagedKVCache:
         dv = head_dim_v or head_dim
         # zeros, not empty: kernels may read a whole page past a sequence's end (masked), and
         # uninitialised memory could hold NaN, which survives a multiplication by zero.
-        self._k = torch.zeros(num_layers, num_pages, page_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=self.device)
-        self._v = torch.zeros(num_layers, num_pages, page_size, num_kv_heads, dv, dtype=dtype,
-                              device=self.device)
+        # Ordinary tensors even when built under torch.inference_mode: an inference tensor
+        # refuses in-place writes outside that mode, half-way through an append.
+        with torch.inference_mode(False):
+            self._k = torch.zeros(num_layers, num_pages, page_size, num_kv_heads, head_dim,
+                                  dtype=dtype, device=self.device)
+            self._v = torch.zeros(num_layers, num_pages, page_size, num_kv_heads, dv,
+                                  dtype=dtype, device=self.device)
+            #: FP8 (e4m3) cache: per (layer, page, KV head) descales (``core.kvquant``).
+            self.scales = (PageScales(num_layers, num_pages, num_kv_heads, dtype, self.device)
+                           if is_fp8(dtype) else None)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives page 0 first
         self._refs: list[int] = [0] * num_pages
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
         #: Per-sequence state of layers bound to stateful backends (``attach_state``).
         self.states = SequenceStates()
-        #: FP8 (e4m3) cache: per (layer, page, KV head) descales (``core.kvquant``).
-        self.scales = (PageScales(num_layers, num_pages, num_kv_heads, dtype, self.device)
-                       if is_fp8(dtype) else None)
 
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -175,7 +179,8 @@ class PagedKVCache:
 
     def free(self, seq_id: int) -> None:
         """Release a finished sequence; pages no other sequence holds return to the free list."""
-        self.states.free(self._check_id(seq_id))
+        seq_id = self._check_id(seq_id)
+        self.states.free(seq_id)
         seq = self._seqs.pop(seq_id)
         for p in reversed(seq.pages):
             self._refs[p] -= 1
@@ -201,6 +206,7 @@ class PagedKVCache:
             raise InputError(f"reserve: token counts must be ints, got {counts}")
         if len(counts) != len(seq_ids):
             raise InputError(f"reserve: {len(seq_ids)} sequences but {len(counts)} token counts")
+        seq_ids = [self._check_id(s) for s in seq_ids]
         if len(set(seq_ids)) != len(seq_ids):
             raise InputError(f"reserve: sequence ids repeat in {list(seq_ids)}; each sequence "
                              "appends once per call")
@@ -217,6 +223,7 @@ class PagedKVCache:
                 "sequences or build the cache with more num_pages. No sequence was changed.")
         for i in copies:
             self._copy_on_write(seqs[i])
+        fresh = []
         for seq, n in zip(seqs, new_pages):
             for _ in range(n):
                 p = self._free.pop()
@@ -224,7 +231,20 @@ class PagedKVCache:
                 if self.scales is not None:
                     self.scales.reset_page(p)
                 seq.pages.append(p)
+                fresh.append(p)
+        self._clear(fresh)
         return self._slots(seqs, counts)
+
+    def _clear(self, pages: list[int]) -> None:
+        """Zero pages taken from the free list: they may hold a freed sequence's keys, which
+        a slot reserved but never written (a step whose layer write failed) or a kernel
+        reading a page past a sequence's end (masked; NaN survives that) would hand to the
+        new owner. Bit pattern 0 is +0.0 in every float format (FP8 included)."""
+        if not pages:
+            return
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        for t in (self._k, self._v):
+            (t.view(torch.uint8) if t.element_size() == 1 else t).index_fill_(1, idx, 0)
 
     def _plan(self, seqs: list[_Seq], counts: list[int]) -> tuple[list[int], list[int]]:
         """Which sequences copy their shared last page, and how many new pages each needs."""
@@ -276,22 +296,52 @@ class PagedKVCache:
         if slots.device != self.device:
             raise InputError(f"write: slots are on {slots.device}, the cache on {self.device}")
         n = self._check_kv("write", k, v, slots.numel())
-        if check_slots and n and (int(slots.min()) < 0
-                                  or int(slots.max()) >= self.num_pages * self.page_size):
-            raise InputError(f"write: a slot is outside 0..{self.num_pages * self.page_size - 1}"
-                             "; pass the slots reserve() returned")
+        if check_slots and n:
+            self._check_slots(slots)
         if self.scales is not None:  # FP8: quantized per page, descales grown as needed
             self.scales.write(self._k[layer], self._v[layer], layer, slots, k, v)
             return
         self._k[layer].view(-1, *self._k.shape[3:]).index_copy_(0, slots, k.to(self.dtype))
         self._v[layer].view(-1, *self._v.shape[3:]).index_copy_(0, slots, v.to(self.dtype))
 
+    def _check_slots(self, slots: torch.Tensor) -> None:
+        """Every slot is a token a live sequence reserved, in a page no other sequence holds:
+        a slot past the cache, in a free page, past its sequence's length (kept from before a
+        ``free``) or in a page a later ``fork`` shares would overwrite what another sequence
+        reads. One host read of ``slots``."""
+        host = slots.cpu()
+        last = self.num_pages * self.page_size - 1
+        if int(host.min()) < 0 or int(host.max()) > last:
+            raise InputError(f"write: a slot is outside 0..{last}; pass the slots reserve() "
+                             "returned")
+        filled = torch.zeros(self.num_pages, dtype=torch.int64)  # reserved tokens per page
+        refs = torch.tensor(self._refs, dtype=torch.int64)
+        for seq in self._seqs.values():
+            for i, p in enumerate(seq.pages):
+                filled[p] = min(self.page_size, seq.length - i * self.page_size)
+        page, offset = host // self.page_size, host % self.page_size
+        stale = offset >= filled[page]
+        if bool(stale.any()):
+            bad = int(host[stale][0])
+            raise InputError(f"write: slot {bad} (page {bad // self.page_size}) is no token a "
+                             "live sequence reserved: a free page or past its sequence's end "
+                             "(slots kept from before a free?); write the slots reserve() "
+                             "returned before freeing their sequence")
+        shared = refs[page] > 1
+        if bool(shared.any()):
+            bad = int(host[shared][0])
+            raise InputError(f"write: slot {bad} lies in page {bad // self.page_size}, which "
+                             f"{int(refs[bad // self.page_size])} sequences share (forked "
+                             "after reserve): writing it would change the fork too; write "
+                             "before forking")
+
     def append(self, seq_id: int, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
         """Append tokens to one sequence for every layer: ks[l]/vs[l] are (n, Hkv, D).
 
         Atomic: every layer's k and v is checked (type, shape, dtype, device, one token count
-        for all) before a page is reserved, so a rejected append leaves the cache as it was."""
-        self._check_id(seq_id)
+        for all) before a page is reserved, so a rejected append leaves the cache as it was; a
+        write failing after the reservation (out of memory, say) undoes it."""
+        seq_id = self._check_id(seq_id)
         if (not isinstance(ks, Sequence) or not isinstance(vs, Sequence)
                 or len(ks) != self.num_layers or len(vs) != self.num_layers):
             raise InputError(f"append: expected lists of k and v for {self.num_layers} layers, "
@@ -299,9 +349,35 @@ class PagedKVCache:
         n = self._check_kv("append layer 0", ks[0], vs[0], None)
         for layer in range(1, self.num_layers):
             self._check_kv(f"append layer {layer}", ks[layer], vs[layer], n)
+        undo = self._undo_point(seq_id)
         slots = self.reserve([seq_id], n)
-        for layer, (k, v) in enumerate(zip(ks, vs)):
-            self._write(layer, slots, k, v, check_slots=False)
+        try:
+            for layer, (k, v) in enumerate(zip(ks, vs)):
+                self._write(layer, slots, k, v, check_slots=False)
+        except BaseException:  # a write the checks could not foresee (out of memory, ...)
+            self._rollback(undo)
+            raise
+
+    def _undo_point(self, seq_id: int) -> tuple[Any, ...]:
+        """What ``_rollback`` needs to put the cache back as it is now, before an append to
+        ``seq_id``: its pages and length, the free list and refcounts, and (FP8) the partly
+        filled last page with its descales (a write may requantize that page in place; new pages
+        go back to the free list, and a page's descales are reset when it is taken)."""
+        seq = self._seqs[seq_id]
+        last = None
+        if self.scales is not None and seq.length % self.page_size:
+            p = seq.pages[-1]
+            last = (p, self._k[:, p].clone(), self._v[:, p].clone(),
+                    self.scales.k[:, p].clone(), self.scales.v[:, p].clone())
+        return seq, list(seq.pages), seq.length, list(self._free), list(self._refs), last
+
+    def _rollback(self, undo: tuple[Any, ...]) -> None:
+        seq, pages, length, free, refs, last = undo
+        seq.pages[:], seq.length, self._free[:], self._refs[:] = pages, length, free, refs
+        if last is not None and self.scales is not None:
+            p, k, v, sk, sv = last
+            self._k[:, p], self._v[:, p] = k, v
+            self.scales.k[:, p], self.scales.v[:, p] = sk, sv
 
     def _check_kv(self, where: str, k: Any, v: Any, n: int | None) -> int:
         """k (n, Hkv, D) and v (n, Hkv, Dv) fit this cache; returns n. Floating point only
@@ -328,9 +404,27 @@ class PagedKVCache:
                 raise InputError(f"{where}: {name} has {t.shape[0]} tokens, expected {n} "
                                  "(k and v of every layer carry the same tokens)")
         if self.scales is not None and n and not bool(
-                torch.isfinite(k).all() & torch.isfinite(v).all()):
-            raise InputError(f"{where}: k/v hold NaN or inf, which an FP8 cache cannot store")
+                torch.isfinite(_as_f32(k)).all() & torch.isfinite(_as_f32(v)).all()):
+            # in float32, where the descales are computed: a float64 1e300 is finite there
+            raise InputError(f"{where}: k/v hold NaN, inf or values beyond the float32 range, "
+                             "which an FP8 cache cannot store with a finite page descale")
+        if self.scales is None and n:
+            self._check_range(where, k, v)
         return n
+
+    def _check_range(self, where: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Refuse finite values the cache's dtype cannot hold (a float32 1e5 into a float16
+        cache, a float64 1e300 into a float32 one): the cast would store inf silently. Only
+        when ``k``/``v`` have a wider exponent range than the cache (a host read there; not
+        float32 into bfloat16, which share one)."""
+        fmax = torch.finfo(self.dtype).max
+        for name, t in (("k", k), ("v", v)):
+            if torch.finfo(t.dtype).max > 2 * fmax and bool(
+                    (torch.isfinite(t) & (t.abs() > fmax)).any()):
+                big = float(t[torch.isfinite(t)].abs().max())
+                raise InputError(f"{where}: {name} holds {big:.3g}, beyond the largest "
+                                 f"{self.dtype} value {fmax:.3g} the cache stores; scale it or "
+                                 "build the cache with a wider dtype")
 
     def _check_layer(self, layer: Any) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) or not (
@@ -414,11 +508,16 @@ class PagedKVCache:
                 f"page {p}: refcount {self._refs[p]} but held by {held.get(p, 0)} sequences")
 
     # -- helpers ----------------------------------------------------------------------------
-    def _check_id(self, seq_id: int) -> int:
-        if seq_id not in self._seqs:
-            raise InputError(f"unknown sequence id {seq_id} (live: {sorted(self._seqs)}); "
+    def _check_id(self, seq_id: Any) -> int:
+        # a bool or float would pass for the int it hashes like (True is sequence 1)
+        if isinstance(seq_id, bool) or not hasattr(type(seq_id), "__index__"):
+            raise InputError(f"sequence id {seq_id!r} ({type(seq_id).__name__}); pass the int "
+                             "allocate() or fork() returned")
+        sid = operator.index(seq_id)
+        if sid not in self._seqs:
+            raise InputError(f"unknown sequence id {sid} (live: {sorted(self._seqs)}); "
                              "it was never allocated or was already freed")
-        return seq_id
+        return sid
 
     def _seq(self, seq_id: int) -> _Seq:
         return self._seqs[self._check_id(seq_id)]
@@ -433,6 +532,12 @@ class PagedKVCache:
         pages = batch * -(-max_len // page_size) + spare
         return cls(num_layers=num_layers, num_pages=pages, page_size=page_size,
                    num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+
+
+def _as_f32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where float32 computes its descale: float64 cast (1e300 is finite there, not in
+    float32), narrower floats as they are (no copy)."""
+    return t.float() if t.dtype == torch.float64 else t
 
 
 def _describe(x: Any) -> str:

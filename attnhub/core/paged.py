@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SeqlensError
+from .contract import _check_paged_contents
+
 
 def paged_to_varlen(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -14,10 +17,23 @@ def paged_to_varlen(
     q (B, Sq, Hq, D); k_cache/v_cache (num_pages, page_size, Hkv, D); block_table (B, P) int32;
     seqlens_k (B,). Returns q (B*Sq, Hq, D), k, v (sum(seqlens), Hkv, D), cu_seqlens_q,
     cu_seqlens_k. A copy: for backends without native paging and for tests.
+
+    The tables are checked as the hub checks them (``contract._check_paged_contents``): a
+    caller outside the hub must not gather another sequence's pages through a negative page
+    id (which indexing wraps around) or a length past its table.
     """
     b, sq = q.shape[:2]
     page = k_cache.shape[1]
-    lens = seqlens_k.to(torch.int64).tolist()
+    if block_table.dim() != 2 or block_table.shape[0] != b or tuple(seqlens_k.shape) != (b,):
+        raise SeqlensError(f"paged_to_varlen: block_table {tuple(block_table.shape)} and "
+                           f"seqlens_k {tuple(seqlens_k.shape)} must be (B={b}, pages) and "
+                           f"(B={b},) for q of batch {b}")
+    host = seqlens_k.cpu().to(torch.int64)
+    try:
+        _check_paged_contents(block_table, host, k_cache.shape[0], page)
+    except SeqlensError as exc:
+        raise SeqlensError(f"paged_to_varlen: {exc}") from None
+    lens = host.tolist()
     ks, vs = [], []
     for i, n in enumerate(lens):
         pages = block_table[i, : (n + page - 1) // page].to(torch.int64)
