@@ -31,6 +31,7 @@ from .core.contract import (
     check_output,
     check_qkv,
     check_scalars,
+    fit_positions,
     nan_violation,
 )
 from .errors import ArgumentError, BackendUnavailableError, InputError, NoBackendError
@@ -67,7 +68,7 @@ class Runner:
     a failure to :meth:`recover`; everything else goes through ``__call__``.
     """
 
-    __slots__ = ("decision", "chain", "hub", "local", "first")
+    __slots__ = ("decision", "chain", "hub", "local", "first", "empty")
 
     def __init__(self, decision: Decision, chain: list[Backend], hub: "Hub"):
         self.decision = decision
@@ -75,9 +76,15 @@ class Runner:
         self.hub = hub
         inner = decision.inner
         self.local = hub.registry.get(inner.backend) if inner and inner.backend else None
+        #: no query or no key in any call of this binding (a bucket of 0 holds only 0), and
+        #: no distributed backend (its ranks must meet): the answer is known, 0 out and -inf
+        #: LSE, so no backend runs (kernels mishandle empty grids: flex's LSE at batch 0)
+        spec = decision.spec
+        self.empty = self.local is None and 0 in (spec.batch, spec.max_seqlen_q,
+                                                  spec.max_seqlen_k)
         #: the candidate the hot path may call directly (a distributed backend's runner
         #: first passes its local kernel in ``params.extra``: ``__call__`` does)
-        self.first = chain[0] if self.local is None else None
+        self.first = chain[0] if self.local is None and not self.empty else None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
@@ -87,6 +94,8 @@ class Runner:
         ``device``/``dtype`` q's, when the caller knows them already."""
         if self.local is not None:  # a distributed backend runs this local kernel per block
             params.extra["local_backend"] = self.local
+        if self.empty:
+            return _attends_nothing(q, k, v, spec.layout, params.return_lse)
         if want is None:
             want = (*q.shape[:-1], v.shape[-1])
         return self._fallback(self.chain, 0, q, k, v, spec, params, want, device or q.device,
@@ -294,7 +303,7 @@ class Hub:
                                     fallbacks=tuple(b.name for b in new[1:]),
                                     notes=(note, *d.notes))
             runner.decision, runner.chain = d, new
-            runner.first = new[0] if runner.local is None else None
+            runner.first = new[0] if runner.local is None and not runner.empty else None
             self._decisions[(d.spec, d.context)] = d
         log.warning("attnhub: %s", note)
 
@@ -336,6 +345,7 @@ class Hub:
             check_qkv(q, k, v, layout)
             raise
         fast_key = grow_key = None
+        positions = False  # int position tensors given (prefix_lens, colmask_*)
         try:
             # Hot path: every check of the slow path depends only on what this key holds
             # (side tensors by shape/dtype/device, callables by kind), so a call that matches
@@ -359,6 +369,7 @@ class Hub:
                 side = (_meta(alibi_slopes), _meta(prefix_lens), _meta(colmask_start),
                         _meta(colmask_end), _meta(block_table), _meta(seqlens_k),
                         _meta(cu_seqlens_q), _meta(cu_seqlens_k))
+                positions = prefix_lens is not None or colmask_start is not None
             device, dtype = q.device, q.dtype
             q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
             # flags first, shapes last: comparing with the last key fails fast on a flag
@@ -372,7 +383,8 @@ class Hub:
             # the layers of a step repeat one key: comparing it with the last one costs
             # about half a lookup (no hash of ~25 items)
             last = self._last_exact
-            grows = side is None and max_seqlen_k is None and (
+            # (a given max_seqlen_q must be checked against each call's Sq: slow path)
+            grows = side is None and max_seqlen_k is None and max_seqlen_q is None and (
                 layout == "bshd" or layout == "bhsd")
             if fast_key == last[0]:
                 hit = last[1]
@@ -443,7 +455,8 @@ class Hub:
                     hit_tables = PAGED.unchanged(block_table, seqlens_k, geometry)
                     bt, sl, max_k = hit_tables or PAGED.check(q, k, block_table, seqlens_k)
                     if max_seqlen_k is not None:  # an upper bound, as check_call takes it
-                        max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
+                        max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k,
+                                                 bt.shape[1] * k_shape[1])
                     limit = spec.max_seqlen_k  # a power of two: max_k in (limit/2, limit] fits
                     if not limit >> 1 < max_k <= limit and bucket(max_k) != limit:
                         hit = None  # another length bucket: rebind
@@ -460,9 +473,9 @@ class Hub:
                 cu_q, cu_k, max_q, max_k = hit_tables or THD.check(
                     q, k, cu_seqlens_q, cu_seqlens_k)
                 if max_seqlen_q is not None:  # upper bounds, as check_call takes them
-                    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
+                    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q, q_shape[0])
                 if max_seqlen_k is not None:
-                    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
+                    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k, k_shape[0])
                 if (bucket(max_q) != spec.max_seqlen_q or bucket(max_k) != spec.max_seqlen_k
                         or (phase is None and spec.phase != _phase(needs_grad, False,
                                                                    max_q, max_k))):
@@ -475,6 +488,10 @@ class Hub:
                     mask_mod = named_mask
             if layout == "bhsd":
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if positions:  # as the slow path hands them on
+                prefix_lens = fit_positions(prefix_lens, max_k)
+                colmask_start = fit_positions(colmask_start, max_q)
+                colmask_end = fit_positions(colmask_end, max_q)
             # positional: field order checked at import (_PARAM_FIELDS), ~1 us cheaper
             params = AttnParams(
                 default_scale if scale is None else scale, causal, causal_alignment, window,
@@ -537,8 +554,10 @@ class Hub:
         params = AttnParams(
             scale=scale if scale is not None else default_scale,
             causal=causal, alignment=causal_alignment, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, prefix_lens=prefix_lens, colmask_start=colmask_start,
-            colmask_end=colmask_end, cu_seqlens_q=a.cu_seqlens_q, cu_seqlens_k=a.cu_seqlens_k,
+            alibi_slopes=alibi_slopes, prefix_lens=fit_positions(prefix_lens, max_seqlen_k),
+            colmask_start=fit_positions(colmask_start, max_seqlen_q),
+            colmask_end=fit_positions(colmask_end, max_seqlen_q),
+            cu_seqlens_q=a.cu_seqlens_q, cu_seqlens_k=a.cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=a.block_table,
             seqlens_k=a.seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
             deterministic=deterministic, return_lse=return_lse, extra=dict(extra or {}))
@@ -651,6 +670,20 @@ class HubRef:
 _PAGED_TABLES = ("paged tables",)
 #: The first of a varlen call's side entry (then ``cu_seqlens_q.shape``): ``THD`` vouches.
 _THD_TABLES = "thd offsets"
+
+
+def _attends_nothing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
+                     return_lse: bool) -> AttentionOutput:
+    """The answer of a call without queries or keys: 0 out (in the autograd graph of q, k
+    and v, zero gradients) and LSE -inf, (Hq, Tq) for thd, else (B, Hq, Sq)."""
+    from .core.builtin import _attends_nothing as zeros
+
+    lse = None
+    if return_lse:
+        shape = (q.shape[1], q.shape[0]) if layout == "thd" else (q.shape[0], q.shape[2],
+                                                                 q.shape[1])
+        lse = torch.full(shape, -_INF, device=q.device)
+    return AttentionOutput(zeros(q, k, v), lse)
 
 
 def _failure_reason(exc: Exception) -> str:

@@ -459,10 +459,12 @@ def _keep_nan(out: torch.Tensor, lse: torch.Tensor | None, qt: torch.Tensor,
     """NaN in means NaN out (docs/contract.md). SDPA's CPU flash kernel returns a row of
     zeros where every score of a row is NaN (a NaN query, or only NaN keys visible): on the
     CPU, NaN of q is added back (one reduction over q) and, when some output row is exactly
-    zero, the call is redone by SDPA's math kernel, which keeps NaN (rare: a zero row)."""
+    zero, the call is redone by SDPA's math kernel, which keeps NaN (rare: a zero row).
+    The poison tests finiteness, not a sum: an fp16 row of large finite values sums to inf,
+    and inf * 0 would turn an exact answer into NaN."""
     if qt.device.type != "cpu":
         return out, lse
-    poison = qt.sum(-1, keepdim=True) * 0  # 0, or NaN on rows with NaN/inf
+    poison = _nan_rows(qt)
     out = out + poison.to(out.dtype)
     if bool((out == 0).all(-1).any()):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -472,6 +474,12 @@ def _keep_nan(out: torch.Tensor, lse: torch.Tensor | None, qt: torch.Tensor,
     if lse is not None:  # a fully masked row keeps its -inf
         lse = torch.where(torch.isneginf(lse), lse, lse + poison.squeeze(-1))
     return out, lse
+
+
+def _nan_rows(qt: torch.Tensor) -> torch.Tensor:
+    """(..., S, 1) fp32: 0 on rows of finite values, NaN on rows holding NaN or inf."""
+    finite = torch.isfinite(qt).all(-1, keepdim=True)
+    return torch.zeros(finite.shape, device=qt.device).masked_fill(~finite, float("nan"))
 
 
 def _native_causal(p: AttnParams, sq: int, sk: int) -> tuple[bool, object] | None:

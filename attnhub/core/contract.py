@@ -99,14 +99,16 @@ def check_call(q: Any, k: Any, v: Any, *, layout: Any, causal: Any, causal_align
     tables: list[Any] = [None, None, None, None]
     if layout == "thd":
         *tables[2:], mq, mk = THD.check(q, k, cu_seqlens_q, cu_seqlens_k)
-        batch = cu_seqlens_q.numel() - 1
+        batch, cap_q, cap_k = cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0]
     elif layout == "paged":
         *tables[:2], mk = PAGED.check(q, k, block_table, seqlens_k)
         mq, batch = q.shape[1], q.shape[0]
+        cap_q, cap_k = mq, block_table.shape[1] * k.shape[1]
     else:
         mq, mk, batch = q.shape[1], k.shape[1], q.shape[0]
-    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, mq)
-    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, mk)
+        cap_q, cap_k = mq, mk
+    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, mq, cap_q)
+    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, mk, cap_k)
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if alibi_slopes is not None:
         _check_side("alibi_slopes", alibi_slopes, q.device, floating=True,
@@ -279,9 +281,12 @@ def _check_cu_contents(name: str, cu: torch.Tensor, total: int) -> int:
     return max(b - a for a, b in zip(host, host[1:]))
 
 
-def check_max_seqlen(name: str, given: Any, true_max: int) -> int:
+def check_max_seqlen(name: str, given: Any, true_max: int, cap: int) -> int:
     """A caller's ``max_seqlen`` may be an upper bound, never below the true longest length
-    (kernels size their grids by it and would drop rows)."""
+    (kernels size their grids by it and would drop rows). It comes back at most ``cap``, the
+    most tokens a sequence can hold (packed length, table capacity): a loose bound such as
+    2**31 would size a kernel's grid (hours under the Triton interpreter, a failed launch
+    past the grid limit) and the spec's bucket by it."""
     if given is None:
         return true_max
     try:
@@ -293,7 +298,23 @@ def check_max_seqlen(name: str, given: Any, true_max: int) -> int:
     if given < true_max:
         raise SeqlensError(f"{name}={given} is below the longest sequence ({true_max}); pass "
                            f"{name}={true_max} or leave it None to have it computed")
-    return given
+    return min(given, cap)
+
+
+#: Integer dtypes a position tensor (``prefix_lens``, ``colmask_*``) may have: the ones
+#: every kernel reads (unsigned 16-64 bit types have partial torch support).
+_INT_SIDE = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def fit_positions(t: torch.Tensor | None, hi: int) -> torch.Tensor | None:
+    """An int64 position tensor clamped to ``[0, hi]`` (``hi``: the keys for ``prefix_lens``,
+    the queries for ``colmask_*``), which means the same (a prefix past the last key shows
+    every key; a row range past the last query ends there; negative ones are empty), and
+    fits the int32 kernels read it in: 2**32 + 2 would wrap to 2 (a silent wrong answer).
+    Narrower dtypes are returned as they are. A device op, no host sync."""
+    if t is None or t.dtype != torch.int64:
+        return t
+    return t.clamp(0, hi)
 
 
 def _check_side(name: str, t: Any, device: torch.device, *, floating: bool,
@@ -304,9 +325,11 @@ def _check_side(name: str, t: Any, device: torch.device, *, floating: bool,
     if t.device != device:
         raise DeviceMismatchError(f"{name} is on {t.device} but q is on {device}; move it "
                                   f"({name}.to(q.device))")
-    if floating != t.dtype.is_floating_point or t.dtype == torch.bool:
-        kind = "a floating" if floating else "an integer"
-        raise DTypeMismatchError(f"{name} is {t.dtype}; it must be {kind} tensor {what}")
+    if floating != t.dtype.is_floating_point or t.dtype == torch.bool or (
+            not floating and t.dtype not in _INT_SIDE):
+        kind = "a floating" if floating else "an integer (int8-int64 or uint8)"
+        raise DTypeMismatchError(f"{name} is {t.dtype}; it must be {kind} tensor {what} "
+                                 f"(e.g. {name}.to(torch.{'float32' if floating else 'int32'}))")
     if tuple(t.shape) not in shapes:
         raise ShapeError(f"{name} has shape {tuple(t.shape)}; this call needs {what}: "
                          f"one of {', '.join(map(str, shapes))}")
