@@ -97,7 +97,7 @@ class TorchFlashCPUBackend(Backend):
             o, l = self._dense(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], params)
             outs.append(o[0])
             lses.append(l[0])
-        out = torch.cat(outs) if outs else q.new_zeros(*q.shape[:-1], v.shape[-1])
+        out = torch.cat(outs) if outs else _zeros_in_graph(q, k, v)
         lse = torch.cat(lses, -1) if lses else q.new_zeros(q.shape[1], 0, dtype=torch.float32)
         return AttentionOutput(out, lse if params.return_lse else None)
 
@@ -109,10 +109,17 @@ class TorchFlashCPUBackend(Backend):
         if reason:
             raise BackendUnavailableError(self.name, [reason])
         if sq == 0 or sk == 0:
-            return (q.new_zeros(b, sq, hq, v.shape[-1]),
+            return (_zeros_in_graph(q, k, v),
                     torch.full((b, hq, sq), float("-inf"), device=q.device))
         out, lse = _FlashCPU.apply(q, k, v, params.causal, params.scale)
         return _keep_nan(out, lse, q, k, v, params)
+
+
+def _zeros_in_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The 0 output of a call (or document) without queries or keys, in the autograd graph
+    of q, k and v (zero gradients; ``new_zeros`` would cut a training step's graph)."""
+    zero = q[..., :0].sum(-1, keepdim=True) + k[..., :0].sum() + v[..., :0].sum()
+    return zero.expand(*q.shape[:-1], v.shape[-1]).contiguous()
 
 
 def _keep_nan(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -120,7 +127,10 @@ def _keep_nan(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Te
     """NaN in, NaN out (docs/contract.md): the CPU flash kernel gives a row of zeros where
     every score is NaN. A query's NaN is added back (one reduction over q); a row that came
     out exactly zero (rare: all-NaN scores, or a true zero) is recomputed by the reference."""
-    poison = q.sum(-1, keepdim=True) * 0  # (B, S, H, 1): 0, or NaN on rows with NaN/inf
+    # (B, S, H, 1): 0, or NaN on rows with NaN/inf. Not a sum times 0: an fp16 row of large
+    # finite values sums to inf, and inf * 0 would turn an exact answer into NaN.
+    poison = torch.zeros(q.shape[:-1] + (1,), device=q.device).masked_fill(
+        ~torch.isfinite(q).all(-1, keepdim=True), float("nan"))
     out = out + poison.to(out.dtype)
     lse = torch.where(torch.isneginf(lse), lse, lse + poison.squeeze(-1).transpose(1, 2))
     if bool((out == 0).all(-1).any()):
