@@ -630,10 +630,18 @@ class Hub:
 
     def _variant(self, score_mod: Any, mask_mod: Any) -> tuple[Any, Any]:
         """Named variants from plugins (``score_mod="softcap30"``) turned into callables."""
+        named = []
         if isinstance(score_mod, str):
+            named.append(("score_mod", score_mod))
             score_mod = self.registry.variant(score_mod).score_mod
         if isinstance(mask_mod, str):
+            named.append(("mask_mod", mask_mod))
             mask_mod = self.registry.variant(mask_mod).mask_mod
+        for slot, name in named:  # a variant without this slot would be silently ignored
+            if (score_mod if slot == "score_mod" else mask_mod) is None:
+                other = "mask_mod" if slot == "score_mod" else "score_mod"
+                raise ArgumentError(f"{slot}={name!r}: the variant {name!r} has no {slot} "
+                                    f"(it defines a {other}); pass it as {other}={name!r}")
         return score_mod, mask_mod
 
     def bound(self) -> list[Runner]:

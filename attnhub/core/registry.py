@@ -5,7 +5,11 @@ found) and from ``ATTNHUB_PLUGIN_MODULES`` (comma-separated module names, for so
 ``PYTHONPATH`` without installed metadata). ``ATTNHUB_PLUGINS`` keeps only the plugins named
 (``a,b``) or drops some (``-a,-b``). Each plugin is imported and asked to register in its own
 guard: a plugin that raises anything but ``KeyboardInterrupt`` (``SystemExit`` included) is
-recorded and shown, never fatal to the host.
+recorded and shown, never fatal to the host. Its import and each of its hooks run in a worker
+thread for at most ``ATTNHUB_PLUGIN_TIMEOUT`` seconds (default 60; 0: no limit): a plugin that
+hangs is recorded as broken and left behind, and the host goes on. A plugin with no attnhub
+hook, a misspelt hook name or a hook that returns a value is recorded too: it would
+otherwise load "ok" and register nothing.
 
 A backend name belongs to one provider. When two plugins register the same name neither gets
 it (a plugin loaded first must not be able to take over another's name) unless the
@@ -15,10 +19,13 @@ taken by a plugin only that way.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import logging
 import os
+import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -36,6 +43,11 @@ log = logging.getLogger("attnhub")
 ENTRY_POINT_GROUP = "attnhub.backends"
 CORE_PLUGIN = "core"
 PROVIDERS_ENV = "ATTNHUB_PROVIDERS"
+TIMEOUT_ENV = "ATTNHUB_PLUGIN_TIMEOUT"
+#: Seconds a plugin's import or one of its hooks may take (importing a CUDA kernel library
+#: from a cold disk takes seconds, not minutes).
+DEFAULT_TIMEOUT_S = 60.0
+HOOKS = ("attnhub_register_backends", "attnhub_register_variants")
 
 
 @dataclass
@@ -84,6 +96,9 @@ class Registry:
         self.providers: dict[str, str] = dict(providers or {})
         #: Backend name -> every plugin that registered it, when two did and none was picked.
         self.conflicts: dict[str, list[str]] = {}
+        #: Plugins whose import or hook ran past the timeout: their late calls are ignored.
+        self._stalled: set[str] = set()
+        self._lock = threading.RLock()
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -102,6 +117,7 @@ class Registry:
         if providers is None:
             providers = parse_providers(os.environ.get(PROVIDERS_ENV, ""))
         reg = cls(providers)
+        timeout = plugin_timeout()
         from . import builtin
 
         core = reg.add_plugin(builtin, CORE_PLUGIN)
@@ -121,17 +137,20 @@ class Registry:
                 dist = getattr(ep, "dist", None)
                 seen_modules.add(ep.value.split(":")[0])
                 reg._load_one(ep.name, ep.value, ep.load,
-                              dist.name if dist else None, dist.version if dist else None)
+                              dist.name if dist else None, dist.version if dist else None,
+                              timeout)
         for mod in modules:
             name = mod.rsplit(".", 1)[0].split(".")[0].removeprefix("attnhub_")
             if mod in seen_modules or (allow is not None and name not in allow) or name in denied:
                 continue
             dist, version = _module_distribution(mod)
-            reg._load_one(name, mod, lambda m=mod: importlib.import_module(m), dist, version)
+            reg._load_one(name, mod, lambda m=mod: importlib.import_module(m), dist, version,
+                          timeout)
         return reg
 
     def _load_one(self, name: str, module: str, loader: Callable[[], Any],
-                  dist: str | None, version: str | None) -> PluginRecord:
+                  dist: str | None, version: str | None,
+                  timeout: float | None = None) -> PluginRecord:
         rec = PluginRecord(name=name, module=module, distribution=dist, version=version)
         if name in self.plugins:
             rec.errors.append(f"plugin name {name!r} already loaded from "
@@ -139,16 +158,43 @@ class Registry:
             self.plugins[f"{name}#{module}"] = rec
             return rec
         self.plugins[name] = rec
+        hung = _HUNG_IMPORTS.get(module)
+        if hung is not None and hung.is_alive():  # it holds the module's import lock
+            self._stall(rec, "its import (still running from an earlier load)")
+            return rec
+        # a module imported already, or being imported by this thread (a package that loads a
+        # hub while it imports), has nothing left to hang on, and a worker would wait for this
+        # thread's import lock: it loads here, unbounded
+        bound = None if module.split(":")[0] in sys.modules else timeout
         try:
-            obj = loader()
+            obj = _bounded(loader, bound)
         except KeyboardInterrupt:
             raise
+        except _Stalled as exc:
+            _HUNG_IMPORTS[module] = exc.args[0]
+            self._stall(rec, "its import")
+            return rec
         except BaseException as exc:  # SystemExit too: a plugin must not take the host down
             rec.errors.append(f"import failed: {_exc_text(exc)}")
             log.debug("plugin %s failed to import:\n%s", name, traceback.format_exc())
             return rec
-        self._register_from(obj, rec)
+        self._register_from(obj, rec, timeout)
         return rec
+
+    def _stall(self, rec: PluginRecord, what: str) -> None:
+        """Skip a plugin that hung: what it registered before is taken back too."""
+        with self._lock:
+            self._stalled.add(rec.name)
+            for name in rec.backends:
+                if getattr(self.backends.get(name), "plugin", None) == rec.name:
+                    del self.backends[name]
+            for name in rec.variants:
+                if self.variants[name].plugin == rec.name:
+                    del self.variants[name]
+            rec.backends, rec.variants = [], []
+            rec.errors.append(f"{what} did not finish within {plugin_timeout_text()}; the "
+                              "plugin is skipped (fix the hang, or raise the limit with "
+                              f"{TIMEOUT_ENV}=SECONDS)")
 
     @classmethod
     def of(cls, *backends: Backend, plugin: str = "local") -> Registry:
@@ -172,32 +218,76 @@ class Registry:
         self._register_from(obj, rec)
         return rec
 
-    def _register_from(self, obj: object, rec: PluginRecord) -> None:
+    def _register_from(self, obj: object, rec: PluginRecord,
+                       timeout: float | None = None) -> None:
         try:
             self.pm.register(obj, name=rec.name)
         except KeyboardInterrupt:
             raise
-        except BaseException as exc:
-            rec.errors.append(f"invalid plugin: {_exc_text(exc)}")
+        except BaseException as exc:  # pluggy's reason spans lines (which arguments differ)
+            rec.errors.append(f"invalid plugin: {_exc_text(exc, lines=4)}")
+            return
+        if not self._hooks_known(obj, rec):
             return
         for impl in self.pm.hook.attnhub_register_backends.get_hookimpls():
             if impl.plugin_name == rec.name:
-                self._call(rec, lambda: impl.function(register=self._backend_adder(rec)))
+                self._call(rec, impl.function, self._backend_adder(rec), timeout)
         for impl in self.pm.hook.attnhub_register_variants.get_hookimpls():
             if impl.plugin_name == rec.name:
-                self._call(rec, lambda: impl.function(register=self._variant_adder(rec)))
+                self._call(rec, impl.function, self._variant_adder(rec), timeout)
 
-    @staticmethod
-    def _call(rec: PluginRecord, fn: Callable[[], None]) -> None:
+    def _hooks_known(self, obj: object, rec: PluginRecord) -> bool:
+        """False, with the reason recorded, when ``obj`` implements no attnhub hook: a
+        misspelt hook name or a missing ``@hookimpl`` would register nothing, silently."""
+        callers = self.pm.get_hookcallers(obj) or []
+        for hc in callers:
+            if hc.spec is None:
+                hint = difflib.get_close_matches(hc.name, HOOKS, n=1)
+                rec.errors.append(f"hook {hc.name!r} is not an attnhub hook and is never called"
+                                  f"; expected one of: {', '.join(HOOKS)}"
+                                  + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        if any(hc.spec is not None for hc in callers):
+            return True
+        if callers:  # only misspelt hooks, each reported above
+            return False
+        bare = [h for h in HOOKS if callable(getattr(obj, h, None))]
+        rec.errors.append(
+            f"{', '.join(bare)} not decorated with @attnhub.plugin.hookimpl, so never called"
+            if bare else f"implements no attnhub hook, so it registers nothing; expected "
+                         f"@hookimpl def attnhub_register_backends(register) (docs/plugins.md)")
+        return False
+
+    def _call(self, rec: PluginRecord, hook: Callable[..., Any], register: Callable[..., None],
+              timeout: float | None) -> None:
+        if rec.name in self._stalled:
+            return
         try:
-            fn()
+            got = _bounded(lambda: hook(register=register), timeout)
         except KeyboardInterrupt:
             raise
+        except _Stalled:
+            self._stall(rec, f"hook {hook.__name__}")
+            return
         except BaseException as exc:
             rec.errors.append(f"registration raised {_exc_text(exc)}")
+            return
+        if got is not None:
+            rec.errors.append(f"hook {hook.__name__} returned {type(got).__name__}, which is "
+                              "ignored: a hook returns nothing and calls register(...) once per "
+                              "backend or variant")
 
     def _backend_adder(self, rec: PluginRecord) -> Callable[[Any], None]:
         def register(backend: Any) -> None:
+            with self._lock:
+                if rec.name in self._stalled:
+                    return
+                try:  # one broken backend must not cost the plugin its other registrations
+                    add(backend)
+                except Exception as exc:
+                    rec.errors.append(f"registering {type(backend).__name__} raised "
+                                      f"{_exc_text(exc)}")
+
+        def add(backend: Any) -> None:
             problem = _invalid_backend(backend) or self._name_problem(backend.name, rec)
             if problem:
                 rec.errors.append(problem)
@@ -246,6 +336,22 @@ class Registry:
     def _variant_adder(self, rec: PluginRecord) -> Callable[..., None]:
         def register(name: str, score_mod: Callable[..., Any] | None = None,
                      mask_mod: Callable[..., Any] | None = None, doc: str = "") -> None:
+            with self._lock:
+                if rec.name not in self._stalled:
+                    add(name, score_mod, mask_mod, doc)
+
+        def add(name: Any, score_mod: Any, mask_mod: Any, doc: Any) -> None:
+            if not isinstance(name, str) or not name.isidentifier():
+                rec.errors.append(f"variant name {name!r} is not an identifier (a rule names it "
+                                  "in `when.variant`, a call in score_mod=/mask_mod=)")
+                return
+            bad = [(k, f) for k, f in (("score_mod", score_mod), ("mask_mod", mask_mod))
+                   if f is not None and not callable(f)]
+            if bad:
+                rec.errors.append(f"variant {name!r}: {bad[0][0]} is a "
+                                  f"{type(bad[0][1]).__name__}, expected a callable "
+                                  "(FlexAttention style) or None")
+                return
             if name in self.variants:
                 rec.errors.append(f"variant name {name!r} is already registered by "
                                   f"{self.variants[name].plugin!r}")
@@ -253,7 +359,7 @@ class Registry:
             if score_mod is None and mask_mod is None:
                 rec.errors.append(f"variant {name!r} has neither score_mod nor mask_mod")
                 return
-            self.variants[name] = Variant(name, score_mod, mask_mod, doc, rec.name)
+            self.variants[name] = Variant(name, score_mod, mask_mod, str(doc), rec.name)
             rec.variants.append(name)
 
         return register
@@ -300,6 +406,58 @@ class Registry:
         return [(r.name, e) for r in self.plugins.values() for e in r.errors]
 
 
+class _Stalled(Exception):
+    """A plugin's import or hook ran past the timeout (it is left running, unheard); the
+    argument is its worker thread."""
+
+
+#: Module -> the worker still importing it past the timeout: a later load in this process
+#: would wait on the module's import lock, so it is skipped at once while that runs.
+_HUNG_IMPORTS: dict[str, threading.Thread] = {}
+
+
+def plugin_timeout() -> float | None:
+    """``ATTNHUB_PLUGIN_TIMEOUT`` in seconds (None: no limit)."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise PluginError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds (0: no limit)") \
+            from None
+    return value if value > 0 else None
+
+
+def plugin_timeout_text() -> str:
+    t = plugin_timeout()
+    return f"{t:g} s ({TIMEOUT_ENV})" if t is not None else "the limit"
+
+
+def _bounded(fn: Callable[[], Any], timeout: float | None) -> Any:
+    """``fn()`` in a daemon thread, waited for at most ``timeout`` seconds (:class:`_Stalled`
+    after that; None: in this thread, no limit). Its exception, ``SystemExit`` too, is
+    re-raised here."""
+    if timeout is None:
+        return fn()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="attnhub-plugin", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise _Stalled(worker)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -330,9 +488,10 @@ def parse_providers(text: str) -> dict[str, str]:
     return out
 
 
-def _exc_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300] if str(exc) else \
-        type(exc).__name__
+def _exc_text(exc: BaseException, lines: int = 1) -> str:
+    if not str(exc):
+        return type(exc).__name__
+    return "; ".join(f"{type(exc).__name__}: {exc}".splitlines()[:lines])[:300 * lines]
 
 
 def _module_distribution(module: str) -> tuple[str | None, str | None]:
@@ -347,13 +506,24 @@ def _module_distribution(module: str) -> tuple[str | None, str | None]:
 
 
 def _invalid_backend(obj: Any) -> str | None:
+    if isinstance(obj, type) and issubclass(obj, Backend):
+        return (f"registered the class {obj.__name__}, expected an instance: "
+                f"register({obj.__name__}())")
     if not isinstance(obj, Backend):
         return f"registered {type(obj).__name__!r}, which is not an attnhub Backend subclass"
-    name = getattr(obj, "name", None)
+    try:
+        name = getattr(obj, "name", None)
+    except Exception as exc:
+        return f"backend {type(obj).__name__}: reading its name raised {_exc_text(exc)}"
     if not isinstance(name, str) or not name.isidentifier():
         return f"backend {type(obj).__name__} has an invalid name {name!r} (use an identifier)"
-    if obj.tier not in TIERS:
-        return f"backend {name!r} has unknown tier {obj.tier!r} (use one of {', '.join(TIERS)})"
+    try:
+        tier = obj.tier
+        ok = isinstance(tier, str) and tier in TIERS
+    except Exception as exc:
+        return f"backend {name!r}: reading its tier raised {_exc_text(exc)}"
+    if not ok:
+        return f"backend {name!r} has unknown tier {tier!r} (use one of {', '.join(TIERS)})"
     try:
         caps = obj.capabilities
     except Exception as exc:

@@ -62,6 +62,7 @@ def lint_policy(policy: Policy, registry: Registry,
     shadows = _ShadowIndex()
     for lr in policy.rules:
         out += _backend_names(lr, registry)
+        out += _variant_names(lr, registry)
         out += _contradictions(lr, registry)
         out += _thresholds(lr)
         out += _impossible(lr)
@@ -116,6 +117,24 @@ def _backend_names(lr: LoadedRule, registry: Registry) -> list[Finding]:
                 "badly on outlier inputs (rel. error 0.17-0.26 vs 0.0018 for BF16 on an H200): "
                 "expected `requires: {accuracy: {backends: [" + name + "]}}`")))
     out += _gate_names(lr)
+    return out
+
+
+def _variant_names(lr: LoadedRule, registry: Registry) -> list[Finding]:
+    """``when.variant`` names no installed plugin registers: a typo there never raises, the
+    rule just never matches (a call's own callable matches only by its ``__name__``)."""
+    out = []
+    for j, name in enumerate(lr.rule.when.variant or ()):
+        if name in registry.variants:
+            continue
+        known = sorted(registry.variants)
+        hint = difflib.get_close_matches(name, known, n=1)
+        out.append(Finding("warning", lr.where("when", "variant", j),
+                           _label(lr, "when", "variant", j), (
+            f"no installed plugin registers variant {name!r}, so the rule matches only calls "
+            f"whose score_mod/mask_mod callable is named {name!r}; expected one of: "
+            f"{', '.join(known) or '(none installed)'}"
+            + (f" (did you mean {hint[0]!r}?)" if hint else ""))))
     return out
 
 
@@ -181,6 +200,26 @@ def _impossible(lr: LoadedRule) -> list[Finding]:
             out.append(Finding("warning", lr.where("when", *path), _label(lr, "when", *path), (
                 f"no value satisfies {rng.model_dump(exclude_none=True, by_alias=True)}, so this "
                 "rule can never match; expected bounds with lower <= upper")))
+    return out + [Finding("warning", lr.where("when", key), _label(lr, "when", key),
+                          f"{why}, so this rule can never match; expected conditions that "
+                          "can hold together")
+                  for key, why in _exclusive(w)]
+
+
+def _exclusive(w: When) -> list[tuple[str, str]]:
+    """``when`` keys that contradict another key: (the key, why)."""
+    out = []
+    kinds = set(w.mask) if w.mask is not None else None
+    if kinds is not None and w.mask_any is not None and not kinds & set(w.mask_any):
+        out.append(("mask_any", f"mask_any {sorted(w.mask_any)} needs a kind outside `mask` "
+                                f"{sorted(kinds)}"))
+    if kinds is not None and w.variant is not None and not kinds & {"score_mod", "mask_mod"}:
+        out.append(("variant", f"a variant is a score_mod or mask_mod, which `mask` "
+                               f"{sorted(kinds)} leaves out"))
+    if w.capability is not None and w.hardware is not None and not any(
+            h == "cuda" or h.startswith("sm") for h in w.hardware):
+        out.append(("capability", f"compute capability exists only on CUDA, and `hardware` is "
+                                  f"{', '.join(w.hardware)}"))
     return out
 
 

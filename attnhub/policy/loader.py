@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import gc
 import os
 import re
+import stat
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -31,6 +33,13 @@ from .located import Located, dotted, pydantic_problems, read_yaml
 from .schema import Defaults, PolicyFile, Rule
 
 _PACKAGED_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+#: Limits no real policy comes near (the packaged ones are under 10 KiB and extend at most
+#: once): past them a file is refused, located, before it is parsed or followed.
+MAX_BYTES = 16 * 2**20
+MAX_CHAIN = 32
+#: Problems listed per file; a generated file can have one per value, and a listing of half a
+#: million lines helps nobody: the first ones are shown with a count of the rest.
+MAX_PROBLEMS = 100
 
 
 @dataclass(frozen=True)
@@ -139,9 +148,41 @@ def _packaged_hint(path: Path) -> str:
             + (f" (did you mean {hint[0]!r}?)" if hint else ""))
 
 
+class TooBig(Exception):
+    """A file past the size limit, or not a regular file (a FIFO, ``/dev/zero``)."""
+
+
+def read_limited(path: Path, limit: int) -> bytes:
+    """The bytes of regular file ``path``; :class:`TooBig` past ``limit`` bytes or for
+    anything else (reading ``/dev/zero`` or a FIFO would never end)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO: no writer wait
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            raise TooBig("not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit and (chunk := os.read(fd, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    if len(raw) > limit:
+        raise TooBig(f"larger than {limit} bytes")
+    return raw
+
+
+def _real(p: Path) -> Path:
+    """``p.resolve()`` that cannot raise: a symlink loop is reported when it is read."""
+    return Path(os.path.realpath(p))
+
+
 def _display(p: Path) -> str:
     try:
-        return str(p.resolve().relative_to(Path.cwd().resolve()))
+        return str(_real(p).relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(p)
 
@@ -150,18 +191,26 @@ def _read_chain(path: Path, problems: list[str], seen: list[Path],
                 ref: str | None = None) -> list[tuple[PolicyFile, Located]]:
     """Files from the root base to ``path`` (each validated); problems collected."""
     file = _display(path)
-    if path.resolve() in seen:
-        cycle = " -> ".join(_display(p) for p in seen + [path.resolve()])
+    if _real(path) in seen:
+        cycle = " -> ".join(_display(p) for p in seen + [_real(path)])
         problems.append(f"{ref}: extends forms a cycle ({cycle}), expected a chain that ends")
         return []
+    if len(seen) >= MAX_CHAIN:
+        problems.append(f"{ref}: extends chain longer than {MAX_CHAIN} files, expected a short "
+                        "chain (merge some of the files)")
+        return []
+    where = f"{ref}: " if ref else ""
     try:
-        raw = path.read_bytes()
+        raw = read_limited(path, MAX_BYTES)
         text = raw.decode("utf-8")
     except OSError as exc:
-        where = f"{ref}: " if ref else ""
         problems.append(f"{where}cannot read policy {file} ({exc.strerror}), expected a "
                         f"readable YAML file (or a packaged name such as `default`)"
                         f"{_packaged_hint(path)}")
+        return []
+    except TooBig as exc:
+        problems.append(f"{where}policy {file} is {exc}, expected a regular YAML file of at "
+                        f"most {MAX_BYTES // 2**20} MiB (split it with `extends:`)")
         return []
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
@@ -170,33 +219,39 @@ def _read_chain(path: Path, problems: list[str], seen: list[Path],
                         "UTF-8, expected a UTF-8 text file (re-save it as UTF-8)")
         return []
     doc, mine = read_yaml(text, file)
-    pf = _validate(doc, mine)
-    problems += sorted(mine, key=_pos)
+    pf, unlisted = _validate(doc, mine)
+    problems += sorted(mine, key=_pos)[:MAX_PROBLEMS]
+    unlisted += max(0, len(mine) - MAX_PROBLEMS)
+    if unlisted:
+        problems.append(f"{file}: {unlisted} more problem(s) not listed, expected the ones "
+                        "above fixed first (then check again)")
     extends = pf.extends if pf else (doc.data or {}).get("extends") if isinstance(
         doc.data, dict) else None
     base: list[tuple[PolicyFile, Located]] = []
     if isinstance(extends, str):  # followed even when this file is invalid: report all
         base = _read_chain(resolve_policy_path(extends, path.parent), problems,
-                           seen + [path.resolve()], ref=f"{doc.where(('extends',))} extends")
+                           seen + [_real(path)], ref=f"{doc.where(('extends',))} extends")
     return base + [(pf, doc)] if pf else []
 
 
-def _validate(doc: Located, problems: list[str]) -> PolicyFile | None:
-    """The validated file, or None with the reasons added to ``problems``."""
+def _validate(doc: Located, problems: list[str]) -> tuple[PolicyFile | None, int]:
+    """The validated file, or None with the reasons added to ``problems``; and how many
+    schema errors were counted but not formatted (past ``MAX_PROBLEMS``)."""
     if doc.data is None and problems:  # a syntax error: nothing to validate
-        return None
+        return None, 0
     if not isinstance(doc.data, dict):
         problems.append(f"{doc.where(())} (document): got {type(doc.data).__name__}, expected "
                         "a mapping with name, rules and optional extends, defaults, targets")
-        return None
+        return None, 0
     try:
         pf = PolicyFile.model_validate(doc.data)
     except ValidationError as exc:
-        problems += pydantic_problems(exc.errors(), doc, PolicyFile)
-        return None
+        errors = exc.errors(include_url=False)
+        problems += pydantic_problems(errors[:MAX_PROBLEMS], doc, PolicyFile)
+        return None, max(0, len(errors) - MAX_PROBLEMS)
     found = _file_checks(pf, doc)
     problems += found
-    return None if found else pf
+    return (None if found else pf), 0
 
 
 def _pos(line: str) -> tuple[int, int]:

@@ -10,6 +10,7 @@ what is expected`` lines, all of them at once.
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ _SCALAR_TAGS = frozenset(_STD + t for t in ("null", "bool", "int", "float", "str
 _MERGE = _STD + "merge"
 _STR = _STD + "str"
 _AWAIT, _SKIP = object(), object()
+#: A plain decimal integer (YAML 1.1 reads a leading 0 as octal, so none here).
+_DECIMAL = re.compile(r"[-+]?(?:0|[1-9][0-9]{0,17})\Z")
+#: Only escapes can write these; they would reach terminals and JSON output (a lone surrogate
+#: cannot even be printed as UTF-8).
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 class _Refused(Exception):
@@ -100,6 +106,12 @@ def read_yaml_with(text: str, file: str, parser: Any) -> tuple[Located, list[str
         what = " ".join(x for x in (exc.context, exc.problem) if x)
         doc.data = None
         return doc, [f"{file}:{line}:{col} (yaml syntax): {what}, expected valid YAML"]
+    except yaml.reader.ReaderError as exc:  # a character YAML forbids (NUL, other controls)
+        line = text.count("\n", 0, exc.position) + 1
+        col = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        doc.data = None
+        return doc, [f"{file}:{line}:{col} (yaml): character U+{exc.character:04X} is not "
+                     "allowed in YAML, expected printable text (remove it)"]
     except yaml.YAMLError as exc:
         doc.data = None
         return doc, [f"{file}:1:1 (yaml): {exc}, expected one valid YAML document"]
@@ -113,6 +125,9 @@ class _Builder:
         self.doc, self.problems, self.loader = doc, problems, loader
         self.stack: list[_Frame] = []
         self.count = 0
+        #: Scalars already built: rules repeat names and values, and resolving a tag tries
+        #: several regular expressions.
+        self.scalars: dict[tuple[str, str | None, tuple[bool, bool]], Any] = {}
 
     def _at(self, mark: Any) -> str:
         return f"{self.doc.file}:{mark.line + 1}:{mark.column + 1}"
@@ -248,17 +263,30 @@ class _Builder:
         return self.loader.resolve(yaml.ScalarNode, ev.value, ev.implicit)
 
     def _scalar(self, ev: Any, path: Path_) -> Any:
-        return self._construct(ev, self._tag(ev), path)
+        key = (ev.value, ev.tag, ev.implicit)  # decides the tag, so the (immutable) value
+        hit = self.scalars.get(key, _AWAIT)
+        if hit is _AWAIT:
+            if ev.tag is None and ev.implicit[0] and _DECIMAL.match(ev.value):
+                hit = self.scalars[key] = int(ev.value)  # what the int resolver would build
+            else:
+                hit = self.scalars[key] = self._construct(ev, self._tag(ev), path)
+        return hit
 
     def _construct(self, ev: Any, tag: str, path: Path_) -> Any:
         if tag == _STR:
+            bad = _UNPRINTABLE.search(ev.value)
+            if bad:
+                raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: character "
+                               f"U+{ord(bad.group()):04X} (a control character or lone "
+                               "surrogate) is not allowed in policy files, expected printable "
+                               "text (remove the escape)")
             return ev.value
         node = yaml.ScalarNode(tag, ev.value, ev.start_mark, ev.end_mark, ev.style)
         try:
             return self.loader.construct_object(node, deep=True)
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError, OverflowError):  # ValueError: an int of 5,000 digits
             raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: cannot read "
-                           f"{ev.value!r} as a plain value, expected a string, number, "
+                           f"{_show(ev.value)} as a plain value, expected a string, number, "
                            "true/false or null (quote it to make it a string)") from None
 
 

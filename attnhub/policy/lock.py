@@ -36,6 +36,8 @@ from .profile import write_json_atomic
 from .resolver import Policy
 
 SCHEMA = "attnhub.lock/2"
+#: Keys of a binding's context this version reads (others, as in specs, are ignored).
+_CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(BindContext) if f.init)
 #: ``attnhub lock --check`` exit status for an unreadable or malformed lockfile (drift is 1).
 EXIT_BAD_LOCK = 3
 
@@ -88,28 +90,65 @@ def _bound_names(bindings: list[dict[str, Any]]) -> set[str]:
     return {n for b in bindings for n in (b["backend"], b["inner"], *b["fallbacks"]) if n}
 
 
+#: Far above a lock of every cell on every known hardware (about 3 MiB).
+MAX_LOCK_BYTES = 256 * 2**20
+
+
 def write_lock(path: str | Path, lock: dict[str, Any]) -> None:
-    write_json_atomic(Path(path), lock)
+    """Write atomically (a temporary file renamed over ``path``): a reader or a concurrent
+    writer never sees half a lock."""
+    try:
+        write_json_atomic(Path(path), lock)
+    except OSError as exc:
+        raise LockfileError([f"{path}: cannot write the lockfile ({exc.strerror or exc}); "
+                             "expected a writable file path (not a folder) in a writable "
+                             "folder"]) from None
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json`` keeps the last of two equal keys silently; a hand-edited lock must not."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
 
 
 def read_lock(path: str | Path) -> dict[str, Any]:
     """The lock document, checked against the schema; :class:`LockfileError` otherwise."""
+    from .loader import TooBig, read_limited
     from .lock_schema import validate_lock
 
+    regen = f"regenerate it with `attnhub lock -o {path}`"
     try:
-        text = Path(path).read_text(encoding="utf-8")
-        data = json.loads(text)
+        text = read_limited(Path(path), MAX_LOCK_BYTES).decode("utf-8")
+        data = json.loads(text, object_pairs_hook=_no_duplicates)
     except OSError as exc:
         raise LockfileError([f"{path}: cannot read the lockfile ({exc.strerror}); expected a "
                              "file written by `attnhub lock -o FILE`"]) from None
+    except TooBig as exc:
+        raise LockfileError([f"{path}: the lockfile is {exc}; expected a file written by "
+                             f"`attnhub lock`; {regen}"]) from None
     except UnicodeDecodeError as exc:
         raise LockfileError([f"{path}: byte {exc.start} is not UTF-8; expected a file "
-                             f"written by `attnhub lock`; regenerate it with `attnhub lock -o "
-                             f"{path}`"]) from None
+                             f"written by `attnhub lock`; {regen}"]) from None
     except json.JSONDecodeError as exc:
         raise LockfileError([f"{path}:{exc.lineno}:{exc.colno} (json): {exc.msg}; expected "
-                             f"the JSON `attnhub lock` writes; regenerate it with `attnhub lock "
-                             f"-o {path}`"]) from None
+                             f"the JSON `attnhub lock` writes; {regen}"]) from None
+    except _DuplicateKey as exc:
+        from .located import read_yaml
+
+        found = [p for p in read_yaml(text, str(path))[1] if "duplicate key" in p]
+        raise LockfileError([f"{p}; {regen}" for p in found] or [
+            f"{path}: duplicate key {exc.args[0]!r}, expected each key once; {regen}"]) from None
+    except (RecursionError, ValueError) as exc:  # nesting, or an int of thousands of digits
+        raise LockfileError([f"{path}: not a lockfile ({_first_line(exc)}); expected the JSON "
+                             f"`attnhub lock` writes; {regen}"]) from None
     problems = validate_lock(data, text, str(path))
     if problems:
         raise LockfileError(problems)
@@ -157,7 +196,7 @@ def check_lock(lock: dict[str, Any], policy: Policy, registry: Registry,
             drift.changed.append(f"{spec.describe()}: locked on {b['hardware']}, this device is "
                                  f"{dev.arch}")
             continue
-        ctx = BindContext(**b["context"])
+        ctx = BindContext(**{k: v for k, v in b["context"].items() if k in _CONTEXT_FIELDS})
         now_b = binding(dev, policy.resolve(spec, dev, registry, ctx))
         diffs = [f"{k} {b.get(k)!r} -> {now_b[k]!r}" for k in ("backend", "rule", "fallbacks",
                                                                  "inner") if b.get(k) != now_b[k]]
@@ -177,6 +216,11 @@ def _provider_drift(locked: dict[str, Any], registry: Registry) -> list[str]:
             out.append(f"backend {name}: provider {_who(was)} -> "
                        f"{_who(now) if now else registry.missing_reason(name)}")
     return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else \
+        type(exc).__name__
 
 
 def _who(p: dict[str, Any]) -> str:

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, \
-    ValidationError
+    ValidationError, ValidationInfo, field_validator
 
+from ..core.device import simulate
 from ..core.spec import DTYPES, LAYOUTS, PHASES
 from .located import Located, pydantic_problems, read_yaml
 
@@ -71,14 +72,26 @@ class LockContext(_Model):
 
 
 class LockBinding(_Model):
+    simulated: StrictBool  # first: the hardware check reads it
     hardware: StrictStr
-    simulated: StrictBool
     spec: LockSpec
     context: LockContext
     backend: StrictStr | None
     rule: StrictStr | None
     fallbacks: list[StrictStr]
     inner: StrictStr | None
+
+    @field_validator("hardware")
+    @classmethod
+    def _known(cls, v: str, info: ValidationInfo) -> str:
+        """A simulated binding is resolved again on ``simulate(hardware)``: a name it does not
+        know must fail here, located, not as a traceback in ``lock --check``."""
+        if info.data.get("simulated"):
+            try:
+                simulate(v)
+            except ValueError as exc:
+                raise ValueError(f"got {v!r}, expected a known hardware name ({exc})") from None
+        return v
 
 
 class LockFile(_Model):

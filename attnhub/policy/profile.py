@@ -248,7 +248,12 @@ class ProfileStore:
         with self._lock, file_lock(self.path):
             data = _load(self.path)
             change(data)
-            write_json_atomic(self.path, data)
+            try:
+                write_json_atomic(self.path, data)
+            except OSError as exc:  # the store on disk is as it was (the write is atomic)
+                raise PolicyError([f"{self.path}: cannot write the profile store "
+                                   f"({exc.strerror or exc}); free space or make the folder "
+                                   "writable, or point ATTNHUB_PROFILE elsewhere"]) from None
             self._data, self._stamp = data, _stamp(self.path)
             self.revision += 1
 
@@ -500,20 +505,32 @@ def _timed(ranked: list[tuple[str, float | None]]) -> str:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to a temporary file in the same folder, then rename over ``path``."""
+    """Write JSON to a temporary file in the same folder, flush it to disk, then rename over
+    ``path`` (without the flush a crash after the rename can leave an empty file there)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary new file (mkstemp makes it 0600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:  # owns fd from here: always closed
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # as an ordinary new file (mkstemp: 0600)
             json.dump(obj, f, indent=2, sort_keys=True)
             f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _read_umask() -> int:
+    """The process umask, read once at import: reading it means setting it, and a second
+    thread creating a file in between would get the temporary value."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
 
 
 def _now() -> str:

@@ -55,9 +55,31 @@ def _rule_name(v: Any) -> Any:
     raise ValueError(f"got {v!r}, expected a rule name of letters, digits, '_', '-' and '.'")
 
 
+def _number(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError(f"got {v!r}, expected a number")
+    return v
+
+
+#: What pydantic's lax mode would read as a boolean besides true/false (``1``, ``"no"``...).
+_BOOLISH = frozenset({"0", "1", "y", "n", "t", "f", "on", "off", "yes", "no", "true", "false"})
+
+
+def _flag(v: Any) -> Any:
+    if (isinstance(v, (int, float)) and not isinstance(v, bool)) or (
+            isinstance(v, str) and v.lower() in _BOOLISH):
+        raise ValueError(f"got {v!r}, expected true or false (unquoted)")
+    return v
+
+
 Hardware = Annotated[str, BeforeValidator(_hardware)]
 Identifier = Annotated[str, BeforeValidator(_identifier)]
 RuleName = Annotated[str, BeforeValidator(_rule_name)]
+#: Flags, counts and numbers are never coerced: pydantic's lax mode reads ``needs_grad: "no"``
+#: or ``1`` as True, ``every: true`` as 1 and ``ge: true`` as 1.0, silently.
+Flag = Annotated[bool, BeforeValidator(_flag)]
+Count = Annotated[int, BeforeValidator(_number)]
+Number = Annotated[float, BeforeValidator(_number)]
 
 
 class Strict(BaseModel):
@@ -69,11 +91,11 @@ class Strict(BaseModel):
 class Range(Strict):
     """A numeric condition: ``in`` (one of these values) and/or bounds ge, gt, le, lt."""
 
-    in_: list[float] | None = Field(None, alias="in")
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
+    in_: list[Number] | None = Field(None, alias="in")
+    ge: Number | None = None
+    gt: Number | None = None
+    le: Number | None = None
+    lt: Number | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -167,8 +189,8 @@ class LayerSelector(Strict):
     """Which layers of a model: by index, every n-th (with offsets), or by layer kind."""
 
     index: Range | None = None
-    every: int | None = Field(None, ge=1)
-    offset: _many(Annotated[int, Field(ge=0)]) | None = None  # type: ignore[valid-type]
+    every: Count | None = Field(None, ge=1)
+    offset: _many(Annotated[Count, Field(ge=0)]) | None = None  # type: ignore[valid-type]
     kind: _many(Identifier) | None = None  # type: ignore[valid-type]
 
     @field_validator("index", mode="after")
@@ -221,9 +243,9 @@ class When(Strict):
     seqlen_q: Range | None = None
     seqlen_k: Range | None = None
     batch: Range | None = None
-    needs_grad: bool | None = None
-    deterministic: bool | None = None
-    return_lse: bool | None = None
+    needs_grad: Flag | None = None
+    deterministic: Flag | None = None
+    return_lse: Flag | None = None
     world_size: Range | None = None
     model: _many(str) | None = None  # type: ignore[valid-type]
     layer: LayerSelector | None = None
@@ -272,7 +294,7 @@ class AccuracyRequirement(Strict):
     rule); ``max`` bounds metrics of that record (e.g. ``{rel_error: 0.05}``)."""
 
     backends: _many(Identifier) | None = None  # type: ignore[valid-type]
-    max: dict[str, float] = Field(default_factory=dict)
+    max: dict[str, Annotated[Number, Field(allow_inf_nan=False)]] = Field(default_factory=dict)
 
     def applies(self, backend: str) -> bool:
         return self.backends is None or backend in self.backends
@@ -314,7 +336,7 @@ class PolicyFile(Strict):
     """One YAML file. ``extends`` overlays it on another file (see docs/policy.md)."""
 
     name: str
-    version: int = 1
+    version: Count = 1
     description: str = ""
     extends: str | None = None
     targets: _many(Hardware) | None = None  # type: ignore[valid-type]
