@@ -22,6 +22,7 @@ from .core.backend import AttentionOutput, Backend, safe_check
 from .core.decision import BindContext, Decision, report_missing
 from .core.device import DeviceInfo, probe
 from .core.registry import Registry
+from .core.masking import attends_nothing
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
 from .core.contract import (
     PAGED,
@@ -684,14 +685,12 @@ def _attends_nothing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
                      return_lse: bool) -> AttentionOutput:
     """The answer of a call without queries or keys: 0 out (in the autograd graph of q, k
     and v, zero gradients) and LSE -inf, (Hq, Tq) for thd, else (B, Hq, Sq)."""
-    from .core.builtin import _attends_nothing as zeros
-
     lse = None
     if return_lse:
         shape = (q.shape[1], q.shape[0]) if layout == "thd" else (q.shape[0], q.shape[2],
                                                                  q.shape[1])
         lse = torch.full(shape, -_INF, device=q.device)
-    return AttentionOutput(zeros(q, k, v), lse)
+    return AttentionOutput(attends_nothing(q, k, v), lse)
 
 
 def _failure_reason(exc: Exception) -> str:

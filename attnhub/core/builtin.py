@@ -16,7 +16,7 @@ from .backend import AttentionOutput, Backend
 from .capabilities import ALL_MASKS, Capabilities
 from .device import DeviceInfo
 from .flash_conventions import natural_lse
-from .masking import alibi_bias, allowed_mask, doc_ranges
+from .masking import alibi_bias, allowed_mask, attends_nothing, doc_ranges
 from .paged import paged_to_varlen
 from .reference import _doc_params, reference_attention
 from .spec import AttentionSpec, AttnParams
@@ -34,7 +34,7 @@ def _serve_layouts(
         if b == 0:  # no sequences (thd has no form for an empty batch)
             lse = q.new_empty(0, q.shape[2], sq, dtype=torch.float32) if params.return_lse \
                 else None
-            return AttentionOutput(_attends_nothing(q, k, v), lse)
+            return AttentionOutput(attends_nothing(q, k, v), lse)
         qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, k, v, params.block_table, params.seqlens_k)
         p = replace(params, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=None)
         out, lse = run(qv, kv, vv, p, "thd")
@@ -135,7 +135,7 @@ def _sdpa_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if tq == 0 or tk == 0 or b == 0:  # nothing to attend to: 0 out, -inf LSE
         lse = torch.full((q.shape[1], tq), float("-inf"), device=q.device) \
             if p.return_lse else None
-        return AttentionOutput(_attends_nothing(q, k, v), lse)
+        return AttentionOutput(attends_nothing(q, k, v), lse)
     max_q, max_k = p.max_seqlen_q, p.max_seqlen_k
     if max_q is None or max_k is None:  # a direct backend call: the hub always passes both
         max_q = int(p.cu_seqlens_q.diff().max()) if max_q is None else max_q
@@ -288,7 +288,7 @@ def _sdpa_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if p.block_table.shape[1] == 0:  # a table without pages: every length is 0
         lse = torch.full((b, q.shape[2], q.shape[1]), float("-inf"), device=q.device) \
             if p.return_lse else None
-        return AttentionOutput(_attends_nothing(q, k_cache, v_cache), lse)
+        return AttentionOutput(attends_nothing(q, k_cache, v_cache), lse)
     # max_seqlen_k may be a caller's upper bound: no length exceeds the tables' capacity
     max_k = max(min(int(p.max_seqlen_k or 0), page * p.block_table.shape[1]), 1)
     right = p.alignment == "bottom_right"
@@ -397,7 +397,7 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if sq == 0 or sk == 0:
         lse = torch.full((b, hq, sq), float("-inf"), device=q.device) if p.return_lse else None
-        return AttentionOutput(_attends_nothing(q, k, v), lse)
+        return AttentionOutput(attends_nothing(q, k, v), lse)
     native = _native_causal(p, sq, sk)
     if native is not None and not (p.return_lse and q.device.type == "cpu"):
         is_causal, bias_obj = native
@@ -413,15 +413,6 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bias = alibi_bias(p.alibi_slopes, sq, sk, p.alignment, q.device) \
         if p.alibi_slopes is not None else None
     return _sdpa_masked(q, k, v, p, allowed, bias)
-
-
-def _attends_nothing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The zero output ``q.shape[:-1] + (Dv,)`` of a call in which no query sees a key, in
-    the autograd graph of q, k and v (zero gradients, as the maths gives; a bare
-    ``new_zeros`` would cut a training step's graph). Sums over empty slices: exactly 0,
-    even where an input holds NaN or inf."""
-    zero = q[..., :0].sum(-1, keepdim=True) + k[..., :0].sum() + v[..., :0].sum()
-    return zero.expand(*q.shape[:-1], v.shape[-1]).contiguous()
 
 
 def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams,

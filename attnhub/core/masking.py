@@ -136,3 +136,12 @@ def doc_ranges(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` per sequence from cumulative lengths (host sync: slow path only)."""
     cu = cu_seqlens.tolist()
     return list(zip(cu[:-1], cu[1:]))
+
+
+def attends_nothing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The zero output ``q.shape[:-1] + (Dv,)`` of a call in which no query sees a key, in
+    the autograd graph of q, k and v (zero gradients, as the maths gives; a bare
+    ``new_zeros`` would cut a training step's graph). Sums over empty slices: exactly 0,
+    even where an input holds NaN or inf."""
+    zero = q[..., :0].sum(-1, keepdim=True) + k[..., :0].sum() + v[..., :0].sum()
+    return zero.expand(*q.shape[:-1], v.shape[-1]).contiguous()

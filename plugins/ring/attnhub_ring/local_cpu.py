@@ -24,6 +24,7 @@ from attnhub.plugin import (
     Capabilities,
     DeviceInfo,
     InputError,
+    attends_nothing,
     doc_ranges,
     reference_attention,
 )
@@ -97,7 +98,7 @@ class TorchFlashCPUBackend(Backend):
             o, l = self._dense(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], params)
             outs.append(o[0])
             lses.append(l[0])
-        out = torch.cat(outs) if outs else _zeros_in_graph(q, k, v)
+        out = torch.cat(outs) if outs else attends_nothing(q, k, v)
         lse = torch.cat(lses, -1) if lses else q.new_zeros(q.shape[1], 0, dtype=torch.float32)
         return AttentionOutput(out, lse if params.return_lse else None)
 
@@ -109,17 +110,10 @@ class TorchFlashCPUBackend(Backend):
         if reason:
             raise BackendUnavailableError(self.name, [reason])
         if sq == 0 or sk == 0:
-            return (_zeros_in_graph(q, k, v),
+            return (attends_nothing(q, k, v),
                     torch.full((b, hq, sq), float("-inf"), device=q.device))
         out, lse = _FlashCPU.apply(q, k, v, params.causal, params.scale)
         return _keep_nan(out, lse, q, k, v, params)
-
-
-def _zeros_in_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The 0 output of a call (or document) without queries or keys, in the autograd graph
-    of q, k and v (zero gradients; ``new_zeros`` would cut a training step's graph)."""
-    zero = q[..., :0].sum(-1, keepdim=True) + k[..., :0].sum() + v[..., :0].sum()
-    return zero.expand(*q.shape[:-1], v.shape[-1]).contiguous()
 
 
 def _keep_nan(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

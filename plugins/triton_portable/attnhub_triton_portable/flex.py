@@ -43,7 +43,13 @@ from typing import Any
 import torch
 from torch.nn.attention import flex_attention as _fa
 
-from attnhub.plugin import AttnParams, BackendUnavailableError, query_offset, unit_head_stride
+from attnhub.plugin import (
+    AttnParams,
+    BackendUnavailableError,
+    attends_nothing,
+    query_offset,
+    unit_head_stride,
+)
 
 Mod = Callable[..., torch.Tensor]
 
@@ -332,9 +338,7 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
     batch, hq, sq, _ = qt.shape
     hkv, sk = kt.shape[1], kt.shape[2]
     if batch == 0 or sq == 0 or sk == 0:  # nothing to attend: flex mishandles empty grids
-        # zeros in the autograd graph of q, k, v (zero gradients; new_zeros would cut it)
-        zero = q[..., :0].sum(-1, keepdim=True) + k[..., :0].sum() + v[..., :0].sum()
-        out = zero.expand(*q.shape[:-1], v.shape[-1]).contiguous()
+        out = attends_nothing(q, k, v)  # zeros in the autograd graph of q, k, v
         lse_shape = (hq, sq) if packed else (batch, hq, sq)
         lse = torch.full(lse_shape, float("-inf"), device=q.device) if want_lse else None
         return out, lse
