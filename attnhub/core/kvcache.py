@@ -110,6 +110,8 @@ class PagedKVCache:
             self.scales = (PageScales(num_layers, num_pages, num_kv_heads, dtype, self.device)
                            if is_fp8(dtype) else None)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives page 0 first
+        #: pages ever handed out: only those can hold stale data (the rest are still zeros)
+        self._dirty = bytearray(num_pages)
         self._refs: list[int] = [0] * num_pages
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
@@ -240,9 +242,12 @@ class PagedKVCache:
         a slot reserved but never written (a step whose layer write failed) or a kernel
         reading a page past a sequence's end (masked; NaN survives that) would hand to the
         new owner. Bit pattern 0 is +0.0 in every float format (FP8 included)."""
-        if not pages:
+        stale = [p for p in pages if self._dirty[p]]
+        for p in pages:
+            self._dirty[p] = 1
+        if not stale:  # a page's first use: zeros since the cache was built
             return
-        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        idx = torch.tensor(stale, dtype=torch.int64, device=self.device)
         for t in (self._k, self._v):
             (t.view(torch.uint8) if t.element_size() == 1 else t).index_fill_(1, idx, 0)
 
@@ -263,6 +268,7 @@ class PagedKVCache:
     def _copy_on_write(self, seq: _Seq) -> None:
         old = seq.pages[-1]
         new = self._free.pop()
+        self._dirty[new] = 1  # the copy fills it; stale once freed
         self._k[:, new] = self._k[:, old]
         self._v[:, new] = self._v[:, old]
         if self.scales is not None:
