@@ -48,3 +48,30 @@ def _seed() -> None:
 def hub() -> attnhub.Hub:
     """A hub on the CPU with every installed plugin and the default policy."""
     return attnhub.Hub(hardware="cpu")
+
+
+class VirtualClock:
+    """The clock ``attnhub.timing`` reads, advanced only by ``advance``: a test that ranks
+    callables by their cost gives each a cost here instead of sleeping, so a loaded CI core
+    (a descheduled thread, an oversubscribed OpenMP barrier: milliseconds on a tiny call)
+    cannot reorder them."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
+    """``attnhub.timing`` timed on a :class:`VirtualClock` for this test."""
+    import attnhub.timing
+
+    clock = VirtualClock()
+    monkeypatch.setattr(attnhub.timing, "time", types.SimpleNamespace(
+        perf_counter=clock.perf_counter, sleep=clock.advance))
+    return clock

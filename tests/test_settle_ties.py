@@ -4,8 +4,8 @@ a pack measured on another machine cannot rank candidates it puts within its tie
 from __future__ import annotations
 
 import json
-import time
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -26,34 +26,37 @@ rules:
 
 
 class _Counted(ReferenceBackend):
-    """The reference kernel, counting its calls, ``delay`` seconds slower per call."""
+    """The reference kernel, counting its calls, each costing ``cost`` seconds on the
+    test's virtual clock (a wall clock on a loaded CI core once timed the fast one's tiny
+    call past the slow one's 10 ms sleep)."""
 
     tier = "portable"
-    delay = 0.0
+    cost = 0.0
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any) -> None:
         super().__init__()
         self.calls = 0
+        self.clock = clock
 
     def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
         self.calls += 1
-        if self.delay:
-            time.sleep(self.delay)
+        self.clock.advance(self.cost)
         return super().forward(q, k, v, spec, params)
 
 
 class TieSlow(_Counted):
     name = "tie_slow"
-    delay = 0.01  # far past what a loaded CI core adds to the other one's tiny call
+    cost = 1.0e-3
 
 
 class TieFast(_Counted):
     name = "tie_fast"
+    cost = 0.9e-3  # 10% faster: the pack (1% apart, the other way) cannot rank them
 
 
 @pytest.fixture
-def registry() -> Registry:
-    slow, fast = TieSlow(), TieFast()
+def registry(virtual_clock: Any) -> Registry:
+    slow, fast = TieSlow(virtual_clock), TieFast(virtual_clock)
 
     @hookimpl
     def attnhub_register_backends(register):  # type: ignore[no-untyped-def]
