@@ -191,7 +191,10 @@ def main() -> None:
                 delta = torch.empty_like(lse)
                 # another ring depth (one dq buffer), and a timing probe without dq (wrong
                 # gradients: four of the five GEMMs)
+                other = "gluon-pipe" if not bwd_gluon.PIPE else "gluon-step"
                 for nm, kw in (("gluon-s2-dq1", {"_stages": 2, "_dq_bufs": 1}),
+                               (other, {"_pipe": not bwd_gluon.PIPE}),
+                               (other + "-dq1", {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}),
                                ("gluon-no-dq-probe", {"_probe": 2})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))

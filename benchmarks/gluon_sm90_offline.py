@@ -84,7 +84,8 @@ def main() -> None:
     cfgs = configs.GLUON_WS_SM90 + ([] if a.ws_only else configs.GLUON_SM90)
     if a.bwd:  # the shipped backward, then its timing variants (bwd_gluon.flash_bwd's _kw)
         from attnhub_triton_portable import bwd_gluon
-        cfgs = [{"BWD": True}, {"BWD": True, "_dq_bufs": 1}]
+        cfgs = [{"BWD": True}, {"BWD": True, "_pipe": True},
+                {"BWD": True, "_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}]
     bad = 0
     for cfg in cfgs:
         mod = fwd_gluon_ws if cfg.get("WS") else fwd_gluon

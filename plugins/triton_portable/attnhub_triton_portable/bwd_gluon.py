@@ -57,6 +57,9 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 #: that last read its buffer). H200, 16k full: 2 stages 12.3 ms with 1 or 2 buffers, 3
 #: stages and 1 buffer 14.1 ms. 2 + 2 fill 208 of the 227 KiB at d128.
 STAGES, DQ_BUFS = 2, 2
+#: The step: the next tile's first two GEMMs under this tile's dQ epilogue (True), or each
+#: tile's five GEMMs in its own step (False).
+PIPE = False
 
 
 @gluon.jit
@@ -92,20 +95,97 @@ def _query_plan(n0, seqlen_q, q_off, left, right, BLOCK_M: gl.constexpr,
 @gluon.jit
 def _load_tile(c, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc, lse_desc,
                delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem,
-               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               pred=True):
     """Query tile ``c`` of the walk into ring stage c % STAGES: Q and dO rows, and the LSE
-    and delta of those rows (shared memory, so the softmax never waits on a global load)."""
+    and delta of those rows (shared memory, so the softmax never waits on a global load).
+    ``pred``: a predicate instead of a branch (ptxas drains in-flight wgmmas at a join)."""
     g = c // n_tiles
     m0 = lo + (c - g * n_tiles) * BLOCK_M
     h = hk * group + g
     st = c % STAGES
     bar = ld_bar.index(st)
-    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
-    tma_load(q_desc, [b * seqlen_q + m0, h * HEAD_DIM], bar, q_smem.index(st))
-    tma_load(do_desc, [b * seqlen_q + m0, h * HEAD_DIM], bar, do_smem.index(st))
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes,
+                    pred=pred)
+    tma_load(q_desc, [b * seqlen_q + m0, h * HEAD_DIM], bar, q_smem.index(st), pred=pred)
+    tma_load(do_desc, [b * seqlen_q + m0, h * HEAD_DIM], bar, do_smem.index(st), pred=pred)
     lrow = (b * num_heads + h) * seqlen_q + m0
-    tma_load(lse_desc, [lrow], bar, lse_smem.index(st))
-    tma_load(delta_desc, [lrow], bar, delta_smem.index(st))
+    tma_load(lse_desc, [lrow], bar, lse_smem.index(st), pred=pred)
+    tma_load(delta_desc, [lrow], bar, delta_smem.index(st), pred=pred)
+
+
+@gluon.jit
+def _scores(c, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, st_layout: gl.constexpr):
+    """Issue ``S^T = K Q^T`` and ``dP^T = V dO^T`` of tile ``c`` (async; the caller waits)."""
+    stage = c % STAGES
+    mbarrier.wait(ld_bar.index(stage), (c // STAGES) & 1)
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+    st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), zero_st, use_acc=False,
+                       is_async=True)
+    dpt = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), zero_st,
+                        use_acc=False, is_async=True)
+    return st, dpt
+
+
+@gluon.jit
+def _step_pipelined(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, st, dpt, dk, dv,
+                    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                    ld_bar, q_desc, do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off,
+                    left, right, scale, scale2, HEAD_DIM: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    DQ_BUFS: gl.constexpr, MASK_TILE: gl.constexpr, CAUSAL: gl.constexpr,
+                    WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
+                    st_layout: gl.constexpr, op_layout: gl.constexpr,
+                    dq_layout: gl.constexpr):
+    """Tile ``c`` given its finished ``S^T`` and ``dP^T``: softmax, dV, dS, dK and dQ; then
+    the next tile's ``S^T`` and ``dP^T`` run on the tensor cores under this tile's dQ
+    epilogue (its store to shared memory, the CTA barrier, the reduce-add) and are waited
+    for before the step ends, so no wgmma is in flight across the loop's back edge (ptxas
+    serializes every wgmma of a loop where one is). Returns (S^T, dP^T, dK, dV)."""
+    stage = c % STAGES
+    m0 = lo + (c - g * n_tiles) * BLOCK_M
+    h = hk * group + g
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    lse = lse_smem.index(stage).load(col_layout)
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    s = st * scale2
+    if MASK_TILE:
+        cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+        jj = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)), 1)
+        ok = fwd_gluon.band_mask(jj >= 0, gl.expand_dims(cols, 0) + q_off, jj, left, right,
+                                 CAUSAL, WIN_LEFT, WIN_RIGHT)
+        s = gl.where(ok, s, float("-inf"))
+    pt = gl.exp2(s - gl.expand_dims(lse2, 0))
+    qs = q_smem.index(stage)
+    dos = do_smem.index(stage)
+    dv = warpgroup_mma(gl.convert_layout(pt.to(q_smem.dtype), op_layout), dos, dv,
+                       is_async=True)
+    delta = delta_smem.index(stage).load(col_layout)
+    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_smem.dtype)
+    ds_smem.store(dst)
+    fence_async_shared()
+    cta_barrier()  # dQ's GEMM reads both warpgroups' rows of dS^T
+    dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
+    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                       gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout),
+                       use_acc=False, is_async=True)
+    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+    # the next tile (on the last step, this one again: a branch would drain the wgmmas)
+    st, dpt = _scores(gl.minimum(c + 1, total - 1), k_smem, v_smem, q_smem, do_smem, ld_bar,
+                      BLOCK_M, BLOCK_N, STAGES, st_layout)
+    tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this step's dQ buffer
+    dqs = dq_smem.index(c % DQ_BUFS)
+    dqs.store(dq * scale)
+    fence_async_shared()
+    # both warpgroups' dQ rows are stored, and both are done with tile c's stage and dS
+    cta_barrier()
+    tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dqs)
+    _load_tile(c + STAGES, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc,
+               lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem, HEAD_DIM,
+               BLOCK_M, STAGES, c + STAGES < total)
+    st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+    return st, dpt, dk, dv
 
 
 @gluon.jit
@@ -182,7 +262,7 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
                 WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
-                DQ_BUFS: gl.constexpr, PROBE: gl.constexpr):
+                DQ_BUFS: gl.constexpr, PROBE: gl.constexpr, PIPE: gl.constexpr):
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
     bh = gl.program_id(1)
     b = bh // num_kv_heads
@@ -227,7 +307,7 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [k_row, hk * HEAD_DIM], kv_bar, k_smem)
     tma_load(v_desc, [k_row, hk * HEAD_DIM], kv_bar, v_smem)
-    for t in gl.static_range(STAGES - 1):
+    for t in gl.static_range(STAGES if PIPE else STAGES - 1):
         if t < total:
             _load_tile(t, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc,
                        lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem,
@@ -239,6 +319,13 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
     MASKED: gl.constexpr = CAUSAL or WIN_LEFT or WIN_RIGHT
     t_lo = (full_lo - lo) // BLOCK_M
     t_hi = (full_hi - lo) // BLOCK_M
+    if PIPE:
+        st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+        dpt = st
+        if total > 0:
+            st, dpt = _scores(0, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M, BLOCK_N,
+                              STAGES, st_layout)
+            st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
     for g in range(group):
         # query tiles [0, t_lo) masked, [t_lo, t_hi) not, the rest masked
         for bnd in gl.static_range(3):
@@ -254,7 +341,17 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                     else:
                         start = t_hi
                 for i in range(start, end):
-                    dk, dv = _step(g * n_tiles + i, total, n_tiles, lo, g, hk, group, b, n0,
+                    if PIPE:
+                        st, dpt, dk, dv = _step_pipelined(
+                            g * n_tiles + i, total, n_tiles, lo, g, hk, group, b, n0,
+                            num_heads, st, dpt, dk, dv, k_smem, v_smem, q_smem, do_smem,
+                            lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc,
+                            lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right,
+                            scale, scale2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS,
+                            MASKED and bnd != 1, CAUSAL, WIN_LEFT, WIN_RIGHT, st_layout,
+                            op_layout, dq_layout)
+                    else:
+                        dk, dv = _step(g * n_tiles + i, total, n_tiles, lo, g, hk, group, b, n0,
                                    num_heads, dk, dv, k_smem, v_smem, q_smem, do_smem,
                                    lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc,
                                    do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off,
@@ -305,11 +402,13 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               delta: torch.Tensor, _probe: int = 0, _stages: int = STAGES,
-              _dq_bufs: int = DQ_BUFS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              _dq_bufs: int = DQ_BUFS, _pipe: bool = PIPE
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
-    2 dq altogether; ``_stages`` / ``_dq_bufs`` try other ring depths (benchmarks)."""
+    2 dq altogether; ``_stages`` / ``_dq_bufs`` try other ring depths, ``_pipe`` the other
+    step (benchmarks)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
@@ -327,6 +426,6 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         args.scale, args.scale * _LOG2E, args.left, args.right,
         HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=args.causal,
         BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
-        NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs, PROBE=_probe,
+        NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs, PROBE=_probe, PIPE=_pipe,
         num_warps=NUM_WARPS, num_stages=1)
     return dqacc.to(q.dtype), dk, dv
