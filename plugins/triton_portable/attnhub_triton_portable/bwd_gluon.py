@@ -147,16 +147,8 @@ def _step_pipelined(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, st, d
     m0 = lo + (c - g * n_tiles) * BLOCK_M
     h = hk * group + g
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    lse = lse_smem.index(stage).load(col_layout)
-    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    s = st * scale2
-    if MASK_TILE:
-        cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-        jj = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)), 1)
-        ok = fwd_gluon.band_mask(jj >= 0, gl.expand_dims(cols, 0) + q_off, jj, left, right,
-                                 CAUSAL, WIN_LEFT, WIN_RIGHT)
-        s = gl.where(ok, s, float("-inf"))
-    pt = gl.exp2(s - gl.expand_dims(lse2, 0))
+    pt = _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, BLOCK_M, BLOCK_N,
+                MASK_TILE, CAUSAL, WIN_LEFT, WIN_RIGHT, st_layout)
     qs = q_smem.index(stage)
     dos = do_smem.index(stage)
     dv = warpgroup_mma(gl.convert_layout(pt.to(q_smem.dtype), op_layout), dos, dv,
@@ -189,6 +181,25 @@ def _step_pipelined(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, st, d
 
 
 @gluon.jit
+def _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, BLOCK_M: gl.constexpr,
+           BLOCK_N: gl.constexpr, MASK_TILE: gl.constexpr, CAUSAL: gl.constexpr,
+           WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, st_layout: gl.constexpr):
+    """P^T of the tile from its scores ``S^T`` and its rows' LSE (masked where the tile
+    needs it; a row with LSE -inf attends nothing and gets zeros)."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    lse = lse_smem.index(stage).load(col_layout)
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    s = st * scale2
+    if MASK_TILE:
+        cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+        jj = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)), 1)
+        ok = fwd_gluon.band_mask(jj >= 0, gl.expand_dims(cols, 0) + q_off, jj, left, right,
+                                 CAUSAL, WIN_LEFT, WIN_RIGHT)
+        s = gl.where(ok, s, float("-inf"))
+    return gl.exp2(s - gl.expand_dims(lse2, 0))
+
+
+@gluon.jit
 def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem, v_smem,
           q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc,
           lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right, scale, scale2,
@@ -203,24 +214,14 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
     stage = c % STAGES
     m0 = lo + (c - g * n_tiles) * BLOCK_M
     h = hk * group + g
-    mbarrier.wait(ld_bar.index(stage), (c // STAGES) & 1)
     qs = q_smem.index(stage)
     dos = do_smem.index(stage)
-    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
-    st = warpgroup_mma(k_smem, qs.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-    dpt = warpgroup_mma(v_smem, dos.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    lse = lse_smem.index(stage).load(col_layout)
-    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    st, dpt = _scores(c, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M, BLOCK_N, STAGES,
+                      st_layout)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-    s = st * scale2
-    if MASK_TILE:
-        cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-        jj = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)), 1)
-        ok = fwd_gluon.band_mask(jj >= 0, gl.expand_dims(cols, 0) + q_off, jj, left, right,
-                                 CAUSAL, WIN_LEFT, WIN_RIGHT)
-        s = gl.where(ok, s, float("-inf"))
-    pt = gl.exp2(s - gl.expand_dims(lse2, 0))
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    pt = _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, BLOCK_M, BLOCK_N,
+                MASK_TILE, CAUSAL, WIN_LEFT, WIN_RIGHT, st_layout)
     dv = warpgroup_mma(gl.convert_layout(pt.to(q_smem.dtype), op_layout), dos, dv,
                        is_async=True)
     delta = delta_smem.index(stage).load(col_layout)
