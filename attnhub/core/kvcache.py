@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +41,11 @@ class CacheStep:
     ``slots`` are flat indices (page * page_size + offset) of the new tokens, sequence-major
     (B * new_tokens,); ``block_table``/``seqlens`` already include the new tokens.
     ``context_lens`` are the host-side lengths before the step (0 for a fresh prefill).
+
+    A step is a transaction over the layers: ``abort()`` (or leaving ``with cache.step(...)
+    as step:`` by an exception) gives the reserved slots back and restores the sequences as
+    they were, so a layer whose write or attention fails half-way leaves no token that some
+    layers wrote and others read as zeros.
     """
 
     cache: PagedKVCache
@@ -50,6 +55,32 @@ class CacheStep:
     block_table: torch.Tensor
     seqlens: torch.Tensor
     context_lens: tuple[int, ...]
+    #: the cache as it was before the step (``PagedKVCache._undo_point``) and its version
+    #: right after the reservation; [True] once aborted
+    _undo: Any = field(default=None, repr=False, compare=False)
+    _version: int = field(default=-1, repr=False, compare=False)
+    _aborted: list[bool] = field(default_factory=lambda: [False], repr=False, compare=False)
+
+    def __enter__(self) -> CacheStep:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and not self._aborted[0]:
+            self.abort()
+
+    def abort(self) -> None:
+        """Undo this step's reservation: every sequence back to its length and pages before
+        the step, pages taken for it back on the free list. Only while the cache has not
+        changed since (another reserve, free or fork would be undone with it). Layers bound
+        to a stateful backend keep what they wrote to ``cache.states``: free the sequences
+        of a failed step there."""
+        if self._aborted[0]:
+            return
+        if self._undo is None or self.cache._version != self._version:
+            raise InputError("CacheStep.abort: the cache changed after this step (another "
+                             "step, append, fork or free); abort a step before the next one")
+        self.cache._rollback(self._undo)
+        self._aborted[0] = True
 
     @property
     def fresh(self) -> bool:
@@ -62,6 +93,9 @@ class CacheStep:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's k/v (B, new_tokens, Hkv, D) for ``layer``."""
+        if self._aborted[0]:
+            raise InputError("CacheStep.write: this step was aborted; start a new one with "
+                             "cache.step(...)")
         want = (len(self.seq_ids), self.new_tokens)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[:2]) != want:
@@ -115,6 +149,8 @@ class PagedKVCache:
         self._refs: list[int] = [0] * num_pages
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
+        #: bumped by every change of the sequences (a step may abort only while unchanged)
+        self._version = 0
         #: Per-sequence state of layers bound to stateful backends (``attach_state``).
         self.states = SequenceStates()
 
@@ -165,6 +201,7 @@ class PagedKVCache:
         self.states.allocate(sid)  # first: a full state store raises with nothing changed
         self._next_id += 1
         self._seqs[sid] = _Seq([], 0)
+        self._version += 1
         return sid
 
     def fork(self, seq_id: int) -> int:
@@ -177,6 +214,7 @@ class PagedKVCache:
         self._seqs[sid] = _Seq(list(src.pages), src.length)
         for p in src.pages:
             self._refs[p] += 1
+        self._version += 1
         return sid
 
     def free(self, seq_id: int) -> None:
@@ -188,6 +226,7 @@ class PagedKVCache:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
+        self._version += 1
 
     # -- appending --------------------------------------------------------------------------
     def reserve(self, seq_ids: Sequence[int], num_tokens: int | Sequence[int]) -> torch.Tensor:
@@ -235,6 +274,7 @@ class PagedKVCache:
                 seq.pages.append(p)
                 fresh.append(p)
         self._clear(fresh)
+        self._version += 1
         return self._slots(seqs, counts)
 
     def _clear(self, pages: list[int]) -> None:
@@ -304,11 +344,16 @@ class PagedKVCache:
         n = self._check_kv("write", k, v, slots.numel())
         if check_slots and n:
             self._check_slots(slots)
-        if self.scales is not None:  # FP8: quantized per page, descales grown as needed
-            self.scales.write(self._k[layer], self._v[layer], layer, slots, k, v)
-            return
-        self._k[layer].view(-1, *self._k.shape[3:]).index_copy_(0, slots, k.to(self.dtype))
-        self._v[layer].view(-1, *self._v.shape[3:]).index_copy_(0, slots, v.to(self.dtype))
+        # values, never autograd history: a k/v that requires grad would otherwise make the
+        # whole cache part of its graph, kept alive (and growing) step after step
+        with torch.no_grad():
+            if self.scales is not None:  # FP8: quantized per page, descales grown as needed
+                self.scales.write(self._k[layer], self._v[layer], layer, slots, k, v)
+                return
+            self._k[layer].view(-1, *self._k.shape[3:]).index_copy_(0, slots,
+                                                                    k.to(self.dtype))
+            self._v[layer].view(-1, *self._v.shape[3:]).index_copy_(0, slots,
+                                                                    v.to(self.dtype))
 
     def _check_slots(self, slots: torch.Tensor) -> None:
         """Every slot is a token a live sequence reserved, in a page no other sequence holds:
@@ -355,7 +400,7 @@ class PagedKVCache:
         n = self._check_kv("append layer 0", ks[0], vs[0], None)
         for layer in range(1, self.num_layers):
             self._check_kv(f"append layer {layer}", ks[layer], vs[layer], n)
-        undo = self._undo_point(seq_id)
+        undo = self._undo_point([seq_id])
         slots = self.reserve([seq_id], n)
         try:
             for layer, (k, v) in enumerate(zip(ks, vs)):
@@ -364,26 +409,43 @@ class PagedKVCache:
             self._rollback(undo)
             raise
 
-    def _undo_point(self, seq_id: int) -> tuple[Any, ...]:
-        """What ``_rollback`` needs to put the cache back as it is now, before an append to
-        ``seq_id``: its pages and length, the free list and refcounts, and (FP8) the partly
-        filled last page with its descales (a write may requantize that page in place; new pages
-        go back to the free list, and a page's descales are reset when it is taken)."""
-        seq = self._seqs[seq_id]
-        last = None
-        if self.scales is not None and seq.length % self.page_size:
-            p = seq.pages[-1]
-            last = (p, self._k[:, p].clone(), self._v[:, p].clone(),
-                    self.scales.k[:, p].clone(), self.scales.v[:, p].clone())
-        return seq, list(seq.pages), seq.length, list(self._free), list(self._refs), last
+    def _undo_point(self, seq_ids: Sequence[int]) -> tuple[Any, ...]:
+        """What ``_rollback`` needs to put the cache back as it is now, before tokens are
+        appended to ``seq_ids``: their pages and lengths, the free list and refcounts, and each
+        partly filled last page: FP8, a copy with its descales (a write may requantize that
+        page in place); otherwise the first slot past the sequence's end, zeroed again on
+        rollback (a kernel may read a page past a sequence's end, masked; NaN survives
+        that). New pages go back to the free list, marked stale, and are zeroed when taken
+        again; a page's descales are reset when it is taken."""
+        seqs = [(self._seqs[s], list(self._seqs[s].pages), self._seqs[s].length)
+                for s in dict.fromkeys(seq_ids)]
+        tails = []
+        for seq, pages, length in seqs:
+            if length % self.page_size:
+                p = pages[-1]
+                if self.scales is not None:
+                    tails.append((p, length % self.page_size, self._k[:, p].clone(),
+                                  self._v[:, p].clone(), self.scales.k[:, p].clone(),
+                                  self.scales.v[:, p].clone()))
+                else:
+                    tails.append((p, length % self.page_size))
+        return seqs, list(self._free), list(self._refs), tails
 
     def _rollback(self, undo: tuple[Any, ...]) -> None:
-        seq, pages, length, free, refs, last = undo
-        seq.pages[:], seq.length, self._free[:], self._refs[:] = pages, length, free, refs
-        if last is not None and self.scales is not None:
-            p, k, v, sk, sv = last
-            self._k[:, p], self._v[:, p] = k, v
-            self.scales.k[:, p], self.scales.v[:, p] = sk, sv
+        seqs, free, refs, tails = undo
+        for seq, pages, length in seqs:
+            seq.pages[:], seq.length = pages, length
+        self._free[:], self._refs[:] = free, refs
+        with torch.no_grad():
+            for tail in tails:
+                p, off = tail[:2]
+                if len(tail) > 2 and self.scales is not None:
+                    self._k[:, p], self._v[:, p] = tail[2], tail[3]
+                    self.scales.k[:, p], self.scales.v[:, p] = tail[4], tail[5]
+                else:
+                    self._k[:, p, off:] = 0
+                    self._v[:, p, off:] = 0
+        self._version += 1
 
     def _check_kv(self, where: str, k: Any, v: Any, n: int | None) -> int:
         """k (n, Hkv, D) and v (n, Hkv, Dv) fit this cache; returns n. Floating point only
@@ -441,9 +503,14 @@ class PagedKVCache:
     def step(self, seq_ids: Sequence[int], new_tokens: int) -> CacheStep:
         """Reserve ``new_tokens`` per sequence and build the tables every layer of a step uses."""
         context = tuple(self.length(s) for s in seq_ids)
+        undo = self._undo_point([self._check_id(s) for s in seq_ids])
         slots = self.reserve(seq_ids, new_tokens)
-        return CacheStep(self, tuple(seq_ids), new_tokens, slots, self.block_table(seq_ids),
-                         self.seqlens(seq_ids), context)
+        try:
+            return CacheStep(self, tuple(seq_ids), new_tokens, slots, self.block_table(seq_ids),
+                             self.seqlens(seq_ids), context, undo, self._version)
+        except BaseException:
+            self._rollback(undo)
+            raise
 
     # -- reading ----------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from ..core.kvcache import CacheStep, PagedKVCache
+from ..core.kvcache import CacheStep, PagedKVCache, free_all
 from ..nn import Attention, attach_sequence_states
 
 LAYER_KINDS = ("softmax", "sliding", "linear")
@@ -195,13 +195,19 @@ class Decoder(nn.Module):
         """Start one sequence per row of ``ids`` (B, S); returns their ids and the logits of
         the last position (B, vocab)."""
         seqs = [cache.allocate() for _ in range(ids.shape[0])]
-        return seqs, self(ids, cache.step(seqs, ids.shape[1]), last_only=True)[:, -1]
+        try:
+            with cache.step(seqs, ids.shape[1]) as step:  # a failing layer undoes the step
+                return seqs, self(ids, step, last_only=True)[:, -1]
+        except BaseException:
+            free_all(cache, seqs)
+            raise
 
     @torch.no_grad()
     def decode(self, cache: PagedKVCache, seqs: Sequence[int],
                tokens: torch.Tensor) -> torch.Tensor:
         """One decode step: ``tokens`` (B,) appended to ``seqs``; logits (B, vocab)."""
-        return self(tokens.view(-1, 1), cache.step(seqs, 1))[:, -1]
+        with cache.step(seqs, 1) as step:  # a failing layer undoes the step
+            return self(tokens.view(-1, 1), step)[:, -1]
 
 
 def random_prompts(cfg: DecoderConfig, batch: int, length: int,
