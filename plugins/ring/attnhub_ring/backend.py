@@ -68,14 +68,18 @@ class RingBackend(Backend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
-        local = params.extra.get("local_backend")
-        if local is None:  # not bound by a policy, which has already checked the local kernel
-            local = check_local(self.local_backend, spec)
-        local.load()
+        local, problem = params.extra.get("local_backend"), None
+        try:  # a refusal is raised on every rank by the handshake, not here alone
+            if local is None:  # not bound by a policy, which has checked the local kernel
+                local = check_local(self.local_backend, spec)
+            load_local(local)
+        except RingError as exc:
+            local, problem = None, str(exc)
         group = params.extra.get("process_group", self.process_group)
         out, lse = run_ring(q, k, v, local, spec, params, group,
                             params.extra.get("global_seqlens"),
-                            block_backward=params.extra.get("block_backward", "auto"))
+                            block_backward=params.extra.get("block_backward", "auto"),
+                            problem=problem)
         return AttentionOutput(out, lse if params.return_lse else None)
 
 
@@ -99,6 +103,16 @@ def check_local(local: Backend | None, spec: AttentionSpec) -> Backend:
         passed.clear()
     passed.add(spec)
     return local
+
+
+def load_local(local: Backend) -> None:
+    """Load the local kernel; a failure becomes a :class:`RingError` (the ring raises it on
+    every rank: one rank failing alone would leave the others waiting)."""
+    try:
+        local.load()
+    except Exception as exc:
+        raise RingError(f"ring: local backend {local.name!r} failed to load: "
+                        f"{type(exc).__name__}: {exc}") from exc
 
 
 #: Specs that passed ``check_local``, per backend object (weakly held).

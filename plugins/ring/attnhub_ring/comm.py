@@ -44,8 +44,15 @@ class PendingHop:
         self.recv = recv
 
     def wait(self) -> torch.Tensor:
-        for w in self.works:
-            w.wait()
+        try:
+            for w in self.works:
+                w.wait()
+        except RuntimeError as exc:  # gloo/NCCL timeouts and lost peers (DistBackendError)
+            raise RingError(
+                "ring: a K/V hop to or from a neighbouring rank failed: a rank raised or "
+                "stopped mid-call, or the ranks disagree on the call (with global_seqlens the "
+                "handshake that checks them runs once per geometry); torch.distributed said: "
+                f"{exc}") from exc
         return self.recv
 
 
@@ -57,6 +64,11 @@ class Ring:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        if self.rank < 0:  # torch answers -1 to a process outside the group
+            raise RingError(
+                f"ring: this process (global rank {dist.get_rank()}) is not a member of the "
+                "process group it was given; pass the context-parallel group this rank "
+                "belongs to (torch.distributed.new_group returns a placeholder to the others)")
         self._next = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self._prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
 
@@ -77,10 +89,19 @@ class Ring:
             ops.append(dist.P2POp(dist.irecv, recv, self._prev, self.group, tag))
         return PendingHop(dist.batch_isend_irecv(ops) if ops else [], recv)
 
-    def gather_lengths(self, lens: list[int], device: torch.device) -> list[list[int]]:
-        """Every rank's ``lens`` (same count on every rank), in rank order. One tiny
-        all-gather, and a host sync: pass ``global_seqlens`` to skip it."""
-        mine = torch.tensor(lens, dtype=torch.int64, device=device)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)
-        return [t.tolist() for t in every]
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (same shape and dtype everywhere), in rank order: the
+        handshake's collective (handshake.py), a host sync. A rank that never joins (it
+        raised before its ring call, or skipped it) fails the others here after the process
+        group's timeout, with a :class:`RingError` that says so."""
+        every = [torch.empty_like(t) for _ in range(self.world)]
+        try:
+            dist.all_gather(every, t, group=self.group)
+        except RuntimeError as exc:  # gloo/NCCL timeouts and lost peers (DistBackendError)
+            raise RingError(
+                f"ring: rank {self.rank} of {self.world} got no answer from the other ranks "
+                "in the handshake every rank makes before the first hop: a rank raised before "
+                "its ring call, skipped this attention call or lost its process (every rank "
+                "must call attention the same number of times, with the same arguments but "
+                f"its shard); torch.distributed said: {exc}") from exc
+        return every

@@ -34,9 +34,13 @@ from .block_kernels import flash_backward, flash_forward_cpu
 NAME = "torch_flash_cpu"
 
 
-def _square_reason(causal: bool, alignment: str, sq: int, sk: int) -> str | None:
+def _square_reason(causal: bool, alignment: str, sq: int, sk: int,
+                   bucketed: bool = False) -> str | None:
+    """Why a bottom-right causal call with Sq != Sk is refused; ``bucketed``: ``sq``/``sk``
+    are a spec's length buckets (upper bounds), not the call's lengths."""
     if causal and sq != sk and alignment == "bottom_right":
-        return (f"bottom-right causal with Sq={sq} != Sk={sk} (the CPU flash kernel's causal "
+        lengths = (f"Sq (<= {sq}) != Sk (<= {sk})" if bucketed else f"Sq={sq} != Sk={sk}")
+        return (f"bottom-right causal with {lengths} (the CPU flash kernel's causal "
                 "is top-left; square blocks only)")
     return None
 
@@ -84,7 +88,7 @@ class TorchFlashCPUBackend(Backend):
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         # buckets are powers of two: different buckets mean Sq != Sk for every call in them
         reason = _square_reason(spec.mask.causal, spec.mask.alignment, spec.max_seqlen_q,
-                                spec.max_seqlen_k)
+                                spec.max_seqlen_k, bucketed=True)
         return [reason] if reason else []
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]

@@ -13,6 +13,7 @@ torch's FlashAttention), or from the exact fp32 math where those cannot serve
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from attnhub.plugin import AttentionSpec, AttnParams, Backend, MaskSpec
 
 from .block_backward import block_backward
 from .comm import PendingHop, ProcessGroup, Ring, RingError, resolve_group
+from .handshake import agree, fields
 from .block_kernels import backward_segments, block_backward_fn, block_backward_kernel
 from .merge import merge_into, merge_partial
 from .plan import BlockPlan, Rows, block_plans
@@ -41,7 +43,7 @@ class Transport(Protocol):
     def hop(self, send: torch.Tensor, recv_numel: int, tag: int = 0,
             into: torch.Tensor | None = None) -> PendingHop: ...
 
-    def gather_lengths(self, lens: list[int], device: torch.device) -> list[list[int]]: ...
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
 
 
 @dataclass
@@ -148,28 +150,53 @@ def _geometry(world: int, rank: int, doc_lens: tuple[int, ...], causal: bool, th
     return tuple(block_plans(layout, rank, causal)), kv_shapes
 
 
-def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend,
+def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend | None,
              spec: AttentionSpec, params: AttnParams, group: ProcessGroup | None = None,
              global_seqlens: list[int] | None = None,
              transport: Transport | None = None,
-             block_backward: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+             block_backward: str = "auto",
+             problem: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of this rank's zigzag shard. Returns ``out`` (q's dtype) and the LSE in
     the contract layout ((B,Hq,S) or (Hq,T), fp32); both carry autograd. ``transport``
     replaces the process group (a simulated ring on one device); ``block_backward`` forces
-    the kernel of the blocks' gradients (see block_kernels.py)."""
-    _check_call(q, k, v, spec, params)
-    ring = transport if transport is not None else Ring(resolve_group(group))
+    the kernel of the blocks' gradients (see block_kernels.py). ``problem`` is why the caller
+    found this rank cannot run the call (``local`` is then None): it is raised on every rank
+    through the handshake (handshake.py), never on this rank alone while the others wait."""
+    problem = problem or _call_problem(q, k, v, spec, params)
+    try:
+        ring = transport if transport is not None else Ring(resolve_group(group))
+    except RingError:
+        if problem:  # no group to tell: the call's own fault first
+            raise RingError(problem) from None
+        raise
     thd = spec.layout == "thd"
-    local_lens = torch.diff(params.cu_seqlens_q).tolist() if thd else [q.shape[1]]
-    if global_seqlens is not None:
-        layout = ZigzagLayout(ring.world, tuple(int(n) for n in global_seqlens))
-        if tuple(local_lens) != layout.local_lens(ring.rank):
-            raise RingError(
-                f"ring: rank {ring.rank} holds {local_lens} tokens per sequence, but global "
-                f"lengths {list(global_seqlens)} shard to {list(layout.local_lens(ring.rank))}; "
-                "shard inputs with attnhub_ring.zigzag_shard / zigzag_shard_varlen")
+    local_lens = values = None
+    if problem is None:
+        local_lens = torch.diff(params.cu_seqlens_q).tolist() if thd else [q.shape[1]]
+    if global_seqlens is None:
+        if problem is None:
+            values = fields(q, k, v, thd, bool(params.causal), params.scale, params.softcap)
+        layout = ZigzagLayout.from_local_lens(agree(ring, problem, values, local_lens or [],
+                                                    q.device))
     else:
-        layout = ZigzagLayout.from_local_lens(ring.gather_lengths(local_lens, q.device))
+        # the caller gave the layout: the handshake runs on the first call of a geometry only
+        # (every rank meets a new geometry on the same call), so later calls sync nothing
+        gs, problem = _given_layout(global_seqlens, ring, local_lens, problem)
+        layout = ZigzagLayout(ring.world, gs)
+        if problem is None:
+            values = fields(q, k, v, thd, bool(params.causal), params.scale, params.softcap,
+                            gs)
+        key = (id(getattr(ring, "group", ring)), ring.rank, ring.world, gs,
+               tuple(local_lens or ()), tuple(values or ()))
+        if not isinstance(ring, Ring):  # a simulated ring has no peers to agree with
+            if problem:
+                raise RingError(problem)
+        elif problem is not None or key not in _AGREED:
+            agree(ring, problem, values, local_lens or [], q.device)
+            if len(_AGREED) > 4096:
+                _AGREED.clear()
+            _AGREED.add(key)
+    assert local is not None  # a rank without one had a problem, raised above
     k_tail = tuple(k.shape[1:]) if thd else (k.shape[0], *k.shape[2:])
     v_tail = tuple(v.shape[1:]) if thd else (v.shape[0], *v.shape[2:])
     plans, kv_shapes = _geometry(ring.world, ring.rank, layout.doc_lens, bool(params.causal),
@@ -179,31 +206,57 @@ def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend,
     return out, (lse.t() if thd else lse.transpose(1, 2))
 
 
+#: Geometries a ``global_seqlens`` call already agreed on (per group, by id).
+_AGREED: set[tuple[Any, ...]] = set()
+
+
+def _given_layout(global_seqlens: Any, ring: Transport, local_lens: list[int] | None,
+                  problem: str | None) -> tuple[tuple[int, ...], str | None]:
+    """``global_seqlens`` as a tuple, and the call's problem (it may add one: lengths that
+    are not non-negative ints, or a shard that is not this rank's zigzag part of them)."""
+    try:
+        gs = tuple(operator.index(n) for n in global_seqlens)
+        if any(n < 0 for n in gs) or (local_lens is not None and len(gs) != len(local_lens)):
+            raise ValueError
+    except (TypeError, ValueError):
+        return (), problem or (
+            f"ring: global_seqlens={global_seqlens!r:.100} must list the unsharded length of "
+            f"each of the {len(local_lens or ())} sequences (ints >= 0)")
+    if problem is None and local_lens is not None:
+        mine = ZigzagLayout(ring.world, gs).local_lens(ring.rank)
+        if tuple(local_lens) != mine:
+            problem = (f"ring: rank {ring.rank} holds {local_lens} tokens per sequence, but "
+                       f"global lengths {list(gs)} shard to {list(mine)}; shard inputs with "
+                       "attnhub_ring.zigzag_shard / zigzag_shard_varlen")
+    return gs, problem
+
+
 _UNSUPPORTED = ("window", "alibi_slopes", "prefix_lens", "colmask_start", "score_mod",
                 "mask_mod", "block_table")
 
 
-def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-                params: AttnParams) -> None:
+def _call_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+                  params: AttnParams) -> str | None:
+    """Why the ring cannot run this call on this rank (None: it can)."""
     used = [f for f in _UNSUPPORTED if getattr(params, f) is not None]
     if used:
-        raise RingError(f"ring: {', '.join(used)} not supported across shards (masks: causal, "
-                        "softcap, documents via thd); bind a single-device backend instead")
+        return (f"ring: {', '.join(used)} not supported across shards (masks: causal, "
+                "softcap, documents via thd); bind a single-device backend instead")
     if spec.layout == "thd":
         cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_k
         if cu_q is None or cu_k is None or not torch.equal(cu_q, cu_k):
-            raise RingError("ring: thd needs cu_seqlens_q == cu_seqlens_k (self-attention over "
-                            "the local shard; see zigzag_shard_varlen)")
+            return ("ring: thd needs cu_seqlens_q == cu_seqlens_k (self-attention over the "
+                    "local shard; see zigzag_shard_varlen)")
         if int(cu_q[-1]) != q.shape[0] or k.shape[0] != q.shape[0]:
-            raise RingError(f"ring: cu_seqlens must cover the whole shard ({int(cu_q[-1])} of "
-                            f"{q.shape[0]} query and {k.shape[0]} key tokens)")
+            return (f"ring: cu_seqlens must cover the whole shard ({int(cu_q[-1])} of "
+                    f"{q.shape[0]} query and {k.shape[0]} key tokens)")
     elif spec.layout == "bshd":
         if q.shape[1] != k.shape[1]:
-            raise RingError(f"ring: shards self-attention, but q has {q.shape[1]} and k "
-                            f"{k.shape[1]} tokens in this shard; cross-attention needs a "
-                            "single-device backend")
+            return (f"ring: shards self-attention, but q has {q.shape[1]} and k {k.shape[1]} "
+                    "tokens in this shard; cross-attention needs a single-device backend")
     else:
-        raise RingError(f"ring: layout {spec.layout!r} not supported (bshd, thd)")
+        return f"ring: layout {spec.layout!r} not supported (bshd, thd)"
+    return None
 
 
 class _RingAttention(torch.autograd.Function):

@@ -10,6 +10,7 @@ than the packed stream, keeps that balance for varlen batches too.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -65,6 +66,8 @@ class ZigzagLayout:
         local order: for every document, its chunk ``rank`` then its chunk ``2W-1-rank``.
 
         Use them for shard-aware inputs (positions for RoPE are ``idx - doc_start``)."""
+        if not 0 <= rank < self.world:
+            raise InputError(f"ring: rank {rank} is not a rank of a ring of {self.world}")
         parts: list[torch.Tensor] = []
         late = 2 * self.world - 1 - rank
         for d in range(len(self.doc_lens)):
@@ -98,13 +101,17 @@ def _cu(lens: tuple[int, ...] | list[int], device: torch.device | str = "cpu") -
 def zigzag_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
     """The zigzag shard of a full-length tensor that rank ``rank`` passes to the ring
     (``dim`` is the sequence axis: 1 for bshd q/k/v, 0 for positions)."""
+    rank, world_size = _check_rank("zigzag_shard", rank, world_size)
+    dim = _check_dim("zigzag_shard", x, dim)
     layout = ZigzagLayout(world_size, (x.shape[dim],))
     return x.index_select(dim, layout.global_indices(rank).to(x.device))
 
 
 def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     """Inverse of :func:`zigzag_shard`: the full tensor from every rank's shard, in rank order."""
+    dim = _check_shards("zigzag_unshard", shards, dim)
     layout = ZigzagLayout(len(shards), (sum(s.shape[dim] for s in shards),))
+    _check_shard_lens("zigzag_unshard", shards, layout, dim)
     return _scatter(shards, layout, dim)
 
 
@@ -112,14 +119,20 @@ def zigzag_shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int,
                         world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Shard a packed ``thd`` tensor document by document; returns ``(local, local_cu)``
     where ``local_cu`` (int32) is the ``cu_seqlens`` the rank passes with its shard."""
-    layout = ZigzagLayout(world_size, tuple(torch.diff(cu_seqlens).tolist()))
+    rank, world_size = _check_rank("zigzag_shard_varlen", rank, world_size)
+    _check_dim("zigzag_shard_varlen", x, 0)
+    layout = ZigzagLayout(world_size, _doc_lens("zigzag_shard_varlen", cu_seqlens,
+                                                x.shape[0]))
     local = x.index_select(0, layout.global_indices(rank).to(x.device))
     return local, _cu(layout.local_lens(rank), cu_seqlens.device)
 
 
 def zigzag_unshard_varlen(shards: list[torch.Tensor], cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`zigzag_shard_varlen` given the global ``cu_seqlens``."""
-    layout = ZigzagLayout(len(shards), tuple(torch.diff(cu_seqlens).tolist()))
+    _check_shards("zigzag_unshard_varlen", shards, 0)
+    total = sum(s.shape[0] for s in shards)
+    layout = ZigzagLayout(len(shards), _doc_lens("zigzag_unshard_varlen", cu_seqlens, total))
+    _check_shard_lens("zigzag_unshard_varlen", shards, layout, 0)
     return _scatter(shards, layout, 0)
 
 
@@ -128,3 +141,76 @@ def _scatter(shards: list[torch.Tensor], layout: ZigzagLayout, dim: int) -> torc
     cat = torch.cat(shards, dim)
     out = torch.empty_like(cat)
     return out.index_copy_(dim, idx.to(cat.device), cat)
+
+
+# -- argument checks: a wrong shard would be silently wrong attention ----------------------
+def _check_rank(fn: str, rank: object, world: object) -> tuple[int, int]:
+    """(rank, world) as ints (anything ``operator.index`` takes), or a clear refusal."""
+    w = _as_int(world)
+    if w is None or w < 1:
+        raise InputError(f"{fn}: world_size={world!r}; pass the ring's size, an int >= 1")
+    r = _as_int(rank)
+    if r is None or not 0 <= r < w:
+        raise InputError(f"{fn}: rank={rank!r} is not a rank of a ring of {w} (0..{w - 1}); "
+                         "pass torch.distributed.get_rank(group)")
+    return r, w
+
+
+def _as_int(x: object) -> int | None:
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _check_dim(fn: str, x: object, dim: int) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{fn}: expected a tensor, got {type(x).__name__}")
+    if not -x.dim() <= dim < x.dim() or x.dim() == 0:
+        raise InputError(f"{fn}: dim={dim} is not an axis of a tensor of shape "
+                         f"{tuple(x.shape)}; pass the sequence axis (1 for bshd, 0 for thd)")
+    return dim % x.dim()
+
+
+def _check_shards(fn: str, shards: object, dim: int) -> int:
+    if not isinstance(shards, (list, tuple)) or not shards:
+        raise InputError(f"{fn}: pass every rank's shard, in rank order (a non-empty list)")
+    dim = _check_dim(fn, shards[0], dim)
+    first = shards[0]
+    for r, s in enumerate(shards):
+        _check_dim(fn, s, dim)
+        other = [n for i, n in enumerate(s.shape) if i != dim]
+        want = [n for i, n in enumerate(first.shape) if i != dim]
+        if s.dim() != first.dim() or other != want or s.dtype != first.dtype \
+                or s.device != first.device:
+            raise InputError(
+                f"{fn}: rank {r}'s shard is {tuple(s.shape)} {s.dtype} on {s.device} but rank "
+                f"0's is {tuple(first.shape)} {first.dtype} on {first.device}; shards must "
+                f"differ only in their length along dim {dim}")
+    return dim
+
+
+def _check_shard_lens(fn: str, shards: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                      layout: ZigzagLayout, dim: int) -> None:
+    got = [s.shape[dim] for s in shards]
+    want = [sum(layout.local_lens(r)) for r in range(layout.world)]
+    if got != want:
+        raise InputError(
+            f"{fn}: shard lengths {got} are not a zigzag sharding of {list(layout.doc_lens)} "
+            f"over {layout.world} ranks ({want}); pass every rank's shard in rank order, as "
+            "zigzag_shard / zigzag_shard_varlen made them")
+
+
+def _doc_lens(fn: str, cu: object, total: int) -> tuple[int, ...]:
+    """Document lengths of a global ``cu_seqlens`` that must cover ``total`` tokens."""
+    if (not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1
+            or cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool):
+        raise InputError(f"{fn}: cu_seqlens must be a 1-D integer tensor [0, ..., T] (the "
+                         f"global document offsets), got {cu!r:.80}")
+    offs = cu.tolist()
+    if offs[0] != 0 or offs[-1] != total or any(b < a for a, b in zip(offs, offs[1:])):
+        raise InputError(f"{fn}: cu_seqlens {offs if len(offs) <= 16 else '...'} must start "
+                         f"at 0, not decrease and end at the {total} tokens given")
+    return tuple(b - a for a, b in zip(offs, offs[1:]))

@@ -50,6 +50,6 @@ class SimulatedRing:
         recv.copy_(self.blocks[src])
         return PendingHop([], recv)
 
-    def gather_lengths(self, lens: list[int], device: torch.device) -> list[list[int]]:
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         raise RingError("ring: a simulated ring has no group to gather lengths from; pass "
                         "global_seqlens")
