@@ -30,6 +30,14 @@ FAMILIES: dict[str, Callable[[], object]] = {
     "cohere": lambda: transformers.CohereConfig(**GQA),
     "gpt-bigcode-mqa": lambda: transformers.GPTBigCodeConfig(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True),
+    # passes its config's window with a plain causal mask: eager applies no window
+    "olmoe-window-in-config": lambda: transformers.OlmoeConfig(
+        **GQA, num_experts=4, num_experts_per_tok=2, sliding_window=3),
+    # .view()s the attention output: it must come back contiguous
+    "jetmoe": lambda: transformers.JetMoeConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2,
+        kv_channels=8, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64),
 }
 
 
@@ -74,3 +82,17 @@ def test_successive_generates_and_a_reused_cache_match_eager(hub: Hub, name: str
             outs.append((first.logits[mask[:, :7].bool()], second.logits))
         for a, b in zip(*outs):
             torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4, msg=f"{name} chunked")
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3-sliding"])
+def test_under_autocast_the_model_matches_eager(hub: Hub, name: str) -> None:
+    """Under CPU autocast q and k leave the rotary embedding in fp32 while v is bf16; eager
+    casts all three, and so must the integration (it refused the mixed dtypes before)."""
+    ours, eager = twin_models(FAMILIES[name]())
+    ids, mask = _left_padded(torch.Generator().manual_seed(3), (9, 6), 9)
+    with one_intraop_thread(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ours(input_ids=ids, attention_mask=mask).logits
+        want = eager(input_ids=ids, attention_mask=mask).logits
+    assert got.dtype == want.dtype == torch.bfloat16
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep].float(), want[keep].float(), atol=2e-2, rtol=2e-2)

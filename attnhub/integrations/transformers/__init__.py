@@ -105,10 +105,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       is_causal: bool | None = None, sliding_window: int | None = None,
                       softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) in,
-    (B, Sq, Hq, Dv) out and no attention weights."""
+    (B, Sq, Hq, Dv) out, contiguous (models ``.view()`` it), and no attention weights."""
     if dropout or not _REFUSED.isdisjoint(kwargs):
         _refuse_unsupported(dropout, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        # under autocast q and k leave the rotary embedding in fp32 while v stays in the
+        # autocast dtype; eager's matmuls and sdpa cast all three to that dtype: so do we
+        dt = torch.get_autocast_dtype(device_type)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # transformers' windows: causal keeps kv > q - w; bidirectional keeps |q - kv| <= w, and
     # some models pass w + 1 (ModernBERT): the mask, when there is one, decides
@@ -129,9 +135,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     hub = bound or _hub or default_hub()
     # phase left to the hub: one query over a longer cache is decode, else prefill or train
     if attention_mask is None:  # decode without padding: no mask to translate
-        out = hub.attention(q, k, v, causal=causal and sq > 1, window=window, scale=scaling,
+        # and no window: transformers drops a sliding layer's mask only while the window
+        # does not reach past the keys, and eager and sdpa, which apply the window through
+        # the mask alone, apply none here (OLMoE passes its config's window with a full
+        # causal mask)
+        out = hub.attention(q, k, v, causal=causal and sq > 1, scale=scaling,
                             softcap=softcap, context=_context(module))
-        return out, None
+        return out.contiguous(), None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.device != q.device:
         raise InputError(f"attention_mask is on {attention_mask.device} but the queries are on "
                          f"{q.device}: move the mask to {q.device}")
@@ -139,7 +149,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                      heads=q.shape[2], other_windows=other)
     out = hub.attention(q, k, v, scale=scaling, softcap=softcap, context=_context(module),
                         **mask)
-    return out, None
+    # contiguous, as eager and sdpa return it: some models .view() it (AfMoE, JetMoE)
+    return out.contiguous(), None
 
 
 #: Keyword arguments ``_refuse_unsupported`` looks at (the common call has none of them).
