@@ -18,6 +18,7 @@ __all__ = [
     "PolicyError",
     "NoBackendError",
     "CacheFullError",
+    "HardwareError",
 ]
 
 
@@ -111,3 +112,8 @@ class NoBackendError(AttnhubError, RuntimeError):
 
 class CacheFullError(AttnhubError, RuntimeError):
     """The paged KV cache has no free block; other sequences are left intact."""
+
+
+class HardwareError(AttnhubError, ValueError):
+    """A hardware name (``--hardware``, ``Hub(hardware=...)``, ``ATTNHUB_HARDWARE``) that is
+    not a known device; the message lists the known names."""

@@ -4,8 +4,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+
+def at_least(low: float, kind: type = int) -> Callable[[str], Any]:
+    """An argparse ``type``: an int (or, with ``kind=float``, a finite number) >= ``low``;
+    anything else is a usage error naming the flag and the bound (exit 2, no traceback)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a number >= {low:g}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def add_hardware(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._common import add_hardware
+from ._common import add_hardware, at_least
 
 
 def parse_heads(text: str) -> tuple[int, int]:
@@ -34,25 +34,26 @@ def add_decoder_args(p: argparse.ArgumentParser, *, batch: int = 4, prompt_len: 
                    help="policy YAML (default: ATTNHUB_POLICY, else the packaged default)")
     add_hardware(p)
     g = p.add_argument_group("model (built-in decoder, random weights)")
-    g.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    g.add_argument("--layers", type=at_least(1), default=4, help="decoder layers (default 4)")
     g.add_argument("--heads", type=parse_heads, default=(8, 2), metavar="Q:KV",
                    help="query:KV heads (default 8:2)")
-    g.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
-    g.add_argument("--vocab", type=int, default=1024, help="vocabulary size (default 1024)")
-    g.add_argument("--intermediate", type=int, default=None,
+    g.add_argument("--head-dim", type=at_least(1), default=64, help="head dim (default 64)")
+    g.add_argument("--vocab", type=at_least(1), default=1024, help="vocabulary size (default 1024)")
+    g.add_argument("--intermediate", type=at_least(1), default=None,
                    help="MLP width (default 8/3 of the hidden size)")
     g.add_argument("--layer-kinds", default="softmax", metavar="K1,K2,..",
                    help="layer kinds cycled over the layers: softmax, sliding, linear "
                         "(a hybrid model: linear,linear,linear,softmax)")
-    g.add_argument("--window", type=int, default=256, help="left window of sliding layers")
+    g.add_argument("--window", type=at_least(0), default=256, help="left window of sliding layers")
     g.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
     g = p.add_argument_group("run size")
-    g.add_argument("--batch", type=int, default=batch, help=f"prompts (default {batch})")
-    g.add_argument("--prompt-len", type=int, default=prompt_len,
+    g.add_argument("--batch", type=at_least(1), default=batch, help=f"prompts (default {batch})")
+    g.add_argument("--prompt-len", type=at_least(1), default=prompt_len,
                    help=f"prompt tokens (default {prompt_len})")
-    g.add_argument("--new-tokens", type=int, default=new_tokens,
+    g.add_argument("--new-tokens", type=at_least(1), default=new_tokens,
                    help=f"decode steps (default {new_tokens})")
-    g.add_argument("--page-size", type=int, default=16, help="KV cache page size (default 16)")
+    g.add_argument("--page-size", type=at_least(1), default=16,
+                   help="KV cache page size (default 16)")
     g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="default: bf16 on a GPU, fp32 on the CPU")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")

@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ._common import add_json, print_json, table
+from ._common import add_json, at_least, print_json, table
 from ._decoder import add_decoder_args
 
 
@@ -37,8 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="bench the spec buckets the decoder binds instead of the grid")
     g.add_argument("--backends", default=None,
                    help="comma list (default: every exact backend except reference)")
-    g.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
-    g.add_argument("--repeats", type=int, default=10, help="timed runs, median (default 10)")
+    g.add_argument("--warmup", type=at_least(0), default=3, help="untimed runs first (default 3)")
+    g.add_argument("--repeats", type=at_least(1), default=10,
+                   help="timed runs, median (default 10)")
     g.add_argument("--store", default=None, metavar="PATH",
                    help="profile store (default ATTNHUB_PROFILE or ~/.cache/attnhub)")
     g.add_argument("--no-store", action="store_true", help="do not record the results")
@@ -52,9 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only cells whose name contains one of these (comma list)")
     g.add_argument("--exclude", default=None, metavar="NAME,..",
                    help="backends not to time (comma list; say why in the report)")
-    g.add_argument("--scale", type=int, default=None,
+    g.add_argument("--scale", type=at_least(1), default=None,
                    help="divide the grid's lengths (default 1 on a GPU, 64 on the CPU)")
-    g.add_argument("--rounds", type=int, default=2,
+    g.add_argument("--rounds", type=at_least(1), default=2,
                    help="timing rounds, min of medians (default 2); within a round every "
                         "callable of a cell is sampled in turn")
     g.add_argument("--out-json", default=None, metavar="FILE", help="write the report JSON")

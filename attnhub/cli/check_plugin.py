@@ -15,7 +15,7 @@ from ..core.backend import safe_available
 from ..core.device import probe
 from ..core.registry import Registry
 from ..errors import AttnhubError
-from ._common import add_json, print_json
+from ._common import add_json, at_least, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,10 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="every backend that can run on this device")
     p.add_argument("--quick", action="store_true",
                    help="a smaller grid (one case per declared feature where possible; CI)")
-    p.add_argument("--budget", type=float, metavar="SECONDS",
+    p.add_argument("--budget", type=at_least(0, float), metavar="SECONDS",
                    help="stop starting new cases for a backend after this long (the rest "
                         "are reported as skipped)")
-    p.add_argument("--total", type=float, metavar="SECONDS",
+    p.add_argument("--total", type=at_least(0, float), metavar="SECONDS",
                    help="overall limit across backends (each gets at most what is left)")
     p.add_argument("-k", "--feature", metavar="TEXT", action="append",
                    help="only features whose name contains TEXT (repeatable)")

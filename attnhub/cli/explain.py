@@ -18,7 +18,7 @@ from ..core.spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES, AttentionSpec, torc
 from ..errors import AttnhubError
 from ..hub import Hub
 from ..policy.cells import mask_from_kinds
-from ._common import add_hardware, add_json, print_json
+from ._common import add_hardware, add_json, at_least, print_json
 from ._decoder import parse_heads
 from ._policy_common import add_policy, devices, load
 
@@ -33,27 +33,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--phase", choices=PHASES, default="prefill")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--kv-dtype", choices=DTYPES, help="KV dtype (default: --dtype)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--head-dim-v", type=int, help="value head dim (default: --head-dim)")
+    p.add_argument("--head-dim", type=at_least(1), default=128)
+    p.add_argument("--head-dim-v", type=at_least(1), help="value head dim (default: --head-dim)")
     p.add_argument("--heads", type=parse_heads, default=(32, 32), metavar="Q:KV")
-    p.add_argument("--seqlen", type=int, default=4096, help="KV length (and query length "
+    p.add_argument("--seqlen", type=at_least(1), default=4096, help="KV length (and query length "
                                                             "outside decode)")
-    p.add_argument("--seqlen-q", type=int, help="query length (default: 1 for decode, else "
+    p.add_argument("--seqlen-q", type=at_least(1), help="query length (default: 1 for decode, else "
                                                 "--seqlen)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=at_least(1), default=1)
     p.add_argument("--mask", default="none", help=f"comma-separated kinds: {', '.join(MASK_KINDS)}")
-    p.add_argument("--window", type=int, default=1024, help="left window for sliding_window")
+    p.add_argument("--window", type=at_least(0), help="left window for sliding_window "
+                                                        "(default 1024)")
     p.add_argument("--top-left", action="store_true", help="top-left causal alignment")
     p.add_argument("--layout", choices=[x for x in LAYOUTS if x != "bhsd"])
-    p.add_argument("--page-size", type=int, default=16, help="KV page size for --layout paged")
+    p.add_argument("--page-size", type=at_least(1), default=16,
+                   help="KV page size for --layout paged")
     p.add_argument("--grad", action="store_true", help="gradients needed (default for train)")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--return-lse", action="store_true")
     g = p.add_argument_group("bind context")
     g.add_argument("--model")
-    g.add_argument("--layer", type=int)
+    g.add_argument("--layer", type=at_least(0))
     g.add_argument("--layer-kind", default="softmax")
-    g.add_argument("--world-size", type=int, default=1)
+    g.add_argument("--world-size", type=at_least(1), default=1)
     p.add_argument("--trace", action="store_true", help="list each rule tried and why it did "
                                                         "not match")
     p.add_argument("--run", action="store_true", help="run the binding once on this machine "
@@ -64,8 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
     kinds = [k.strip() for k in args.mask.split(",") if k.strip()]
+    if args.window is not None and "sliding_window" not in kinds:
+        raise AttnhubError(f"--window {args.window} is read only with --mask sliding_window "
+                           f"(the mask here is {args.mask!r}); add sliding_window to --mask or "
+                           "drop --window")
     try:
-        mask = mask_from_kinds(kinds, args.window)
+        mask = mask_from_kinds(kinds, 1024 if args.window is None else args.window)
     except ValueError as exc:
         raise AttnhubError(f"--mask: {exc}") from None
     if args.top_left:

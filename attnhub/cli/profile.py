@@ -12,7 +12,7 @@ import argparse
 import statistics
 from typing import Any
 
-from ._common import add_json, print_json, table
+from ._common import add_json, at_least, print_json, table
 from ._decoder import add_decoder_args
 
 
@@ -20,9 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure the attention share of a model step (prefill "
                                        "and decode) and store it for the policy")
     add_decoder_args(p)
-    p.add_argument("--repeats", type=int, default=5,
+    p.add_argument("--repeats", type=at_least(1), default=5,
                    help="steps measured per phase, median (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--warmup", type=at_least(0), default=1, help="untimed steps first (default 1)")
     p.add_argument("--store", default=None, metavar="PATH",
                    help="profile store (default ATTNHUB_PROFILE or ~/.cache/attnhub)")
     p.add_argument("--no-store", action="store_true", help="do not record the results")

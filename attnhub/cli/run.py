@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._common import add_json, print_json, table
+from ._common import add_json, at_least, print_json, table
 from ._decoder import add_decoder_args, build, progress_bar
 
 
@@ -22,17 +22,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "and decode with the paged KV cache")
     add_decoder_args(p)
     g = p.add_argument_group("checks and comparisons")
-    g.add_argument("--check-steps", type=int, default=4,
+    g.add_argument("--check-steps", type=at_least(0), default=4,
                    help="steps (prefill + decode) compared against the reference backend "
                         "(default 4; 0 skips the check)")
-    g.add_argument("--check-batch", type=int, default=2,
+    g.add_argument("--check-batch", type=at_least(1), default=2,
                    help="prompts in the reference check (default 2)")
     g.add_argument("--compare-decode", action="store_true",
                    help="also time decode with each available decode backend")
-    g.add_argument("--compare-rounds", type=int, default=1,
+    g.add_argument("--compare-rounds", type=at_least(1), default=1,
                    help="with --compare-decode: decode each backend this many times, in a "
                         "random order per round, and report the median (default 1)")
-    g.add_argument("--warmup", type=int, default=2,
+    g.add_argument("--warmup", type=at_least(0), default=2,
                    help="untimed decode steps before each timed decode (default 2)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_json(p)

@@ -14,6 +14,8 @@ from typing import Literal
 
 import torch
 
+from ..errors import HardwareError
+
 Vendor = Literal["cpu", "cuda", "rocm"]
 
 #: Optional kernel libraries whose versions the probe reports (distribution names).
@@ -109,7 +111,7 @@ def simulate(hardware: str) -> DeviceInfo:
     """A simulated device for planning: ``sm90``, ``gfx942``, ``h100``, ``cpu``..."""
     key = _ALIASES.get(hardware.strip().lower(), hardware.strip().lower())
     if key not in _PRESETS:
-        raise ValueError(
+        raise HardwareError(
             f"unknown hardware {hardware!r}; use one of {', '.join(known_hardware())} "
             f"(or an alias: {', '.join(sorted(_ALIASES))})"
         )
@@ -141,7 +143,14 @@ def _probe_cached(hardware: str | None) -> DeviceInfo:
 
 def probe(hardware: str | None = None) -> DeviceInfo:
     """This machine's device, or a simulated one from ``hardware`` / ``ATTNHUB_HARDWARE``."""
-    return _probe_cached(hardware or os.environ.get("ATTNHUB_HARDWARE") or None)
+    if hardware:
+        return _probe_cached(hardware)
+    named = os.environ.get("ATTNHUB_HARDWARE") or None
+    try:
+        return _probe_cached(named)
+    except HardwareError as exc:  # say where the name came from: no flag was given
+        raise HardwareError(f"ATTNHUB_HARDWARE: {exc}; or unset it to use this machine") \
+            from None
 
 
 def with_versions(device: DeviceInfo, **versions: str) -> DeviceInfo:

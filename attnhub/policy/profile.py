@@ -245,17 +245,22 @@ class ProfileStore:
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
         """Read-modify-write under the cross-process lock, always from the file on disk (a
         cached copy could miss a write made within the file clock's resolution)."""
-        with self._lock, file_lock(self.path):
-            data = _load(self.path)
-            change(data)
-            try:
+        try:
+            with self._lock, file_lock(self.path):
+                data = _load(self.path)
+                change(data)
                 write_json_atomic(self.path, data)
-            except OSError as exc:  # the store on disk is as it was (the write is atomic)
-                raise PolicyError([f"{self.path}: cannot write the profile store "
-                                   f"({exc.strerror or exc}); free space or make the folder "
-                                   "writable, or point ATTNHUB_PROFILE elsewhere"]) from None
-            self._data, self._stamp = data, _stamp(self.path)
-            self.revision += 1
+                self._data, self._stamp = data, _stamp(self.path)
+                self.revision += 1
+        except OSError as exc:  # the store on disk is as it was (the write is atomic); the
+            # failing path may be the store, its folder, its lock or the temporary file
+            where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(
+                self.path) else ""
+            raise PolicyError([f"{self.path}: cannot write the profile store "
+                               f"({exc.strerror or exc}{where}); free space or make the "
+                               "folder writable (a file or folder in the way of the store, "
+                               "its folder or its .lock: move it), or point ATTNHUB_PROFILE "
+                               "elsewhere"]) from None
 
 
 def _acc_key(spec_or_shape: AttentionSpec | str) -> str:
