@@ -23,19 +23,31 @@ from .core.decision import BindContext, Decision, report_missing
 from .core.device import DeviceInfo, probe
 from .core.registry import Registry
 from .core.masking import attends_nothing
+from .core.lse_guard import guard_lse
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
 from .core.contract import (
     PAGED,
     THD,
+    call_inputs,
     check_call,
     check_max_seqlen,
     check_output,
     check_qkv,
+    check_result,
     check_scalars,
     fit_positions,
     nan_violation,
+    shared_memory,
+    versions,
+    written_inputs,
 )
-from .errors import ArgumentError, BackendUnavailableError, InputError, NoBackendError
+from .errors import (
+    ArgumentError,
+    BackendUnavailableError,
+    InputError,
+    NoBackendError,
+    OutputContractError,
+)
 from .settle import settle
 
 log = logging.getLogger("attnhub")
@@ -49,6 +61,7 @@ RUNNER_LIMIT = 1024
 _INF = math.inf
 #: The default of ``Hub.attention``'s guard parameter: a fourth positional argument is not it.
 _KEYWORDS = object()
+_TENSOR = torch.Tensor
 
 
 class Resolver(Protocol):
@@ -69,7 +82,7 @@ class Runner:
     a failure to :meth:`recover`; everything else goes through ``__call__``.
     """
 
-    __slots__ = ("decision", "chain", "hub", "local", "first", "empty")
+    __slots__ = ("decision", "chain", "hub", "local", "first", "empty", "distrusted")
 
     def __init__(self, decision: Decision, chain: list[Backend], hub: "Hub"):
         self.decision = decision
@@ -84,8 +97,13 @@ class Runner:
         self.empty = self.local is None and 0 in (spec.batch, spec.max_seqlen_q,
                                                   spec.max_seqlen_k)
         #: the candidate the hot path may call directly (a distributed backend's runner
-        #: first passes its local kernel in ``params.extra``: ``__call__`` does)
-        self.first = chain[0] if self.local is None and not self.empty else None
+        #: first passes its local kernel in ``params.extra``: ``__call__`` does). None
+        #: until a result of ``chain[0]`` passed the slow lane's full checks (``_fallback``
+        #: sets it): a call of another thread meanwhile takes the slow lane too, never an
+        #: unchecked first call
+        self.first: Backend | None = None
+        #: backends caught breaking what only the slow lane checks: never ``first`` again
+        self.distrusted: frozenset[Backend] = frozenset()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
@@ -119,32 +137,70 @@ class Runner:
                   v: torch.Tensor, spec: AttentionSpec, params: AttnParams,
                   want: tuple[int, ...], device: torch.device,
                   dtype: torch.dtype) -> AttentionOutput:
-        """``chain`` from candidate ``i``: load, run, check (and NaN-check in debug mode)."""
+        """``chain`` from candidate ``i``: load, run, check (and NaN-check in debug mode).
+
+        This is the slow lane (a binding's first call, a fallback, debug mode), so it also
+        checks what the hot path leaves out: that the backend wrote into none of its inputs
+        (version counters: raised at once, never retried, since the inputs are no longer
+        what the caller passed) and that its result shares no memory with them."""
+        needs_grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad)
+        inputs = call_inputs(q, k, v, params)
         while True:
             backend = chain[i]
+            before = versions(inputs)
             try:
                 if not backend._loaded:
                     backend.load()
                 res = backend.forward(q, k, v, spec, params)
-                out, lse = self._checked(backend, res, q, v, spec, params, want, device,
-                                         dtype)
-                if self.hub.debug and (bad := nan_violation(backend.name, out, q, k, v)):
-                    raise bad
-                return AttentionOutput(out, lse)
             except InputError:
                 raise
             except Exception as exc:
-                i = self.hub._on_failure(self, chain, i, exc)
+                failure: Exception | None = exc
+            else:
+                failure = None
+            if (written := written_inputs(backend, before, inputs)) is not None:
+                self.hub._distrust(self, backend, _failure_reason(written))
+                raise written from failure
+            if failure is None:
+                try:
+                    out, lse = self._checked(backend, res, q, v, spec, params, want, device,
+                                             dtype, needs_grad)
+                    bad = shared_memory(backend.name, out, lse, inputs)
+                    if bad is not None:
+                        self.hub._distrust(self, backend, _failure_reason(bad))
+                    elif self.hub.debug:
+                        bad = nan_violation(backend.name, out, q, k, v)
+                    if bad is None:
+                        if (self.first is None and backend is self.chain[0]
+                                and self.local is None and not self.empty
+                                and backend not in self.distrusted):
+                            self.first = backend  # vetted: the hot path may call it now
+                        return AttentionOutput(out, lse)
+                    failure = bad
+                except OutputContractError as exc:
+                    failure = exc
+            i = self.hub._on_failure(self, chain, i, failure)
 
     @staticmethod
     def _checked(backend: Backend, res: Any, q: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams, want: tuple[int, ...],
-                 device: torch.device, dtype: torch.dtype) -> AttentionOutput:
-        """``res`` against the output contract (raises ``OutputContractError``)."""
-        out, lse = res
-        if (out.dtype is not dtype or out.shape != want or out.device != device
+                 device: torch.device, dtype: torch.dtype,
+                 needs_grad: bool) -> AttentionOutput:
+        """``res`` against the output contract (raises ``OutputContractError``): its type,
+        then the output's metadata, with the details only when a cheap test fails."""
+        if res.__class__ is AttentionOutput:
+            out, lse = res
+        else:
+            out, lse = check_result(backend.name, res)
+        if (out.__class__ is not _TENSOR or out.dtype is not dtype or out.shape != want
+                or out.device != device or out.requires_grad is not needs_grad
                 or params.return_lse):
-            check_output(backend.name, out, lse, q, v, spec.layout, params.return_lse)
+            check_output(backend.name, out, lse, q, v, spec.layout, params.return_lse,
+                         needs_grad)
+        if needs_grad and params.return_lse and lse is not None and not lse.requires_grad:
+            # an LSE outside the graph: a gradient through it raises, never dropped
+            return AttentionOutput(out, guard_lse(backend.name, out, lse))
         return res if res.__class__ is AttentionOutput else AttentionOutput(out, lse)
 
 
@@ -288,9 +344,11 @@ class Hub:
             self._move_back(runner, chain[i], "; ".join(exc.reasons) or reason)
         return i + 1
 
-    def _move_back(self, runner: Runner, failed: Backend, why: str) -> None:
+    def _move_back(self, runner: Runner, failed: Backend, why: str,
+                   after: str = "a lasting refusal at run time") -> None:
         """``failed`` refuses every later call of ``runner``'s binding: put it behind the
-        other candidates (the hot path then calls the next one directly) and say so in the
+        other candidates (the hot path then calls the next one directly, once a result of it
+        passed the slow lane) and say so in the
         decision that ``decide``/``explain`` report."""
         with self._lock:
             chain = runner.chain
@@ -298,13 +356,36 @@ class Hub:
                 return  # another thread did it
             new = [*chain[1:], failed]
             d = runner.decision
-            note = (f"{failed.name} moved behind {new[0].name} after a lasting refusal at "
-                    f"run time: {why}")
+            note = f"{failed.name} moved behind {new[0].name} after {after}: {why}"
             d = dataclasses.replace(d, backend=new[0].name,
                                     fallbacks=tuple(b.name for b in new[1:]),
                                     notes=(note, *d.notes))
             runner.decision, runner.chain = d, new
-            runner.first = new[0] if runner.local is None and not runner.empty else None
+            runner.first = None  # the next candidate is vetted by its next slow-lane call
+            self._decisions[(d.spec, d.context)] = d
+        log.warning("attnhub: %s", note)
+
+    def _distrust(self, runner: Runner, failed: Backend, why: str) -> None:
+        """``failed`` broke the part of the contract that only the slow lane checks (its
+        result shares memory with its inputs, or it wrote into them): the hot path, which
+        checks metadata only, must not call it again for this binding. Under
+        ``on_failure: next`` with another candidate it moves behind the others; else every
+        later call runs it through the checked lane (and fails there, with the reason)."""
+        with self._lock:
+            if failed in runner.distrusted:
+                return  # another thread did it
+            runner.distrusted |= {failed}
+            if runner.first is failed:
+                runner.first = None
+        d = runner.decision
+        if d.on_failure != "error" and len(runner.chain) > 1:
+            self._move_back(runner, failed, why, "breaking the output contract")
+            return
+        with self._lock:
+            note = (f"{failed.name} runs with every result checked in full from now on, "
+                    f"after breaking the output contract: {why}")
+            d = dataclasses.replace(runner.decision, notes=(note, *runner.decision.notes))
+            runner.decision = d
             self._decisions[(d.spec, d.context)] = d
         log.warning("attnhub: %s", note)
 
@@ -503,13 +584,15 @@ class Hub:
             if first is not None and first._loaded and not self.debug:
                 try:  # Runner.__call__ inlined for the first candidate: a frame less
                     res = first.forward(q, k, v, spec, params)
-                    out = res[0]
-                    # metadata only, the cheap tests first (dtypes are singletons); the
-                    # details when one fails or an LSE is asked for
-                    if not (out.dtype is dtype and out.device == device and not return_lse
-                            and out.shape == want and res.__class__ is AttentionOutput):
+                    # metadata only, the cheap tests first (classes and dtypes are
+                    # singletons); the details (and a result of another type) when one
+                    # fails or an LSE is asked for
+                    if not (res.__class__ is AttentionOutput
+                            and (out := res[0]).__class__ is _TENSOR and out.dtype is dtype
+                            and out.device == device and not return_lse
+                            and out.shape == want and out.requires_grad is needs_grad):
                         res = Runner._checked(first, res, q, v, spec, params, want, device,
-                                              dtype)
+                                              dtype, needs_grad)
                 except InputError:
                     raise
                 except Exception as exc:
@@ -696,10 +779,13 @@ def _attends_nothing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 def _failure_reason(exc: Exception) -> str:
     """One line for the log and the error: a refusal's reasons (they follow its first line,
     "cannot serve this call:"), else the exception's first line."""
-    if isinstance(exc, BackendUnavailableError) and exc.reasons:
-        said = "; ".join(exc.reasons)
-    else:
-        said = next(iter(str(exc).splitlines()), "")
+    try:
+        if isinstance(exc, BackendUnavailableError) and exc.reasons:
+            said = "; ".join(map(str, exc.reasons))
+        else:
+            said = next(iter(str(exc).splitlines()), "")
+    except Exception as inner:  # a plugin's exception whose str() raises: still a reason
+        said = f"(its message could not be read: str() raised {type(inner).__name__})"
     return f"{type(exc).__name__}: {said}"[:500]
 
 

@@ -16,6 +16,14 @@ from dataclasses import replace
 import torch
 
 from .core.backend import Backend
+from .core.contract import (
+    call_inputs,
+    check_output,
+    check_result,
+    shared_memory,
+    versions,
+    written_inputs,
+)
 from .core.decision import Decision
 from .core.seqstate import STATE_KEY
 from .core.spec import AttentionSpec, AttnParams
@@ -51,15 +59,31 @@ def settle(d: Decision, backends: dict[str, Backend], q: torch.Tensor, k: torch.
         return replace(d, tied=(), notes=(*d.notes, f"near-tie not timed: {why}; the "
                                           f"pack's order binds {d.backend}"))
     fns, failed = {}, []
+    inputs = call_inputs(q, k, v, params)
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad)
     for name in d.tied:
         b = backends[name]
+        before = versions(inputs)
         try:
             if not b._loaded:
                 b.load()
-            b.forward(q, k, v, spec, params)  # the first call: a compile or a refusal shows
+            # the first call: a compile or a refusal shows, and its result is held to the
+            # output contract (a candidate that breaks it is never timed, nor bound)
+            res = b.forward(q, k, v, spec, params)
+            out, lse = check_result(name, res)
+            check_output(name, out, lse, q, v, spec.layout, params.return_lse, needs_grad)
+            bad = shared_memory(name, out, lse, inputs)
+            if bad is not None:
+                raise bad
         except Exception as exc:  # noqa: BLE001 - reported in the notes, never bound
+            written = written_inputs(b, before, inputs)
+            if written is not None:
+                raise written from exc
             failed.append(f"{name} raised {type(exc).__name__}: {str(exc)[:120]}")
             continue
+        if (written := written_inputs(b, before, inputs)) is not None:
+            raise written  # the caller's tensors changed: timing it again would repeat it
         fns[name] = (lambda b=b: b.forward(q, k, v, spec, params))
     if not fns:
         return replace(d, tied=(), notes=(*d.notes, "near-tie not timed: " + "; ".join(failed)))

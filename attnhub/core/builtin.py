@@ -393,6 +393,8 @@ def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> tor
 def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                p: AttnParams) -> AttentionOutput:
     b, sq, hq, _ = q.shape
+    mask_kv_heads = k.shape[2]  # column-sparse ranges are per KV head of the call
+    k, v = expand_kv_for_half_grads(q, k, v)
     sk, hkv = k.shape[1], k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if sq == 0 or sk == 0:
@@ -409,10 +411,24 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal, scale=p.scale,
             enable_gqa=hq != hkv))
         return AttentionOutput(out.transpose(1, 2), lse)
-    allowed = allowed_mask(p, b, hq, sq, sk, q.device, kv_heads=hkv)
+    allowed = allowed_mask(p, b, hq, sq, sk, q.device, kv_heads=mask_kv_heads)
     bias = alibi_bias(p.alibi_slopes, sq, sk, p.alignment, q.device) \
         if p.alibi_slopes is not None else None
     return _sdpa_masked(q, k, v, p, allowed, bias)
+
+
+def expand_kv_for_half_grads(q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bshd k/v with their heads repeated for each query head when torch's CPU flash
+    backward would otherwise sum a KV head's gradient over its query heads in fp16/bf16
+    (GQA/MQA, gradients of k or v wanted): at 32:1 heads its dK/dV errors were 3-5x those
+    of the same-precision maths (outside the FlashAttention rule). Repeated, autograd sums
+    the group's gradients with fp32 accumulation. Other calls: k, v unchanged."""
+    g = q.shape[-2] // k.shape[-2]
+    if (g > 1 and q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16)
+            and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
+        return k.repeat_interleave(g, dim=-2), v.repeat_interleave(g, dim=-2)
+    return k, v
 
 
 def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams,
@@ -427,8 +443,11 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParam
         row_ok = allowed.any(dim=-1, keepdim=True)
         allowed = allowed | ~row_ok  # fully masked rows attend everywhere, then are zeroed
         mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+    # the fused op's LSE carries no gradient: a call whose LSE may be differentiated (q or
+    # k in the autograd graph) takes SDPA and the LSE pass, which autograd differentiates
+    lse_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if (p.return_lse and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
-            and (bias is None or q.dtype == torch.float32)):
+            and (bias is None or q.dtype == torch.float32) and not lse_grad):
         out, lse = _cpu_flash_with_lse(qt, kt, vt, mask, p.scale)
         if row_ok is not None:
             lse = lse.masked_fill(~row_ok.squeeze(-1), float("-inf"))

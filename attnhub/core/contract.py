@@ -590,10 +590,26 @@ def _check_paged_contents(bt: torch.Tensor, sl: torch.Tensor, num_pages: int,
 PAGED = PagedTables()
 
 
+def check_result(backend: str, res: Any) -> tuple[Any, Any]:
+    """``(out, lse)`` of a backend's result: an ``AttentionOutput`` (any pair is taken);
+    anything else (a bare tensor, None, a dict, an iterator) is that backend failing, said
+    in words rather than as the unpacking error it would otherwise raise."""
+    if isinstance(res, tuple) and len(res) == 2:
+        return res[0], res[1]
+    what = (f"a tuple of {len(res)}" if isinstance(res, tuple) else
+            f"a bare tensor {tuple(res.shape)}" if isinstance(res, torch.Tensor) else
+            type(res).__name__)
+    raise OutputContractError(f"backend {backend!r} returned {what}; the contract is "
+                              "AttentionOutput(out, lse) (attnhub.plugin.AttentionOutput, "
+                              "lse None unless return_lse)")
+
+
 def check_output(backend: str, out: Any, lse: Any, q: torch.Tensor, v: torch.Tensor,
-                 layout: str, return_lse: bool) -> None:
+                 layout: str, return_lse: bool, needs_grad: bool | None = None) -> None:
     """A backend's result against the contract: out is ``q.shape[:-1] + (Dv,)`` in q's dtype
-    on q's device; LSE (when asked for) fp32, (B, Hq, Sq) or (Hq, T) for thd. Metadata only."""
+    on q's device, a plain tensor (or q's own class), in the autograd graph exactly when the
+    call needs gradients (``needs_grad``; None: not checked); LSE (when asked for) fp32,
+    (B, Hq, Sq) or (Hq, T) for thd. Metadata only."""
     want = (*q.shape[:-1], v.shape[-1])
     if not isinstance(out, torch.Tensor):
         raise OutputContractError(f"backend {backend!r} returned {type(out).__name__} as the "
@@ -602,6 +618,18 @@ def check_output(backend: str, out: Any, lse: Any, q: torch.Tensor, v: torch.Ten
         raise OutputContractError(
             f"backend {backend!r} returned out {tuple(out.shape)} {out.dtype} on {out.device}; "
             f"the contract is {want} {q.dtype} on {q.device}")
+    if out.__class__ is not torch.Tensor and out.__class__ is not q.__class__:
+        raise OutputContractError(
+            f"backend {backend!r} returned out as a {type(out).__name__} (a torch.Tensor "
+            f"subclass); the contract is a plain tensor like q ({type(q).__name__})")
+    if needs_grad is not None and out.requires_grad != needs_grad:
+        raise OutputContractError(
+            f"backend {backend!r} returned an output cut from the autograd graph for a call "
+            "that needs gradients: no gradient would reach q, k or v through it"
+            if needs_grad else
+            f"backend {backend!r} returned an output that requires grad for a call without "
+            "gradients (grad mode off or no input requiring grad): it would keep a graph "
+            "the caller did not ask for")
     if return_lse:
         lwant = (q.shape[1], q.shape[0]) if layout == "thd" else (
             q.shape[0], q.shape[2], q.shape[1])
@@ -611,6 +639,90 @@ def check_output(backend: str, out: Any, lse: Any, q: torch.Tensor, v: torch.Ten
                    if isinstance(lse, torch.Tensor) else repr(type(lse).__name__))
             raise OutputContractError(f"backend {backend!r} returned lse {got}; the contract "
                                       f"is {lwant} torch.float32 on {q.device}")
+
+
+def shared_memory(backend: str, out: torch.Tensor, lse: Any,
+                  inputs: dict[str, Any]) -> OutputContractError | None:
+    """The memory checks of a result (once per binding: the slow path, settle, debug mode):
+    ``out``/``lse`` must not share memory with an input (the caller's q, k, v, side tensors:
+    writing the output would change them) nor with itself (a stride-0 dimension: one element
+    seen at many places, which an in-place op on the output refuses or smears)."""
+    for what, t in (("out", out), ("lse", lse)):
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        if any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride())):
+            return OutputContractError(
+                f"backend {backend!r} returned {what} with stride {tuple(t.stride())} for "
+                f"shape {tuple(t.shape)}: elements share memory (an expanded tensor); the "
+                "contract is a tensor of its own (.contiguous() it)")
+        ptr = _storage_ptr(t)
+        if not ptr:
+            continue
+        for name, x in inputs.items():
+            if isinstance(x, torch.Tensor) and x.numel() and _storage_ptr(x) == ptr:
+                return OutputContractError(
+                    f"backend {backend!r} returned {what} in the memory of its input {name}; "
+                    "the contract is a new tensor (writing the output would change the "
+                    "caller's input)")
+    return None
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # no storage to compare (a tensor subclass, a functional wrapper)
+        return 0
+
+
+def call_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                params: Any) -> dict[str, Any]:
+    """What a backend is handed and must leave as it is (the caller's tensors, the hub's
+    checked copies of tables and offsets), by the names errors use."""
+    return {"q": q, "k": k, "v": v, "alibi_slopes": params.alibi_slopes,
+            "prefix_lens": params.prefix_lens, "colmask_start": params.colmask_start,
+            "colmask_end": params.colmask_end, "cu_seqlens_q": params.cu_seqlens_q,
+            "cu_seqlens_k": params.cu_seqlens_k, "block_table": params.block_table,
+            "seqlens_k": params.seqlens_k}
+
+
+def versions(inputs: dict[str, Any]) -> dict[str, int]:
+    """The version counters of the tensors in ``inputs`` (inference tensors keep none and
+    are left out): :func:`written_inputs` compares them after a backend ran."""
+    out = {}
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor):
+            try:
+                out[name] = t._version
+            except RuntimeError:  # made under torch.inference_mode: no counter
+                pass
+    return out
+
+
+def written_inputs(backend: Any, before: dict[str, int],
+                   inputs: dict[str, Any]) -> OutputContractError | None:
+    """A backend that wrote into an input in place (its version counter moved): the caller's
+    tensors (or the hub's checked copies of the tables) no longer hold what was passed, so
+    no fallback can give the right answer and none is tried. The table memos are dropped
+    (a copy a backend wrote into must not serve the next call)."""
+    moved = [n for n, ver in before.items() if inputs[n]._version != ver]
+    if not moved:
+        return None
+    _forget_tables()
+    name, plugin = getattr(backend, "name", "?"), getattr(backend, "plugin", "?")
+    return OutputContractError(
+        f"backend {name!r} (plugin {plugin!r}) wrote into its input {', '.join(moved)} in "
+        "place; those tensors no longer hold the values passed, so no fallback is tried. A "
+        "backend must leave its inputs as they are: report it to the plugin's authors and "
+        f"keep {name!r} out of the policy (or ATTNHUB_PLUGINS=-{plugin}) until it is fixed")
+
+
+def _forget_tables() -> None:
+    """Drop the paged and varlen memos and proofs (their snapshots may have been written)."""
+    for memo in (PAGED, THD):
+        with memo._lock:
+            memo._memo = ()
+    with PAGED._lock:
+        PAGED._vouched.clear()
 
 
 def nan_violation(backend: str, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

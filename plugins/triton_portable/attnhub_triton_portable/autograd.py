@@ -96,16 +96,18 @@ class _DenseAttention(torch.autograd.Function):
         ctx.args = replace(args, q=None, k=None, v=None)  # type: ignore[arg-type]
         ctx.bwd_cfg = bwd_cfg
         ctx.deterministic = bool(params.deterministic)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # dlse stays None unless the loss uses the LSE
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:  # only the LSE reached the loss
+            dout = torch.zeros_like(out)
         args = replace(ctx.args, q=q, k=k, v=v)
         cfg = ctx.bwd_cfg or bwd_config_for(args, out, lse, dout, ctx.deterministic)
-        dq, dk, dv = flash_bwd(args, out, lse, dout, cfg)
+        dq, dk, dv = flash_bwd(args, out, lse, dout, cfg, dlse)
         return dq, dk, dv, None, None, None, None
 
 

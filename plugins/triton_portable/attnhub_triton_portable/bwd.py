@@ -296,8 +296,10 @@ def gluon_bwd_unsupported(args: DenseArgs) -> str | None:
 
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-              config: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of the forward that produced ``out``/``lse`` from ``args``.
+              config: dict, dlse: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of the forward that produced ``out``/``lse`` from ``args``;
+    ``dlse``: the gradient reaching the LSE too (None: none).
 
     ``config`` is ``{"dkdv": cfg, "dq": cfg, "dq_mode": "separate"|"atomic"}`` (see
     :func:`.configs.bwd_config`); with ``"GLUON": True`` the Hopper kernel of
@@ -317,6 +319,8 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         out, dout, delta, *args.bsh_strides(out), *args.bsh_strides(dout),
         *args.lse_strides(lse), args.cu_q, args.seqlen_q, args.num_heads,
         HEAD_DIM=args.head_dim, BLOCK_M=_DELTA_BLOCK, BLOCK_D=args.block_d, VARLEN=args.varlen)
+    if dlse is not None:  # d lse_i / d s_ij = P_ij: dS = P (dP - (delta - dlse))
+        delta.sub_(dlse)
     if config.get("GLUON"):
         why = gluon_bwd_unsupported(args)
         if why is not None:
