@@ -10,6 +10,8 @@ from .core.backend import TIERS, AttentionOutput, Backend, module_available, uni
 from .core.capabilities import ALL_MASKS, FLOAT_DTYPES, HALF_DTYPES, Capabilities
 from .core.device import DeviceInfo
 from .core.flash_conventions import (
+    causal_alibi_lse,
+    flash_causal,
     flash_dense_form,
     flash_form,
     flash_kwargs,
@@ -17,7 +19,9 @@ from .core.flash_conventions import (
     flash_paged_form,
     flash_varlen,
     flash_varlen_form,
+    moved_alibi,
     natural_lse,
+    top_left_alibi_reason,
     top_left_reason,
 )
 from .core.masking import (
@@ -64,6 +68,8 @@ __all__ = [
     "bottom_right_form",
     "doc_ranges",
     "flash_dense_form",
+    "causal_alibi_lse",
+    "flash_causal",
     "flash_form",
     "flash_kwargs",
     "flash_output_kwargs",
@@ -73,10 +79,12 @@ __all__ = [
     "dtype_name",
     "hookimpl",
     "module_available",
+    "moved_alibi",
     "natural_lse",
     "paged_to_varlen",
     "query_offset",
     "reference_attention",
+    "top_left_alibi_reason",
     "top_left_reason",
     "torch_dtype",
     "unit_head_stride",

@@ -120,3 +120,63 @@ def top_left_reason(spec: AttentionSpec) -> list[str]:
 def natural_lse(lse: torch.Tensor) -> torch.Tensor:
     """FlashAttention marks fully masked rows with LSE +inf; attnhub's contract is -inf."""
     return lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
+def flash_causal(window: tuple[int, int], causal: bool, seqlen_k: int) -> bool:
+    """Whether a FlashAttention-convention library runs a call as its causal kernel: window
+    edges >= ``seqlen_k`` (the length its C++ entry clamps against) count as unbounded, and
+    causal sets the right edge to 0 (FA2 ``mha_fwd``, CK ``mha_*fwd.cpp``)."""
+    left, right = window
+    left = -1 if left >= seqlen_k else left
+    right = 0 if causal else (-1 if right >= seqlen_k else right)
+    return left < 0 and right == 0
+
+
+def causal_alibi_lse(lse: torch.Tensor, slopes: torch.Tensor, seqlen_k: int, *,
+                     cu: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+    """attnhub's natural-log LSE from the one a causal kernel returns with ALiBi.
+
+    Under the causal kernel FA2 (``csrc/flash_attn/src/mask.h``) and CK (ck_tile's
+    ``AlibiMode::VERTICAL``, ``block_position_encoding.hpp``) add ``+slope * key`` to the
+    scores instead of ``-slope * |query_pos - key|``: the softmax is the same, the LSE is
+    higher by ``slope * query_pos`` (``i + Sk - Sq`` per sequence), taken off here. Layouts:
+    (B, Hq, Sq) with ``seqlen_k`` keys, or each sequence's ``seqlens_k`` (paged); (Hq, Tq)
+    with ``cu`` = (cu_seqlens_q, cu_seqlens_k) (thd: each token's document by
+    ``searchsorted``, no host sync). Call it only when :func:`flash_causal` holds."""
+    s = slopes.to(lse.device, torch.float32)
+    if cu is not None:
+        cq, ck = (c.to(lse.device, torch.int64) for c in cu)
+        t = torch.arange(lse.shape[1], device=lse.device)
+        doc = torch.searchsorted(cq[1:], t, right=True).clamp_max(cq.numel() - 2)
+        pos = t - cq[doc] + (ck[1:] - ck[:-1])[doc] - (cq[1:] - cq[:-1])[doc]
+        per_token = s.view(-1, 1) if s.dim() == 1 else s[doc].transpose(0, 1)
+        return lse - per_token * pos.to(torch.float32)
+    sq = lse.shape[-1]
+    rows = torch.arange(sq, device=lse.device).view(1, sq)
+    keys = (seqlens_k.to(lse.device, torch.int64).view(-1, 1) if seqlens_k is not None
+            else seqlen_k)
+    pos = (rows + keys - sq).to(torch.float32).unsqueeze(1)  # (1|B, 1, Sq)
+    return lse - (s.view(1, -1, 1) if s.dim() == 1 else s.view(lse.shape[0], -1, 1)) * pos
+
+
+def top_left_alibi_reason(spec: AttentionSpec) -> list[str]:
+    """ALiBi with top-left alignment and no mask to cut keys: the kernels place their bias
+    bottom-right, so it is refused wherever Sq may differ from Sk."""
+    m = spec.mask
+    if not m.alibi or m.alignment != "top_left" or m.causal or m.window is not None:
+        return []
+    if spec.layout in ("thd", "paged") or spec.max_seqlen_q != spec.max_seqlen_k:
+        return [f"ALiBi with top-left alignment ({spec.layout}, Sq != Sk): FlashAttention "
+                "places its bias bottom-right; pass causal_alignment='bottom_right' or use "
+                "triton"]
+    return []
+
+
+def moved_alibi(params: AttnParams, sq: int, keys: int) -> str | None:
+    """Why a dense call's top-left ALiBi cannot run (the kept keys are not Sq), or None."""
+    if params.alibi_slopes is not None and params.alignment == "top_left" and keys != sq:
+        return (f"ALiBi with top-left alignment and Sq={sq} != Sk={keys}: FlashAttention "
+                "places its bias bottom-right; pass causal_alignment='bottom_right' or use "
+                "triton")
+    return None

@@ -16,6 +16,8 @@ from attnhub.plugin import (
     Backend,
     BackendUnavailableError,
     DeviceInfo,
+    causal_alibi_lse,
+    flash_causal,
     flash_form,
 )
 
@@ -45,10 +47,8 @@ def _max_len(cu: torch.Tensor, given: int | None) -> int:
     return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
 
 
-def _lse_convention(lse: torch.Tensor | None) -> torch.Tensor | None:
+def _lse_convention(lse: torch.Tensor) -> torch.Tensor:
     """The libraries mark an empty key range with +inf; attnhub's convention is -inf."""
-    if lse is None:
-        return None
     return lse.masked_fill(torch.isposinf(lse), float("-inf"))
 
 
@@ -90,14 +90,24 @@ class CKFlashBackend(Backend):
         if params.softcap:
             raise BackendUnavailableError(self.name, [self.library.softcap_reason])
         call = ck_call(params)
+        cu: tuple[torch.Tensor, torch.Tensor] | None = None
         if spec.layout == "thd":
             cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_k
             if cu_q is None or cu_k is None:
                 raise BackendUnavailableError(self.name, ["thd layout needs cu_seqlens_q/k"])
-            out, lse = self.library.run_varlen(
-                q, k, v, cu_q, cu_k, _max_len(cu_q, params.max_seqlen_q),
-                _max_len(cu_k, params.max_seqlen_k), call)
+            max_q = _max_len(cu_q, params.max_seqlen_q)
+            seqlen_k = _max_len(cu_k, params.max_seqlen_k)
+            flash_form(self.name, params, max_q or 1, seqlen_k or 1)  # clamps at max lengths
+            out, lse = self.library.run_varlen(q, k, v, cu_q, cu_k, max_q, seqlen_k, call)
+            cu = (cu_q, cu_k)
         else:
-            flash_form(self.name, params, q.shape[1], k.shape[1])  # refuses what FA clamps
+            seqlen_k = k.shape[1]
+            flash_form(self.name, params, q.shape[1], seqlen_k)  # refuses what FA clamps
             out, lse = self.library.run_dense(q, k, v, call)
-        return AttentionOutput(out, _lse_convention(lse) if params.return_lse else None)
+        if not params.return_lse or lse is None:  # _split raises when an asked LSE is missing
+            return AttentionOutput(out, None)
+        lse = _lse_convention(lse)
+        if call.alibi_slopes is not None and flash_causal(call.window_size, call.causal,
+                                                          seqlen_k):
+            lse = causal_alibi_lse(lse, call.alibi_slopes, seqlen_k, cu=cu)
+        return AttentionOutput(out, lse)

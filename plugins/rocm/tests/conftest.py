@@ -32,9 +32,14 @@ def _seed() -> None:
 
 
 def fa_semantics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                 window: tuple[int, int], slopes: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch of flash_attn's documented maths: q (B,Sq,H,D) -> out (B,Sq,H,Dv), lse."""
+                 window: tuple[int, int], slopes: torch.Tensor | None,
+                 clamp_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of flash_attn's maths as CK computes it: q (B,Sq,H,D) -> out (B,Sq,H,Dv), lse.
+
+    ALiBi is ``-slope * |pos - key|``, except under the causal mask (left < 0 and right 0
+    once edges >= ``clamp_k``, the key length the entry point clamps by, are unbounded):
+    there ck_tile's ``AlibiMode::VERTICAL`` adds ``+slope * key`` (same output, LSE higher
+    by ``slope * pos``; ``block_position_encoding.hpp``)."""
     b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     kk = k.double().repeat_interleave(h // hk, dim=2)
@@ -53,7 +58,10 @@ def fa_semantics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     if slopes is not None:
         sl = slopes.double().view(1, h, 1, 1) if slopes.dim() == 1 else slopes.double().view(
             b, h, 1, 1)
-        s = s - sl * (pos - j).abs().double()
+        clamp_k = sk if clamp_k is None else clamp_k
+        vertical = (-1 if window[0] >= clamp_k else window[0]) < 0 and (
+            causal or window[1] == 0)
+        s = s + sl * j.double() if vertical else s - sl * (pos - j).abs().double()
     s = s.masked_fill(~keep, float("-inf"))
     empty = ~keep.any(-1)  # (Sq,)
     lse = torch.logsumexp(s, -1)
@@ -95,7 +103,8 @@ class Recorder:
             qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
             sl = slopes[i] if slopes is not None and slopes.dim() == 2 else slopes
             o, l = fa_semantics(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
-                                kw["softmax_scale"], kw["causal"], kw["window_size"], sl)
+                                kw["softmax_scale"], kw["causal"], kw["window_size"], sl,
+                                clamp_k=max_k)
             outs.append(o[0])
             lses.append(l[0])
         return self._result(torch.cat(outs), torch.cat(lses, -1), kw[self.lse_keyword])

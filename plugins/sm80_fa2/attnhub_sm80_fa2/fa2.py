@@ -20,12 +20,17 @@ from attnhub.plugin import (
     BackendUnavailableError,
     Capabilities,
     DeviceInfo,
+    causal_alibi_lse,
+    flash_causal,
     flash_dense_form,
     flash_kwargs,
     flash_output_kwargs,
     flash_paged_form,
     flash_varlen,
+    flash_varlen_form,
+    moved_alibi,
     natural_lse,
+    top_left_alibi_reason,
     top_left_reason,
 )
 
@@ -77,7 +82,7 @@ class FlashAttn2Backend(Backend):
         return fa2_capabilities(self.build)
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        r = top_left_reason(spec)
+        r = top_left_reason(spec) + top_left_alibi_reason(spec)
         if spec.layout == "paged" and spec.needs_grad:
             r.append("the paged path (flash_attn_with_kvcache) has no backward")
         return r
@@ -93,10 +98,15 @@ class FlashAttn2Backend(Backend):
             return self._paged(q, k, v, params)
         out_kw = flash_output_kwargs(params)
         if spec.layout == "thd":
+            form, seqlen_k = flash_varlen_form(self.name, params), params.max_seqlen_k or 0
             res = flash_varlen(self._fa.flash_attn_varlen_func, self.name, q, k, v, params,
                                **out_kw)
         else:
             form, k, v = flash_dense_form(self.name, params, q, k, v)
+            moved = moved_alibi(params, q.shape[1], form.keys)
+            if moved:
+                raise BackendUnavailableError(self.name, [moved])
+            seqlen_k = form.keys
             res = self._fa.flash_attn_func(q, k, v, **flash_kwargs(params, form), **out_kw)
         if not params.return_lse:
             return AttentionOutput(res)
@@ -106,7 +116,11 @@ class FlashAttn2Backend(Backend):
             raise BackendUnavailableError(self.name, [
                 f"this flash_attn build returned LSE of shape {tuple(lse.shape)}; attnhub "
                 "needs (Hq, total_q) for thd: call without return_lse or use fa2_torch"])
-        return AttentionOutput(out, natural_lse(lse))
+        lse = natural_lse(lse)
+        if params.alibi_slopes is not None and flash_causal(form.window, form.causal, seqlen_k):
+            cu = (params.cu_seqlens_q, params.cu_seqlens_k) if spec.layout == "thd" else None
+            lse = causal_alibi_lse(lse, params.alibi_slopes, seqlen_k, cu=cu)
+        return AttentionOutput(out, lse)
 
     def _paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                params: AttnParams) -> AttentionOutput:
@@ -118,4 +132,10 @@ class FlashAttn2Backend(Backend):
         out, lse = self._fa.flash_attn_with_kvcache(
             q, k, v, cache_seqlens=params.seqlens_k, block_table=params.block_table,
             return_softmax_lse=True, **flash_kwargs(params, form))
-        return AttentionOutput(out, natural_lse(lse) if params.return_lse else None)
+        if not params.return_lse:
+            return AttentionOutput(out, None)
+        capacity = params.block_table.shape[1] * k.shape[1]  # what mha_fwd_kvcache clamps by
+        lse = natural_lse(lse)
+        if params.alibi_slopes is not None and flash_causal(form.window, form.causal, capacity):
+            lse = causal_alibi_lse(lse, params.alibi_slopes, capacity, seqlens_k=params.seqlens_k)
+        return AttentionOutput(out, lse)

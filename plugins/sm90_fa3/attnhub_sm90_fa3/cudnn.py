@@ -139,7 +139,8 @@ class CudnnBackend(Backend):
         refusal = bottom_right_refusal(params.causal, params.alignment, sq, sk)
         if refusal:
             raise BackendUnavailableError(self.name, [refusal])
-        causal = params.causal and sq > 1
+        # one bottom-right query sees every key; a top-left one still sees key 0 only
+        causal = params.causal and (sq > 1 or params.alignment == "top_left")
         skip = sq - sk if causal and params.alignment == "bottom_right" and sq > sk else 0
         q = q[:, skip:]
         if params.return_lse and hq != hkv:  # the LSE op takes equal head counts

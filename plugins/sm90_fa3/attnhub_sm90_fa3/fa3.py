@@ -233,7 +233,10 @@ class Fa3Backend(Backend):
         return []
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        return top_left_reason(spec)
+        r = top_left_reason(spec)
+        if spec.layout == "paged" and spec.needs_grad:
+            r.append("the paged path (flash_attn_with_kvcache) has no backward")
+        return r
 
     def _load(self) -> None:
         self._run = Fa3Runner(import_interface(self.build), self.build, self.name)
