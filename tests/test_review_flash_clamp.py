@@ -96,3 +96,17 @@ def test_paged_window_answers_exactly_or_refuses(window: tuple[int, int],
                     cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=4)
     ref, _ = reference_attention(qv, kv, vv, pv, layout="thd")
     torch.testing.assert_close(out.reshape(ref.shape), ref.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_flash_kwargs_hand_over_fp32_slopes_with_a_unit_stride() -> None:
+    """flash_attn refuses ALiBi slopes whose last stride is not 1: a strided view of
+    per-batch slopes (a column of a wider tensor) is made contiguous, values unchanged."""
+    from attnhub.core.flash_conventions import flash_kwargs
+    from attnhub.core.masking import bottom_right_form
+
+    wide = torch.rand(3, 8, dtype=torch.float64)
+    slopes = wide[:, ::2]  # (3, 4), last stride 2
+    p = AttnParams(scale=0.5, causal=True, alibi_slopes=slopes)
+    got = flash_kwargs(p, bottom_right_form(True, "bottom_right", None, 5, 5))["alibi_slopes"]
+    assert got.dtype == torch.float32 and got.stride(-1) == 1
+    torch.testing.assert_close(got, slopes.float())

@@ -55,7 +55,8 @@ def flash_kwargs(params: AttnParams, form: BottomRightForm) -> dict[str, Any]:
     if params.softcap:
         kw["softcap"] = float(params.softcap)
     if params.alibi_slopes is not None:
-        kw["alibi_slopes"] = params.alibi_slopes.to(torch.float32)
+        # fp32 with a unit last stride, as flash_attn checks (a strided view is refused)
+        kw["alibi_slopes"] = params.alibi_slopes.to(torch.float32).contiguous()
     return kw
 
 
