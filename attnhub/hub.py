@@ -8,6 +8,7 @@ code runs on a cache hit.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import os
@@ -622,6 +623,8 @@ class Hub:
         if mask_mod is not None and not callable(mask_mod):
             raise ArgumentError(f"mask_mod={mask_mod!r} is not callable; pass a function "
                                 "(b, h, q_idx, kv_idx) -> bool or a variant name")
+        _check_arity("score_mod", score_mod, 5)
+        _check_arity("mask_mod", mask_mod, 4)
         max_seqlen_q, max_seqlen_k, batch = a.max_seqlen_q, a.max_seqlen_k, a.batch
         if phase is None:
             phase = _phase(needs_grad, layout == "paged", max_seqlen_q, max_seqlen_k)
@@ -715,6 +718,12 @@ class Hub:
     def _variant(self, score_mod: Any, mask_mod: Any) -> tuple[Any, Any]:
         """Named variants from plugins (``score_mod="softcap30"``) turned into callables."""
         named = []
+        for slot, name in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+            if isinstance(name, str) and name not in self.registry.variants:
+                known = ", ".join(sorted(self.registry.variants)) or "none"
+                raise ArgumentError(f"{slot}={name!r}: no variant of that name is registered "
+                                    f"(registered: {known}); pass a callable, or install the "
+                                    "plugin that registers it")
         if isinstance(score_mod, str):
             named.append(("score_mod", score_mod))
             score_mod = self.registry.variant(score_mod).score_mod
@@ -830,8 +839,31 @@ def _callable_name(fn: Any) -> str | None:
 
 def _mod_kind(fn: Any) -> Any:
     """Exact-table key of a score/mask argument: a variant name as itself, a callable by its
-    kind (a fresh lambda per call shares one entry; the caller's own callable always runs)."""
-    return fn if fn.__class__ is str else ("callable", _callable_name(fn))
+    kind (a fresh lambda per call shares one entry; the caller's own callable always runs)
+    and arity (a lambda of the other kind, same name, goes to the slow path's check)."""
+    if fn.__class__ is str:
+        return fn
+    return ("callable", _callable_name(fn), getattr(getattr(fn, "__code__", None),
+                                                    "co_argcount", None))
+
+
+def _check_arity(slot: str, fn: Any, n: int) -> None:
+    """A score_mod takes 5 arguments, a mask_mod 4: a callable of the other kind is the
+    caller's mistake, refused here (never a backend's TypeError, retried on a fallback)."""
+    if fn is None:
+        return
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): it runs as given
+        return
+    try:
+        sig.bind(*range(n))
+    except TypeError:
+        other, form = (("mask_mod", "(score, b, h, q_idx, kv_idx) -> score") if n == 5
+                       else ("score_mod", "(b, h, q_idx, kv_idx) -> bool"))
+        raise ArgumentError(f"{slot}={_callable_name(fn)!r} takes {sig}, not the {n} "
+                            f"arguments of a {slot} {form}; if it is a {other}, pass it as "
+                            f"{other}=") from None
 
 
 def _meta(t: Any) -> tuple | None:

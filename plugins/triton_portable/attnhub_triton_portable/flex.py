@@ -19,7 +19,12 @@ mask data is the same: tensors in the key are identified by object (held by weak
 version counter (``t._version``, moved by in-place ops) and data pointer, plus their content
 when they are small CPU tensors (an edit through ``.data`` does not move the version). GPU
 tensors are never read back on the hot path: change them in place through ordinary ops, or
-pass new ones. A ``mask_mod``/``score_mod`` is keyed by the callable object itself.
+pass new ones. A ``mask_mod``/``score_mod`` is keyed by the callable object itself, and a
+``mask_mod`` also by what it reads besides its arguments (closure cells, defaults, globals its
+code names, attributes of a callable object, recursively; tensors by the proof above): one
+function over a buffer edited between calls, or a ``nonlocal`` rebound, gets a new BlockMask
+(a stale one makes compiled flex skip blocks the new mask shows). A mask_mod whose state
+cannot be proven cheaply (an arbitrary object, a large inference tensor) is built per call.
 
 Compiling: ``torch.compile(flex_attention, dynamic=False)`` compiles once per static shape
 (Inductor's CPU flex template failed on the second shape under dynamic shapes). Past dynamo's
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 import warnings
 import weakref
 from collections import OrderedDict
@@ -46,10 +52,13 @@ from torch.nn.attention import flex_attention as _fa
 from attnhub.plugin import (
     AttnParams,
     BackendUnavailableError,
+    InputError,
     attends_nothing,
     query_offset,
     unit_head_stride,
 )
+
+from .variants import heads_mismatch
 
 Mod = Callable[..., torch.Tensor]
 
@@ -151,9 +160,9 @@ def build_mask_mod(params: AttnParams, pos: _Positions, hq: int, hkv: int,
         conds.append(column_sparse)
         per_b, per_h = True, per_h or mod > 1
     user = params.mask_mod
-    if user is not None:
+    if user is not None:  # nonzero is visible, as the reference reads a mask_mod's result
         conds.append(lambda seq, h, qi, kj, qpos: user(
-            seq * 0 if pos.packed else seq, h, qi, kj))
+            seq * 0 if pos.packed else seq, h, qi, kj).to(torch.bool))
         per_b = per_h = True
     if not conds and not pos.packed:
         return None, False, False
@@ -212,6 +221,96 @@ def _token(t: torch.Tensor | None) -> tuple[Any, ...] | None:
     return (id(t), t._version, t.data_ptr(), content)
 
 
+class _Unproven(Exception):
+    """A captured value whose content nothing cheap can vouch for."""
+
+
+#: What a mask_mod's captured state may hold before its calls are not cached (walk cost).
+_CAPTURE_BUDGET = 256
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_STATIC = (types.ModuleType, types.BuiltinFunctionType, types.CodeType, type)
+
+
+class _Captured:
+    """Proof of what a callable reads besides its arguments, walked recursively: a key part
+    whose equality means the same values (tensors by ``_token``, kept in ``tensors`` for the
+    entry's identity check; code, modules and types by ``id``, kept alive in ``held``)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.held: list[Any] = []
+        self.budget = _CAPTURE_BUDGET
+        self._walking: set[int] = set()
+
+    def of(self, x: Any) -> Any:
+        self.budget -= 1
+        if self.budget < 0:
+            raise _Unproven
+        if isinstance(x, _PLAIN):
+            return x
+        if id(x) in self._walking:  # a cycle (a recursive helper, a self-reference)
+            self.held.append(x)
+            return ("cycle", id(x))
+        self._walking.add(id(x))
+        try:
+            return self._value(x)
+        finally:
+            self._walking.discard(id(x))
+
+    def _value(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tok = _token(x)
+            if tok is _UNPROVEN:
+                raise _Unproven
+            self.tensors.append(x)
+            return tok
+        if isinstance(x, _STATIC):
+            self.held.append(x)
+            return ("id", id(x))
+        if isinstance(x, (tuple, list)):
+            return (type(x).__name__, *(self.of(i) for i in x))
+        if isinstance(x, dict):
+            return ("dict", *((self.of(k), self.of(v)) for k, v in x.items()))
+        if isinstance(x, functools.partial):
+            return ("partial", self.of(x.func), self.of(x.args), self.of(x.keywords))
+        if isinstance(x, types.MethodType):
+            return ("method", self.of(x.__func__), self.of(x.__self__))
+        if isinstance(x, types.FunctionType):
+            return self._function(x)
+        state = getattr(x, "__dict__", None)
+        if isinstance(state, dict) and not hasattr(type(x), "__slots__"):
+            call = getattr(type(x), "__call__", None)
+            return ("object", self.of(type(x)), self.of(dict(state)),
+                    self.of(call) if isinstance(call, types.FunctionType) else None)
+        raise _Unproven
+
+    def _function(self, fn: types.FunctionType) -> tuple:
+        cells = tuple(self.of(c.cell_contents) for c in fn.__closure__ or ())
+        names = sorted(n for n in _global_names(fn.__code__) if n in fn.__globals__)
+        return ("fn", self.of(fn.__code__), cells, self.of(fn.__defaults__),
+                self.of(fn.__kwdefaults__), tuple((n, self.of(fn.__globals__[n])) for n in names))
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """Names a code object (and the functions defined in it) may read as globals."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _global_names(c)
+    return names
+
+
+def _captured_state(fn: Mod | None) -> tuple[Any, list[torch.Tensor], list[Any]]:
+    """(proof of ``fn``'s captured state or ``_UNPROVEN``, its tensors, objects to hold)."""
+    if fn is None:
+        return None, [], []
+    walk = _Captured()
+    try:
+        return walk.of(fn), walk.tensors, walk.held
+    except (_Unproven, ValueError):  # ValueError: an empty closure cell
+        return _UNPROVEN, [], []
+
+
 class ModCache:
     """LRU of FlexMods keyed by mask data and shape; thread-safe.
 
@@ -227,20 +326,23 @@ class ModCache:
 
     def get(self, params: AttnParams, batch: int, hq: int, hkv: int, sq: int, sk: int,
             packed: bool, device: torch.device) -> FlexMods:
+        # the BlockMask is the mask_mod evaluated now: its captured state is part of the key
+        state, captured, held = _captured_state(params.mask_mod)
         tensors = (params.prefix_lens, params.colmask_start, params.colmask_end,
                    params.cu_seqlens_q if packed else None,
-                   params.cu_seqlens_k if packed else None, params.alibi_slopes)
-        fns = (params.score_mod, params.mask_mod)
+                   params.cu_seqlens_k if packed else None, params.alibi_slopes, *captured)
+        fns = (params.score_mod, params.mask_mod, *held)
         key = (packed, batch, hq, hkv, sq, sk, str(device), params.causal, params.alignment,
-               params.window, params.softcap, tuple(id(f) for f in fns),
+               params.window, params.softcap, tuple(id(f) for f in fns[:2]), state,
                tuple(_token(t) for t in tensors))
-        if _UNPROVEN in key[-1]:
+        if _UNPROVEN in key[-1] or state is _UNPROVEN:
             with self._lock:
                 self.builds += 1
             return _build(params, batch, hq, hkv, sq, sk, packed, device)
         with self._lock:
             hit = self._items.get(key)
-            if hit is not None and all(a is b for a, b in zip(hit[1], fns)) and all(
+            if hit is not None and len(hit[1]) == len(fns) and all(
+                    a is b for a, b in zip(hit[1], fns)) and len(hit[0]) == len(tensors) and all(
                     (r is None and t is None) or (r is not None and r() is t)
                     for r, t in zip(hit[0], tensors)):
                 self._items.move_to_end(key)
@@ -342,6 +444,8 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
         lse_shape = (hq, sq) if packed else (batch, hq, sq)
         lse = torch.full(lse_shape, float("-inf"), device=q.device) if want_lse else None
         return out, lse
+    if params.score_mod is not None and (why := heads_mismatch(params.score_mod, hq)):
+        raise InputError(f"flex: {why}")
     m = mods.get(params, batch, hq, hkv, sq, sk, packed, q.device)
     fn = compiled_flex() if compiled else _fa.flex_attention
     kwargs: dict[str, Any] = {"score_mod": m.score_mod, "block_mask": m.block_mask,

@@ -35,6 +35,8 @@ from collections.abc import Callable
 
 import torch
 
+from attnhub.plugin import InputError
+
 Mod = Callable[..., torch.Tensor]
 
 
@@ -76,10 +78,26 @@ def alibi(num_heads: int) -> Mod:
     slopes = alibi_slopes(num_heads)
 
     def score_mod(score, b, h, q_idx, kv_idx):
+        if h.dim() and int(h.max()) + 1 != num_heads:  # dense callers: every head at once
+            raise InputError(heads_mismatch(score_mod, int(h.max()) + 1))
         return score - slopes.to(score.device)[h] * (q_idx - kv_idx).abs()
 
-    return _named(score_mod, f"alibi{num_heads}",
-                  f"ALiBi bias of a {num_heads}-head model: -slope_h * |q - kv|")
+    fn = _named(score_mod, f"alibi{num_heads}",
+                f"ALiBi bias of a {num_heads}-head model: -slope_h * |q - kv|")
+    fn.num_heads = num_heads  # type: ignore[attr-defined]
+    return fn
+
+
+def heads_mismatch(fn: Mod, heads: int) -> str | None:
+    """Why a variant made for a number of query heads (``fn.num_heads``) cannot serve a call
+    with ``heads``: other slopes than the model's (fewer heads), or a read past the slopes
+    (more; compiled flex does not bound-check it). None when it fits."""
+    want = getattr(fn, "num_heads", None)
+    if want is None or want == heads:
+        return None
+    return (f"score_mod {fn.__name__!r} holds the ALiBi slopes of a {want}-head model, but "
+            f"this call has {heads} query heads; pass score_mod=variants.alibi({heads}), or "
+            "the model's slopes for these heads as alibi_slopes=")
 
 
 def sliding_window(size: int) -> Mod:
