@@ -154,19 +154,21 @@ def test_fully_masked_mask_mod_rows_are_zero_with_zero_grads(hub, backend) -> No
     assert dq[:, cut:].abs().sum() > 0
 
 
-@pytest.mark.xfail(strict=True, reason="attnhub/core/reference.py treats only mask-masked "
-                   "rows as fully masked: a score_mod sending every score of a row to -inf "
-                   "(FlexAttention's _causal/_inverse_causal score_mods) gives NaN there, flex "
-                   "gives 0 / -inf; reference.py is outside this change's files")
 def test_reference_rows_whose_score_mod_is_all_minus_inf_are_fully_masked(hub) -> None:
+    """A score_mod masking by -inf (FlexAttention's _inverse_causal) empties rows as a mask
+    does: 0 out, -inf LSE, zero and finite gradients (the reference gave NaN there)."""
     g = _gen(6)
     q, k, v = _qkv(12, 7, g)  # Sq > Sk: top-left inverse causal leaves rows q >= Sk empty
+    q.requires_grad_()
     out, lse = hub.attention(q, k, v, backend="reference", return_lse=True,
                              score_mod=lambda s, b, h, qi, kv: torch.where(
                                  qi <= kv, s, float("-inf")))
     assert not out.isnan().any()
-    assert torch.equal(out[:, 7:], torch.zeros_like(out[:, 7:]))
-    assert torch.isneginf(lse[:, :, 7:]).all()
+    assert torch.equal(out[:, 7:].detach(), torch.zeros_like(out[:, 7:]))
+    assert torch.isneginf(lse[:, :, 7:]).all() and torch.isfinite(lse[:, :, :7]).all()
+    dq, = torch.autograd.grad(out, (q,), torch.randn(out.shape, generator=g))
+    assert torch.isfinite(dq).all() and torch.equal(dq[:, 7:], torch.zeros_like(dq[:, 7:]))
+    assert dq[:, :7].abs().sum() > 0
 
 
 # -- mask_mod gradients against the fp64 reference --------------------------------------------

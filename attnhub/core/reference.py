@@ -34,6 +34,9 @@ def _bshd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: A
         ki = torch.arange(sk, device=q.device).view(1, 1, 1, sk)
         s = params.score_mod(s, bi, hi, qi, ki)
     allowed = allowed_mask(params, b, hq, sq, sk, q.device, kv_heads=hkv)
+    if params.score_mod is not None:  # a score_mod that masks by -inf masks: its rows can
+        kept = ~torch.isneginf(s.detach())  # be fully masked too (0 out, -inf LSE, as flex)
+        allowed = kept if allowed is None else allowed & kept
     if allowed is None:
         lse = torch.logsumexp(s, dim=-1)
         p = torch.softmax(s, dim=-1)
