@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -46,16 +47,37 @@ def module_available(name: str) -> bool:
 
 def raised_reason(backend: object, what: str, exc: Exception) -> str:
     """A rejection reason for plugin code that raised, naming the backend and the plugin."""
-    text = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-    return (f"{what}() of backend {getattr(backend, 'name', '?')!r} raised {text} (a bug in "
+    return _bug(backend, what, f"raised {type(exc).__name__}: {exc}")
+
+
+def _bug(backend: object, what: str, text: str) -> str:
+    text = text.splitlines()[0][:220] if text else text
+    return (f"{what}() of backend {getattr(backend, 'name', '?')!r} {text} (a bug in "
             f"plugin {getattr(backend, 'plugin', '?')!r}; report it to its authors)")
 
 
+def reasons_of(backend: object, what: str, value: object) -> list[str]:
+    """What a plugin's ``check``/``available``/``extra_checks`` returned, as reasons.
+
+    Only an iterable of non-empty strings is taken as is. Anything else is one reason naming
+    the bug, so the candidate is rejected: a str would become one "reason" per character, an
+    empty str or a dict would read as "serves it", and None or numbers say nothing."""
+    items: object = value
+    if not isinstance(value, (str, bytes, Mapping)) and isinstance(value, Iterable):
+        items = list(value)  # a generator is read once: show what it gave
+        if all(isinstance(x, str) and x.strip() for x in items):
+            return items  # type: ignore[return-value]
+    shown = repr(items)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return [_bug(backend, what, f"returned {type(value).__name__} {shown}, expected a list of "
+                 "reason sentences (empty: it can)")]
+
+
 def safe_check(backend: "Backend", spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-    """``backend.check`` for hosts: a subclass that overrides ``check`` and raises gives a
-    reason instead of an exception."""
+    """``backend.check`` for hosts: a subclass that overrides ``check`` and raises (or
+    returns something other than a list of reasons) gives a reason instead."""
     try:
-        return list(backend.check(spec, device))
+        return reasons_of(backend, "check", backend.check(spec, device))
     except Exception as exc:
         return [raised_reason(backend, "check", exc)]
 
@@ -63,9 +85,13 @@ def safe_check(backend: "Backend", spec: AttentionSpec, device: DeviceInfo) -> l
 def safe_available(backend: "Backend", device: DeviceInfo) -> list[str]:
     """``backend.available`` for hosts, as :func:`safe_check`."""
     try:
-        return list(backend.available(device))
+        return reasons_of(backend, "available", backend.available(device))
     except Exception as exc:
         return [raised_reason(backend, "available", exc)]
+
+
+#: The load lock of backends whose ``__init__`` did not call ``Backend.__init__``.
+_SHARED_LOAD_LOCK = threading.Lock()
 
 
 class AttentionOutput(NamedTuple):
@@ -97,6 +123,11 @@ class Backend(ABC):
     #: model keeps that store beside its KV cache (see ``attnhub.core.seqstate``).
     keeps_sequence_state: ClassVar[bool] = False
 
+    #: Class defaults, so that a subclass whose ``__init__`` forgets ``super().__init__()``
+    #: still loads (it shares one lock: its first load is serialised with other such ones).
+    _loaded: bool = False
+    _load_lock: threading.Lock = _SHARED_LOAD_LOCK
+
     def __init__(self) -> None:
         self._loaded = False
         self._load_lock = threading.Lock()
@@ -123,7 +154,7 @@ class Backend(ABC):
             reasons = self.capabilities.check(spec, device)
             if not device.simulated:
                 reasons += self.missing_requirements()
-            return reasons + list(self.extra_checks(spec, device))
+            return reasons + reasons_of(self, "extra_checks", self.extra_checks(spec, device))
         except Exception as exc:
             return [self._raised("check", exc)]
 

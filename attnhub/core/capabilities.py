@@ -6,6 +6,8 @@ and returns every mismatch as a sentence, so ``explain`` never has to guess.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 from .device import DeviceInfo
@@ -143,13 +145,18 @@ class Capabilities:
 
 
 _SETS = ("vendors", "archs", "dtypes", "masks", "phases", "layouts")
+_NON_EMPTY = ("vendors", "dtypes", "phases", "layouts")
+_VENDORS = frozenset({"cpu", "cuda", "rocm"})
+_ARCH_RE = re.compile(r"^(cpu|sm\d{2,3}|gfx[0-9a-f]{3,4})$")
 _BOOLS = ("different_v_dim", "backward", "deterministic_backward", "deterministic_forward",
           "gqa", "returns_lse", "top_left_causal", "exact")
 
 
 def _check_types(c: Capabilities) -> None:
     """Declarations are data a host trusts: wrong types fail here, at the plugin's import,
-    not later inside ``backends`` or ``doctor``."""
+    not later inside ``backends`` or ``doctor``; so do values that make a backend serve
+    nothing (no vendor, dtype or phase, an arch no device reports, a vendor typo) or that
+    would compare wrongly (a NaN error budget, a head dim of 0, ``True`` as a count)."""
     bad: list[str] = []
     for name in _SETS + ("kv_dtypes", "head_dims"):
         v = getattr(c, name)
@@ -158,23 +165,47 @@ def _check_types(c: Capabilities) -> None:
         if isinstance(v, (set, list, tuple)):
             v = frozenset(v)
             object.__setattr__(c, name, v)
-        want = int if name == "head_dims" else str
-        if not isinstance(v, frozenset) or not all(isinstance(x, want) for x in v):
-            bad.append(f"{name} must be a set of {want.__name__} (got {v!r})")
+        if name == "head_dims":
+            if not isinstance(v, frozenset) or not v or not all(_count(x) for x in v):
+                bad.append(f"head_dims must be a non-empty set of positive ints (got {v!r})")
+        elif not isinstance(v, frozenset) or not all(isinstance(x, str) for x in v):
+            bad.append(f"{name} must be a set of str (got {v!r})")
+        elif not v and name in _NON_EMPTY:
+            bad.append(f"{name} is empty: the backend would serve nothing (leave it out for "
+                       "the default)")
+    if isinstance(c.vendors, frozenset) and not c.vendors <= _VENDORS:
+        bad.append(f"vendors must be among {_fmt(_VENDORS)} (got {_fmt(c.vendors - _VENDORS)})")
+    if isinstance(c.archs, frozenset):
+        odd = sorted(a for a in c.archs if isinstance(a, str) and not _ARCH_RE.match(a))
+        if odd:
+            bad.append(f"archs must be device archs such as sm90 or gfx942, lower case, as "
+                       f"`attnhub doctor` shows them (got {', '.join(map(repr, odd))})")
     for name in _BOOLS:
         if not isinstance(getattr(c, name), bool):
             bad.append(f"{name} must be True or False (got {getattr(c, name)!r})")
-    for name in ("max_head_dim", "head_dim_multiple", "page_size_multiple"):
+    for name in ("max_head_dim", "head_dim_multiple", "page_size_multiple",
+                 "max_query_len_decode"):
         v = getattr(c, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not (_count(v) or (v is None and name == "max_query_len_decode")):
             bad.append(f"{name} must be a positive int (got {v!r})")
     for name in ("min_capability", "max_capability"):
         v = getattr(c, name)
         if v is not None and not (isinstance(v, tuple) and len(v) == 2
-                                  and all(isinstance(x, int) for x in v)):
-            bad.append(f"{name} must be a (major, minor) tuple of ints or None (got {v!r})")
+                                  and all(_count(x, 0) for x in v)):
+            bad.append(f"{name} must be a (major, minor) tuple of non-negative ints or None "
+                       f"(got {v!r})")
+    b = c.error_budget
+    if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
+                          or math.isnan(b) or b < 0):
+        bad.append(f"error_budget must be a non-negative number (math.inf: no bound) or None "
+                   f"(got {b!r})")
     if bad:
         raise TypeError("invalid Capabilities: " + "; ".join(bad))
+
+
+def _count(v: object, least: int = 1) -> bool:
+    """An int of at least ``least``, and not a bool (``True`` is an int in Python)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
 def _fmt(values: object) -> str:

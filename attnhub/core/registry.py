@@ -4,8 +4,9 @@ Plugins come from entry points in group ``attnhub.backends`` (how pip-installed 
 found) and from ``ATTNHUB_PLUGIN_MODULES`` (comma-separated module names, for source trees on
 ``PYTHONPATH`` without installed metadata). ``ATTNHUB_PLUGINS`` keeps only the plugins named
 (``a,b``) or drops some (``-a,-b``). Each plugin is imported and asked to register in its own
-guard: a plugin that raises anything but ``KeyboardInterrupt`` (``SystemExit`` included) is
-recorded and shown, never fatal to the host. Its import and each of its hooks run in a worker
+guard: a plugin that raises anything (``SystemExit`` included; ``KeyboardInterrupt`` too
+where it runs in the worker thread below, which Ctrl-C never reaches) is recorded and shown,
+never fatal to the host. Its import and each of its hooks run in a worker
 thread for at most ``ATTNHUB_PLUGIN_TIMEOUT`` seconds (default 60; 0: no limit): a plugin that
 hangs is recorded as broken and left behind, and the host goes on. A plugin with no attnhub
 hook, a misspelt hook name or a hook that returns a value is recorded too: it would
@@ -23,6 +24,7 @@ import difflib
 import importlib
 import importlib.metadata
 import logging
+import math
 import os
 import sys
 import threading
@@ -35,6 +37,7 @@ import pluggy
 
 from .. import hookspecs
 from ..errors import PluginError, UnknownBackendError
+from . import process_state
 from .backend import TIERS, Backend
 from .capabilities import Capabilities
 
@@ -112,8 +115,10 @@ class Registry:
         ``providers`` (default ``ATTNHUB_PROVIDERS``, ``backend=plugin,...``) picks who serves
         a backend name that more than one plugin registers.
         """
+        named = None  # the plugin names ATTNHUB_PLUGINS lists, checked once all are found
         if allow is None and deny is None and "ATTNHUB_PLUGINS" in os.environ:
             allow, deny = parse_plugin_filter(os.environ["ATTNHUB_PLUGINS"])
+            named = [*(allow or ()), *deny]
         if providers is None:
             providers = parse_providers(os.environ.get(PROVIDERS_ENV, ""))
         reg = cls(providers)
@@ -130,8 +135,10 @@ class Registry:
             env = os.environ.get("ATTNHUB_PLUGIN_MODULES", "")
             modules = [m.strip() for m in env.split(",") if m.strip()]
         seen_modules: set[str] = set()
+        found = [CORE_PLUGIN]  # every plugin name on offer, loaded or filtered out
         if entry_points:
             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                found.append(ep.name)
                 if (allow is not None and ep.name not in allow) or ep.name in denied:
                     continue
                 dist = getattr(ep, "dist", None)
@@ -141,16 +148,52 @@ class Registry:
                               timeout)
         for mod in modules:
             name = mod.rsplit(".", 1)[0].split(".")[0].removeprefix("attnhub_")
+            found.append(name)
             if mod in seen_modules or (allow is not None and name not in allow) or name in denied:
                 continue
             dist, version = _module_distribution(mod)
             reg._load_one(name, mod, lambda m=mod: importlib.import_module(m), dist, version,
                           timeout)
+        if entry_points:  # otherwise plugins are added later (Registry.of) or left out
+            core.errors += _unknown_names("ATTNHUB_PLUGINS", named or [], found)
+            core.errors += [reg._pick_problem(b) for b in providers
+                            if b not in reg.backends and b not in reg.conflicts]
         return reg
+
+    def _pick_problem(self, backend: str) -> str:
+        """Why the deployment's provider pick for ``backend`` serves nothing."""
+        pick = self.providers[backend]
+        if pick not in self.plugins:
+            hint = _did_you_mean(pick, list(self.plugins))
+            return (f"{PROVIDERS_ENV} picks plugin {pick!r} for backend {backend!r}, but no "
+                    f"plugin of that name is loaded (loaded: {', '.join(self.plugins)}){hint}; "
+                    f"no plugin serves {backend!r}")
+        mine = self.plugins[pick].backends
+        hint = _did_you_mean(backend, mine)
+        return (f"{PROVIDERS_ENV} picks plugin {pick!r} for backend {backend!r}, which that "
+                f"plugin does not register (it registers: {', '.join(mine) or 'nothing'}){hint}")
 
     def _load_one(self, name: str, module: str, loader: Callable[[], Any],
                   dist: str | None, version: str | None,
                   timeout: float | None = None) -> PluginRecord:
+        """Import one plugin and call its hooks; process-wide settings it changed on the way
+        (torch's default dtype, kernel switches, logging, the environment) are put back and
+        recorded against it."""
+        before, rec = process_state.snapshot(), None
+        try:
+            rec = self._load_unguarded(name, module, loader, dist, version, timeout)
+            return rec
+        finally:
+            changed = process_state.restore(before)
+            if changed and rec is not None:
+                rec.errors.append(
+                    f"changed process-wide state while loading: {'; '.join(changed)}; put "
+                    "back (a plugin must not change the host's settings at import or "
+                    "registration: set them inside forward(), or leave them to the deployment)")
+
+    def _load_unguarded(self, name: str, module: str, loader: Callable[[], Any],
+                        dist: str | None, version: str | None,
+                        timeout: float | None) -> PluginRecord:
         rec = PluginRecord(name=name, module=module, distribution=dist, version=version)
         if name in self.plugins:
             rec.errors.append(f"plugin name {name!r} already loaded from "
@@ -229,12 +272,16 @@ class Registry:
             return
         if not self._hooks_known(obj, rec):
             return
-        for impl in self.pm.hook.attnhub_register_backends.get_hookimpls():
-            if impl.plugin_name == rec.name:
-                self._call(rec, impl.function, self._backend_adder(rec), timeout)
-        for impl in self.pm.hook.attnhub_register_variants.get_hookimpls():
-            if impl.plugin_name == rec.name:
-                self._call(rec, impl.function, self._variant_adder(rec), timeout)
+        for hook, adder in ((self.pm.hook.attnhub_register_backends, self._backend_adder),
+                            (self.pm.hook.attnhub_register_variants, self._variant_adder)):
+            for impl in hook.get_hookimpls():
+                if impl.plugin_name == rec.name:
+                    gate = _Gate(impl.function.__name__)
+                    try:
+                        self._call(rec, impl.function, adder(rec, gate), timeout)
+                    finally:
+                        with self._lock:
+                            gate.open = False
 
     def _hooks_known(self, obj: object, rec: PluginRecord) -> bool:
         """False, with the reason recorded, when ``obj`` implements no attnhub hook: a
@@ -242,10 +289,9 @@ class Registry:
         callers = self.pm.get_hookcallers(obj) or []
         for hc in callers:
             if hc.spec is None:
-                hint = difflib.get_close_matches(hc.name, HOOKS, n=1)
                 rec.errors.append(f"hook {hc.name!r} is not an attnhub hook and is never called"
                                   f"; expected one of: {', '.join(HOOKS)}"
-                                  + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+                                  + _did_you_mean(hc.name, list(HOOKS)))
         if any(hc.spec is not None for hc in callers):
             return True
         if callers:  # only misspelt hooks, each reported above
@@ -276,10 +322,10 @@ class Registry:
                               "ignored: a hook returns nothing and calls register(...) once per "
                               "backend or variant")
 
-    def _backend_adder(self, rec: PluginRecord) -> Callable[[Any], None]:
+    def _backend_adder(self, rec: PluginRecord, gate: _Gate) -> Callable[[Any], None]:
         def register(backend: Any) -> None:
             with self._lock:
-                if rec.name in self._stalled:
+                if rec.name in self._stalled or not gate.admits(rec, type(backend).__name__):
                     return
                 try:  # one broken backend must not cost the plugin its other registrations
                     add(backend)
@@ -333,11 +379,11 @@ class Registry:
                 f"serves it. Pick one with {PROVIDERS_ENV}={name}=<plugin>, or remove the "
                 "other plugin (ATTNHUB_PLUGINS=-<plugin>)")
 
-    def _variant_adder(self, rec: PluginRecord) -> Callable[..., None]:
+    def _variant_adder(self, rec: PluginRecord, gate: _Gate) -> Callable[..., None]:
         def register(name: str, score_mod: Callable[..., Any] | None = None,
                      mask_mod: Callable[..., Any] | None = None, doc: str = "") -> None:
             with self._lock:
-                if rec.name not in self._stalled:
+                if rec.name not in self._stalled and gate.admits(rec, f"variant {name!r}"):
                     add(name, score_mod, mask_mod, doc)
 
         def add(name: Any, score_mod: Any, mask_mod: Any, doc: Any) -> None:
@@ -399,6 +445,8 @@ class Registry:
         """Why no backend ``name`` is registered, for decision records."""
         if name in self.conflicts:
             return self._conflict_text(name)
+        if name in self.providers:
+            return self._pick_problem(name)
         return (f"unknown backend (no installed plugin registers it); known: "
                 f"{', '.join(sorted(self.backends))}")
 
@@ -406,9 +454,38 @@ class Registry:
         return [(r.name, e) for r in self.plugins.values() for e in r.errors]
 
 
+class _Gate:
+    """Open while the hook that was handed a ``register`` callback runs. A plugin that keeps
+    the callback and calls it later (from a thread, or on first use) would change the
+    registry after the host planned, explained or locked with it: refused and recorded."""
+
+    __slots__ = ("hook", "open")
+
+    def __init__(self, hook: str) -> None:
+        self.hook, self.open = hook, True
+
+    def admits(self, rec: PluginRecord, what: str) -> bool:
+        if self.open:
+            return True
+        msg = (f"register({what}) was called after hook {self.hook} returned (the callback "
+               "was kept and called later); ignored: call register(...) inside the hook")
+        if msg not in rec.errors:
+            rec.errors.append(msg)
+        return False
+
+
 class _Stalled(Exception):
     """A plugin's import or hook ran past the timeout (it is left running, unheard); the
     argument is its worker thread."""
+
+
+class _OwnInterrupt(Exception):
+    """A ``KeyboardInterrupt`` a plugin raised itself (in the worker thread): a bug to record,
+    not the user asking the host to stop."""
+
+    def __str__(self) -> str:
+        return ("raised by the plugin's own code, not by Ctrl-C"
+                + (f": {self.args[0]}" if self.args and self.args[0] else ""))
 
 
 #: Module -> the worker still importing it past the timeout: a later load in this process
@@ -424,9 +501,13 @@ def plugin_timeout() -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise PluginError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds (0: no limit)") \
-            from None
-    return value if value > 0 else None
+        value = math.nan
+    if math.isnan(value) or value < 0:
+        raise PluginError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds, expected one >= 0 "
+                          "(0 or inf: no limit)")
+    # past threading.TIMEOUT_MAX a wait raises OverflowError (a healthy plugin recorded as
+    # broken): as good as no limit
+    return value if 0 < value < threading.TIMEOUT_MAX else None
 
 
 def plugin_timeout_text() -> str:
@@ -437,7 +518,8 @@ def plugin_timeout_text() -> str:
 def _bounded(fn: Callable[[], Any], timeout: float | None) -> Any:
     """``fn()`` in a daemon thread, waited for at most ``timeout`` seconds (:class:`_Stalled`
     after that; None: in this thread, no limit). Its exception, ``SystemExit`` too, is
-    re-raised here."""
+    re-raised here; a ``KeyboardInterrupt`` as :class:`_OwnInterrupt`: Ctrl-C reaches the
+    main thread only, so in the worker it is the plugin's own raise, not the user's."""
     if timeout is None:
         return fn()
     box: dict[str, Any] = {}
@@ -445,6 +527,8 @@ def _bounded(fn: Callable[[], Any], timeout: float | None) -> Any:
     def run() -> None:
         try:
             box["value"] = fn()
+        except KeyboardInterrupt as exc:
+            box["error"] = _OwnInterrupt(str(exc))
         except BaseException as exc:
             box["error"] = exc
 
@@ -484,14 +568,31 @@ def parse_providers(text: str) -> dict[str, str]:
         if not sep or not name.strip() or not plugin.strip():
             raise PluginError(f"{PROVIDERS_ENV}: {item!r} is not backend=plugin (e.g. "
                               "flex=triton_portable)")
-        out[name.strip()] = plugin.strip()
+        name, plugin = name.strip(), plugin.strip()
+        if out.setdefault(name, plugin) != plugin:
+            raise PluginError(f"{PROVIDERS_ENV}: backend {name!r} is given two providers "
+                              f"({out[name]!r} and {plugin!r}), expected one pick per backend")
     return out
 
 
+def _did_you_mean(name: str, names: list[str]) -> str:
+    hint = difflib.get_close_matches(name, names, n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else ""
+
+
+def _unknown_names(env: str, named: list[str], found: list[str]) -> list[str]:
+    """A line for each plugin ``env`` names that is not on offer: a misspelt allow entry
+    would load nothing of it, a misspelt deny entry would load it anyway."""
+    return [f"{env} names plugin {n!r}, which is not installed (installed: "
+            f"{', '.join(sorted(set(found)))}){_did_you_mean(n, found)}"
+            for n in dict.fromkeys(named) if n not in found]
+
+
 def _exc_text(exc: BaseException, lines: int = 1) -> str:
+    kind = "KeyboardInterrupt" if isinstance(exc, _OwnInterrupt) else type(exc).__name__
     if not str(exc):
-        return type(exc).__name__
-    return "; ".join(f"{type(exc).__name__}: {exc}".splitlines()[:lines])[:300 * lines]
+        return kind
+    return "; ".join(f"{kind}: {exc}".splitlines()[:lines])[:300 * lines]
 
 
 def _module_distribution(module: str) -> tuple[str | None, str | None]:

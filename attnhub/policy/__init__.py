@@ -26,5 +26,8 @@ def load_policy(path: str | os.PathLike[str] | None = None, *,
     Raises :class:`attnhub.errors.PolicyError` listing every problem, each located.
     """
     p = default_policy_path() if path is None else resolve_policy_path(path)
+    env = os.environ.get("ATTNHUB_POLICY")
+    via_env = bool(env) and (path is None or os.fspath(path) == env)  # the Hub passes it on
     with paused_gc():
-        return Policy(load_data(p), profile=profile)
+        return Policy(load_data(p, origin=f"ATTNHUB_POLICY={env}" if via_env else None),
+                      profile=profile)

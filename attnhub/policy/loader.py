@@ -97,16 +97,30 @@ def default_policy_path() -> Path:
 def resolve_policy_path(ref: str | os.PathLike[str], base_dir: Path | None = None) -> Path:
     """A file path, or a packaged policy name such as ``default`` or ``portable``."""
     s = os.fspath(ref)
-    if _PACKAGED_NAME.match(s) and not (base_dir or Path.cwd()).joinpath(s).exists():
+    if _PACKAGED_NAME.match(s) and not _exists((base_dir or Path(".")) / s):
         return policies_dir() / f"{s}.yaml"
-    p = Path(s).expanduser()
+    try:
+        p = Path(s).expanduser()
+    except RuntimeError:  # ``~nosuchuser/x.yaml``: read as written, and reported as unreadable
+        p = Path(s)
     return p if p.is_absolute() or base_dir is None else base_dir / p
 
 
-def load_data(path: str | os.PathLike[str]) -> PolicyData:
-    """Read, validate and merge a policy file and the chain it extends."""
+def _exists(p: Path) -> bool:
+    """``p.exists()`` that cannot raise: a name too long for the file system (ENAMETOOLONG)
+    or a folder without search permission escaped the loader as a traceback; the read that
+    follows reports it, located."""
+    try:
+        return p.exists()
+    except OSError:
+        return False
+
+
+def load_data(path: str | os.PathLike[str], origin: str | None = None) -> PolicyData:
+    """Read, validate and merge a policy file and the chain it extends. ``origin`` names
+    where the path came from (``ATTNHUB_POLICY=...``) in a problem reading it."""
     with paused_gc():
-        return _load_data(path)
+        return _load_data(path, origin)
 
 
 @contextlib.contextmanager
@@ -123,9 +137,9 @@ def paused_gc() -> Iterator[None]:
         gc.enable()
 
 
-def _load_data(path: str | os.PathLike[str]) -> PolicyData:
+def _load_data(path: str | os.PathLike[str], origin: str | None) -> PolicyData:
     problems: list[str] = []
-    chain = _read_chain(Path(path), problems, [])
+    chain = _read_chain(Path(path), problems, [], ref=origin)
     if problems:
         raise PolicyError(problems)
     merged = _merge(chain, problems)
@@ -140,7 +154,7 @@ def _packaged_hint(path: Path) -> str:
         pdir = policies_dir()
     except PolicyError:
         return ""
-    if path.parent.resolve() != pdir.resolve() or path.suffix != ".yaml":
+    if _real(path.parent) != _real(pdir) or path.suffix != ".yaml":
         return ""
     names = sorted(p.stem for p in pdir.glob("*.yaml"))
     hint = difflib.get_close_matches(path.stem, names, n=1)
@@ -176,14 +190,18 @@ def read_limited(path: Path, limit: int) -> bytes:
 
 
 def _real(p: Path) -> Path:
-    """``p.resolve()`` that cannot raise: a symlink loop is reported when it is read."""
-    return Path(os.path.realpath(p))
+    """``p.resolve()`` that cannot raise: a symlink loop is reported when it is read, and so
+    is a relative path when the working directory was deleted (``getcwd`` fails)."""
+    try:
+        return Path(os.path.realpath(p))
+    except OSError:
+        return p
 
 
 def _display(p: Path) -> str:
     try:
         return str(_real(p).relative_to(Path.cwd().resolve()))
-    except ValueError:
+    except (ValueError, OSError):  # outside it, or the working directory was deleted
         return str(p)
 
 
@@ -307,11 +325,16 @@ def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
     def drop(name: str) -> None:
         rules[index.pop(name)] = None
 
+    removed: dict[str, int] = {}
     for i, name in enumerate(pf.remove):
-        if name not in index:
+        if name in removed:  # not "no rule named": it was there, and is gone already
+            problems.append(f"{doc.where(('remove', i))} remove[{i}]: {name!r} is listed twice "
+                            f"(first at remove[{removed[name]}]), expected each name once")
+        elif name not in index:
             problems.append(_unknown_ref(doc, ("remove", i), name, alive()))
         else:
             drop(name)
+        removed.setdefault(name, i)
     top: list[LoadedRule] = []
     placed: dict[int, tuple[list[LoadedRule], list[LoadedRule]]] = {}
     for i, r in enumerate(pf.rules):

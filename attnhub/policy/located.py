@@ -58,9 +58,13 @@ _STD = "tag:yaml.org,2002:"
 _SCALAR_TAGS = frozenset(_STD + t for t in ("null", "bool", "int", "float", "str"))
 _MERGE = _STD + "merge"
 _STR = _STD + "str"
+_NUMBER_TAGS = frozenset({_STD + "int", _STD + "float"})
 _AWAIT, _SKIP = object(), object()
 #: A plain decimal integer (YAML 1.1 reads a leading 0 as octal, so none here).
 _DECIMAL = re.compile(r"[-+]?(?:0|[1-9][0-9]{0,17})\Z")
+#: YAML 1.1 numbers few readers expect: a leading 0 is octal (``0100`` is 64) and colons are
+#: base 60 (``1:04`` is 64, ``9:0`` is 540). Refused: the value would differ from what it says.
+_LEGACY_NUMBER = re.compile(r"[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)\Z")
 #: Only escapes can write these; they would reach terminals and JSON output (a lone surrogate
 #: cannot even be printed as UTF-8).
 _UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -281,13 +285,23 @@ class _Builder:
                                "surrogate) is not allowed in policy files, expected printable "
                                "text (remove the escape)")
             return ev.value
-        node = yaml.ScalarNode(tag, ev.value, ev.start_mark, ev.end_mark, ev.style)
+        if tag in _NUMBER_TAGS and _LEGACY_NUMBER.match(ev.value.strip()):
+            kind = "a base-60" if ":" in ev.value else "an octal"
+            raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: {_show(ev.value)} is "
+                           f"{kind} number in YAML 1.1 (it reads as "
+                           f"{self.loader.construct_object(_node(tag, ev))}), expected a decimal "
+                           "number without a leading 0 or colons (quote it for a string)")
+        node = _node(tag, ev)
         try:
             return self.loader.construct_object(node, deep=True)
         except (yaml.YAMLError, ValueError, OverflowError):  # ValueError: an int of 5,000 digits
             raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: cannot read "
                            f"{_show(ev.value)} as a plain value, expected a string, number, "
                            "true/false or null (quote it to make it a string)") from None
+
+
+def _node(tag: str, ev: Any) -> yaml.ScalarNode:
+    return yaml.ScalarNode(tag, ev.value, ev.start_mark, ev.end_mark, ev.style)
 
 
 def pydantic_problems(errors: list[dict[str, Any]], doc: Located, model: type[BaseModel],

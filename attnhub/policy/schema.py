@@ -58,7 +58,33 @@ def _rule_name(v: Any) -> Any:
 def _number(v: Any) -> Any:
     if isinstance(v, bool):
         raise ValueError(f"got {v!r}, expected a number")
-    return v
+    if isinstance(v, str) and _numeric(v):
+        raise ValueError(_text_not_number(v))
+    return v  # other text: pydantic says it is not a number
+
+
+def _numeric(v: str) -> bool:
+    try:
+        float(v)
+        return True
+    except ValueError:
+        return False
+
+
+_EXPONENT_TEXT = re.compile(r"^([-+]?\d+)(\.\d+)?\.?[eE]([-+]?)(\d+)$")
+
+
+def _text_not_number(v: str) -> str:
+    """Pydantic's lax mode would read ``"1e3"`` or ``"128"`` (text) as a number, silently; and
+    YAML 1.1 reads ``1e3`` (no dot, or no exponent sign) or ``08`` as text, so the fix is
+    said."""
+    x = float(v)
+    if not math.isfinite(x):
+        return f"got the text {v!r}, expected a finite number"
+    m, plain = _EXPONENT_TEXT.match(v), str(int(x)) if x.is_integer() else repr(x)
+    hint = (f"YAML 1.1 reads an exponent without a dot and a sign as text: write {plain} or "
+            f"{m[1]}{m[2] or '.0'}e{m[3] or '+'}{m[4]}" if m else f"write it unquoted as {plain}")
+    return f"got the text {v!r}, expected a number ({hint})"
 
 
 #: What pydantic's lax mode would read as a boolean besides true/false (``1``, ``"no"``...).
@@ -107,6 +133,8 @@ class Range(Strict):
             return {"in": [v]}
         if isinstance(v, list):
             return {"in": v}
+        if isinstance(v, str) and _numeric(v):
+            raise ValueError(_text_not_number(v))
         return v
 
     @model_validator(mode="after")
@@ -335,7 +363,7 @@ class Defaults(Strict):
 class PolicyFile(Strict):
     """One YAML file. ``extends`` overlays it on another file (see docs/policy.md)."""
 
-    name: str
+    name: str = Field(min_length=1)
     version: Count = 1
     description: str = ""
     extends: str | None = None
