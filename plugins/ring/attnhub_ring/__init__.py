@@ -10,6 +10,7 @@ from .local_cpu import TorchFlashCPUBackend
 from .merge import merge_partial
 from .sharding import (
     ZigzagLayout,
+    contiguous_shard,
     zigzag_shard,
     zigzag_shard_varlen,
     zigzag_unshard,
@@ -21,6 +22,7 @@ __all__ = [
     "RingError",
     "TorchFlashCPUBackend",
     "ZigzagLayout",
+    "contiguous_shard",
     "merge_partial",
     "process_group_reasons",
     "ring_attention",

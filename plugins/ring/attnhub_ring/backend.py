@@ -3,7 +3,9 @@
 The policy binds ``ring`` for a spec and, one level down, a local kernel for the blocks (the
 decision's ``inner``); the hub hands that kernel over in ``params.extra["local_backend"]``.
 The process group is ``params.extra["process_group"]`` when given, else the default group;
-``params.extra["block_backward"]`` forces the blocks' backward kernel (block_kernels.py).
+``params.extra["block_backward"]`` forces the blocks' backward kernel (block_kernels.py),
+``params.extra["sharding"]`` says how the shards were cut (``zigzag``, the default, or
+``contiguous``) and ``params.extra["global_seqlens"]`` gives the unsharded lengths.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class RingBackend(Backend):
         out, lse = run_ring(q, k, v, local, spec, params, group,
                             params.extra.get("global_seqlens"),
                             block_backward=params.extra.get("block_backward", "auto"),
-                            problem=problem)
+                            problem=problem, sharding=params.extra.get("sharding", "zigzag"))
         return AttentionOutput(out, lse if params.return_lse else None)
 
 

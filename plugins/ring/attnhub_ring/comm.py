@@ -51,7 +51,9 @@ class PendingHop:
             raise RingError(
                 "ring: a K/V hop to or from a neighbouring rank failed: a rank raised or "
                 "stopped mid-call, or the ranks disagree on the call (with global_seqlens the "
-                "handshake that checks them runs once per geometry); torch.distributed said: "
+                "handshake that checks them is skipped by a rank that repeats an agreed call: a "
+                "rank whose inputs changed alone waits in a handshake this rank skipped, and "
+                "its own error names what changed); torch.distributed said: "
                 f"{exc}") from exc
         return self.recv
 

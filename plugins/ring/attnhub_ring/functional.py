@@ -22,17 +22,21 @@ def ring_attention(
     cu_seqlens: torch.Tensor | None = None, group: ProcessGroup | None = None,
     global_seqlens: list[int] | None = None, return_lse: bool = False,
     deterministic: bool = False, transport: Transport | None = None,
-    block_backward: str = "auto",
+    block_backward: str = "auto", sharding: str = "zigzag",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention of this rank's zigzag shard against the whole sequence.
+    """Exact attention of this rank's shard against the whole sequence.
 
     q/k/v are this rank's shard: bshd (B, S_local, H, D) from :func:`zigzag_shard`, or thd
     (T_local, H, D) with its local ``cu_seqlens`` from :func:`zigzag_shard_varlen`.
+    ``sharding`` says how the sequence was cut: ``"zigzag"`` (those helpers) or
+    ``"contiguous"`` (``torch.tensor_split``, :func:`contiguous_shard`). Shards carry no
+    positions, so the ring cannot tell them apart: a causal call on contiguous shards passed
+    as zigzag would be silently wrong. Every rank must pass the same (the handshake checks).
     ``local_backend`` is a backend object or a registered name (``"torch_sdpa"``).
     Every call starts with a handshake (handshake.py: one small all-gather and host sync)
     that checks the ranks agree and raises the same error on every rank when they do not or
     when one rank's inputs are refused; ``global_seqlens`` (the unsharded lengths) limits it
-    to the first call of each geometry.
+    to calls that differ from the last agreed call of their geometry.
     ``transport`` replaces the process group: :class:`attnhub_ring.simulate.SimulatedRing`
     plays one rank of a ring on a single device (for measuring, see simulate.py). Any
     backend that returns the LSE is accepted here; a policy binds only one that returns it
@@ -70,7 +74,7 @@ def ring_attention(
         spec, params = _UNUSED_SPEC, AttnParams(scale=1.0)
     assert spec is not None and params is not None
     out, lse = run_ring(q, k, v, local, spec, params, group, global_seqlens, transport,
-                        block_backward, problem=problem)
+                        block_backward, problem=problem, sharding=sharding)
     return (out, lse) if return_lse else out
 
 

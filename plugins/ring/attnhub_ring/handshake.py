@@ -14,11 +14,11 @@ needs anyway, plus the call's geometry and flags) and every rank checks it the s
   per-document lengths once their count agrees).
 
 It is the all-gather the ring made before for the lengths alone (same cost; ``thd`` with
-several documents pays a second tiny one). With ``global_seqlens`` the ring runs it on the
-first call of each geometry only (ring.py: every rank meets a new geometry on the same call,
-so later calls of it need no host sync). The price: a rank whose inputs change alone, while
-the others repeat a geometry they agreed on, waits in a handshake they skip, and both sides
-fail only at the process group's timeout (with a RingError that says why).
+several documents pays a second tiny one). With ``global_seqlens`` the ring runs it only when
+a call differs from the last one of its geometry that the ranks agreed on (ring.py: repeats
+need no host sync). The price: a rank whose inputs change alone, while the others repeat
+that call, waits in a handshake they skip, and both sides fail only at the process group's
+timeout (with a RingError that says why, and on that rank, what it changed).
 """
 
 from __future__ import annotations
@@ -30,15 +30,20 @@ from typing import Protocol
 
 import torch
 
+from .block_kernels import BLOCK_BACKWARDS
 from .comm import RingError
+from .sharding import SHARDINGS
 
 #: What every rank must pass alike (only its shard of the sequence differs), header order.
 FIELDS = ("layout", "batch", "query heads", "key/value heads", "head dim", "value head dim",
           "q dtype", "k dtype", "v dtype", "device type", "causal", "softcap", "scale",
-          "gradients", "global_seqlens")
+          "gradients", "global_seqlens", "sharding", "block backward")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _DEVICES = ("cpu", "cuda")
 _LAYOUTS = ("bshd", "thd")
+#: ``block_backward`` choices: alike on every rank (a forced kernel raises where it cannot
+#: serve; a rank that ran another kernel meanwhile would wait in its hops)
+BLOCK_CHOICES = ("auto", *BLOCK_BACKWARDS)
 #: bytes of a refusal's reason passed to the other ranks (longer ones are cut)
 REASON_BYTES = 1024
 
@@ -54,7 +59,8 @@ class Gatherer(Protocol):
 
 def fields(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, thd: bool, causal: bool,
            scale: float, softcap: float | None,
-           global_seqlens: tuple[int, ...] | None = None) -> list[int]:
+           global_seqlens: tuple[int, ...] | None = None, sharding: str = "zigzag",
+           block_backward: str = "auto") -> list[int]:
     """This rank's header values, in :data:`FIELDS` order (all int64); ``global_seqlens``
     (when the caller gave them) enter as a checksum."""
     def code(x: object, known: Sequence[object]) -> int:
@@ -65,7 +71,8 @@ def fields(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, thd: bool, causal:
             k.shape[-2], q.shape[-1], v.shape[-1], code(q.dtype, _DTYPES),
             code(k.dtype, _DTYPES), code(v.dtype, _DTYPES), code(q.device.type, _DEVICES),
             int(bool(causal)), _bits(softcap or 0.0), _bits(scale), int(grad),
-            0 if global_seqlens is None else zlib.crc32(repr(global_seqlens).encode()) + 1]
+            0 if global_seqlens is None else zlib.crc32(repr(global_seqlens).encode()) + 1,
+            code(sharding, SHARDINGS), code(block_backward, BLOCK_CHOICES)]
 
 
 def agree(ring: Gatherer, problem: str | None, values: list[int] | None, lens: list[int],
@@ -96,8 +103,9 @@ def agree(ring: Gatherer, problem: str | None, values: list[int] | None, lens: l
         grad = any(d.startswith("gradients") for d in diffs)
         raise RingError(
             f"ring: the {ring.world} ranks disagree on " + "; ".join(diffs) + ". Every rank "
-            "must pass the same batch, heads, head dims, dtypes, device type, mask, scale and "
-            "global_seqlens (only its shard of the sequence differs)"
+            "must pass the same batch, heads, head dims, dtypes, device type, mask, scale, "
+            "sharding, block_backward and global_seqlens (only its shard of the sequence "
+            "differs)"
             + (", and all or none must need gradients (the ring's backward is collective: "
                "requires_grad on q, k or v, under grad mode, on every rank alike)"
                if grad else ""))
@@ -118,22 +126,33 @@ def _exchange_reasons(ring: Gatherer, problem: str, device: torch.device) -> lis
 
 
 def _describe(name: str, values: list[int]) -> str:
-    def show(x: int) -> str:
-        if name in ("q dtype", "k dtype", "v dtype"):
-            return str(_DTYPES[x]).removeprefix("torch.") if x < len(_DTYPES) else "other"
-        if name == "device type":
-            return _DEVICES[x] if x < len(_DEVICES) else "other"
-        if name == "layout":
-            return _LAYOUTS[x]
-        if name in ("scale", "softcap"):
-            return f"{_float(x):g}" if x else "none"
-        if name == "global_seqlens":
-            return f"checksum {x:#x}" if x else "not given"
-        if name in ("causal", "gradients"):
-            return "yes" if x else "no"
-        return str(x)
+    return f"{name}: " + ", ".join(f"rank {r}: {_show(name, x)}" for r, x in enumerate(values))
 
-    return f"{name}: " + ", ".join(f"rank {r}: {show(x)}" for r, x in enumerate(values))
+
+def changes(before: list[int], after: list[int]) -> list[str]:
+    """The header fields that differ between two calls of one rank, ``name: old -> new``."""
+    return [f"{name}: {_show(name, a)} -> {_show(name, b)}"
+            for name, a, b in zip(FIELDS, before, after) if a != b]
+
+
+def _show(name: str, x: int) -> str:
+    if name in ("q dtype", "k dtype", "v dtype"):
+        return str(_DTYPES[x]).removeprefix("torch.") if x < len(_DTYPES) else "other"
+    if name == "device type":
+        return _DEVICES[x] if x < len(_DEVICES) else "other"
+    if name == "layout":
+        return _LAYOUTS[x]
+    if name == "sharding":
+        return SHARDINGS[x] if x < len(SHARDINGS) else "other"
+    if name == "block backward":
+        return BLOCK_CHOICES[x] if x < len(BLOCK_CHOICES) else "other"
+    if name in ("scale", "softcap"):
+        return f"{_float(x):g}" if x else "none"
+    if name == "global_seqlens":
+        return f"checksum {x:#x}" if x else "not given"
+    if name in ("causal", "gradients"):
+        return "yes" if x else "no"
+    return str(x)
 
 
 def _bits(x: float) -> int:

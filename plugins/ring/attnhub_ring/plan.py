@@ -10,6 +10,9 @@ masked; the plan for the block that rank ``i`` receives from rank ``j`` is there
 - causal, ``j < i``: every local query against only the block's early chunk;
 - causal, ``j > i``: only the local late chunk against the whole block.
 
+Contiguous shards (``sharding="contiguous"``) are the case of an empty late chunk: a block
+from an earlier rank is wholly visible, from a later one wholly masked.
+
 Per document this gives one query segment and one key segment; documents with an empty side
 are dropped, so fully masked work never reaches the local kernel (its rows keep LSE -inf).
 """

@@ -24,11 +24,11 @@ from attnhub.plugin import AttentionSpec, AttnParams, Backend, MaskSpec
 
 from .block_backward import block_backward
 from .comm import PendingHop, ProcessGroup, Ring, RingError, resolve_group
-from .handshake import agree, fields
+from .handshake import BLOCK_CHOICES, agree, changes, fields
 from .block_kernels import backward_segments, block_backward_fn, block_backward_kernel
 from .merge import merge_into, merge_partial
 from .plan import BlockPlan, Rows, block_plans
-from .sharding import ZigzagLayout
+from .sharding import SHARDINGS, ZigzagLayout, shard_hint
 
 _KV_TAG, _DKV_TAG = 0, 1
 
@@ -136,11 +136,11 @@ def _cached_block_call(plan: BlockPlan, spec: AttentionSpec, scale: float, align
 
 @lru_cache(maxsize=256)
 def _geometry(world: int, rank: int, doc_lens: tuple[int, ...], causal: bool, thd: bool,
-              k_tail: tuple[int, ...], v_tail: tuple[int, ...]
+              k_tail: tuple[int, ...], v_tail: tuple[int, ...], sharding: str
               ) -> tuple[tuple[BlockPlan, ...], tuple[tuple[tuple[int, ...], ...], ...]]:
     """Plans and per-rank K/V block shapes of one call geometry: pure Python work, cached so
     a training step's repeated calls (every layer, every step) pay it once."""
-    layout = ZigzagLayout(world, doc_lens)
+    layout = ZigzagLayout(world, doc_lens, sharding)
 
     def shape(r: int, tail: tuple[int, ...]) -> tuple[int, ...]:
         n = sum(layout.local_lens(r))
@@ -155,14 +155,17 @@ def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend |
              global_seqlens: list[int] | None = None,
              transport: Transport | None = None,
              block_backward: str = "auto",
-             problem: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention of this rank's zigzag shard. Returns ``out`` (q's dtype) and the LSE in
-    the contract layout ((B,Hq,S) or (Hq,T), fp32); both carry autograd. ``transport``
-    replaces the process group (a simulated ring on one device); ``block_backward`` forces
-    the kernel of the blocks' gradients (see block_kernels.py). ``problem`` is why the caller
+             problem: str | None = None,
+             sharding: str = "zigzag") -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention of this rank's shard (``sharding``: zigzag or contiguous, see
+    sharding.py; every rank must say the same, the handshake checks it). Returns ``out``
+    (q's dtype) and the LSE in the contract layout ((B,Hq,S) or (Hq,T), fp32); both carry
+    autograd. ``transport`` replaces the process group (a simulated ring on one device);
+    ``block_backward`` forces the kernel of the blocks' gradients (see block_kernels.py;
+    also a handshake field: alike on every rank). ``problem`` is why the caller
     found this rank cannot run the call (``local`` is then None): it is raised on every rank
     through the handshake (handshake.py), never on this rank alone while the others wait."""
-    problem = problem or _call_problem(q, k, v, spec, params)
+    problem = problem or _call_problem(q, k, v, spec, params, sharding, block_backward)
     try:
         ring = transport if transport is not None else Ring(resolve_group(group))
     except RingError:
@@ -173,45 +176,75 @@ def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend |
     local_lens = values = None
     if problem is None:
         local_lens = torch.diff(params.cu_seqlens_q).tolist() if thd else [q.shape[1]]
-    if global_seqlens is None:
-        if problem is None:
-            values = fields(q, k, v, thd, bool(params.causal), params.scale, params.softcap)
+    gs = None
+    if global_seqlens is not None:
+        gs, problem = _given_layout(global_seqlens, ring, local_lens, problem, sharding)
+    if problem is None:
+        values = fields(q, k, v, thd, bool(params.causal), params.scale, params.softcap, gs,
+                        sharding, block_backward)
+    if gs is None:
         layout = ZigzagLayout.from_local_lens(agree(ring, problem, values, local_lens or [],
-                                                    q.device))
+                                                    q.device), sharding)
     else:
-        # the caller gave the layout: the handshake runs on the first call of a geometry only
-        # (every rank meets a new geometry on the same call), so later calls sync nothing
-        gs, problem = _given_layout(global_seqlens, ring, local_lens, problem)
-        layout = ZigzagLayout(ring.world, gs)
-        if problem is None:
-            values = fields(q, k, v, thd, bool(params.causal), params.scale, params.softcap,
-                            gs)
-        key = (id(getattr(ring, "group", ring)), ring.rank, ring.world, gs,
-               tuple(local_lens or ()), tuple(values or ()))
-        if not isinstance(ring, Ring):  # a simulated ring has no peers to agree with
-            if problem:
-                raise RingError(problem)
-        elif problem is not None or key not in _AGREED:
-            agree(ring, problem, values, local_lens or [], q.device)
-            if len(_AGREED) > 4096:
-                _AGREED.clear()
-            _AGREED.add(key)
+        # the caller gave the layout: the handshake runs only when this call differs from the
+        # last one of its geometry the ranks agreed on, so repeated calls sync nothing
+        _agree_once(ring, problem, gs, local_lens, values, q.device)
+        layout = ZigzagLayout(ring.world, gs, sharding)
     assert local is not None  # a rank without one had a problem, raised above
     k_tail = tuple(k.shape[1:]) if thd else (k.shape[0], *k.shape[2:])
     v_tail = tuple(v.shape[1:]) if thd else (v.shape[0], *v.shape[2:])
     plans, kv_shapes = _geometry(ring.world, ring.rank, layout.doc_lens, bool(params.causal),
-                                 thd, k_tail, v_tail)
+                                 thd, k_tail, v_tail, sharding)
     call = RingCall(ring, local, spec, params, layout, plans, thd, kv_shapes, block_backward)
     out, lse = _RingAttention.apply(q, k, v, call)
     return out, (lse.t() if thd else lse.transpose(1, 2))
 
 
-#: Geometries a ``global_seqlens`` call already agreed on (per group, by id).
-_AGREED: set[tuple[Any, ...]] = set()
+#: Per (group, rank, world, global_seqlens): the shard lengths and header of the last call
+#: the ranks agreed on. Only the last: a rank that went back alone to an earlier agreed call
+#: (causal, scale, dtype...) while the others repeat the last one would skip the handshake
+#: with them and run a silently wrong ring.
+_AGREED: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int]]] = {}
+
+
+def _agree_once(ring: Transport, problem: str | None, gs: tuple[int, ...],
+                local_lens: list[int] | None, values: list[int] | None,
+                device: torch.device) -> None:
+    """The handshake of a ``global_seqlens`` call: when this rank's call differs from the
+    last one of its geometry that the ranks agreed on (its first call included). Such a rank
+    cannot tell whether the others changed too (legal: they handshake with it) or repeat the
+    geometry (they skip it and wait in the first hop): if nobody answers, its error names
+    what changed."""
+    if not isinstance(ring, Ring):  # a simulated ring has no peers to agree with
+        if problem:
+            raise RingError(problem)
+        return
+    geo = (id(ring.group), ring.rank, ring.world, gs)
+    mine = (tuple(local_lens or ()), values or [])
+    before = _AGREED.get(geo)
+    if problem is None and before == mine:
+        return
+    try:
+        agree(ring, problem, values, local_lens or [], device)
+    except RingError as exc:
+        if before is None or exc.__cause__ is None:  # no cause: the ranks answered, and differ
+            raise
+        why = problem or (
+            f"this rank's call differs from the last call of global_seqlens={list(gs)} that "
+            "the ranks agreed on (" + ("; ".join(changes(before[1], values or []))
+                                       or "shard lengths") + ")")
+        raise RingError(
+            f"{exc}. Likely cause: {why}; ranks that repeat an agreed call skip the "
+            "handshake, so with global_seqlens every rank must change its inputs alike (or "
+            "omit global_seqlens: every call then handshakes)") from exc
+    if len(_AGREED) > 4096:
+        _AGREED.clear()
+    _AGREED[geo] = mine
 
 
 def _given_layout(global_seqlens: Any, ring: Transport, local_lens: list[int] | None,
-                  problem: str | None) -> tuple[tuple[int, ...], str | None]:
+                  problem: str | None, sharding: str,
+                  ) -> tuple[tuple[int, ...], str | None]:
     """``global_seqlens`` as a tuple, and the call's problem (it may add one: lengths that
     are not non-negative ints, or a shard that is not this rank's zigzag part of them)."""
     try:
@@ -223,11 +256,11 @@ def _given_layout(global_seqlens: Any, ring: Transport, local_lens: list[int] | 
             f"ring: global_seqlens={global_seqlens!r:.100} must list the unsharded length of "
             f"each of the {len(local_lens or ())} sequences (ints >= 0)")
     if problem is None and local_lens is not None:
-        mine = ZigzagLayout(ring.world, gs).local_lens(ring.rank)
+        mine = ZigzagLayout(ring.world, gs, sharding).local_lens(ring.rank)
         if tuple(local_lens) != mine:
             problem = (f"ring: rank {ring.rank} holds {local_lens} tokens per sequence, but "
-                       f"global lengths {list(gs)} shard to {list(mine)}; shard inputs with "
-                       "attnhub_ring.zigzag_shard / zigzag_shard_varlen")
+                       f"global lengths {list(gs)} shard ({sharding}) to {list(mine)}; "
+                       + shard_hint(sharding))
     return gs, problem
 
 
@@ -236,8 +269,15 @@ _UNSUPPORTED = ("window", "alibi_slopes", "prefix_lens", "colmask_start", "score
 
 
 def _call_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-                  params: AttnParams) -> str | None:
+                  params: AttnParams, sharding: object = "zigzag",
+                  block_backward: object = "auto") -> str | None:
     """Why the ring cannot run this call on this rank (None: it can)."""
+    if not isinstance(sharding, str) or sharding not in SHARDINGS:
+        return (f"ring: sharding={sharding!r:.60}; pass how the ranks cut the sequence: "
+                "'zigzag' (zigzag_shard, the default) or 'contiguous' (torch.tensor_split)")
+    if not isinstance(block_backward, str) or block_backward not in BLOCK_CHOICES:
+        return (f"ring: block_backward={block_backward!r:.60}; use "
+                + ", ".join(BLOCK_CHOICES))
     used = [f for f in _UNSUPPORTED if getattr(params, f) is not None]
     if used:
         return (f"ring: {', '.join(used)} not supported across shards (masks: causal, "
@@ -277,8 +317,38 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(ctx.call, q, k, v, out, lse, dout, dlse)
+        with torch.no_grad():  # create_graph=True: fused ops and hops have no derivative
+            dq, dk, dv = _backward(ctx.call, q, k, v, out, lse, dout, dlse)
+        if torch.is_grad_enabled():  # the gradients are right; differentiating them raises
+            anchors = [x for x in (q, k, v, dout, dlse) if x is not None and x.requires_grad]
+            if anchors:
+                dq, dk, dv = _FirstOrderOnly.apply(dq, dk, dv, *anchors)
         return dq, dk, dv, None
+
+
+SECOND_ORDER = (
+    "ring: second-order gradients (differentiating the gradients of ring attention, e.g. "
+    "torch.autograd.grad(..., create_graph=True) then backward through them) are not "
+    "supported: each block's backward is a fused kernel and the dK/dV travel between ranks, "
+    "neither of which autograd can differentiate. The first-order gradients are exact; for a "
+    "gradient penalty or Hessian-vector product, compute that term on unsharded inputs with "
+    "a single-device backend (e.g. attnhub.attention without world_size), or detach() the "
+    "gradients")
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Returns the ring's gradients, connected to the inputs they depend on (``anchors``)
+    only so that a second backward reaches this node and raises :data:`SECOND_ORDER`,
+    instead of autograd's in-place error on a leaf or a silently partial second derivative."""
+
+    @staticmethod
+    def forward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                *anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return dq.view_as(dq), dk.view_as(dk), dv.view_as(dv)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
+        raise RingError(SECOND_ORDER)
 
 
 def _forward(call: RingCall, q: torch.Tensor, k: torch.Tensor,
@@ -343,7 +413,10 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block's dK/dV accumulator follows one hop behind, its hop posted as soon as the block is
     done, so it travels under the next block's compute."""
     dev = q.device
-    lse_grad = dlse is not None and bool(dlse.ne(0).any())  # one sync, only if LSE was used
+    # a forced kernel decides by structure (the loss used the LSE), alike on every rank: by
+    # data, a rank whose dlse is empty or zero ran it while the others raised, and it hung
+    lse_grad = dlse is not None and (call.block_backward != "auto"
+                                     or bool(dlse.ne(0).any()))  # one sync, if LSE was used
     kernel, _ = block_backward_kernel(q, v, call.params.softcap, call.params.deterministic,
                                       lse_grad, call.block_backward)
     fused = kernel != "math"
