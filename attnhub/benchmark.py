@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .core.backend import safe_check
 from .core.kvcache import PagedKVCache
 from .core.reference import reference_attention
 from .core.spec import AttentionSpec, AttnParams, torch_dtype
@@ -171,7 +172,7 @@ def measure(hub: Hub, spec: AttentionSpec, backends: list[str], device: torch.de
     for name in backends:
         m = Measurement(name, spec)
         out.append(m)
-        reasons = hub.registry.get(name).check(spec, hub.device)
+        reasons = safe_check(hub.registry.get(name), spec, hub.device)
         if reasons:
             m.skipped = "; ".join(reasons)
         else:

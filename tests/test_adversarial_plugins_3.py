@@ -313,3 +313,39 @@ def test_a_keyboard_interrupt_a_plugin_raises_itself_is_recorded(site: Path) -> 
          "stop"],
         ["registration raised KeyboardInterrupt: raised by the plugin's own code, not by "
          "Ctrl-C"]]) + " True"
+
+
+def test_hosts_that_list_backends_take_a_broken_check_as_a_reason(site: Path) -> None:
+    """``attnhub bench``'s candidates, the decoder's decode candidates and ``benchmark.measure``
+    called ``available``/``check`` directly: a plugin raising there (or returning a str)
+    ended the run with its traceback, or read a str as reasons. Each now names the bug."""
+    import argparse
+
+    from attnhub.benchmark import measure
+    from attnhub.cli.bench import _backends
+    from attnhub.core.spec import AttentionSpec
+    from attnhub.models.generate import decode_candidates
+
+    mod = _module(site, "hosts", '''
+        class Raises(Good):
+            name = "h_raises"
+            def available(self, device):
+                raise RuntimeError("probe crashed")
+        class Text(Good):
+            name = "h_text"
+            def check(self, spec, device):
+                return "needs a GPU"
+        @hookimpl
+        def attnhub_register_backends(register):
+            register(Raises())
+            register(Text())
+        ''')
+    hub = Hub(hardware="cpu", registry=_load(mod))
+    names, absent = _backends(argparse.Namespace(backends=None), hub)
+    assert "h_raises" not in names and "probe crashed" in absent["h_raises"]
+    ok, skipped = decode_candidates(hub, [])  # no decode bindings: availability only
+    assert "h_raises" not in ok and "probe crashed" in skipped["h_raises"]
+    spec = AttentionSpec(batch=1, num_q_heads=2, num_kv_heads=2, head_dim=8, max_seqlen_q=4,
+                         max_seqlen_k=4, dtype="fp32")
+    m, = measure(hub, spec, ["h_text"], torch.device("cpu"), warmup=0, repeats=1)
+    assert m.skipped and "str" in m.skipped and "n; e" not in m.skipped

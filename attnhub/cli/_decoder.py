@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._common import add_hardware, at_least
+from ._common import add_hardware, at_least, seed
 
 
 def parse_heads(text: str) -> tuple[int, int]:
@@ -25,6 +25,36 @@ def parse_heads(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"--heads {text!r}: query heads must be a positive "
                                          "multiple of KV heads")
     return hq, hkv
+
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """``"linear,softmax"`` -> ("linear", "softmax"), each a layer kind the decoder has."""
+    from ..models.decoder import LAYER_KINDS
+
+    kinds = tuple(k.strip() for k in text.split(","))
+    bad = [k for k in kinds if k not in LAYER_KINDS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(map(repr, bad))} is no layer "
+                                         f"kind; use a comma list of {', '.join(LAYER_KINDS)}")
+    return kinds
+
+
+def parse_device(text: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` of a GPU this machine has (checked before anything is
+    built; ``--hardware`` plans for a machine not here)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use cpu, cuda or cuda:N (to plan for "
+                                         "another machine, --hardware)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA "
+                                             "device(s); use cpu, or --hardware to plan")
+    return device
 
 
 def add_decoder_args(p: argparse.ArgumentParser, *, batch: int = 4, prompt_len: int = 128,
@@ -41,11 +71,12 @@ def add_decoder_args(p: argparse.ArgumentParser, *, batch: int = 4, prompt_len: 
     g.add_argument("--vocab", type=at_least(1), default=1024, help="vocabulary size (default 1024)")
     g.add_argument("--intermediate", type=at_least(1), default=None,
                    help="MLP width (default 8/3 of the hidden size)")
-    g.add_argument("--layer-kinds", default="softmax", metavar="K1,K2,..",
+    g.add_argument("--layer-kinds", type=parse_kinds, default=("softmax",),
+                   metavar="K1,K2,..",
                    help="layer kinds cycled over the layers: softmax, sliding, linear "
                         "(a hybrid model: linear,linear,linear,softmax)")
     g.add_argument("--window", type=at_least(0), default=256, help="left window of sliding layers")
-    g.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
+    g.add_argument("--seed", type=seed, default=0, help="weights and prompts seed")
     g = p.add_argument_group("run size")
     g.add_argument("--batch", type=at_least(1), default=batch, help=f"prompts (default {batch})")
     g.add_argument("--prompt-len", type=at_least(1), default=prompt_len,
@@ -56,7 +87,8 @@ def add_decoder_args(p: argparse.ArgumentParser, *, batch: int = 4, prompt_len: 
                    help="KV cache page size (default 16)")
     g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="default: bf16 on a GPU, fp32 on the CPU")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    g.add_argument("--device", type=parse_device, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda if present)")
 
 
 @dataclass
@@ -92,7 +124,7 @@ def build(args: argparse.Namespace) -> Setup:
     cfg = DecoderConfig(num_layers=args.layers, num_q_heads=hq, num_kv_heads=hkv,
                         head_dim=args.head_dim, vocab_size=args.vocab,
                         intermediate=args.intermediate,
-                        layer_kinds=tuple(k.strip() for k in args.layer_kinds.split(",")),
+                        layer_kinds=args.layer_kinds,
                         window=args.window, seed=args.seed)
     model = Decoder(cfg, dtype=dtype, device=device)
     table = hub.bind(model, batch=args.batch, prompt_len=args.prompt_len,

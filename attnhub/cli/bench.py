@@ -8,8 +8,9 @@ bindings of the built-in decoder (``--from-model``). Results go to the profile s
 standard grid (``attnhub.regret``) and prints policy vs best with the regret per cell;
 ``--out-json``/``--md``/``--plot`` write the report, ``--pack`` a shipped profile pack.
 
-If the profile store cannot be written, the measurements are still printed (and written
-wherever else asked), the command says so and exits with status 3.
+Flags and output paths are checked before anything is measured (a bad ``--md`` found after
+the run would lose the report). If the profile store cannot be written, the measurements are
+still printed (and written wherever else asked), the command says so and exits with status 3.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ._common import add_json, at_least, print_json, table
+from ..core.backend import safe_available
+from ._common import STORE_FAILED, add_json, at_least, list_of, print_json, table
 from ._decoder import add_decoder_args
 
 
@@ -29,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("grid and timing")
     g.add_argument("--phases", default="prefill,decode",
                    help="comma list of prefill, decode (default both)")
-    g.add_argument("--seqlens", default=None,
+    g.add_argument("--seqlens", type=list_of(at_least(1)), default=None,
                    help="comma list of context lengths (default: --prompt-len)")
     g.add_argument("--mask", choices=("causal", "none"), default="causal",
                    help="prefill mask (default causal)")
@@ -76,7 +78,7 @@ def grid_specs(args: argparse.Namespace, dtype: str) -> list[Any]:
     from ..core.spec import AttentionSpec, MaskSpec
 
     hq, hkv = args.heads
-    lens = [int(x) for x in (args.seqlens or str(args.prompt_len)).split(",")]
+    lens = args.seqlens or [args.prompt_len]
     out = []
     for phase in [x.strip() for x in args.phases.split(",") if x.strip()]:
         if phase not in ("prefill", "decode"):
@@ -92,7 +94,30 @@ def grid_specs(args: argparse.Namespace, dtype: str) -> list[Any]:
     return out
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output file asked for can be written, checked before anything is measured: a
+    bad path found after the run would lose the report (and, before the store, the store's
+    records) behind a traceback."""
+    import os
+
+    for flag in ("md", "plot", "out_json", "pack"):
+        given = getattr(args, flag)
+        if not given:
+            continue
+        path = Path(given)
+        folder = path.parent
+        why = ("is a folder" if path.is_dir() else f"folder {folder} does not exist"
+               if not folder.is_dir() else f"folder {folder} is not writable"
+               if not os.access(folder, os.W_OK) else "")
+        if why:
+            raise SystemExit(f"attnhub bench: --{flag.replace('_', '-')} {given}: {why}; "
+                             "pass a file in a writable folder")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_outputs(args)
+    if args.from_json:  # measure nothing (with or without --regret)
+        return render_saved(args)
     if args.regret:
         return run_regret(args)
     from ..benchmark import measure
@@ -135,10 +160,6 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(m.failed for m in results) else 0
 
 
-#: Exit status when the measurements could not be written to the profile store.
-STORE_FAILED = 3
-
-
 def run_regret(args: argparse.Namespace) -> int:
     """The regret report over the standard grid (see ``attnhub.regret``)."""
     import datetime
@@ -147,9 +168,6 @@ def run_regret(args: argparse.Namespace) -> int:
 
     from .. import regret as rg
     from ..hub import Hub
-
-    if args.from_json:
-        return render_saved(args)
 
     hub = Hub(policy=args.policy, hardware=args.hardware)
     if hub.device.simulated:
@@ -163,8 +181,13 @@ def run_regret(args: argparse.Namespace) -> int:
     if args.cells:
         want = [w.strip().lower() for w in args.cells.split(",") if w.strip()]
         cells = [c for c in cells if any(w in c.name.lower() for w in want)]
+        if not cells:  # a typo would time nothing and report an empty grid as a success
+            raise SystemExit(f"attnhub bench: --cells {args.cells!r} matches no cell of the "
+                             "grid; names: " + ", ".join(c.name for c in rg.standard_grid()))
     names, absent = _backends(args, hub)
     excluded = {x.strip() for x in (args.exclude or "").split(",") if x.strip()}
+    for n in excluded:  # a typo would time the backend it meant to leave out
+        hub.registry.get(n)  # unknown names fail now, listing the known ones
     names = [n for n in names if n not in excluded]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     meta = {"measured": when, "device": hub.device.describe(), "commit": args.header,
@@ -236,11 +259,14 @@ def render_saved(args: argparse.Namespace) -> int:
     cells: dict[str, Any] = {}
     heads = []
     for f in [x.strip() for x in args.from_json.split(",") if x.strip()]:
-        data = json.loads(Path(f).read_text(encoding="utf-8"))
-        heads += [f"{Path(f).name}: {m.get('measured')}, {m.get('device')}, {m.get('commit')}"
-                  for m in data.get("parts", [data])]  # a combined file lists its parts
-        for c in data["cells"]:
-            cells[c["cell"]] = rg.from_json(c)
+        try:
+            data = json.loads(Path(f).read_text(encoding="utf-8"))
+            heads += [f"{Path(f).name}: {m.get('measured')}, {m.get('device')}, "
+                      f"{m.get('commit')}" for m in data.get("parts", [data])]  # combined: parts
+            cells.update((c["cell"], rg.from_json(c)) for c in data["cells"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SystemExit(f"attnhub bench: --from-json {f}: not a saved --out-json report "
+                             f"({type(exc).__name__}: {exc})") from None
     grid = [c.name for c in rg.standard_grid()]
     results = sorted(cells.values(), key=lambda r: grid.index(r.cell) if r.cell in grid
                      else len(grid))
@@ -265,7 +291,7 @@ def _backends(args: argparse.Namespace, hub: Any) -> tuple[list[str], dict[str, 
     for n, b in hub.registry.backends.items():
         if b.tier == "reference" or not b.capabilities.exact:
             continue
-        why = b.available(hub.device)
+        why = safe_available(b, hub.device)
         if why:
             absent[n] = why[0]
         else:
@@ -286,21 +312,16 @@ def _bar(args: argparse.Namespace, total: int):  # type: ignore[no-untyped-def]
 def _store(args: argparse.Namespace, device: Any, timed: list[tuple[Any, str, float]]) -> bool:
     """Record (spec, backend, ms) in the profile store; False (and says so) if it cannot be
     written: the measurements were printed already and are not lost with it."""
-    import sys
-
-    from ..errors import PolicyError
     from ..policy.profile import ProfileStore
+    from ._common import recorded
 
     store = ProfileStore(args.store)
-    try:
+
+    def record() -> None:
         for spec, backend, ms in timed:
             store.record_speed(device, spec, backend, ms / 1e3, samples=args.repeats)
-    except (OSError, PolicyError) as exc:
-        print(f"\nattnhub bench: the profile store {store.path} could not be written ({exc}); "
-              "the measurements above were not recorded: fix its permissions, or pass "
-              "--store PATH (or --no-store)", file=sys.stderr)
-        return False
-    return True
+
+    return recorded("bench", store.path, record)
 
 
 def _shape(spec: Any) -> str:

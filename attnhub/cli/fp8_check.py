@@ -26,15 +26,30 @@ from typing import Any
 
 import torch
 
-from ._common import add_hardware, add_json, print_json, table
+from ..core.backend import safe_check
+from ._common import (STORE_FAILED, add_hardware, add_json, at_least, list_of, print_json,
+                      recorded, seed, table)
 
 OUTLIER_KINDS = ("q_channel", "k_bias")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"B,S,HQ,HKV,D"``: five positive ints, HQ a multiple of HKV."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 5 or min(shape) < 1 or shape[2] % shape[3]:
+        raise argparse.ArgumentTypeError(f"{text!r}: use B,S,HQ,HKV,D, five positive integers "
+                                         "with HQ a multiple of HKV (e.g. 1,4096,16,16,128)")
+    return shape
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fp8-check", help="FP8 attention vs an fp32 reference (with planted "
                                          "outliers); records pass/fail in the profile store")
-    p.add_argument("--shape", action="append", default=None, metavar="B,S,HQ,HKV,D",
+    p.add_argument("--shape", action="append", type=parse_shape, default=None,
+                   metavar="B,S,HQ,HKV,D",
                    help="a shape to check (repeatable; default 1,4096,16,16,128)")
     p.add_argument("--causal", action="store_true", help="causal (bottom-right) mask")
     p.add_argument("--inputs", default=None, metavar="FILE.pt",
@@ -45,12 +60,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="check decode over an e4m3 paged KV cache (bf16 queries)")
     p.add_argument("--recipe", default=None,
                    help="the recipe to gate (default: the backend's configured one)")
-    p.add_argument("--magnitudes", default="1,5,20,50",
+    p.add_argument("--magnitudes", type=list_of(at_least(0, float, strict=True)),
+                   default=[1.0, 5.0, 20.0, 50.0],
                    help="outlier magnitudes to sweep (default 1,5,20,50)")
-    p.add_argument("--channel", type=int, default=7, help="the outlier channel (default 7)")
-    p.add_argument("--gate-magnitude", type=float, default=1.0,
+    p.add_argument("--channel", type=at_least(0), default=None,
+                   help="the outlier channel, below D (default 7, or D-1 when D is smaller)")
+    p.add_argument("--gate-magnitude", type=at_least(0, float), default=1.0,
                    help="outlier cases up to this magnitude must pass too (default 1: none)")
-    p.add_argument("--budget", type=float, default=None,
+    p.add_argument("--budget", type=at_least(0, float, strict=True), default=None,
                    help="relative L2 error allowed (default: the backend's error budget)")
     p.add_argument("--emulate", action="store_true",
                    help="model the FP8 kernel's numerics where it cannot run (CPU)")
@@ -58,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", default=None, metavar="PATH",
                    help="profile store (default ATTNHUB_PROFILE or ~/.cache/attnhub)")
     p.add_argument("--no-record", action="store_true", help="do not write accuracy records")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="inputs seed (default 0)")
     add_hardware(p)
     add_json(p)
     p.set_defaults(func=run)
@@ -99,7 +116,7 @@ def plant(q: torch.Tensor, k: torch.Tensor, kind: str, magnitude: float,
 
 
 def synthetic_cases(shape: tuple[int, ...], causal: bool, magnitudes: list[float],
-                    channel: int, device: torch.device, seed: int) -> list[Case]:
+                    channel: int | None, device: torch.device, seed: int) -> list[Case]:
     b, s, hq, hkv, d = shape
     g = torch.Generator(device).manual_seed(seed)
     q, k, v = (torch.randn(b, s, h, d, generator=g, device=device).to(torch.bfloat16)
@@ -109,13 +126,16 @@ def synthetic_cases(shape: tuple[int, ...], causal: bool, magnitudes: list[float
     for kind in OUTLIER_KINDS:
         for m in magnitudes:
             if m != 1.0:
-                qo, ko = plant(q, k, kind, m, channel % d)
+                qo, ko = plant(q, k, kind, m, min(7, d - 1) if channel is None else channel)
                 cases.append(Case(label, kind, m, qo, ko, v, causal))
     return cases
 
 
 def captured_cases(path: str, device: torch.device) -> list[Case]:
-    data = torch.load(path, map_location=device, weights_only=True)
+    try:
+        data = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001  missing, unreadable, not a tensor file
+        raise SystemExit(f"attnhub fp8-check: --inputs {path}: cannot load it ({exc})") from None
     items = data if isinstance(data, list) else [data]
     cases = []
     for i, item in enumerate(items):
@@ -208,7 +228,8 @@ def evaluate_kv(case: Case, fp8: Any, bf16: Any, timed: bool) -> None:
 
 def _bf16_backend(hub: Any, spec: Any) -> Any:
     for name in ("fa3", "torch_sdpa"):
-        if name in hub.registry.backends and not hub.registry.get(name).check(spec, hub.device):
+        if name in hub.registry.backends and not safe_check(hub.registry.get(name), spec,
+                                                                        hub.device):
             b = hub.registry.get(name)
             b.load()
             return b
@@ -223,10 +244,11 @@ def run(args: argparse.Namespace) -> int:
     args.backend = args.backend or ("triton_decode_fp8" if args.kv else "fa3_fp8")
     fp8 = hub.registry.get(args.backend)
     device = torch.device(hub.device.torch_device)
-    shapes = [tuple(int(x) for x in s.split(",")) for s in (args.shape or ["1,4096,16,16,128"])]
-    if any(len(s) != 5 for s in shapes):
-        raise SystemExit("attnhub fp8-check: --shape takes B,S,HQ,HKV,D")
-    mags = [float(m) for m in args.magnitudes.split(",")]
+    shapes = args.shape or [(1, 4096, 16, 16, 128)]
+    mags = args.magnitudes
+    if args.channel is not None and args.channel >= min(s[4] for s in shapes):
+        raise SystemExit(f"attnhub fp8-check: --channel {args.channel} is no channel of head "
+                         f"dim {min(s[4] for s in shapes)}; pick one below it")
     cases = [c for i, s in enumerate(shapes)
              for c in synthetic_cases(s, args.causal, mags, args.channel, device, args.seed + i)]
     if args.inputs:
@@ -236,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("attnhub fp8-check: --kv runs the kernel itself (on a CPU under "
                              "TRITON_INTERPRET=1); it has no --emulate")
         cases = [replace(c, kv=True) for c in cases]
-    why = fp8.check(_spec(cases[0]), hub.device)
+    why = safe_check(fp8, _spec(cases[0]), hub.device)
     if why and not args.emulate:
         raise SystemExit(f"attnhub fp8-check: {args.backend} cannot run here: "
                          f"{'; '.join(why)} (use --emulate to model its numerics)")
@@ -246,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
         fp8.load()
     recipes = tuple(getattr(fp8, "recipes", ("default",)))
     gated = args.recipe or getattr(fp8, "recipe", recipes[0])
+    known = ("default",) if args.kv else recipes  # --kv runs the kernel's own recipe
+    if gated not in known:
+        raise SystemExit(f"attnhub fp8-check: --recipe {gated!r} is not one of {args.backend}'s "
+                         f"recipes here ({', '.join(known)})")
     budget = args.budget if args.budget is not None else fp8.capabilities.error_budget
     bf16 = _bf16_backend(hub, replace(_spec(cases[0]), kv_dtype="bf16", layout="bshd",
                                       page_size=0) if args.kv else _spec(cases[0]))
@@ -255,9 +281,15 @@ def run(args: argparse.Namespace) -> int:
         else:
             evaluate(c, fp8, bf16, recipes, args.emulate, args.time)
     verdicts = _verdicts(cases, f"fp8 {gated}", budget, args.gate_magnitude)
-    if not args.no_record:
-        _record(args, hub.device, cases, verdicts, args.backend, gated, budget)
-    return _report(args, hub, cases, verdicts, gated, budget)
+    rc = _report(args, hub, cases, verdicts, gated, budget)
+    if args.no_record:
+        return rc
+    # after the report: a store that cannot be written loses none of the results
+    from ..policy.profile import default_profile_path
+
+    done = recorded("fp8-check", args.store or default_profile_path(), lambda: _record(
+        args, hub.device, cases, verdicts, args.backend, gated, budget))
+    return rc if done else STORE_FAILED
 
 
 def _gates(case: Case, gate_magnitude: float) -> bool:
@@ -273,13 +305,19 @@ def _verdicts(cases: list[Case], path: str, budget: float,
         m = v["metrics"]
         err = c.errors[path]
         tag = "" if c.kind in ("random", "captured") else f"_{c.kind}_x{c.magnitude:g}"
-        m[f"rel_error{tag}"] = max(m.get(f"rel_error{tag}", 0.0), err["rel"])
-        m[f"max_error{tag}"] = max(m.get(f"max_error{tag}", 0.0), err["max"])
+        m[f"rel_error{tag}"] = _worst(m.get(f"rel_error{tag}", 0.0), err["rel"])
+        m[f"max_error{tag}"] = _worst(m.get(f"max_error{tag}", 0.0), err["max"])
         if c.kind == "random":
             m["bf16_rel_error"] = c.errors["bf16"]["rel"]
         if _gates(c, gate_magnitude):
             v["passed"] = v["passed"] and err["rel"] <= budget
     return out
+
+
+def _worst(a: float, b: float) -> float:
+    """The larger error, NaN if either is NaN (``max(0.0, nan)`` is 0.0: a NaN error would
+    read as exact)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _record(args: argparse.Namespace, device: Any, cases: list[Case],
@@ -290,7 +328,9 @@ def _record(args: argparse.Namespace, device: Any, cases: list[Case],
     store = ProfileStore(args.store)
     ref = "fp32" + (" (FP8 emulated)" if args.emulate else "") + f", recipe {recipe}"
     for v in verdicts.values():
-        metrics = dict(v["metrics"], budget=budget)
+        # the store holds finite numbers (a NaN error fails the case, and the report shows it)
+        metrics = {k: x for k, x in dict(v["metrics"], budget=budget).items()
+                   if math.isfinite(x)}
         store.record_accuracy(device, _spec(v["case"]), backend, v["passed"], metrics,
                               reference=ref)
 

@@ -12,7 +12,7 @@ import argparse
 import statistics
 from typing import Any
 
-from ._common import add_json, at_least, print_json, table
+from ._common import STORE_FAILED, add_json, at_least, print_json, recorded, table
 from ._decoder import add_decoder_args
 
 
@@ -85,20 +85,27 @@ def run(args: argparse.Namespace) -> int:
     shares = measure_shares(s.model, prompts, page_size=args.page_size,
                             repeats=args.repeats, warmup=args.warmup)
     name = s.table.model
-    if not args.no_store:
-        from ..policy.profile import ProfileStore
-
-        store = ProfileStore(args.store)
-        for phase, r in shares.items():
-            store.record_attention_share(s.hub.device, name, r["share"], phase=phase)
     if args.json:
         print_json({"model": name, "device": s.hub.device.describe(), "phases": shares})
+    else:
+        print(f"model {name} on {s.hub.device.describe()}: batch {args.batch}, prompt "
+              f"{args.prompt_len}, median of {args.repeats} steps")
+        print(table([(ph, f"{r['step_ms']:.3f}", f"{r['attention_ms']:.3f}",
+                      f"{r['share']:.1%}") for ph, r in shares.items()],
+                    ("phase", "step ms", "attention ms", "attention share")))
+    if args.no_store:
         return 0
-    print(f"model {name} on {s.hub.device.describe()}: batch {args.batch}, prompt "
-          f"{args.prompt_len}, median of {args.repeats} steps")
-    print(table([(ph, f"{r['step_ms']:.3f}", f"{r['attention_ms']:.3f}", f"{r['share']:.1%}")
-                 for ph, r in shares.items()],
-                ("phase", "step ms", "attention ms", "attention share")))
-    if not args.no_store:
+    # after the results are printed: a store that cannot be written loses none of them
+    from ..policy.profile import ProfileStore
+
+    store = ProfileStore(args.store)
+
+    def record() -> None:
+        for phase, r in shares.items():
+            store.record_attention_share(s.hub.device, name, r["share"], phase=phase)
+
+    if not recorded("profile", store.path, record):
+        return STORE_FAILED
+    if not args.json:
         print("recorded in the profile store (attention_share, per phase)")
     return 0

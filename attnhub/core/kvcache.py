@@ -24,7 +24,7 @@ import torch
 
 from ..errors import CacheFullError, InputError
 from .contract import PAGED, canonical_device
-from .kvquant import PageScales, is_fp8
+from .kvquant import FP8_MAX, PageScales, is_fp8
 from .seqstate import SequenceStates, SequenceStore
 
 
@@ -60,13 +60,24 @@ class CacheStep:
     _undo: Any = field(default=None, repr=False, compare=False)
     _version: int = field(default=-1, repr=False, compare=False)
     _aborted: list[bool] = field(default_factory=lambda: [False], repr=False, compare=False)
+    #: per sequence, the pages that hold this step's slots (what ``write`` needs to still own)
+    _owned: tuple[tuple[int, tuple[int, ...]], ...] = field(default=(), repr=False,
+                                                             compare=False)
 
     def __enter__(self) -> CacheStep:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None and not self._aborted[0]:
+        if exc_type is None or self._aborted[0]:
+            return
+        try:
             self.abort()
+        except InputError as refused:  # the caller's exception (Ctrl-C, OOM) goes on, said
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"attnhub: the KV cache step of sequences {list(self.seq_ids)} "
+                             f"could not be undone ({refused}); its {self.new_tokens} tokens "
+                             "per sequence stay reserved, some layers unwritten: free those "
+                             "sequences (cache.free) before reading them again")
 
     def abort(self) -> None:
         """Undo this step's reservation: every sequence back to its length and pages before
@@ -96,6 +107,8 @@ class CacheStep:
         if self._aborted[0]:
             raise InputError("CacheStep.write: this step was aborted; start a new one with "
                              "cache.step(...)")
+        if self.cache._version != self._version:
+            self._check_still_owned()
         want = (len(self.seq_ids), self.new_tokens)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[:2]) != want:
@@ -104,6 +117,24 @@ class CacheStep:
                                  f"(B={want[0]}, new_tokens={want[1]}, Hkv, D)")
         self.cache._write(layer, self.slots, k.reshape(-1, *k.shape[2:]),
                           v.reshape(-1, *v.shape[2:]), check_slots=False)
+
+    def _check_still_owned(self) -> None:
+        """The cache changed since this step: its slots must still lie in pages each sequence
+        holds alone (not freed and handed on, moved by copy-on-write, or shared by a fork),
+        else the write would land in what another sequence reads."""
+        cache = self.cache
+        for sid, pages in self._owned:
+            seq = cache._seqs.get(sid)
+            holds = seq is not None and set(pages) <= set(seq.pages)
+            if holds and all(cache._refs[p] == 1 for p in pages):
+                continue
+            why = ("was freed" if seq is None else "shares them with a fork" if holds
+                   else "moved to a copy of them (copy-on-write after a fork)")
+            raise InputError(
+                f"CacheStep.write: the cache changed under this step: sequence {sid} {why}, "
+                f"and the step's slots lie in pages {list(pages)}, which another sequence may "
+                "read; write every layer of a step before freeing or forking its sequences, "
+                "and start a new step with cache.step(...)")
 
     def positions(self) -> torch.Tensor:
         """Absolute positions (B, new_tokens) of the new tokens, for rotary embeddings."""
@@ -120,9 +151,19 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, head_dim_v: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        if min(num_layers, num_pages, page_size, num_kv_heads, head_dim) <= 0:
-            raise InputError("PagedKVCache: num_layers, num_pages, page_size, num_kv_heads and "
-                             "head_dim must all be positive")
+        sizes = {"num_layers": num_layers, "num_pages": num_pages, "page_size": page_size,
+                 "num_kv_heads": num_kv_heads, "head_dim": head_dim, "head_dim_v": head_dim_v}
+        for name, n in sizes.items():  # a bool passes for 1; 0 for head_dim_v is no "default"
+            if (n is not None or name != "head_dim_v") and (
+                    isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+                raise InputError(f"PagedKVCache: {name}={n!r}; num_layers, num_pages, "
+                                 "page_size, num_kv_heads and head_dim (and head_dim_v if "
+                                 "given) must be positive ints")
+        if not isinstance(dtype, torch.dtype) or not (
+                is_fp8(dtype) or (dtype.is_floating_point and dtype.itemsize > 1)):
+            raise InputError(f"PagedKVCache: dtype={dtype!r}; the cache stores float16, "
+                             "bfloat16 or float32 (float64) values, or FP8 "
+                             f"{', '.join(map(str, FP8_MAX))} with page descales")
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
@@ -365,6 +406,9 @@ class PagedKVCache:
         if int(host.min()) < 0 or int(host.max()) > last:
             raise InputError(f"write: a slot is outside 0..{last}; pass the slots reserve() "
                              "returned")
+        if host.unique().numel() != host.numel():  # which copy lands there is undefined
+            raise InputError("write: a slot repeats in slots; each token is written once per "
+                             "call (pass the slots reserve() returned, once)")
         filled = torch.zeros(self.num_pages, dtype=torch.int64)  # reserved tokens per page
         refs = torch.tensor(self._refs, dtype=torch.int64)
         for seq in self._seqs.values():
@@ -506,8 +550,10 @@ class PagedKVCache:
         undo = self._undo_point([self._check_id(s) for s in seq_ids])
         slots = self.reserve(seq_ids, new_tokens)
         try:
+            owned = tuple((s, tuple(self._seqs[s].pages[c // self.page_size:]))
+                          for s, c in zip(seq_ids, context) if new_tokens)
             return CacheStep(self, tuple(seq_ids), new_tokens, slots, self.block_table(seq_ids),
-                             self.seqlens(seq_ids), context, undo, self._version)
+                             self.seqlens(seq_ids), context, undo, self._version, _owned=owned)
         except BaseException:
             self._rollback(undo)
             raise

@@ -194,8 +194,10 @@ class Decoder(nn.Module):
     def prefill(self, cache: PagedKVCache, ids: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Start one sequence per row of ``ids`` (B, S); returns their ids and the logits of
         the last position (B, vocab)."""
-        seqs = [cache.allocate() for _ in range(ids.shape[0])]
-        try:
+        seqs: list[int] = []
+        try:  # allocated inside: one refused half-way (a full state store) leaks none
+            for _ in range(ids.shape[0]):
+                seqs.append(cache.allocate())
             with cache.step(seqs, ids.shape[1]) as step:  # a failing layer undoes the step
                 return seqs, self(ids, step, last_only=True)[:, -1]
         except BaseException:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..bind import BindingTable
+from ..core.backend import safe_available, safe_check
 from ..core.kvcache import PagedKVCache, free_all
 from ..hub import Hub
 from ..nn import Attention, override_backend
@@ -47,10 +48,12 @@ def decode(model: Decoder, cache: PagedKVCache, seqs: Sequence[int], first: torc
            steps: int, *, keep: int = 0, progress: Progress | None = None) -> Decoded:
     """Greedy decode of ``steps`` tokens on forks of ``seqs`` (freed afterwards); ``first``
     (B,) is the token each fork starts from (the prefill's greedy choice)."""
-    forks = [cache.fork(s) for s in seqs]
+    forks: list[int] = []
     toks, kept = [first], []
     rng: Iterable[int] = range(steps)
-    try:
+    try:  # forks made inside: one refused half-way (a full state store, Ctrl-C) leaks none
+        for s in seqs:
+            forks.append(cache.fork(s))
         with Stopwatch(model.device) as sw:
             for i in (progress(rng) if progress else rng):
                 logits = model.decode(cache, forks, toks[-1])
@@ -134,8 +137,8 @@ def decode_candidates(hub: Hub, table: BindingTable) -> tuple[list[str], dict[st
     for name, b in hub.registry.backends.items():
         if b.tier == "reference" or not b.capabilities.exact:
             continue
-        absent = b.available(hub.device)
-        reasons = absent or [x for s in specs for x in b.check(s, hub.device)]
+        absent = safe_available(b, hub.device)
+        reasons = absent or [x for s in specs for x in safe_check(b, s, hub.device)]
         if reasons:
             skipped[name] = ("not on this device: " if absent else "") + reasons[0]
         else:

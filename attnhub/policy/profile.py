@@ -245,11 +245,18 @@ class ProfileStore:
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
         """Read-modify-write under the cross-process lock, always from the file on disk (a
         cached copy could miss a write made within the file clock's resolution)."""
+        target = Path(os.path.realpath(self.path))  # a symlink's target: its lock, its file
         try:
-            with self._lock, file_lock(self.path):
-                data = _load(self.path)
+            with self._lock, file_lock(target):
+                data = _load(target)
                 change(data)
-                write_json_atomic(self.path, data)
+                # never write what a read refuses (a NaN metric): every record would be lost
+                bad = list(_type_problems(data["devices"]))
+                if bad:
+                    raise ValueError(f"{self.path}: {bad[0][0]}: {bad[0][1]}; not recorded "
+                                     "(the store holds finite numbers only), the store is "
+                                     "unchanged")
+                write_json_atomic(target, data)
                 self._data, self._stamp = data, _stamp(self.path)
                 self.revision += 1
         except OSError as exc:  # the store on disk is as it was (the write is atomic); the
@@ -511,7 +518,9 @@ def _timed(ranked: list[tuple[str, float | None]]) -> str:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON to a temporary file in the same folder, flush it to disk, then rename over
-    ``path`` (without the flush a crash after the rename can leave an empty file there)."""
+    ``path`` (without the flush a crash after the rename can leave an empty file there). A
+    symlink is followed: the rename replaces the file it points to, not the link."""
+    path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
