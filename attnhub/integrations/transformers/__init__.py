@@ -12,8 +12,9 @@ a longer key sequence (a step of ``generate()`` with a cache) is ``decode``, any
 
 A model class whose attention does not go through ``AttentionInterface`` (transformers marks
 those with ``_supports_attention_backend = False``: Bloom, Falcon, ...) would ignore the name
-or misuse the mask; building one with ``attn_implementation="attnhub"`` raises ``InputError``.
-See docs/transformers.md.
+or misuse the mask; building one with ``attn_implementation="attnhub"`` raises ``InputError``,
+and so does a call carrying what attnhub would ignore (``guards``: sinks, biases, sparse
+indices, packed documents the mask does not keep apart). See docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from ...core.decision import BindContext
 from ...errors import InputError
 from ...hub import Hub, HubRef, default_hub
+from .guards import HARMLESS, check_documents, refuse_unsupported
 from .masks import DenseMask, mask_args
 
 if TYPE_CHECKING:
@@ -106,8 +108,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) in,
     (B, Sq, Hq, Dv) out, contiguous (models ``.view()`` it), and no attention weights."""
-    if dropout or not _REFUSED.isdisjoint(kwargs):
-        _refuse_unsupported(dropout, kwargs)
+    if dropout or not HARMLESS.issuperset(kwargs):
+        refuse_unsupported(module, dropout, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     device_type = q.device.type
     if torch.is_autocast_enabled(device_type):
@@ -115,13 +117,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # autocast dtype; eager's matmuls and sdpa cast all three to that dtype: so do we
         dt = torch.get_autocast_dtype(device_type)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # a module without is_causal (Mllama's cross-attention) is read as eager reads it: the
+    # mask alone decides, and no mask means every key (sdpa's default True slices the keys)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
     # transformers' windows: causal keeps kv > q - w; bidirectional keeps |q - kv| <= w, and
-    # some models pass w + 1 (ModernBERT): the mask, when there is one, decides
+    # some models pass w + 1 (ModernBERT): the mask, when there is one, decides, and may hold
+    # no window at all (OLMoE passes its config's window with a full causal mask)
     window, other = None, ()
     if sliding_window:
         w = sliding_window
-        window, other = ((w - 1, 0), ()) if causal else ((w, w), ((w - 1, w - 1),))
+        window, other = ((w - 1, 0), (None,)) if causal else ((w, w), ((w - 1, w - 1), None))
     sq, sk = q.shape[1], k.shape[1]
     if attention_mask is None and causal and 1 < sq < sk:
         # transformers drops the mask only for a prefill into an empty static cache, whose
@@ -135,54 +140,58 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     hub = bound or _hub or default_hub()
     # phase left to the hub: one query over a longer cache is decode, else prefill or train
     if attention_mask is None:  # decode without padding: no mask to translate
+        if sq > 1 and kwargs.get("cu_seq_lens_q") is not None:
+            check_documents(module, kwargs["cu_seq_lens_q"], None, sq, sk)
         # and no window: transformers drops a sliding layer's mask only while the window
         # does not reach past the keys, and eager and sdpa, which apply the window through
         # the mask alone, apply none here (OLMoE passes its config's window with a full
         # causal mask)
         out = hub.attention(q, k, v, causal=causal and sq > 1, scale=scaling,
-                            softcap=softcap, context=_context(module))
+                            softcap=softcap, context=_context(module, sliding_window))
         return out.contiguous(), None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.device != q.device:
         raise InputError(f"attention_mask is on {attention_mask.device} but the queries are on "
                          f"{q.device}: move the mask to {q.device}")
     mask = mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk, module,
                      heads=q.shape[2], other_windows=other)
-    out = hub.attention(q, k, v, scale=scaling, softcap=softcap, context=_context(module),
+    if sq > 1 and kwargs.get("cu_seq_lens_q") is not None:
+        check_documents(module, kwargs["cu_seq_lens_q"], mask.get("mask_mod"), sq, sk)
+    out = hub.attention(q, k, v, scale=scaling, softcap=softcap,
+                        context=_context(module, sliding_window),
                         **mask)
     # contiguous, as eager and sdpa return it: some models .view() it (AfMoE, JetMoE)
     return out.contiguous(), None
 
 
-#: Keyword arguments ``_refuse_unsupported`` looks at (the common call has none of them).
-_REFUSED = frozenset({"output_attentions", "position_bias", "s_aux"})
-
-
-def _refuse_unsupported(dropout: float, kwargs: dict[str, Any]) -> None:
-    if dropout:
-        raise InputError(f"attnhub attention has no dropout (got dropout={dropout}); call "
-                         "model.eval() or set the config's attention dropout to 0")
-    if kwargs.get("output_attentions"):
-        raise InputError("attnhub does not return attention weights; use "
-                         "attn_implementation='eager' for output_attentions=True")
-    for unsupported in ("position_bias", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise InputError(f"attnhub's transformers integration does not take "
-                             f"{unsupported!r} (learned biases / attention sinks); use the "
-                             "model's eager or sdpa implementation for this model")
-
-
-def _context(module: torch.nn.Module) -> BindContext:
-    """The layer's bind context, built once and kept on the module."""
+def _context(module: torch.nn.Module, sliding_window: int | None) -> BindContext:
+    """The layer's bind context, kept on the module. Its kind follows the window the call
+    passes (the truth: Mixtral passes its config's window while its layers hold none,
+    Exaone 4's full layers hold one they never pass); ``bind_model`` builds it first from
+    ``_layer_window``, and a call that disagrees replaces it."""
+    kind = "sliding" if sliding_window else "softmax"
     ctx = module.__dict__.get("_attnhub_context")
-    if ctx is None:
+    if ctx is None or ctx.layer_kind != kind:
         cfg = getattr(module, "config", None)
         model = (getattr(cfg, "_name_or_path", None) or getattr(cfg, "model_type", None)
                  or type(module).__name__)
-        kind = "sliding" if getattr(module, "sliding_window", None) else "softmax"
         ctx = BindContext(model=str(model), layer=getattr(module, "layer_idx", None),
                           layer_kind=kind)
         module._attnhub_context = ctx  # type: ignore[assignment]
     return ctx
+
+
+def _layer_window(module: torch.nn.Module) -> int | None:
+    """The window transformers will pass this layer, read before any call: the config's
+    ``layer_types`` where it has them, else the module's ``is_sliding``, else the module's
+    or the config's ``sliding_window`` (Mistral, Mixtral: every layer)."""
+    cfg = module.config
+    w = getattr(cfg, "sliding_window", None)
+    types, idx = getattr(cfg, "layer_types", None), getattr(module, "layer_idx", None)
+    if types is not None and idx is not None and idx < len(types):
+        return w if types[idx] == "sliding_attention" else None
+    if hasattr(module, "is_sliding"):
+        return w if module.is_sliding else None
+    return getattr(module, "sliding_window", None) or w
 
 
 def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -199,7 +208,7 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
     """``attnhub.bind`` for a transformers model: route its layers through ``hub`` and
     resolve each for each phase at the shapes given (no padding; transformers' contiguous
     cache, so decode is ``bshd`` with one query)."""
-    from ...bind import Binding, BindingTable, decode_buckets, model_name
+    from ...bind import Binding, BindingTable, model_name
     from ...nn import call_spec
 
     rows = []
@@ -207,20 +216,37 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
         cfg = m.config
         hq = cfg.num_attention_heads
         hkv = getattr(cfg, "num_key_value_heads", None) or hq
-        d = getattr(m, "head_dim", None) or cfg.hidden_size // hq
-        sw = getattr(m, "sliding_window", None)
+        # MLA (DeepSeek) keys are wider than its values: qk_head_dim and v_head_dim
+        d = (getattr(m, "qk_head_dim", None) or getattr(m, "head_dim", None)
+             or cfg.hidden_size // hq)
+        dv = getattr(m, "v_head_dim", None) or d
+        sw = _layer_window(m)
         m._attnhub_hub = HubRef(hub)  # type: ignore[assignment]
-        ctx = _context(m)
+        ctx = _context(m, sw)
         for phase in phases:
-            lens = ([(prompt_len, prompt_len)] if phase != "decode" else
-                    [(1, n) for n in decode_buckets(prompt_len, max_len)])
-            for sq, sk in lens:
+            for sq, sk, window in _call_shapes(phase, prompt_len, max_len, sw):
                 spec = call_spec(phase, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                                 head_dim_v=d, causal=bool(m.is_causal) and sq > 1,
-                                 window=(sw - 1, 0) if sw else None,
+                                 head_dim_v=dv, causal=bool(m.is_causal) and sq > 1,
+                                 window=window,
                                  softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
                                  batch=batch, seqlen_q=sq, seqlen_k=sk, dtype=dtype,
                                  layout="bshd")
                 rows.append(Binding(m.layer_idx, path, phase, hub.decide(spec, ctx)))
     return BindingTable(model_name(model), getattr(hub.resolver, "name", "?"),
                         hub.device.describe(), rows)
+
+
+def _call_shapes(phase: str, prompt_len: int, max_len: int, sw: int | None
+                 ) -> list[tuple[int, int, tuple[int, int] | None]]:
+    """(queries, keys, window) of one layer's calls without padding. A sliding layer's cache
+    (transformers' sliding cache layers) holds at most ``sw`` keys at a decode step, and
+    transformers drops the mask, so the window, while the keys fit in it."""
+    from ...bind import decode_buckets
+
+    if phase != "decode":
+        return [(prompt_len, prompt_len, (sw - 1, 0) if sw and prompt_len >= sw else None)]
+    if not sw:
+        return [(1, n, None) for n in decode_buckets(prompt_len, max_len)]
+    short = (decode_buckets(prompt_len, min(max_len, sw - 1)) if prompt_len + 1 < sw
+             else [])  # decode steps whose keys still fit in the window
+    return [(1, n, None) for n in short] + ([(1, sw, (sw - 1, 0))] if max_len >= sw else [])

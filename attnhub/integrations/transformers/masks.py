@@ -55,6 +55,8 @@ class DenseMask:
         self._ref = weakref.ref(allowed)
         self.shape = tuple(allowed.shape)
         self._bcast = tuple(n > 1 for n in allowed.shape[:3])
+        #: the ``cu_seq_lens`` found kept apart by this mask (``guards.check_documents``)
+        self.documents: tuple[int, Any] | None = None
 
     @property
     def allowed(self) -> torch.Tensor:
@@ -77,7 +79,7 @@ class DenseMask:
 def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] | None,
               batch: int, sq: int, sk: int, caller: object = None,
               heads: int | None = None,
-              other_windows: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
+              other_windows: tuple[tuple[int, int] | None, ...] = ()) -> dict[str, Any]:
     """attnhub mask arguments with the same meaning as transformers' ``mask`` for this call.
 
     ``causal``/``window`` are the layer's own form (used as is when there is no mask);
@@ -94,10 +96,10 @@ def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] |
                          "attn_implementation='flex_attention')")
     _check_shape(mask, batch, sq, sk, heads)
     key = (causal, window, other_windows, batch, sq, sk)
-    proof = _proof(mask)
+    stamp = proof(mask)
     memo = getattr(mask, _MEMO_ATTR, None)
-    if memo is None or memo["proof"] != proof:
-        memo = {"proof": proof}
+    if memo is None or memo["proof"] != stamp:
+        memo = {"proof": stamp}
         try:
             setattr(mask, _MEMO_ATTR, memo)
         except (AttributeError, RuntimeError):  # a tensor subclass without a __dict__
@@ -117,7 +119,7 @@ def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] |
 _fallback_owner: list[Any] = []
 
 
-def _proof(mask: torch.Tensor) -> tuple[Any, int]:
+def proof(mask: torch.Tensor) -> tuple[Any, int]:
     """(version, data pointer) of a mask; an inference tensor (``torch.inference_mode``)
     keeps no version counter, so only its data pointer and the second-ask rule (a new
     forward) stand for it, as for an edit through ``.data``."""

@@ -1,0 +1,86 @@
+"""What one call of the attention function may carry besides q, k, v and the mask: keyword
+arguments that would change the answer are refused (never ignored), and packed documents
+(``cu_seq_lens``) must be kept apart by the mask, which is all attnhub reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...errors import InputError
+from .masks import DenseMask, proof
+
+
+def where(module: torch.nn.Module) -> str:
+    """The layer named in an error: its class and index."""
+    return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+
+
+#: Keyword arguments that never change what attention computes: bookkeeping that transformers
+#: threads through every layer (``TransformersKwargs``) and flash-only hints (padding-free
+#: ``cu_seq_lens_*``: ``check_documents`` makes sure the mask keeps those documents apart).
+#: Anything else with a value is refused: models hand implementations other than eager/sdpa
+#: what those two fold into the mask or the scores (DeepSeek-V3.2's sparse ``indices``,
+#: ``sinks``, ``position_bias``), and ignoring it would be a silent wrong answer.
+HARMLESS = frozenset({
+    "position_ids", "use_cache", "output_hidden_states", "output_router_logits",
+    "num_items_in_batch", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    "seq_idx", "deterministic", "return_dict", "cache_position"})
+
+#: What the refused keywords known to models mean, for the error.
+_MEANING = {"position_bias": "a learned position bias", "s_aux": "attention sinks",
+            "sinks": "attention sinks", "indices": "sparse attention indices (DSA)",
+            "block_indices": "sparse attention block indices"}
+
+
+def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
+    """Raise for attention dropout, ``output_attentions=True`` or any keyword with a value
+    outside ``HARMLESS``; called only when the fast test (``HARMLESS`` superset) failed."""
+    at = where(module)
+    if dropout:
+        raise InputError(f"{at}: attnhub attention has no dropout (got dropout={dropout}); "
+                         "call model.eval() or set the config's attention dropout to 0")
+    if kwargs.get("output_attentions"):
+        raise InputError(f"{at}: attnhub does not return attention weights; use "
+                         "attn_implementation='eager' for output_attentions=True")
+    for name, value in kwargs.items():
+        if name in HARMLESS or name == "output_attentions" or value is None:
+            continue
+        what = _MEANING.get(name, "an argument attnhub does not know")
+        raise InputError(f"{at} passes {name!r} ({what}) to its attention function; "
+                         "attnhub's transformers integration would ignore it and compute "
+                         "another attention: use attn_implementation='eager' or 'sdpa' for "
+                         "this model")
+
+
+def check_documents(module: torch.nn.Module, cu_seqlens: Any, dense: Any, sq: int,
+                     sk: int) -> None:
+    """Padding-free batches (``DataCollatorWithFlattening``) hand every layer ``cu_seq_lens``;
+    attnhub, like eager and sdpa, reads the documents from the mask alone, which transformers
+    builds from ``position_ids`` restarting per document, and only without a cache. Refuse
+    several documents unless the mask keeps every pair of them apart (checked once per mask
+    and offsets: the layers of a forward share both)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.numel() <= 2:
+        return
+    stamp = (id(cu_seqlens), proof(cu_seqlens))
+    if isinstance(dense, DenseMask) and dense.documents == stamp:
+        return
+    docs, at = cu_seqlens.numel() - 1, where(module)
+    fix = ("pass position_ids restarting at 0 per document and use_cache=False (transformers "
+           "builds the packed mask only without a cache), or run the documents as a padded "
+           "batch")
+    if not isinstance(dense, DenseMask):
+        raise InputError(f"{at}: cu_seq_lens_q holds {docs} packed documents but the mask "
+                         f"transformers built does not separate them (attnhub, like eager "
+                         f"and sdpa, reads the mask, not cu_seq_lens): {fix}")
+    cu = cu_seqlens.to(device=dense.allowed.device, dtype=torch.long)
+    if sq != sk or int(cu[-1]) != sq:
+        raise InputError(f"{at}: cu_seq_lens_q covers {int(cu[-1])} tokens but the call has "
+                         f"{sq} queries and {sk} keys: padding-free offsets fit one row "
+                         "without a cache")
+    doc = torch.repeat_interleave(torch.arange(docs, device=cu.device), cu.diff())
+    if bool((dense.allowed & (doc.view(-1, 1) != doc.view(1, -1))).any()):
+        raise InputError(f"{at}: cu_seq_lens_q holds {docs} packed documents but the mask "
+                         f"lets them attend to each other: {fix}")
+    dense.documents = stamp
