@@ -401,7 +401,7 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse = torch.full((b, hq, sq), float("-inf"), device=q.device) if p.return_lse else None
         return AttentionOutput(attends_nothing(q, k, v), lse)
     native = _native_causal(p, sq, sk)
-    if native is not None and not (p.return_lse and q.device.type == "cpu"):
+    if native is not None and not _cpu_needs_explicit_mask(native, p, k):
         is_causal, bias_obj = native
         out = sdpa(qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal, scale=p.scale,
                    enable_gqa=hq != hkv)
@@ -436,6 +436,7 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParam
     """SDPA on (B, S, H, D) with an explicit boolean mask of visible pairs and/or an additive
     bias; rows that see no key come back 0 with LSE -inf."""
     hq, hkv = q.shape[2], k.shape[2]
+    k, nan_seen = _hide_masked_nan_keys(q, k, allowed)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     row_ok = None
     mask = bias
@@ -459,9 +460,30 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParam
     out, lse = _keep_nan(out, lse, qt, lambda: F.scaled_dot_product_attention(
         qt, kt, vt, attn_mask=mask if mask is None or mask.dtype == torch.bool
         else mask.to(q.dtype), scale=p.scale, enable_gqa=hq != hkv))
+    if nan_seen is not None:  # rows that see a NaN key: NaN, as the maths gives
+        out = out + nan_seen.to(out.dtype)
+        lse = lse + nan_seen.squeeze(-1) if lse is not None else None
     if row_ok is not None:  # fully masked rows: 0 even where q held NaN
         out = out.masked_fill(~row_ok, 0.0)
     return AttentionOutput(out.transpose(1, 2), lse)
+
+
+def _hide_masked_nan_keys(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """NaN in means NaN out, and only there (docs/contract.md). SDPA applies a boolean mask
+    as an additive -inf, and NaN + -inf is NaN: a NaN key would reach every row of its head,
+    those that cannot see it too. On the CPU (a host check costs nothing there) keys holding
+    NaN are zeroed and ``(k, poison)`` returned, poison (B, Hq, Sq, 1) fp32 NaN on the rows
+    that see such a key, else 0; otherwise ``(k, None)``."""
+    if allowed is None or q.device.type != "cpu":
+        return k, None
+    bad = torch.isnan(k).any(-1)  # (B, Sk, Hkv)
+    if not bool(bad.any()):
+        return k, None
+    k = k.masked_fill(bad.unsqueeze(-1), 0.0)
+    bad_h = bad.transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
+    seen = (allowed & bad_h.unsqueeze(2)).any(-1, keepdim=True)
+    return k, torch.zeros(seen.shape, device=q.device).masked_fill(seen, float("nan"))
 
 
 def _keep_nan(out: torch.Tensor, lse: torch.Tensor | None, qt: torch.Tensor,
@@ -509,6 +531,17 @@ def _native_causal(p: AttnParams, sq: int, sk: int) -> tuple[bool, object] | Non
     if sq < sk:
         return False, causal_lower_right(sq, sk)
     return None
+
+
+def _cpu_needs_explicit_mask(native: tuple[bool, object], p: AttnParams,
+                             k: torch.Tensor) -> bool:
+    """On the CPU, the calls whose native causal form takes the explicit-mask path: those
+    that want the LSE (the one-pass LSE kernel takes a materialised mask), and a
+    ``causal_lower_right`` call whose k holds NaN (SDPA adds that bias as -inf, and
+    NaN + -inf = NaN would reach rows that cannot see the key; ``_hide_masked_nan_keys``)."""
+    if k.device.type != "cpu":
+        return False
+    return p.return_lse or (native[1] is not None and bool(torch.isnan(k).any()))
 
 
 def _causal_allowed(p: AttnParams, sq: int, sk: int,

@@ -48,7 +48,9 @@ def _bshd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: A
     p = torch.softmax(s, dim=-1) * row_ok
     lse = torch.where(row_ok.squeeze(-1), torch.logsumexp(s, dim=-1),
                       s.new_full(s.shape[:-1], float("-inf")))  # Sk may be 0
-    return torch.matmul(p, vt).transpose(1, 2), lse.float()
+    # a fully masked row is 0 even where v holds NaN (its weights 0 times NaN are NaN)
+    out = torch.matmul(p, vt).masked_fill(~row_ok, 0.0)
+    return out.transpose(1, 2), lse.float()
 
 
 def reference_attention(

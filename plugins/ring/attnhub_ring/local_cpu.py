@@ -4,7 +4,8 @@ The ring merges every block by its LSE, so its local kernel must return it from 
 itself (torch SDPA computes it by a second, materialising pass: ``lse_second_pass``). On GPUs
 FA3, cuDNN, FA2 and our Triton kernels do; on the CPU this op does, so a CPU ring (tests, gloo)
 resolves its local kernel through the policy like a GPU one. Masks: none and square causal
-(plus documents, one call per document); GQA native; forward and backward.
+(plus documents, one call per document; an empty one, without queries or keys, is answered
+without the kernel whatever its lengths); GQA native; forward and backward.
 """
 
 from __future__ import annotations
@@ -110,12 +111,12 @@ class TorchFlashCPUBackend(Backend):
                params: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:
         b, sq, hq, _ = q.shape
         sk = k.shape[1]
+        if sq == 0 or sk == 0:  # an empty document: nothing to align, whatever the lengths
+            return (attends_nothing(q, k, v),
+                    torch.full((b, hq, sq), float("-inf"), device=q.device))
         reason = _square_reason(params.causal, params.alignment, sq, sk)
         if reason:
             raise BackendUnavailableError(self.name, [reason])
-        if sq == 0 or sk == 0:
-            return (attends_nothing(q, k, v),
-                    torch.full((b, hq, sq), float("-inf"), device=q.device))
         out, lse = _FlashCPU.apply(q, k, v, params.causal, params.scale)
         return _keep_nan(out, lse, q, k, v, params)
 

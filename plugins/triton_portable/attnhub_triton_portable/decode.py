@@ -300,7 +300,8 @@ def _split_kernel(
 
     has = l_i > 0
     safe = tl.where(has, l_i, 1.0)
-    o = acc / safe[:, None]
+    # no key seen (l == 0; NaN scores leave l NaN, and NaN out): 0, even times a NaN value
+    o = tl.where((l_i == 0.0)[:, None], 0.0, acc / safe[:, None])
     if F16 and not PAGED:  # the per-sequence V scale, once
         o = o * vs_seq
     lse2 = tl.where(has, m_i + tl.log2(safe), float("-inf"))

@@ -124,9 +124,10 @@ def _fwd_kernel(
             WIN_RIGHT, SOFTCAP, ALIBI, COLMASK, USE_TMA, DOT_PREC, DOT_UPCAST,
             WARP_SPECIALIZE if bnd == 1 else False)
 
-    # Fully masked rows end with l == 0: output 0 and LSE -inf, never 0/0.
+    # Fully masked rows end with l == 0: output 0 and LSE -inf, never 0/0 (nor their zero
+    # weights times a NaN value)
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     o_desc = tiles.make_desc(Ob, seqlen_q, sos, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
     tiles.store_rows(o_desc, Ob, out.to(O.dtype.element_ty), m0, seqlen_q, sos, offs_r, offs_d,
                      HEAD_DIM, USE_TMA)
