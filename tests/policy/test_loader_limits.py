@@ -124,5 +124,7 @@ def test_thousands_of_rules_load_and_lint_near_linearly(tmp_path: Path) -> None:
         lint_policy(policy, reg, ("cpu",))
         return time.perf_counter() - t0
 
-    small, big = timed(500), timed(2000)
+    # the least of a few runs each: a loaded CI core stalls single runs (2.6 s for 2,000
+    # rules beside 0.18 s for 500 under load; 0.12-0.3 s alone)
+    small, big = min(timed(500) for _ in range(3)), min(timed(2000) for _ in range(3))
     assert big < 4 * 1.8 * small + 0.5, (small, big)
