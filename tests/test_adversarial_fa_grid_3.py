@@ -113,6 +113,31 @@ def test_thd_empty_documents(hub, backend, case):
         assert all(bool(torch.isfinite(t).all()) for t in grads)
 
 
+#: doc 0: 0 queries, 4 keys; doc 1: 3 queries, no key: no document attends at all
+NO_PAIR_DOCS = ([0, 0, 3], [0, 4, 4])
+
+NO_PAIR_CASES = [(b, m) for b in ("reference", "torch_sdpa", "sliding_window", "longformer")
+                 for m in ({"window": (1, 0)}, {"window": (0, 2), "causal": True})] + [
+    (b, {"causal": True}) for b in ("reference", "torch_sdpa", "torch_flash_cpu", "lsh")]
+
+
+@pytest.mark.parametrize("backend,mask", NO_PAIR_CASES)
+def test_thd_no_document_attends_keeps_the_graph(hub, backend, mask):
+    """A packed call whose documents each lack queries or keys: 0 out with LSE -inf, in the
+    autograd graph (zero gradients). sliding_window and longformer returned a bare
+    ``new_zeros`` for a keyless document: OutputContractError (output cut from the graph)."""
+    g = torch.Generator().manual_seed(5)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in NO_PAIR_DOCS)
+    q = _randn(g, 3, 4, 8).requires_grad_()
+    k, v = (_randn(g, 4, 2, 8).requires_grad_() for _ in range(2))
+    out, lse = _call(hub, backend, q, k, v, layout="thd", cu_seqlens_q=cu_q,
+                     cu_seqlens_k=cu_k, **mask)
+    assert out.requires_grad and not bool(out.any())
+    assert bool(torch.isneginf(lse).all())
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=g))
+    assert all(t.shape == x.shape and not bool(t.any()) for t, x in zip(grads, (q, k, v)))
+
+
 # --- strides: the output gradient and the side tensors ---------------------------------
 
 def _dout_strided(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -189,6 +214,7 @@ def test_strided_qkv_with_masks(hub, backend, case):
 MASKED = {
     "causal_9x4": ((9, 4), {"causal": True}),
     "window_tl_9x4": ((9, 4), {"window": (1, 0), "causal_alignment": "top_left"}),
+    "window_br_9x4": ((9, 4), {"window": (1, 0)}),
     "window_br_9x3": ((9, 3), {"window": (1, 2)}),
     "prefix_9x4": ((9, 4), {"causal": True, "prefix_lens": torch.tensor([0, 2])}),
     "softcap_alibi_9x4": ((9, 4), {"causal": True, "softcap": 2.0, "window": (1, 0),
@@ -318,6 +344,7 @@ NAN_MASKS = {
     "causal_9x4": ((9, 4), {"causal": True}),
     "window_5x9": ((5, 9), {"window": (1, 1)}),
     "window_tl_9x4": ((9, 4), {"window": (1, 0), "causal_alignment": "top_left"}),
+    "window_br_9x4": ((9, 4), {"window": (1, 0)}),
     "prefix_alibi_6x6": ((6, 6), {"causal": True, "prefix_lens": torch.tensor([1, 2]),
                                   "alibi_slopes": torch.tensor([0.2, 0.1, 0.4, 0.3])}),
 }
@@ -335,9 +362,8 @@ def _nan_params(kw: dict) -> AttnParams:
 def test_nan_key_reaches_only_the_rows_that_see_it(hub, backend, case, return_lse):
     """A NaN in k at the last key: NaN in exactly the rows that see that key (and their
     LSE), every other row exact. torch_sdpa applied its boolean mask as an additive -inf
-    (NaN + -inf = NaN) and put NaN in rows that cannot see the key."""
-    if backend == "sliding_window" and return_lse:
-        pytest.skip("sliding_window's LSE stays finite on a NaN row (hybrid_linear's own)")
+    (NaN + -inf = NaN) and put NaN in rows that cannot see the key; sliding_window gave
+    such a row LSE -inf, not NaN (its NaN row sum counted as "no key seen")."""
     (sq, sk), kw = NAN_MASKS[case]
     g = torch.Generator().manual_seed(37)
     q, k, v = (_randn(g, 2, s, h, 16) for s, h in ((sq, 4), (sk, 2), (sk, 2)))
@@ -356,11 +382,16 @@ def test_nan_key_reaches_only_the_rows_that_see_it(hub, backend, case, return_ls
         assert torch.equal(torch.isnan(res[1]), torch.isnan(ref_lse))
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch_sdpa"])
-@pytest.mark.parametrize("case", ["causal_9x4", "window_tl_9x4"])
+DEAD_NAN_CASES = [(b, c) for b in ("reference", "torch_sdpa", "flex")
+                  for c in ("causal_9x4", "window_tl_9x4", "window_br_9x4")] + [
+    ("sliding_window", c) for c in ("window_tl_9x4", "window_br_9x4")]
+
+
+@pytest.mark.parametrize("backend,case", DEAD_NAN_CASES)
 def test_fully_masked_rows_stay_zero_under_nan_values(hub, backend, case):
     """NaN in v (and q) of a row's keys: rows that see no key still give 0 and LSE -inf
-    (the reference multiplied their zero weights by the NaN: 0 x NaN = NaN)."""
+    (the reference, sliding_window and eager flex on the CPU multiplied their zero weights
+    by the NaN: 0 x NaN = NaN)."""
     (sq, sk), kw = NAN_MASKS[case]
     g = torch.Generator().manual_seed(53)
     q, k, v = (_randn(g, 2, s, h, 16) for s, h in ((sq, 4), (sk, 2), (sk, 2)))
@@ -368,8 +399,10 @@ def test_fully_masked_rows_stay_zero_under_nan_values(hub, backend, case):
     dead = torch.isneginf(reference_attention(q, k, v, params)[1])
     v[:, 0, :, 5] = math.nan
     q[:, 0, :, 1] = math.nan
-    out, lse = hub.attention(q, k, v, backend=backend, return_lse=True, **kw)
+    out, lse = _call(hub, backend, q, k, v, **kw)
+    alone = hub.attention(q, k, v, backend=backend, **kw)  # eager flex: no LSE asked for
     assert bool(dead.any())
-    assert not bool(out.transpose(1, 2)[dead].isnan().any())
-    assert not bool(out.transpose(1, 2)[dead].any())
+    for o in (out, alone):
+        assert not bool(o.transpose(1, 2)[dead].isnan().any())
+        assert not bool(o.transpose(1, 2)[dead].any())
     assert bool(torch.isneginf(lse[dead]).all())

@@ -17,7 +17,7 @@ import torch
 
 from attnhub.plugin import AttnParams, query_offset
 
-from .softmax_blocks import attend
+from .softmax_blocks import attend, no_queries
 
 
 def _visible(qi: torch.Tensor, kj: torch.Tensor, left: int, right: int,
@@ -54,7 +54,7 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: 
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     if sq == 0:  # a varlen document without queries: nothing to compute, nothing to cat
-        return q.new_zeros(b, 0, hq, v.shape[-1]), torch.zeros(b, hq, 0, device=q.device)
+        return no_queries(q, k, v)
     groups = hq // hkv
     off = query_offset(sq, sk, params.alignment)
     left, right = params.window if params.window is not None else (-1, -1)

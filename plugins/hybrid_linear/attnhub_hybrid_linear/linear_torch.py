@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from attnhub.plugin import attends_nothing
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -39,7 +41,8 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     for t in range(q.shape[1]):
         s = s * gf[:, t].exp().unsqueeze(-1) + kf[:, t].unsqueeze(-1) * vf[:, t].unsqueeze(-2)
         outs.append(torch.einsum("bhk,bhkv->bhv", qf[:, t], s) * scale)
-    o = torch.stack(outs, dim=1) if outs else vf.new_zeros(vf.shape)
+    # no token: an empty output still in the graph of q, k, v (new_zeros would cut it)
+    o = torch.stack(outs, dim=1) if outs else attends_nothing(qf, kf, vf)
     return o.to(q.dtype), s
 
 

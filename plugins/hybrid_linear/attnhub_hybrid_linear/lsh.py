@@ -19,7 +19,7 @@ import torch
 
 from attnhub.plugin import AttnParams, InputError, query_offset
 
-from .softmax_blocks import attend, compute_dtype, merge
+from .softmax_blocks import attend, compute_dtype, merge, no_queries
 
 
 def lsh_rotations(n_rounds: int, heads: int, dim: int, n_buckets: int, seed: int,
@@ -58,6 +58,8 @@ def lsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Att
                   block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B,Sq,Hq,D), k/v (B,Sk,Hkv,D) -> (out (B,Sq,Hq,Dv) in q's dtype, lse (B,Hq,Sq))."""
     sq, hq, sk, hkv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    if sq == 0:  # a varlen document without queries: no block to attend, nothing to cat
+        return no_queries(q, k, v)
     if hkv != hq:
         k, v = (x.repeat_interleave(hq // hkv, dim=2) for x in (k, v))
     off = query_offset(sq, sk, params.alignment)

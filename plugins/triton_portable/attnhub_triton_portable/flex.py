@@ -450,7 +450,9 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
     fn = compiled_flex() if compiled else _fa.flex_attention
     kwargs: dict[str, Any] = {"score_mod": m.score_mod, "block_mask": m.block_mask,
                               "scale": params.scale, "enable_gqa": hq != hkv}
-    if want_lse:
+    # the LSE finds the fully masked rows (below); eager flex returns it at no cost
+    with_lse = want_lse or not compiled
+    if with_lse:
         kwargs["return_aux"] = _fa.AuxRequest(lse=True)
     if compiled:
         grad = qt.requires_grad or kt.requires_grad or vt.requires_grad
@@ -462,7 +464,17 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
         with warnings.catch_warnings():  # the eager path warns on every call that it is unfused
             warnings.simplefilter("ignore", UserWarning)
             res = fn(qt, kt, vt, **kwargs)
-    out, lse = (res[0], res[1].lse) if want_lse else (res, None)
+    out, lse = (res[0], res[1].lse) if with_lse else (res, None)
+    if lse is not None:
+        out = _zero_dead_rows(out, lse)
+        lse = lse if want_lse else None
     if packed:
         return out[0].transpose(0, 1), (lse[0] if lse is not None else None)
     return out.transpose(1, 2), lse
+
+
+def _zero_dead_rows(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Flex weighs the masked keys of a partly masked block by 0 (eager flex: every key): a
+    row that sees no key (LSE -inf) comes back NaN when such a value holds NaN (0 x NaN); the
+    contract keeps it 0. Compiled calls without the LSE keep that NaN (docs/contract.md)."""
+    return out.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)
