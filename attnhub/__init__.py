@@ -2,7 +2,8 @@
 
     import attnhub
     out = attnhub.attention(q, k, v, causal=True)          # BSHD, policy-chosen backend
-    print(attnhub.explain(q, k, v, causal=True))            # why that backend
+    for runner in attnhub.default_hub().bound():            # every binding made so far
+        print(runner.decision.explain())                     # and why that backend
 """
 
 from __future__ import annotations

@@ -1,0 +1,273 @@
+"""The documentation runs: what README.md and docs/*.md show is what the code does.
+
+Conventions, for whoever edits the docs:
+
+- Every fenced ```python block of README.md and docs/*.md (not docs/benchmarks/) is run on
+  the CPU with fresh globals (all blocks in one new interpreter, in document order), from
+  the repository root, with ``ATTNHUB_PROFILE`` pointing at a temporary file and no
+  ``ATTNHUB_POLICY``/``ATTNHUB_BACKEND``/``ATTNHUB_HARDWARE``. A runnable block is therefore
+  self-contained: it imports and defines what it uses.
+- A block that cannot run here says so in an HTML comment on the line just above its fence,
+  which Markdown does not render::
+
+      <!-- snippet: skip needs a GPU -->
+
+  The text after ``skip`` is the reason pytest reports; it must not be empty (GPU only,
+  several processes, a model download, or a fragment of a larger program).
+- Every ``ATTNHUB_*`` environment variable named in README.md, docs/*.md or a plugin's
+  README.md must be read somewhere in the code, and every ``attnhub <command> --flag`` (in
+  code spans and code blocks, or ``<command> --flag`` with a known command) must be an
+  option of that command's parser, so a renamed flag or variable fails here.
+- Every dotted name ``attnhub.x.y`` / ``attnhub_plugin.x`` and every repository path
+  (``attnhub/...``, ``plugins/...``, ``tests/...::test_name``, ...) they name must exist; the
+  few that name something else (a schema, a file a command writes) are listed below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnhub.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ALL_DOCS = [*DOCS, *sorted((ROOT / "plugins").glob("*/README.md"))]
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+_SKIP = re.compile(r"<!--\s*snippet:\s*skip\b(.*?)-->")
+_RUNNER = """\
+import json, sys, traceback
+failed = {}
+for where, src in json.load(sys.stdin):
+    try:
+        exec(compile(src, where, "exec"), {"__name__": "__main__"})
+    except BaseException:
+        failed[where] = traceback.format_exc()
+print(json.dumps(failed))
+"""
+
+
+def _blocks(path: Path) -> list[tuple[str, str, str, str | None]]:
+    """``(language, location, source, skip reason or None)`` for each fenced block."""
+    text = path.read_text()
+    out = []
+    for m in _FENCE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        above = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        skip = _SKIP.search(above)
+        where = f"{path.relative_to(ROOT)}:{line}"
+        out.append((m.group(1), where, m.group(2), skip.group(1).strip() if skip else None))
+    return out
+
+
+_PYTHON = [b for p in DOCS for b in _blocks(p) if b[0] == "python"]
+
+
+@pytest.fixture(scope="module")
+def block_failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Runs every runnable block in one fresh interpreter (one import of torch, not one per
+    block): ``{location: traceback}`` of those that raised."""
+    todo = [[where, src] for _, where, src, skip in _PYTHON if skip is None]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "ATTNHUB_PROFILE": str(tmp_path_factory.mktemp("docs") / "profile.json")}
+    for var in ("ATTNHUB_POLICY", "ATTNHUB_BACKEND", "ATTNHUB_HARDWARE"):
+        env.pop(var, None)  # the snippets see the defaults the docs describe
+    r = subprocess.run([sys.executable, "-c", _RUNNER], input=json.dumps(todo), cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"the snippet runner died:\n{r.stderr[-3000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("block", _PYTHON, ids=[b[1] for b in _PYTHON])
+def test_python_block_runs(block: tuple[str, str, str, str | None],
+                           block_failures: dict[str, str]) -> None:
+    _, where, _, skip = block
+    if skip is not None:
+        assert skip, f"{where}: '<!-- snippet: skip -->' needs a reason after 'skip'"
+        pytest.skip(skip)
+    assert where not in block_failures, f"{where} failed:\n{block_failures[where][-3000:]}"
+
+
+def test_skip_markers_sit_on_python_blocks() -> None:
+    """A marker above anything but a python fence would silently skip nothing."""
+    for path in DOCS:
+        text = path.read_text()
+        for m in _SKIP.finditer(text):
+            after = text[m.end():].lstrip(" ")
+            assert after.startswith("\n```python"), (
+                f"{path.name}: snippet marker at offset {m.start()} is not right above a "
+                "```python fence")
+
+
+# ---------------------------------------------------------------- env variables and flags
+
+
+def _code_text(path: Path) -> list[str]:
+    """Code spans and code-block lines of a doc (where commands and variables are named)."""
+    text = path.read_text()
+    lines = [ln for m in _FENCE.finditer(text) for ln in _join_continuations(m.group(2))]
+    prose = _FENCE.sub("", text)
+    return lines + re.findall(r"`([^`\n]+)`", prose)
+
+
+def _join_continuations(block: str) -> list[str]:
+    return block.replace("\\\n", " ").splitlines()
+
+
+def _source_text() -> str:
+    files = [*(ROOT / "attnhub").rglob("*.py"), *(ROOT / "plugins").glob("*/attnhub_*/**/*.py")]
+    return "\n".join(f.read_text() for f in files)
+
+
+def test_every_documented_env_variable_is_read_by_the_code() -> None:
+    code = _source_text()
+    named = {(v, p.relative_to(ROOT)) for p in ALL_DOCS
+             for v in re.findall(r"\bATTNHUB_[A-Z0-9_]*[A-Z0-9]", p.read_text())}
+    assert named, "no ATTNHUB_* variable found in the docs: the scan is broken"
+    missing = sorted(f"{v} ({where})" for v, where in named if f'"{v}"' not in code)
+    assert not missing, f"documented but never read by the code: {missing}"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings}
+
+
+_WORD = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+def _uses(line: str, commands: dict[str, argparse.ArgumentParser]) -> list[tuple[str, str]]:
+    """``(command, --flag)`` for each ``[attnhub] <command> [<action>] ... --flag``."""
+    found = []
+    for part in re.split(r"&&|\|\||[;|#]", line):
+        words = part.split()
+        while words and "=" in words[0]:  # VAR=value attnhub ...
+            words = words[1:]
+        if words[:1] == ["attnhub"]:
+            words = words[1:]
+        elif len(words) < 2 or not words[1].startswith("--"):
+            continue  # a bare word is a command only when a flag follows it
+        if not words or words[0] not in commands:
+            continue
+        name, parser = words[0], commands[words[0]]
+        actions = _subparsers(parser)
+        if len(words) > 1 and words[1] in actions:
+            name, parser = f"{name} {words[1]}", actions[words[1]]
+        for w in words[1:]:
+            flag = w.strip("[]").split("=", 1)[0]
+            if flag.startswith("--") and _WORD.match(flag[2:]):
+                found.append((name, flag) if flag in _options(parser) else (name, "!" + flag))
+    return found
+
+
+def test_every_documented_cli_flag_exists() -> None:
+    commands = _subparsers(build_parser())
+    seen, missing = 0, []
+    for path in ALL_DOCS:
+        for line in _code_text(path):
+            for name, flag in _uses(line, commands):
+                seen += 1
+                if flag.startswith("!"):
+                    missing.append(f"attnhub {name} {flag[1:]} ({path.relative_to(ROOT)})")
+    assert seen > 20, f"only {seen} documented flags found: the scan is broken"
+    assert not missing, f"documented flags the CLI does not have: {sorted(set(missing))}"
+
+
+def test_flag_scan_catches_an_unknown_flag() -> None:
+    """The scan itself: a misspelt flag and a misspelt subcommand action are reported."""
+    commands = _subparsers(build_parser())
+    assert ("explain", "!--hardwre") in _uses("attnhub explain --hardwre sm90", commands)
+    assert ("policy check", "!--jsn") in _uses("attnhub policy check x.yaml --jsn", commands)
+    assert ("lock", "--check") in _uses("ATTNHUB_X=1 attnhub lock --check a.lock", commands)
+
+
+# ---------------------------------------------------------------- dotted names and paths
+
+#: Dotted names that are not Python objects: entry-point group, lock file, example plugins.
+NOT_OBJECTS = ("attnhub.backends", "attnhub.lock", "attnhub_example.", "attnhub_myattn.")
+#: Paths the docs name as what a command writes, or as an example of an error message.
+NOT_FILES = ("policies/x.yaml", "docs/benchmarks/ring_scaling.json",
+             "docs/benchmarks/ring_scaling.md")
+_DOTTED = re.compile(r"\b((?:attnhub|attnhub_[a-z0-9_]+)(?:\.[A-Za-z_]\w*)+)(?![\w/-])")
+_PATH = re.compile(r"(?<![\w./$-])((?:attnhub|plugins|policies|examples|benchmarks|tests|docs"
+                   r"|requirements|\.ci)/[\w./-]*\w)(?:::(\w+))?")
+
+
+def _resolves(name: str) -> bool:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ImportError:
+            continue
+    else:
+        return False
+    for part in parts[i:]:
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def test_every_documented_module_and_object_exists() -> None:
+    missing = sorted({f"{m.group(1)} ({p.relative_to(ROOT)})" for p in ALL_DOCS
+                      for m in _DOTTED.finditer(p.read_text())
+                      if not (m.group(1) + ".").startswith(NOT_OBJECTS)
+                      and not _resolves(m.group(1))})
+    assert not missing, f"documented names that do not import: {missing}"
+
+
+def test_every_documented_path_and_test_exists() -> None:
+    missing = []
+    for doc in ALL_DOCS:
+        for m in _PATH.finditer(doc.read_text()):
+            path, test = m.group(1), m.group(2)
+            found = [b / path for b in (ROOT, doc.parent) if (b / path).exists()]
+            if not found and path not in NOT_FILES:
+                missing.append(f"{path} ({doc.relative_to(ROOT)})")
+            elif test and found and f"def {test}(" not in found[0].read_text():
+                missing.append(f"{path}::{test} ({doc.relative_to(ROOT)})")
+    assert not missing, f"documented paths that do not exist: {missing}"
+
+
+def test_capabilities_table_lists_every_field() -> None:
+    """docs/plugins.md's table of ``Capabilities`` fields is the plugin author's reference."""
+    from dataclasses import fields
+
+    from attnhub.plugin import Capabilities
+
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    table = text.split("## `Capabilities`", 1)[1].split("\n## ", 1)[0]
+    documented = {name for row in re.findall(r"^\| (`[^|]+`) \|", table, re.M)
+                  for name in re.findall(r"`(\w+)`", row)}
+    assert documented == {f.name for f in fields(Capabilities)}
+
+
+@pytest.mark.parametrize("heading,model", [("## Top-level keys", "PolicyFile"),
+                                           ("## Rule keys", "Rule"),
+                                           ("### `when:` keys", "When")])
+def test_policy_key_tables_match_the_schema(heading: str, model: str) -> None:
+    """docs/policy.md's key tables name exactly the keys the YAML schema accepts."""
+    from attnhub.policy import schema
+
+    text = (ROOT / "docs" / "policy.md").read_text()
+    table = text.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
+    documented = {name.split(".")[0] for row in re.findall(r"^\| (`[^|]+`) \|", table, re.M)
+                  for name in re.findall(r"`([\w.]+)`", row)}
+    fields = getattr(schema, model).model_fields
+    assert documented == {f.alias or n for n, f in fields.items()}
