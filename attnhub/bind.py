@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core.decision import Decision
+from .core.decision import BindContext, Decision
 from .core.spec import bucket
 from .errors import NoBackendError
 from .hub import Hub, default_hub
-from .nn import Attention, attention_layers
+from .nn import Attention, _check_layer_idx, attention_layers
 
 PHASES = ("prefill", "decode")
 
@@ -171,6 +171,11 @@ def bind(model: nn.Module, hub: Hub | None = None, *, batch: int = 1, prompt_len
     A decode layer whose paged spec no backend serves (a linear/recurrent layer, say) is
     switched to reading a gathered copy of the cache when that spec binds. A transformers
     model built with ``attn_implementation="attnhub"`` binds its attention modules alike.
+
+    Each layer binds as its ``layer_idx`` (else its position): two layers on one index, or
+    one ``Attention`` at two places in the model when a cached phase is bound, are refused
+    (they would write one KV cache layer). Every layer is resolved before any is changed, so
+    a bind that raises leaves the model bound as it was.
     """
     hub = hub or default_hub()
     name = name or model_name(model)
@@ -186,17 +191,50 @@ def bind(model: nn.Module, hub: Hub | None = None, *, batch: int = 1, prompt_len
         raise ValueError(f"{type(model).__name__} has no attnhub.nn.Attention layers to bind; "
                          "build its attention with attnhub.nn.Attention (or, for transformers "
                          "models, use attn_implementation='attnhub')")
+    indices = _layer_indices(model, layers, phases)
+    plans = []  # every layer resolved before any changes: a failing decision changes none
+    for (path, layer), index in zip(layers, indices):
+        ctx = replace(layer.context, model=name, layer=index)
+        plans.append((layer, index, [r for phase in phases for r in _bind_phase(
+            hub, layer, ctx, path, phase, batch, prompt_len, max_len, dtype, page_size)]))
     rows: list[Binding] = []
-    for i, (path, layer) in enumerate(layers):
-        layer.set_context(name, layer.layer_idx if layer.layer_idx is not None else i)
+    for layer, index, mine in plans:
+        layer.set_context(name, index)
         layer.hub = hub
-        mine: list[Binding] = []
-        for phase in phases:
-            mine += _bind_phase(hub, layer, path, phase, batch, prompt_len, max_len, dtype,
-                                page_size)
+        layer.decode_layout = next((r.decode_layout for r in mine if r.decode_layout),
+                                   layer.decode_layout)
         layer.state_backend = _state_backend(hub, mine)
         rows += [replace(r, sequence_state=True) for r in mine] if layer.state_backend else mine
     return BindingTable(name, getattr(hub.resolver, "name", "?"), hub.device.describe(), rows)
+
+
+def _layer_indices(model: nn.Module, layers: list[tuple[str, Attention]],
+                   phases: Sequence[str]) -> list[int]:
+    """Each layer's index (its ``layer_idx``, else its position), checked to be its own: the
+    index is the layer's KV cache layer and policy context, so two layers on one index would
+    overwrite each other's k/v (wrong decodes, silently) and bind as one layer."""
+    indices = [m.layer_idx if m.layer_idx is not None else i for i, (_, m) in enumerate(layers)]
+    seen: dict[int, str] = {}
+    for (path, _), index in zip(layers, indices):
+        _check_layer_idx(index, f"bind: layer {path!r}")
+        if index in seen:
+            raise ValueError(f"bind: layers {seen[index]!r} and {path!r} both have layer index "
+                             f"{index} (one KV cache layer, one policy context); give each "
+                             "attnhub.nn.Attention its own layer_idx= (or leave every "
+                             "layer_idx None: bind numbers the layers in module order)")
+        seen[index] = path
+    if set(phases) & set(PHASES):  # a cache: an op reached twice would write one layer twice
+        paths: dict[int, list[str]] = {}
+        for path, m in model.named_modules(remove_duplicate=False):
+            if isinstance(m, Attention):
+                paths.setdefault(id(m), []).append(path)
+        shared = next((p for p in paths.values() if len(p) > 1), None)
+        if shared:
+            raise ValueError(f"bind: one attnhub.nn.Attention sits at {shared}: with a KV "
+                             "cache its calls would share one cache layer; give each position "
+                             "its own Attention (it holds no weights), or bind for training "
+                             "only (phases=('train',))")
+    return indices
 
 
 def _state_backend(hub: Hub, rows: list[Binding]) -> str | None:
@@ -216,10 +254,9 @@ def _is_transformers_attnhub(model: nn.Module) -> bool:
     return getattr(cfg, "_attn_implementation", None) == "attnhub"
 
 
-def _bind_phase(hub: Hub, layer: Attention, path: str, phase: str, batch: int,
-                prompt_len: int, max_len: int, dtype: torch.dtype,
+def _bind_phase(hub: Hub, layer: Attention, ctx: BindContext, path: str, phase: str,
+                batch: int, prompt_len: int, max_len: int, dtype: torch.dtype,
                 page_size: int) -> list[Binding]:
-    ctx = layer.context
     assert ctx.layer is not None
     if phase != "decode":
         spec = layer.spec(phase, batch=batch, seqlen_q=prompt_len, seqlen_k=prompt_len,
@@ -236,5 +273,4 @@ def _bind_phase(hub: Hub, layer: Attention, path: str, phase: str, batch: int,
         gathered = decide_all("bshd")
         if all(d.backend for d in gathered):
             mode, decisions = "gather", gathered
-    layer.decode_layout = mode
     return [Binding(ctx.layer, path, "decode", d, mode) for d in decisions]

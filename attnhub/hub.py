@@ -741,6 +741,19 @@ class Hub:
         """The runners the call path has resolved (the most recent ``RUNNER_LIMIT``)."""
         return [r for _, r in self._runners.values()]
 
+    def __copy__(self) -> Hub:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Hub:
+        """Shared, as ``HubRef`` shares it: a hub is a service (locks, loaded plugins, caches
+        of decisions), so a deep copy of what holds one (a trainer state) holds the same."""
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("attnhub.Hub cannot be pickled (it holds locks and loaded plugin "
+                        "modules): pickle the model (its layers drop their hub, see HubRef) "
+                        "and bind it again after loading, or build a new Hub(policy=...) there")
+
     def bind(self, model: Any, **shapes: Any) -> Any:
         """Resolve every ``attnhub.nn.Attention`` of ``model`` for every phase now and route
         the model through this hub; returns the ``BindingTable`` (see ``attnhub.bind``)."""

@@ -62,13 +62,18 @@ class Attention(nn.Module):
                  scale: float | None = None, layer_idx: int | None = None,
                  layer_kind: str = "softmax", model: str | None = None):
         super().__init__()
-        if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
-            raise ValueError(f"Attention: {num_q_heads} query heads are not a multiple of "
-                             f"{num_kv_heads} KV heads")
+        if num_kv_heads <= 0 or num_q_heads <= 0 or num_q_heads % num_kv_heads:
+            raise ValueError(f"Attention: {num_q_heads} query heads are not a positive "
+                             f"multiple of {num_kv_heads} KV heads")
+        for what, n in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+                raise ValueError(f"Attention: {what}={n!r}; pass a positive int"
+                                 + (" (or None: head_dim)" if what == "head_dim_v" else ""))
+        _check_layer_idx(layer_idx, "Attention")
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.head_dim_v = head_dim_v or head_dim
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.causal = causal
         self.window = window
         self.softcap = softcap
@@ -171,6 +176,15 @@ class Attention(nn.Module):
                           "attach_sequence_states(model, cache, max_seqs) (Decoder.new_cache "
                           "does)", stacklevel=2)
         return extra
+
+
+def _check_layer_idx(layer_idx: object, where: str) -> None:
+    """A layer index is a KV cache layer: a non-negative int (a negative one is refused by
+    the cache, not counted from the end), or None (``bind`` numbers the layer)."""
+    if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int)
+                                  or layer_idx < 0):
+        raise ValueError(f"{where}: layer_idx={layer_idx!r}; pass the layer's index, an int "
+                         ">= 0 (or None: bind numbers the layers in module order)")
 
 
 def call_spec(phase: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
