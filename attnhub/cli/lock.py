@@ -77,6 +77,10 @@ def _check(args: argparse.Namespace) -> int:
     n = len(lock.get("bindings", []))
     print(f"{args.check}: {len(drift.changed)} of {n} binding(s) changed"
           if drift.drifted else f"{args.check}: all {n} binding(s) unchanged")
+    if drift.drifted:
+        print(f"to accept the new bindings: attnhub lock -o {args.check} (with the same "
+              "policy and hardware); to keep the locked ones: restore the policy and plugin "
+              "versions the lock names (attnhub plugins lists what is installed)")
     return int(drift.drifted)
 
 

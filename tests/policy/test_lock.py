@@ -82,6 +82,9 @@ def test_cli_lock_and_check_exit_codes(write, tmp_path, capsys):
     assert main(["lock", "--check", str(out), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["drifted"] and report["changed"] and report["policy"]
+    assert main(["lock", "--check", str(out)]) == 1  # the text report names both fixes
+    text = capsys.readouterr().out
+    assert "DRIFT" in text and f"attnhub lock -o {out}" in text and "restore the policy" in text
     bad = tmp_path / "bad.lock"
     bad.write_text("{}")
     assert main(["lock", "--check", str(bad)]) == EXIT_BAD_LOCK
