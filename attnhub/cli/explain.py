@@ -46,8 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                         "(default 1024)")
     p.add_argument("--top-left", action="store_true", help="top-left causal alignment")
     p.add_argument("--layout", choices=[x for x in LAYOUTS if x != "bhsd"])
-    p.add_argument("--page-size", type=at_least(1), default=16,
-                   help="KV page size for --layout paged")
+    p.add_argument("--page-size", type=at_least(1),
+                   help="KV page size for --layout paged (default 16)")
     p.add_argument("--grad", action="store_true", help="gradients needed (default for train)")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--return-lse", action="store_true")
@@ -64,7 +64,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+#: Query dtypes the API takes (contract.check_inputs); only an FP8 KV cache may differ.
+_Q_DTYPES = ("fp32", "fp16", "bf16")
+
+
+def _check_dtypes(args: argparse.Namespace) -> None:
+    """Refuse dtype pairs the API refuses, so explain never shows a binding for a call that
+    cannot be made (an FP8 query, or a KV dtype other than the query's that is not FP8)."""
+    if args.dtype not in _Q_DTYPES:
+        raise AttnhubError(f"--dtype {args.dtype}: attention takes {', '.join(_Q_DTYPES)} "
+                           f"queries; for an FP8 KV cache pass --dtype bf16 --kv-dtype "
+                           f"{args.dtype}")
+    kv = args.kv_dtype or args.dtype
+    if kv != args.dtype and not kv.startswith("fp8"):
+        raise AttnhubError(f"--kv-dtype {kv} with --dtype {args.dtype}: k/v must have the "
+                           "query's dtype (only an FP8 KV cache may differ); drop --kv-dtype "
+                           "or pass an fp8 one")
+
+
 def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
+    _check_dtypes(args)
     kinds = [k.strip() for k in args.mask.split(",") if k.strip()]
     if args.window is not None and "sliding_window" not in kinds:
         raise AttnhubError(f"--window {args.window} is read only with --mask sliding_window "
@@ -75,10 +94,16 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
     except ValueError as exc:
         raise AttnhubError(f"--mask: {exc}") from None
     if args.top_left:
+        if not (mask.causal or mask.window):
+            raise AttnhubError(f"--top-left aligns a causal or sliding-window mask (the mask "
+                               f"here is {args.mask!r}); add causal to --mask or drop it")
         mask = dataclasses.replace(mask, alignment="top_left")
     layout = args.layout or ("thd" if mask.document else "bshd")
+    if args.page_size is not None and layout != "paged":
+        raise AttnhubError(f"--page-size {args.page_size} is read only with --layout paged "
+                           f"(the layout here is {layout}); add --layout paged or drop it")
     sq = _seqlen_q(args)
-    extra = {"page_size": args.page_size} if layout == "paged" else {}
+    extra = {"page_size": args.page_size or 16} if layout == "paged" else {}
     return AttentionSpec(
         phase=args.phase, dtype=args.dtype, kv_dtype=args.kv_dtype, head_dim=args.head_dim,
         head_dim_v=args.head_dim_v, num_q_heads=args.heads[0], num_kv_heads=args.heads[1],
@@ -132,10 +157,11 @@ def _run_once(policy: Any, registry: Any, spec: AttentionSpec, ctx: BindContext,
     hub = Hub(policy=policy, registry=registry)
     dev = hub.device.torch_device
     dt = torch_dtype(spec.dtype)
-    q = torch.randn(args.batch, _seqlen_q(args), spec.num_q_heads, spec.head_dim, device=dev,
-                    dtype=dt)
-    k, v = (torch.randn(args.batch, args.seqlen, spec.num_kv_heads, d, device=dev,
-                        dtype=torch_dtype(spec.kv_dtype or spec.dtype))
+    # drawn in fp32 and cast: torch has no random kernels for FP8 (a KV cache may be FP8)
+    q = torch.randn(args.batch, _seqlen_q(args), spec.num_q_heads, spec.head_dim,
+                    device=dev).to(dt)
+    k, v = (torch.randn(args.batch, args.seqlen, spec.num_kv_heads, d, device=dev)
+            .to(torch_dtype(spec.kv_dtype or spec.dtype))
             for d in (spec.head_dim, spec.head_dim_v or spec.head_dim))
     m = spec.mask
     slopes = torch.rand(spec.num_q_heads, device=dev) if m.alibi else None

@@ -57,6 +57,9 @@ class Policy:
         self.rules: tuple[LoadedRule, ...] = data.rules
         self._matchers = [Matcher(r.rule.when) for r in data.rules]
         self._index = RuleIndex([r.rule.when for r in data.rules])
+        #: Layer kinds some rule selects (``when.layer.kind``); others bind as softmax layers.
+        self._kinds = frozenset(k for r in data.rules if r.rule.when.layer is not None
+                                for k in r.rule.when.layer.kind or ())
         self._profile = profile
         self._cache: dict[tuple[Any, ...], Decision] = {}
         self._outcomes: dict[tuple[Any, ...], _Outcome] = {}
@@ -128,6 +131,7 @@ class Policy:
             if failed is None:
                 out = self._outcome(i, spec, device, registry, ctx, local)
                 chosen = out.viable[0] if out.viable else None
+                skipped += self._context_notes(ctx, chosen, registry)
                 return Decision(
                     spec=spec, device=device.describe(), backend=chosen, rule=lr.rule.name,
                     rule_location=lr.location, policy=self.name, candidates=tuple(out.order),
@@ -141,6 +145,23 @@ class Policy:
         return Decision(spec=spec, device=device.describe(), backend=None, policy=self.name,
                         rejected=(Rejection(f"policy:{self.name}", (reason,)),), context=ctx,
                         on_failure=self.data.defaults.on_failure, notes=tuple(skipped))
+
+    def _context_notes(self, ctx: BindContext, chosen: str | None,
+                       registry: Registry) -> list[str]:
+        """Say when the bind context asked for something no rule gave, instead of binding as
+        if it had not been asked: a layer kind no rule selects (a typo binds as softmax), and
+        a world size above 1 served by a single-device kernel."""
+        notes = []
+        if ctx.layer_kind != "softmax" and ctx.layer_kind not in self._kinds:
+            named = ", ".join(sorted(self._kinds)) or "none"
+            notes.append(f"layer kind {ctx.layer_kind!r} is selected by no rule of policy "
+                         f"{self.name!r} (kinds it selects: {named}); the layer is bound by "
+                         "its shape and mask like a softmax layer")
+        if ctx.world_size > 1 and chosen is not None and not _distributed(chosen, registry):
+            notes.append(f"world_size={ctx.world_size}, but {chosen} is a single-device "
+                         "kernel (no distributed rule serves this phase or layout): each rank "
+                         "must pass whole, unsharded sequences")
+        return notes
 
     def _outcome(self, i: int, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
                  ctx: BindContext, local: bool) -> _Outcome:
