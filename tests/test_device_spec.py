@@ -26,6 +26,22 @@ def test_simulate(hw, vendor, cap):
     assert dev.vendor == vendor and dev.capability == cap and dev.simulated and dev.sm_count > 0
 
 
+def test_a_model_alias_is_that_model_for_device_name_rules(tmp_path):
+    """``h200`` shares sm90's arch but is not an H100: a rule on ``device_name: "*H200*"``
+    must match the simulated H200 (it was labelled "NVIDIA H100 80GB HBM3") and not sm90."""
+    from attnhub.policy import load_policy
+
+    path = tmp_path / "p.yaml"
+    path.write_text("version: 2\nname: t\nrules:\n"
+                    "  - {name: h200, when: {device_name: '*H200*'}, use: [reference]}\n"
+                    "  - {name: rest, use: [torch_sdpa]}\n")
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_q_heads=2, num_kv_heads=2)
+    assert simulate("h200").arch == "sm90" and simulate("h200").memory_gb == 141
+    for hw, rule in (("h200", "h200"), ("H200", "h200"), ("sm90", "rest"), ("h100", "rest")):
+        d = attnhub.Hub(policy=load_policy(path), hardware=hw).decide(spec)
+        assert d.rule == rule, (hw, d.rule)
+
+
 def test_simulate_unknown_names_the_choices():
     with pytest.raises(ValueError, match="sm90"):
         simulate("tpu-v5")

@@ -81,6 +81,10 @@ _PRESETS: dict[str, tuple[Vendor, str, tuple[int, int] | None, int, float]] = {
 }
 _ALIASES = {"h100": "sm90", "h200": "sm90", "a100": "sm80", "h20": "sm90", "mi300": "gfx942",
             "mi300x": "gfx942", "b200": "sm100", "l40s": "sm89", "mi250": "gfx90a"}
+#: Aliases of another model than their arch's preset: (name, units, memory GB), so a rule on
+#: ``device_name`` (H200) matches the simulated device as it would the real one.
+_MODELS: dict[str, tuple[str, int, float]] = {"h200": ("NVIDIA H200", 132, 141),
+                                              "h20": ("NVIDIA H20", 78, 96)}
 
 
 def known_hardware() -> list[str]:
@@ -116,6 +120,7 @@ def simulate(hardware: str) -> DeviceInfo:
             f"(or an alias: {', '.join(sorted(_ALIASES))})"
         )
     vendor, name, cap, units, mem = _PRESETS[key]
+    name, units, mem = _MODELS.get(hardware.strip().lower(), (name, units, mem))
     return DeviceInfo(vendor=vendor, arch=key, name=name, capability=cap, sm_count=units,
                       memory_gb=mem, simulated=True, versions=library_versions())
 
