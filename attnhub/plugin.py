@@ -9,6 +9,7 @@ from __future__ import annotations
 from .core.backend import TIERS, AttentionOutput, Backend, module_available, unit_head_stride
 from .core.capabilities import ALL_MASKS, FLOAT_DTYPES, HALF_DTYPES, Capabilities
 from .core.device import DeviceInfo
+from .core.contract import check_call
 from .core.flash_conventions import (
     causal_alibi_lse,
     flash_causal,
@@ -33,6 +34,7 @@ from .core.masking import (
     doc_ranges,
     query_offset,
 )
+from .core.kvquant import refuse_stray_descales
 from .core.paged import paged_to_varlen
 from .core.reference import reference_attention
 from .core.seqstate import LAYER_KEY, SEQ_IDS_KEY, STATE_KEY, SequenceStore, StateGeometry
@@ -69,6 +71,7 @@ __all__ = [
     "doc_ranges",
     "flash_dense_form",
     "causal_alibi_lse",
+    "check_call",
     "flash_causal",
     "flash_form",
     "flash_kwargs",
@@ -84,6 +87,7 @@ __all__ = [
     "paged_to_varlen",
     "query_offset",
     "reference_attention",
+    "refuse_stray_descales",
     "top_left_alibi_reason",
     "top_left_reason",
     "torch_dtype",

@@ -16,6 +16,7 @@ from .backend import AttentionOutput, Backend
 from .capabilities import ALL_MASKS, Capabilities
 from .device import DeviceInfo
 from .flash_conventions import natural_lse
+from .kvquant import refuse_stray_descales
 from .masking import alibi_bias, allowed_mask, attends_nothing, doc_ranges
 from .paged import paged_to_varlen
 from .reference import _doc_params, reference_attention
@@ -57,6 +58,8 @@ class ReferenceBackend(Backend):
     )
 
     def forward(self, q, k, v, spec, params):  # type: ignore[override]
+        if params.extra:
+            refuse_stray_descales(self.name, k.dtype, params.extra)
         compute = torch.float64 if q.device.type == "cpu" else torch.float32
 
         def run(q, k, v, p, layout):
@@ -89,6 +92,8 @@ class TorchSDPABackend(Backend):
         return []
 
     def forward(self, q, k, v, spec, params):  # type: ignore[override]
+        if params.extra:
+            refuse_stray_descales(self.name, k.dtype, params.extra)
         if spec.layout == "bshd":  # the common case, without the layout plumbing
             return _sdpa_bshd(q, k, v, params)
         if spec.layout == "paged" and _paged_gather_serves(q, params):
@@ -281,7 +286,10 @@ def _sdpa_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Key ``j`` of sequence ``b`` lands in padded position ``j + max_k - L_b`` under
     bottom-right alignment (position ``j`` under top-left), so the padded row's causal,
     window and ALiBi geometry is the sequence's own; a key-validity mask hides the rest.
-    Page ids outside the cache (unused table entries) are clamped: their keys are masked.
+    Masked positions read key ``clamp(j, 0, L_b - 1)``, a slot the sequence owns: never an
+    unwritten tail slot or an unused table entry, whose garbage (NaN, inf in an empty-made
+    cache) would reach the output through ``0 * NaN`` (an empty sequence's rows are zeroed
+    whatever they read).
     """
     b = q.shape[0]
     page = k_cache.shape[1]
@@ -295,8 +303,9 @@ def _sdpa_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lens = p.seqlens_k.to(torch.long).view(b, 1)
     pos = torch.arange(max_k, device=q.device).view(1, max_k)
     shift = (max_k - lens) if right else torch.zeros_like(lens)
-    # the sequence's key index at each padded position (outside [0, L_b): masked)
-    key = (pos - shift).clamp(0, page * p.block_table.shape[1] - 1)
+    # the sequence's key index at each padded position (outside [0, L_b): masked, and read
+    # from an owned slot)
+    key = torch.minimum((pos - shift).clamp_min(0), (lens - 1).clamp_min(0))
     pages = p.block_table.to(torch.long).gather(1, key // page).clamp(0, k_cache.shape[0] - 1)
     slot = key % page
     # indexed by (page, slot), whatever the caches' strides: a flattening reshape would copy

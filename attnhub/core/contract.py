@@ -212,6 +212,9 @@ def check_qkv(q: Any, k: Any, v: Any, layout: Any) -> None:
     elif layout == "paged" and k.shape[:2] != v.shape[:2]:
         raise ShapeError(f"k cache is {tuple(k.shape[:2])} (pages, page_size) but v cache is "
                          f"{tuple(v.shape[:2])}; both must hold the same pages")
+    elif layout == "paged" and k.shape[1] < 1:
+        raise ShapeError(f"k/v caches {tuple(k.shape)} have page_size 0 (axis 1): a page "
+                         "holds at least one token; allocate (pages, page_size >= 1, Hkv, D)")
 
 
 def check_scalars(scale: Any, softcap: Any) -> None:

@@ -109,6 +109,16 @@ def _cast(x: torch.Tensor, fmax: float, dtype: torch.dtype) -> torch.Tensor:
     return x.clamp(-fmax, fmax).to(dtype)
 
 
+def refuse_stray_descales(backend: str, kv_dtype: torch.dtype, extra: dict[str, object]) -> None:
+    """``k_descale``/``v_descale`` in ``extra`` with a 16/32-bit cache: an error, never
+    ignored (the caller's values would silently be read unscaled). Call only when ``extra``
+    is not empty (the hot path pays one truth test)."""
+    if ("k_descale" in extra or "v_descale" in extra) and not is_fp8(kv_dtype):
+        raise InputError(f"{backend}: extra k_descale/v_descale given for a {kv_dtype} KV "
+                         "cache, which this backend reads as is (descales belong to an FP8 "
+                         "e4m3 cache); drop them, or pass the e4m3 cache they scale")
+
+
 def dequantize_pages(pages: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """fp32 values of (num_pages, page_size, Hkv, D) e4m3 pages with (num_pages, Hkv)
     descales (tests and the accuracy check)."""

@@ -28,6 +28,9 @@ def paged_to_varlen(
         raise SeqlensError(f"paged_to_varlen: block_table {tuple(block_table.shape)} and "
                            f"seqlens_k {tuple(seqlens_k.shape)} must be (B={b}, pages) and "
                            f"(B={b},) for q of batch {b}")
+    if page < 1:
+        raise SeqlensError(f"paged_to_varlen: k_cache {tuple(k_cache.shape)} has page_size 0 "
+                           "(axis 1); a page holds at least one token")
     host = seqlens_k.cpu().to(torch.int64)
     try:
         _check_paged_contents(block_table, host, k_cache.shape[0], page)

@@ -8,8 +8,8 @@ import torch
 
 import attnhub
 from attnhub import UnknownBackendError
-from attnhub.core.contract import check_call
-from attnhub.plugin import AttentionSpec, AttnParams, Backend, InputError, MaskSpec, dtype_name
+from attnhub.plugin import (AttentionSpec, AttnParams, Backend, InputError, MaskSpec, check_call,
+                            dtype_name)
 
 from .backend import check_local, load_local
 from .comm import ProcessGroup, RingError

@@ -15,6 +15,7 @@ from attnhub.plugin import (
     Capabilities,
     DeviceInfo,
     InputError,
+    refuse_stray_descales,
 )
 
 from .backend_dense import CPU_REASON, interpreter_on
@@ -64,6 +65,8 @@ class TritonDecodeBackend(Backend):
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
         """The LSE is returned when ``params.return_lse`` asks for it, else None (the
         kernels then write it to scratch: one allocation less per call)."""
+        if params.extra:
+            refuse_stray_descales(self.name, k.dtype, params.extra)
         return self._run(q, k, v, spec, params, None, None)
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
