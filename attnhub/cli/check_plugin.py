@@ -33,6 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "are reported as skipped)")
     p.add_argument("--total", type=at_least(0, float), metavar="SECONDS",
                    help="overall limit across backends (each gets at most what is left)")
+    p.add_argument("--case-timeout", type=at_least(0, float, strict=True), default=300.0,
+                   metavar="SECONDS",
+                   help="stop waiting for one call after this long (default 300): the case is "
+                        "a crash and the backend's remaining cases are not run")
     p.add_argument("-k", "--feature", metavar="TEXT", action="append",
                    help="only features whose name contains TEXT (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="list every case")
@@ -71,9 +75,10 @@ def run(args: argparse.Namespace) -> int:
         if t_end is not None:
             left = max(0.0, t_end - time.monotonic())
             budget = left if budget is None else min(budget, left)
-        cases = [c for c in backend_grid(reg.get(n), device, args.quick)
+        cases = [c for c in backend_grid(reg.get(n), device, args.quick, args.case_timeout)
                  if not args.feature or any(t in c.feature for t in args.feature)]
-        reports.append(run_kit(reg.get(n), device, budget_s=budget, cases=cases))
+        reports.append(run_kit(reg.get(n), device, budget_s=budget, cases=cases,
+                               case_timeout_s=args.case_timeout))
         if not args.json:  # each table as soon as it is known: a killed run keeps them
             print(format_report(reports[-1], args.verbose), end="\n\n", flush=True)
     checked = any(r.status != "skip" for rep in reports for r in rep.results)

@@ -18,6 +18,8 @@ HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
 #: Page sizes tried for the paged layout (each rounded up to the declared multiple).
 PAGE_SIZES = (1, 16, 64)
 SOFTCAP = 2.0  # small, with scaled-up inputs, so that a backend ignoring it is far off
+#: Softmax scale, times 1/sqrt(head_dim): not 1, so that a backend using the default is off.
+SCALE = 1.5
 
 
 def relative_bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -195,8 +197,13 @@ def _masks(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
             out += _misaligned(base, caps, "mask causal top_left (Sq != Sk)", "top_left")
     if "sliding_window" in m:
         out.append(replace(base, feature="mask sliding_window", window=(3, 0), causal=causal))
-        if not quick and base.phase != "decode":
+        if base.phase != "decode":  # non-causal: each edge is checked on its own
             out.append(replace(base, feature="mask sliding_window", window=(2, 2)))
+            out.append(replace(base, feature="mask sliding_window", window=(1, 4)))
+        if base.layout == "bshd" and base.phase != "decode":  # chunked prefill: Sq < Sk,
+            n = len(base.seqlens_q)  # the window sits on the bottom-right diagonal
+            out.append(replace(base, feature="mask sliding_window", window=(3, 1),
+                               seqlens_q=(5,) * n, seqlens_k=(12,) * n))
     if "alibi" in m:
         out.append(replace(base, feature="mask alibi", alibi=True, causal=causal))
     if "softcap" in m:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.spec import AttentionSpec, AttnParams, MaskSpec, torch_dtype
-from .cases import Case, relative_bias, skip_every_third
+from .cases import SCALE, Case, relative_bias, skip_every_third
 
 
 @dataclass
@@ -49,7 +49,7 @@ def build(case: Case, device: torch.device) -> Inputs:
     ks = [amp * torch.randn(n, hkv, d, generator=gen) for n in case.seqlens_k]
     vs = [torch.randn(n, hkv, dv, generator=gen) for n in case.seqlens_k]
     b = len(qs)
-    scale = 1.0 / math.sqrt(d)
+    scale = SCALE / math.sqrt(d)  # not the default: a backend must use params.scale
     extra = _mask_params(case, b, hq, hkv, max(case.seqlens_q), max(case.seqlens_k), gen)
     to = lambda t: t.to(device=device, dtype=dt)  # noqa: E731
     equal = len(set(case.seqlens_q)) == 1 and len(set(case.seqlens_k)) == 1

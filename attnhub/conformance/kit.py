@@ -4,8 +4,10 @@ A call passes when the backend returns ``AttentionOutput(out, lse)`` with ``out`
 layout's shape, q's dtype and device, no NaN, and within the FlashAttention rule of the fp64
 reference (2x the same-precision reference's error plus a rounding floor; 3x for gradients);
 LSE, when asked for, of the right shape with -inf exactly on fully masked rows; and, where
-determinism is declared, bitwise-equal results twice. Approximate backends (``exact=False``)
-are held to their declared ``error_budget`` (relative RMSE) instead of the rule.
+determinism is declared, bitwise-equal results twice; and always q, k, v and the params'
+tensors left unchanged, with an output of its own memory (``guards``). Approximate backends
+(``exact=False``) are held to their declared ``error_budget`` (relative RMSE) instead of the
+rule. ``check()`` raising or returning junk is the backend's crash/failure, not a decline.
 
 The backend is called directly (``check``, ``load``, ``forward``) with the spec and params the
 hub would build, so the kit judges the backend's own contract, not the hub's safety nets.
@@ -20,12 +22,14 @@ from typing import Any
 
 import torch
 
-from ..core.backend import Backend, safe_check
+from ..core.backend import Backend, reasons_of, safe_check
 from ..core.device import DeviceInfo
 from ..core.reference import reference_attention
 from ..errors import InputError
 from ..testing import fa_rule_error
 from .cases import Case, base_masks, grid
+from .guards import (Hung, InputsWritten, check_fields, check_untouched, fields_of, named_inputs,
+                     snapshot, within)
 from .inputs import Inputs, build
 
 STATUSES = ("pass", "fail", "crash", "skip")
@@ -39,6 +43,7 @@ class CaseResult:
     error: float | None = None
     allowed: float | None = None
     seconds: float = 0.0
+    hung: bool = False  # no result within the per-case limit (the call is still running)
 
     def to_json(self) -> dict[str, Any]:
         return {"feature": self.case.feature, "case": self.case.describe(),
@@ -82,38 +87,48 @@ class KitReport:
                 "cases": [r.to_json() for r in self.results]}
 
 
-def backend_grid(backend: Backend, device: DeviceInfo, quick: bool = False) -> list[Case]:
-    """The grid on the first base mask the backend accepts (see ``cases.BASE_MASKS``)."""
+def backend_grid(backend: Backend, device: DeviceInfo, quick: bool = False,
+                 timeout_s: float | None = None) -> list[Case]:
+    """The grid on the first base mask the backend accepts (see ``cases.BASE_MASKS``);
+    ``timeout_s`` bounds each check() call."""
     caps = backend.capabilities
     for mask in base_masks(caps):
         cases = grid(caps, quick, mask)
+        spec = build(cases[0], device.torch_device).spec
         try:
-            if not safe_check(backend, build(cases[0], device.torch_device).spec, device):
+            if not within(timeout_s, lambda: safe_check(backend, spec, device)):
                 return cases
-        except Exception:  # judged (as a crash) by run_case
+        except Exception:  # a hang here is judged (as a crash) by run_case
             return cases
     return grid(caps, quick)
 
 
 def run_kit(backend: Backend, device: DeviceInfo, *, quick: bool = False,
-            budget_s: float | None = None, cases: list[Case] | None = None) -> KitReport:
-    """Every case of ``backend``'s grid on ``device`` (the kit's entry point)."""
+            budget_s: float | None = None, cases: list[Case] | None = None,
+            case_timeout_s: float | None = None) -> KitReport:
+    """Every case of ``backend``'s grid on ``device`` (the kit's entry point). ``budget_s``
+    stops starting new cases; ``case_timeout_s`` stops waiting for a running one (a crash,
+    after which the backend's other cases are not run: the hung call still holds it)."""
     report = KitReport(backend.name, backend.plugin, device.describe())
     t_end = None if budget_s is None else time.monotonic() + budget_s
+    hung = ""
     for case in cases if cases is not None else backend_grid(backend, device, quick):
-        if t_end is not None and time.monotonic() > t_end:
-            report.results.append(CaseResult(case, "skip", f"not run: time budget "
-                                                          f"{budget_s:g}s spent"))
+        if hung or (t_end is not None and time.monotonic() > t_end):
+            why = f"an earlier case hung ({hung})" if hung else f"time budget {budget_s:g}s spent"
+            report.results.append(CaseResult(case, "skip", f"not run: {why}"))
             continue
         t0 = time.perf_counter()
-        res = run_case(backend, device, case)
+        res = run_case(backend, device, case, timeout_s=case_timeout_s)
+        hung = case.feature if res.hung else ""
         res.seconds = time.perf_counter() - t0
         report.results.append(res)
     return report
 
 
-def run_case(backend: Backend, device: DeviceInfo, case: Case) -> CaseResult:
-    """One call, judged; never raises for the backend's faults."""
+def run_case(backend: Backend, device: DeviceInfo, case: Case,
+             timeout_s: float | None = None) -> CaseResult:
+    """One call, judged; never raises for the backend's faults; with ``timeout_s`` never
+    waits longer than that for the backend (a crash with ``hung`` set)."""
     if case.notes:
         return CaseResult(case, "fail", "; ".join(case.notes))
     if case.untested:
@@ -122,12 +137,10 @@ def run_case(backend: Backend, device: DeviceInfo, case: Case) -> CaseResult:
         inp = build(case, device.torch_device)
     except Exception as exc:  # the kit's own fault: say so rather than blame the backend
         return CaseResult(case, "crash", f"kit could not build inputs: {_exc(exc)}")
-    reasons = safe_check(backend, inp.spec, device)
-    if reasons:
-        return CaseResult(case, "skip", "declines: " + "; ".join(reasons))
     try:
-        backend.load()
-        return _judge(backend, case, inp)
+        return within(timeout_s, lambda: _check_load_judge(backend, device, case, inp))
+    except Hung as exc:
+        return CaseResult(case, "crash", str(exc), hung=True)
     except KeyboardInterrupt:
         raise
     except InputError as exc:
@@ -137,11 +150,40 @@ def run_case(backend: Backend, device: DeviceInfo, case: Case) -> CaseResult:
         return CaseResult(case, "crash", _exc(exc))
 
 
+#: Marks the reasons ``Backend.check`` makes of its plugin's own bugs (``core.backend._bug``).
+_BUG_MARK = "(a bug in plugin "
+
+
+def _check_load_judge(backend: Backend, device: DeviceInfo, case: Case, inp: Inputs
+                      ) -> CaseResult:
+    """A check() that raises or returns no list of reasons is the backend's bug (a host
+    would silently skip it for every such call), not a decline."""
+    try:
+        got = backend.check(inp.spec, device)
+    except Exception as exc:
+        return CaseResult(case, "crash", f"check() raised {_exc(exc)}; return reasons instead")
+    items = reasons_of(backend, "check", got)  # a bad return value becomes one bug reason
+    bugs = [r for r in items if _BUG_MARK in r]  # check() or extra_checks returned junk,
+    if bugs:  # or extra_checks raised (Backend.check turns that into a reason)
+        return CaseResult(case, "fail", "; ".join(bugs))
+    if items:
+        return CaseResult(case, "skip", "declines: " + "; ".join(items))
+    backend.load()
+    return _judge(backend, case, inp)
+
+
 def _call(backend: Backend, inp: Inputs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    given = named_inputs(q, k, v, inp.params)
+    before, fields = snapshot(given), fields_of(inp.params)
     res = backend.forward(q, k, v, inp.spec, inp.params)
     if not isinstance(res, tuple) or len(res) != 2 or not isinstance(res[0], torch.Tensor):
         raise _Fail(f"returned {type(res).__name__}, expected AttentionOutput(out, lse)")
+    try:
+        check_fields(inp.params, fields)
+        check_untouched(given, before, res[0])
+    except InputsWritten as exc:
+        raise _Fail(str(exc)) from None
     return res[0], res[1]
 
 
@@ -172,12 +214,13 @@ def _judge(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
         if case.return_lse:
             _check_lse(lse, ref_lse, ref_lse_same, judge_values=not approx)
         if grad:
-            g_err, g_allowed = _grads(out, ref64, ref_same, (q, k, v), case, backend, inp)
+            g_err, g_allowed, g_name = _grads(out, ref64, ref_same, (q, k, v), case, backend,
+                                              inp)
             if approx:
                 g_allowed = math.inf
             if g_err > g_allowed:
-                return CaseResult(case, "fail", f"gradient error {g_err:.3g} > allowed "
-                                                f"{g_allowed:.3g}", g_err, g_allowed)
+                return CaseResult(case, "fail", f"gradient {g_name}: max error {g_err:.3g} > "
+                                                f"allowed {g_allowed:.3g}", g_err, g_allowed)
             err, allowed = g_err, g_allowed  # the row shows what backward adds
         if case.repeat and not grad:
             again, _ = _call(backend, inp, q, k, v)
@@ -258,22 +301,23 @@ def _check_lse(lse: torch.Tensor | None, ref: torch.Tensor, ref_same: torch.Tens
 
 def _grads(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
            inputs: tuple[torch.Tensor, ...], case: Case, backend: Backend,
-           inp: Inputs) -> tuple[float, float]:
+           inp: Inputs) -> tuple[float, float, str]:
+    """(error, allowed, name) of the gradient (dq, dk or dv) furthest past its bound."""
     gen = torch.Generator().manual_seed(99)
     dout = torch.randn(out.shape, generator=gen).to(out)
     grads = torch.autograd.grad(out, inputs, dout, retain_graph=case.repeat)
     g64 = torch.autograd.grad(ref64, inputs, dout.double())
     gsame = torch.autograd.grad(ref_same, inputs, dout)
-    worst, worst_allowed = 0.0, math.inf
-    for g, r64, rs in zip(grads, g64, gsame):
+    worst, worst_allowed, worst_name = 0.0, math.inf, "dq"
+    for name, g, r64, rs in zip(("dq", "dk", "dv"), grads, g64, gsame):
         if g is None or torch.isnan(g).any():
-            raise _Fail("gradient missing or NaN (backward declared)")
+            raise _Fail(f"gradient {name} missing or NaN (backward declared)")
         if g.shape != r64.shape or g.dtype != rs.dtype:
-            raise _Fail(f"gradient of shape {tuple(g.shape)} {g.dtype}, expected "
+            raise _Fail(f"gradient {name} of shape {tuple(g.shape)} {g.dtype}, expected "
                         f"{tuple(r64.shape)} {rs.dtype}")
         e, a = fa_rule_error(g, r64, rs, mult=3.0)
         if e - a > worst - worst_allowed:
-            worst, worst_allowed = e, a
+            worst, worst_allowed, worst_name = e, a, name
     if case.repeat:
         q, k, v = (x.detach().clone().requires_grad_(True) for x in inputs)
         with torch.enable_grad():
@@ -281,7 +325,7 @@ def _grads(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
         again = torch.autograd.grad(out2, (q, k, v), dout)
         if not all(torch.equal(a, b) for a, b in zip(again, grads)):
             raise _Fail("declared deterministic backward, but two backward passes differ")
-    return worst, worst_allowed
+    return worst, worst_allowed, worst_name
 
 
 def _exc(exc: BaseException) -> str:

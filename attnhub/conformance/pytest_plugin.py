@@ -19,6 +19,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--backend", action="append", default=[], metavar="NAME",
                     help="backend (or plugin) to check; repeat for several")
     group.addoption("--quick", action="store_true", help="the smaller CI grid")
+    group.addoption("--case-timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="fail a case whose call has not returned after this long")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -39,7 +41,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params, ids = [], []
     for name in selected(reg, names, all_available=False):
         for i, case in enumerate(backend_grid(reg.get(name), probe(),
-                                              metafunc.config.getoption("--quick"))):
+                                              metafunc.config.getoption("--quick"),
+                                              metafunc.config.getoption("--case-timeout"))):
             params.append((name, case))
             ids.append(f"{name}-{case.feature.replace(' ', '_')}-{i}")
     metafunc.parametrize("kit_case", params, ids=ids)
