@@ -5,11 +5,12 @@ limit, so that one hanging kernel cannot stall a whole check-plugin run)."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+
+from ..core.bounded import Stalled, bounded
 
 T = TypeVar("T")
 
@@ -68,25 +69,10 @@ class Hung(Exception):
 
 
 def within(limit_s: float | None, fn: Callable[[], T]) -> T:
-    """``fn()``, or :class:`Hung` after ``limit_s`` seconds. Python cannot stop a thread, so a
-    hung call keeps running in a daemon thread (it ends with the process); the caller must not
-    call the same backend again."""
-    if limit_s is None:
-        return fn()
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    th = threading.Thread(target=target, name="attnhub-kit-case", daemon=True)
-    th.start()
-    th.join(limit_s)
-    if th.is_alive():
+    """``fn()``, or :class:`Hung` after ``limit_s`` seconds (``core.bounded``: the hung call
+    keeps running in a daemon thread; the caller must not call the same backend again)."""
+    try:
+        return bounded(fn, limit_s, name="attnhub-kit-case")
+    except Stalled:
         raise Hung(f"no result after {limit_s:g}s (per-case limit): the call may hang; it is "
-                   "left running and this backend's remaining cases are not run")
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
+                   "left running and this backend's remaining cases are not run") from None

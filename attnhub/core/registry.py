@@ -39,6 +39,7 @@ from .. import hookspecs
 from ..errors import PluginError, UnknownBackendError
 from . import process_state
 from .backend import TIERS, Backend
+from .bounded import OwnInterrupt, Stalled, bounded
 from .capabilities import Capabilities
 
 log = logging.getLogger("attnhub")
@@ -210,10 +211,10 @@ class Registry:
         # thread's import lock: it loads here, unbounded
         bound = None if module.split(":")[0] in sys.modules else timeout
         try:
-            obj = _bounded(loader, bound)
+            obj = bounded(loader, bound)
         except KeyboardInterrupt:
             raise
-        except _Stalled as exc:
+        except Stalled as exc:
             _HUNG_IMPORTS[module] = exc.args[0]
             self._stall(rec, "its import")
             return rec
@@ -308,10 +309,10 @@ class Registry:
         if rec.name in self._stalled:
             return
         try:
-            got = _bounded(lambda: hook(register=register), timeout)
+            got = bounded(lambda: hook(register=register), timeout)
         except KeyboardInterrupt:
             raise
-        except _Stalled:
+        except Stalled:
             self._stall(rec, f"hook {hook.__name__}")
             return
         except BaseException as exc:
@@ -474,20 +475,6 @@ class _Gate:
         return False
 
 
-class _Stalled(Exception):
-    """A plugin's import or hook ran past the timeout (it is left running, unheard); the
-    argument is its worker thread."""
-
-
-class _OwnInterrupt(Exception):
-    """A ``KeyboardInterrupt`` a plugin raised itself (in the worker thread): a bug to record,
-    not the user asking the host to stop."""
-
-    def __str__(self) -> str:
-        return ("raised by the plugin's own code, not by Ctrl-C"
-                + (f": {self.args[0]}" if self.args and self.args[0] else ""))
-
-
 #: Module -> the worker still importing it past the timeout: a later load in this process
 #: would wait on the module's import lock, so it is skipped at once while that runs.
 _HUNG_IMPORTS: dict[str, threading.Thread] = {}
@@ -513,33 +500,6 @@ def plugin_timeout() -> float | None:
 def plugin_timeout_text() -> str:
     t = plugin_timeout()
     return f"{t:g} s ({TIMEOUT_ENV})" if t is not None else "the limit"
-
-
-def _bounded(fn: Callable[[], Any], timeout: float | None) -> Any:
-    """``fn()`` in a daemon thread, waited for at most ``timeout`` seconds (:class:`_Stalled`
-    after that; None: in this thread, no limit). Its exception, ``SystemExit`` too, is
-    re-raised here; a ``KeyboardInterrupt`` as :class:`_OwnInterrupt`: Ctrl-C reaches the
-    main thread only, so in the worker it is the plugin's own raise, not the user's."""
-    if timeout is None:
-        return fn()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except KeyboardInterrupt as exc:
-            box["error"] = _OwnInterrupt(str(exc))
-        except BaseException as exc:
-            box["error"] = exc
-
-    worker = threading.Thread(target=run, name="attnhub-plugin", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise _Stalled(worker)
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def _version(dist: str) -> str | None:
@@ -589,7 +549,7 @@ def _unknown_names(env: str, named: list[str], found: list[str]) -> list[str]:
 
 
 def _exc_text(exc: BaseException, lines: int = 1) -> str:
-    kind = "KeyboardInterrupt" if isinstance(exc, _OwnInterrupt) else type(exc).__name__
+    kind = "KeyboardInterrupt" if isinstance(exc, OwnInterrupt) else type(exc).__name__
     if not str(exc):
         return kind
     return "; ".join(f"{kind}: {exc}".splitlines()[:lines])[:300 * lines]
