@@ -349,3 +349,23 @@ def test_hosts_that_list_backends_take_a_broken_check_as_a_reason(site: Path) ->
                          max_seqlen_k=4, dtype="fp32")
     m, = measure(hub, spec, ["h_text"], torch.device("cpu"), warmup=0, repeats=1)
     assert m.skipped and "str" in m.skipped and "n; e" not in m.skipped
+
+
+def test_a_library_variable_set_while_loading_is_not_the_plugins_bug(site: Path,
+                                                                    monkeypatch) -> None:
+    """Libraries a plugin imports set their own variables (torch sets CUDA_MODULE_LOADING
+    when CUDA starts): only the host's ATTNHUB_* variables are guarded, so the plugin is not
+    reported broken on a GPU machine and the library's setting stays."""
+    monkeypatch.delenv("ADV3_LIBRARY_SETTING", raising=False)
+    mod = _module(site, "libvar", '''
+        os.environ["ADV3_LIBRARY_SETTING"] = "LAZY"
+        @hookimpl
+        def attnhub_register_backends(register):
+            register(Good())
+        ''')
+    try:
+        reg = _load(mod)
+        assert os.environ.get("ADV3_LIBRARY_SETTING") == "LAZY"
+        assert reg.plugins[mod].errors == []
+    finally:
+        os.environ.pop("ADV3_LIBRARY_SETTING", None)

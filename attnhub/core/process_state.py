@@ -59,9 +59,16 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
 )
 
 
+def _own_env() -> dict[str, str]:
+    """The host's own variables (``ATTNHUB_*``): the ones that steer every later call. Other
+    variables are left alone: libraries a plugin imports set theirs legitimately (torch sets
+    ``CUDA_MODULE_LOADING`` when CUDA starts), which must not read as the plugin's bug."""
+    return {k: v for k, v in os.environ.items() if k.startswith("ATTNHUB_")}
+
+
 def snapshot() -> tuple[list[Any], dict[str, str]]:
-    """The current values of :data:`SETTINGS` and a copy of the environment."""
-    return [get() for _, get, _ in SETTINGS], dict(os.environ)
+    """The current values of :data:`SETTINGS` and the host's ``ATTNHUB_*`` variables."""
+    return [get() for _, get, _ in SETTINGS], _own_env()
 
 
 def restore(before: tuple[list[Any], dict[str, str]]) -> list[str]:
@@ -74,7 +81,7 @@ def restore(before: tuple[list[Any], dict[str, str]]) -> list[str]:
         if new != old:
             put(old)
             changed.append(f"{what} {old!r} -> {new!r}")
-    now = dict(os.environ)
+    now = _own_env()
     keys = sorted(k for k in env.keys() | now.keys() if env.get(k) != now.get(k))
     for k in keys:
         if k in env:
