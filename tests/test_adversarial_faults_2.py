@@ -25,7 +25,8 @@ from attnhub.core.builtin import ReferenceBackend
 from attnhub.core.capabilities import ALL_MASKS, Capabilities
 from attnhub.core.device import simulate
 from attnhub.core.registry import Registry
-from attnhub.core.spec import AttentionSpec
+from attnhub.core.reference import reference_attention
+from attnhub.core.spec import AttentionSpec, AttnParams
 from attnhub.errors import NoBackendError, OutputContractError, PolicyError
 from attnhub.policy.profile import ProfileStore
 from tests.test_settle_ties import _hub as _tie_hub, _qkv, registry  # noqa: F401 (fixture)
@@ -131,9 +132,6 @@ GRAPH = {
     # a call that needs gradients, answered by an output cut from the graph: training went on
     # with no gradient through attention, silently
     "detached": (True, lambda s, out, lse, *a: AttentionOutput(out.detach(), lse)),
-    # a call without gradients, answered by an output holding a graph the caller did not ask for
-    "own graph": (False, lambda s, out, lse, *a: AttentionOutput(
-        out * torch.ones((), requires_grad=True), lse)),
     "subclass": (False, lambda s, out, lse, *a: AttentionOutput(out.as_subclass(_Marked), lse)),
 }
 
@@ -409,3 +407,22 @@ def test_a_store_write_blocked_by_a_path_names_it(tmp_path: Path, block: str) ->
     if block == "lock is a folder":
         assert str(blocked) in str(exc.value)
         assert store.speed(dev, spec, "kept") == 1e-3 and store.speed(dev, spec, "new") is None
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch_sdpa", None])
+def test_learned_slopes_with_frozen_qkv_get_their_gradient(backend: str | None) -> None:
+    """An output in a graph of its own is the contract too: learned ALiBi slopes with q, k, v
+    frozen (the hub refused that output as "a graph the caller did not ask for")."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 7, 2, 8, generator=g) for _ in range(3))
+    slopes = torch.rand(2, generator=g).requires_grad_()
+    kw = {"backend": backend} if backend else {}
+    out = attnhub.attention(q, k, v, causal=True, alibi_slopes=slopes, **kw)
+    go = torch.randn(out.shape, generator=g)
+    got, = torch.autograd.grad(out, (slopes,), go)
+    ref_s = slopes.detach().double().requires_grad_()
+    ref, _ = reference_attention(q.double(), k.double(), v.double(),
+                                 AttnParams(scale=8 ** -0.5, causal=True, alibi_slopes=ref_s))
+    want, = torch.autograd.grad(ref, (ref_s,), go.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

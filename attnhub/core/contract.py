@@ -610,9 +610,10 @@ def check_result(backend: str, res: Any) -> tuple[Any, Any]:
 def check_output(backend: str, out: Any, lse: Any, q: torch.Tensor, v: torch.Tensor,
                  layout: str, return_lse: bool, needs_grad: bool | None = None) -> None:
     """A backend's result against the contract: out is ``q.shape[:-1] + (Dv,)`` in q's dtype
-    on q's device, a plain tensor (or q's own class), in the autograd graph exactly when the
-    call needs gradients (``needs_grad``; None: not checked); LSE (when asked for) fp32,
-    (B, Hq, Sq) or (Hq, T) for thd. Metadata only."""
+    on q's device, a plain tensor (or q's own class), in the autograd graph when the call
+    needs gradients (``needs_grad``; an output in a graph of its own is fine: learned side
+    tensors such as ALiBi slopes or a captured score bias put it there); LSE (when asked
+    for) fp32, (B, Hq, Sq) or (Hq, T) for thd. Metadata only."""
     want = (*q.shape[:-1], v.shape[-1])
     if not isinstance(out, torch.Tensor):
         raise OutputContractError(f"backend {backend!r} returned {type(out).__name__} as the "
@@ -625,14 +626,10 @@ def check_output(backend: str, out: Any, lse: Any, q: torch.Tensor, v: torch.Ten
         raise OutputContractError(
             f"backend {backend!r} returned out as a {type(out).__name__} (a torch.Tensor "
             f"subclass); the contract is a plain tensor like q ({type(q).__name__})")
-    if needs_grad is not None and out.requires_grad != needs_grad:
+    if needs_grad and not out.requires_grad:
         raise OutputContractError(
             f"backend {backend!r} returned an output cut from the autograd graph for a call "
-            "that needs gradients: no gradient would reach q, k or v through it"
-            if needs_grad else
-            f"backend {backend!r} returned an output that requires grad for a call without "
-            "gradients (grad mode off or no input requiring grad): it would keep a graph "
-            "the caller did not ask for")
+            "that needs gradients: no gradient would reach q, k or v through it")
     if return_lse:
         lwant = (q.shape[1], q.shape[0]) if layout == "thd" else (
             q.shape[0], q.shape[2], q.shape[1])

@@ -93,18 +93,6 @@ def _several_queries(q: torch.Tensor, spec: AttentionSpec, params: AttnParams) -
     return q.shape[1] > 1
 
 
-def _check_gate_grad(name: str, gate: Any, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> None:
-    """The hub differentiates a call through q, k and v only: a gate that requires grad in a
-    call where none of them does would put an output in a graph the hub did not ask for
-    (refused as the backend's failure, naming no fix); this names the gate instead."""
-    if (isinstance(gate, torch.Tensor) and gate.requires_grad and torch.is_grad_enabled()
-            and not (q.requires_grad or k.requires_grad or v.requires_grad)):
-        raise InputError(f"{name}: extra[{X.GATE!r}] requires grad but q, k and v do not, so "
-                         "this call computes no gradients; let q, k or v require grad (the "
-                         f"gate's gradient then flows too), or pass extra[{X.GATE!r}].detach()")
-
-
 class _LinearFamily(Backend):
     """Shared machinery: layouts, state cache, prefix state, chunked vs recurrent."""
 
@@ -143,7 +131,6 @@ class _LinearFamily(Backend):
         if X.GATE in params.extra and self.name != "gla":
             raise InputError(f"{self.name}: extra[{X.GATE!r}] given, but {self.name} has no "
                              "data-dependent gate; bind this layer to gla to use it")
-        _check_gate_grad(self.name, params.extra.get(X.GATE), q, k, v)
         batch = (params.cu_seqlens_q.numel() - 1 if spec.layout == "thd" else q.shape[0])
         ref = X.state_ref(params.extra, batch, self.name)
         if spec.layout == "paged" and ref is not None:
