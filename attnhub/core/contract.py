@@ -494,6 +494,8 @@ class PagedTables(_Memo):
     def __init__(self) -> None:
         super().__init__()
         self._vouched: dict[int, tuple] = {}
+        #: tables their cache has taken back (``revoke``): id -> (weakref, why)
+        self._revoked: dict[int, tuple] = {}
 
     def check(self, q: torch.Tensor, k: torch.Tensor, block_table: Any,
               seqlens_k: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -521,6 +523,8 @@ class PagedTables(_Memo):
     def values(self, q: torch.Tensor, k: torch.Tensor, block_table: torch.Tensor,
                seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The contents check alone (types and shapes already checked)."""
+        if self._revoked:
+            self._refuse_revoked(block_table)
         # what the check depended on: the cache's (pages, page_size, ...), q's batch (the
         # tables' rows) and device (the snapshots')
         geometry = (k.shape, q.shape[0], q.device)
@@ -549,6 +553,27 @@ class PagedTables(_Memo):
             self._vouched[id(t)] = entry
             while len(self._vouched) > 8:
                 del self._vouched[next(iter(self._vouched))]
+
+    def revoke(self, t: torch.Tensor, why: str) -> None:
+        """Take back a block table its cache built: some page it names went back to the free
+        list (``why`` says how), so it may point at another sequence's tokens. Every later
+        check of ``t`` raises; the memo that held it is dropped, so the hub's per-layer
+        shortcut cannot take it either (no cost on the hot path)."""
+        with self._lock:
+            self._vouched.pop(id(t), None)
+            if self._memo and self._memo[0] is t:
+                self._memo = ()
+            self._revoked[id(t)] = (weakref.ref(t), why)
+            if len(self._revoked) > 64:  # the tables themselves are gone: forget them
+                self._revoked = {i: e for i, e in self._revoked.items() if e[0]() is not None}
+
+    def _refuse_revoked(self, bt: torch.Tensor) -> None:
+        entry = self._revoked.get(id(bt))
+        if entry is not None and entry[0]() is bt:
+            raise SeqlensError(
+                f"block_table was built by a PagedKVCache whose pages it names were freed "
+                f"since ({entry[1]}): it may point at another sequence's tokens. Build the "
+                "tables again from the cache (cache.step(...) or cache.block_table(...))")
 
     def _proof(self, bt: torch.Tensor, sl: torch.Tensor, num_pages: int,
                page: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:

@@ -16,6 +16,7 @@ recurrent state) keep their per-sequence state beside the pages (``attach_state`
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,6 +195,8 @@ class PagedKVCache:
         self._version = 0
         #: Per-sequence state of layers bound to stateful backends (``attach_state``).
         self.states = SequenceStates()
+        #: block tables handed out and the pages they name, revoked when one is freed
+        self._tables: list[tuple[weakref.ref, frozenset[int]]] = []
 
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -263,11 +266,31 @@ class PagedKVCache:
         seq_id = self._check_id(seq_id)
         self.states.free(seq_id)
         seq = self._seqs.pop(seq_id)
+        released = []
         for p in reversed(seq.pages):
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
+                released.append(p)
         self._version += 1
+        self._revoke_tables(released, f"sequence {seq_id} was freed")
+
+    def _revoke_tables(self, pages: Iterable[int], why: str) -> None:
+        """Revoke the block tables handed out that name any of ``pages`` (back on the free
+        list): a call that passes one would read whatever the page's next owner writes."""
+        gone = set(pages)
+        if not gone:
+            return
+        live = []
+        for ref, named in self._tables:
+            t = ref()
+            if t is None:
+                continue
+            if named & gone:
+                PAGED.revoke(t, why)
+            else:
+                live.append((ref, named))
+        self._tables = live
 
     # -- appending --------------------------------------------------------------------------
     def reserve(self, seq_ids: Sequence[int], num_tokens: int | Sequence[int]) -> torch.Tensor:
@@ -479,7 +502,9 @@ class PagedKVCache:
         seqs, free, refs, tails = undo
         for seq, pages, length in seqs:
             seq.pages[:], seq.length = pages, length
+        released = set(free) - set(self._free)
         self._free[:], self._refs[:] = free, refs
+        self._revoke_tables(released, "the step that took them was aborted")
         with torch.no_grad():
             for tail in tails:
                 p, off = tail[:2]
@@ -565,7 +590,10 @@ class PagedKVCache:
         width = max((len(s.pages) for s in seqs), default=0) or 1
         rows = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
         host = torch.tensor(rows, dtype=torch.int32).view(len(seqs), width)
-        return self._vouched(host, self.num_pages)  # every entry is a page id of this cache
+        t = self._vouched(host, self.num_pages)  # every entry is a page id of this cache
+        self._tables = [e for e in self._tables if e[0]() is not None]
+        self._tables.append((weakref.ref(t), frozenset(p for s in seqs for p in s.pages)))
+        return t
 
     def seqlens(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """(B,) int32 token counts."""
