@@ -11,10 +11,12 @@ a longer key sequence (a step of ``generate()`` with a cache) is ``decode``, any
 ``prefill`` (``train`` when gradients flow). The bind context names the model and the layer.
 
 A model class whose attention does not go through ``AttentionInterface`` (transformers marks
-those with ``_supports_attention_backend = False``: Bloom, Falcon, ...) would ignore the name
-or misuse the mask; building one with ``attn_implementation="attnhub"`` raises ``InputError``,
-and so does a call carrying what attnhub would ignore (``guards``: sinks, biases, sparse
-indices, packed documents the mask does not keep apart). See docs/transformers.md.
+those with ``_supports_attention_backend = False``: Bloom, Falcon, T5, ...) would ignore the
+name or misuse the mask; building one with ``attn_implementation="attnhub"`` raises
+``InputError`` (``VETTED`` encoder-decoders, which leave the flag False but route through the
+interface, excepted), and so does a call carrying what attnhub would ignore (``guards``:
+sinks, biases, sparse indices, packed documents the mask does not keep apart, attention
+weights requested). See docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from ...core.decision import BindContext
 from ...errors import InputError
 from ...hub import Hub, HubRef, default_hub
-from .guards import HARMLESS, check_documents, refuse_unsupported
+from .guards import HARMLESS, check_documents, refuse_unsupported, weights_requested, where
 from .masks import DenseMask, mask_args
 
 if TYPE_CHECKING:
@@ -60,17 +62,34 @@ def register(hub: Hub | None = None, name: str = NAME) -> str:
     return name
 
 
+#: transformers model packages whose classes leave ``_supports_attention_backend`` False yet
+#: send every attention layer through ``AttentionInterface`` with masks from
+#: ``masking_utils``, compared with eager (tests/test_adversarial_hf_families_4.py). Others
+#: with the flag False stay refused: some call the interface too but fold ALiBi (Falcon) or
+#: a position bias (T5) in around it. The encoder-decoder wrappers hold no attention of their
+#: own: their sub-models are checked when they are built or switched.
+VETTED = frozenset({"bart", "mbart", "pegasus", "marian", "whisper", "blenderbot",
+                    "blenderbot_small", "m2m_100", "plbart", "encoder_decoder",
+                    "vision_encoder_decoder"})
+
+
+def _vetted(cls: type) -> bool:
+    return any(k.__module__.startswith("transformers.models.")
+               and k.__module__.split(".")[2] in VETTED for k in cls.__mro__)
+
+
 def check_model_class(cls: type, name: str = NAME) -> None:
     """Raise ``InputError`` unless transformers routes ``cls``'s attention through
-    ``AttentionInterface`` (its ``_supports_attention_backend`` flag)."""
-    if getattr(cls, "_supports_attention_backend", False):
+    ``AttentionInterface`` (its ``_supports_attention_backend`` flag, or a ``VETTED``
+    package)."""
+    if getattr(cls, "_supports_attention_backend", False) or _vetted(cls):
         return
     raise InputError(
-        f"{cls.__name__} cannot use attn_implementation={name!r}: its attention does not go "
-        "through transformers' AttentionInterface (_supports_attention_backend is False), so "
-        "attnhub would be bypassed or its mask misused (Bloom and Falcon add ALiBi inside "
-        "their own attention). Use attn_implementation='sdpa' or 'eager' for this model, or "
-        "a model class that supports attention backends")
+        f"{cls.__name__} cannot use attn_implementation={name!r}: transformers does not mark "
+        "its attention as routed through AttentionInterface (_supports_attention_backend is "
+        "False), so attnhub could be bypassed or miss a bias the model adds (Bloom and Falcon "
+        "add ALiBi, T5 a relative position bias). Use attn_implementation='sdpa' or 'eager' "
+        "for this model, or a model class that supports attention backends")
 
 
 def _guard_model_classes() -> None:
@@ -108,7 +127,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) in,
     (B, Sq, Hq, Dv) out, contiguous (models ``.view()`` it), and no attention weights."""
-    if dropout or not HARMLESS.issuperset(kwargs):
+    if dropout or not HARMLESS.issuperset(kwargs) or weights_requested():
         refuse_unsupported(module, dropout, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     device_type = q.device.type
@@ -152,8 +171,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if isinstance(attention_mask, torch.Tensor) and attention_mask.device != q.device:
         raise InputError(f"attention_mask is on {attention_mask.device} but the queries are on "
                          f"{q.device}: move the mask to {q.device}")
-    mask = mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk, module,
-                     heads=q.shape[2], other_windows=other)
+    try:
+        mask = mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk, module,
+                         heads=q.shape[2], other_windows=other)
+    except InputError as e:  # name the layer: Swin's window bias reaches here as a "mask"
+        raise InputError(f"{where(module)}: {e}") from None
     if sq > 1 and kwargs.get("cu_seq_lens_q") is not None:
         check_documents(module, kwargs["cu_seq_lens_q"], mask.get("mask_mod"), sq, sk)
     out = hub.attention(q, k, v, scale=scaling, softcap=softcap,

@@ -13,8 +13,9 @@ from .masks import DenseMask, proof
 
 
 def where(module: torch.nn.Module) -> str:
-    """The layer named in an error: its class and index."""
-    return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    """The layer named in an error: its class and index (encoders' layers often have none)."""
+    idx = getattr(module, "layer_idx", None)
+    return type(module).__name__ + ("" if idx is None else f" (layer {idx})")
 
 
 #: Keyword arguments that never change what attention computes: bookkeeping that transformers
@@ -31,27 +32,63 @@ HARMLESS = frozenset({
 #: What the refused keywords known to models mean, for the error.
 _MEANING = {"position_bias": "a learned position bias", "s_aux": "attention sinks",
             "sinks": "attention sinks", "indices": "sparse attention indices (DSA)",
-            "block_indices": "sparse attention block indices"}
+            "block_indices": "sparse attention block indices",
+            "head_mask": "a per-head mask"}
+
+#: Where eager and sdpa would drop the keyword silently too, pointing at them is no fix.
+_FIX = {"head_mask": "transformers 5 no longer applies head_mask (eager and sdpa ignore it): "
+                     "drop it, or zero those heads' columns of the output projection"}
+
+
+def _weights_collector() -> Any:
+    """transformers' output recorder (5.x, ``utils.output_capturing``): ``output_attentions``
+    is read by ``@capture_outputs`` and recorded by a hook on each attention module's second
+    output, which skips ``None``; models such as SigLIP never pass the flag down, so the
+    attention function would not see it and the caller got an empty ``attentions`` tuple."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # older transformers pass output_attentions to the function
+        return None
+    return _active_collector
+
+
+_COLLECTOR = _weights_collector()
+
+
+def weights_requested() -> bool:
+    """Whether the forward running now records attention weights (``output_attentions`` or
+    the config's, for self- or cross-attention). Under torch.compile, which cannot trace
+    ``ContextVar.get``, the collector transformers keeps in a plain attribute while compiling
+    (none when the recording forward itself is not compiled)."""
+    c = _COLLECTOR
+    if c is None:
+        return False
+    if torch.compiler.is_compiling():
+        wanted = getattr(c, "global_var", None) if getattr(c, "compiling", False) else None
+    else:
+        wanted = c.get()
+    return bool(wanted) and any("attentions" in key for key in wanted)
 
 
 def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
-    """Raise for attention dropout, ``output_attentions=True`` or any keyword with a value
-    outside ``HARMLESS``; called only when the fast test (``HARMLESS`` superset) failed."""
+    """Raise for attention dropout, attention weights requested (the keyword or transformers'
+    recorder) or any keyword with a value outside ``HARMLESS``; called only when the fast
+    test failed."""
     at = where(module)
     if dropout:
         raise InputError(f"{at}: attnhub attention has no dropout (got dropout={dropout}); "
                          "call model.eval() or set the config's attention dropout to 0")
-    if kwargs.get("output_attentions"):
+    if kwargs.get("output_attentions") or weights_requested():
         raise InputError(f"{at}: attnhub does not return attention weights; use "
                          "attn_implementation='eager' for output_attentions=True")
     for name, value in kwargs.items():
         if name in HARMLESS or name == "output_attentions" or value is None:
             continue
         what = _MEANING.get(name, "an argument attnhub does not know")
+        fix = _FIX.get(name, "use attn_implementation='eager' or 'sdpa' for this model")
         raise InputError(f"{at} passes {name!r} ({what}) to its attention function; "
-                         "attnhub's transformers integration would ignore it and compute "
-                         "another attention: use attn_implementation='eager' or 'sdpa' for "
-                         "this model")
+                         f"attnhub's transformers integration would ignore it and compute "
+                         f"another attention: {fix}")
 
 
 def check_documents(module: torch.nn.Module, cu_seqlens: Any, dense: Any, sq: int,

@@ -1,5 +1,6 @@
 """Test helpers for the transformers integration: one set of random weights under two
-attention implementations, and tiny-model runs on one intra-op thread."""
+attention implementations (optionally sharpened), padded batches, generate() under both, and
+tiny-model runs on one intra-op thread."""
 
 from __future__ import annotations
 
@@ -34,3 +35,42 @@ def one_intraop_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def sharpened(cfg: Any, auto: Any = None, factor: float = 8.0
+              ) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``twin_models`` with every matrix scaled by ``factor``: tiny random models attend
+    almost uniformly, where a lost mask or key hardly moves the output."""
+    ours, twin = twin_models(cfg, auto)
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.dim() >= 2:
+                p.mul_(factor)
+    twin.load_state_dict(ours.state_dict())
+    return ours, twin
+
+
+def padded(gen: torch.Generator, lens: tuple[int, ...], vocab: int, side: str = "right"
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids from 3 up, 0/1 attention mask) for rows of ``lens`` real tokens."""
+    width = max(lens)
+    ids = torch.randint(3, vocab, (len(lens), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lens):
+        mask[i, width - n:] = 1
+    return ids, (mask if side == "left" else mask.flip(1))
+
+
+def same_generation(ours: torch.nn.Module, other: torch.nn.Module, inputs: Any, what: str,
+                    atol: float = 2e-4, **kw: Any) -> None:
+    """generate() under both with one seed: the same tokens and every step's logits close."""
+    outs = []
+    for model in (ours, other):
+        torch.manual_seed(5)
+        outs.append(model.generate(inputs, output_logits=True, return_dict_in_generate=True,
+                                   **kw))
+    got, want = outs
+    assert torch.equal(got.sequences, want.sequences), what
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=1e-4,
+                                   msg=f"{what} step {step}")
