@@ -195,6 +195,7 @@ def main() -> None:
                 for nm, kw in (("gluon-s2-dq1", {"_stages": 2, "_dq_bufs": 1}),
                                (other, {"_pipe": not bwd_gluon.PIPE}),
                                (other + "-dq1", {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}),
+                               ("gluon-nohoist", {"_no_hoist": True}),
                                ("gluon-no-dq-probe", {"_probe": 2})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))

@@ -21,14 +21,11 @@ import os
 import re
 import sys
 
-import subprocess
-
 import torch
-import triton
 from triton.runtime.driver import driver
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_sm90_offline import _sass, _Sm90  # noqa: E402
+from gluon_sm90_offline import _resources, _sass, _Sm90  # noqa: E402
 
 #: SASS opcodes counted in the report (whole kernel and inside the key loop)
 OPS = ("LDL", "STL", "LDS", "STS", "LDSM", "BAR", "HMMA", "F2FP", "F2FP.F16.E4M3", "PRMT",
@@ -77,16 +74,6 @@ def _loop(sass: str) -> str:
         if i - start > len(best.splitlines()):
             best = "\n".join(lines[start:i + 1])
     return best
-
-
-def _resources(cubin: str) -> str:
-    """REG / STACK / LOCAL of the kernel from ``cuobjdump --dump-resource-usage``."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
-    out = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True,
-                         text=True, check=False).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
-    return f"regs={m[1]} stack={m[2]} local={m[4]}" if m else out.strip()[-200:]
 
 
 def resident(regs: int) -> int:

@@ -52,15 +52,46 @@ def _compile(kernel, call):
     return got["k"]
 
 
-def _sass(cubin: bytes, path: str) -> str:
-    with open(path, "wb") as f:
-        f.write(cubin)
+def _cuobjdump(flag: str, path: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     try:
-        return subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True,
+        return subprocess.run([tool, flag, path], capture_output=True, text=True,
                               check=False).stdout
     except OSError:
         return ""
+
+
+def _sass(cubin: bytes, path: str) -> str:
+    with open(path, "wb") as f:
+        f.write(cubin)
+    return _cuobjdump("--dump-sass", path)
+
+
+def _resources(cubin: str) -> str:
+    """``regs=R stack=S local=L`` of the cubin at path ``cubin`` (cuobjdump; the compile-only
+    warmup sets no ``n_regs``/``n_spills``, the driver does at load). Spills show in STACK."""
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)",
+                  _cuobjdump("--dump-resource-usage", cubin))
+    return f"regs={m[1]} stack={m[2]} local={m[4]}" if m else "regs=? stack=? local=?"
+
+
+def _hot_spills(sass: str) -> int:
+    """LDL + STL inside the innermost loops that issue wgmmas (the SASS between a backward
+    branch and its target, holding an HGMMA and no other backward branch): spills that cost
+    every tile, unlike scalars spilled around a loop."""
+    lines = sass.splitlines()
+    addr = [int(m[1], 16) if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/", ln)) else -1
+            for ln in lines]
+    back = [(int(m[1], 16), i) for i, ln in enumerate(lines)
+            if (m := re.search(r"@!?U?P\d\s+BRA\s+0x([0-9a-f]+)", ln))
+            and 0 <= int(m[1], 16) < addr[i]]  # conditional: the waits' jumps back are not
+    hot = set()
+    for target, end in back:
+        body = [j for j in range(end + 1) if addr[j] >= target]
+        inner = any(target <= addr[j] < addr[end] for _, j in back)
+        if not inner and any("HGMMA" in lines[j] for j in body):
+            hot.update(body)
+    return sum(bool(re.search(r"\b(LDL|STL)\b", lines[j])) for j in hot)
 
 
 def main() -> None:
@@ -68,6 +99,11 @@ def main() -> None:
     ap.add_argument("--dump", default="/tmp/gluon_sm90")
     ap.add_argument("--ws-only", action="store_true")
     ap.add_argument("--bwd", action="store_true", help="the Gluon backward (bwd_gluon) only")
+    ap.add_argument("--case", nargs="*", default=[],
+                    help="only these mask forms: full causal causal_tl window (default: all)")
+    ap.add_argument("--bwd-builds", nargs="*", default=["step", "pipe", "pipe1"],
+                    help="with --bwd: the shipped step, the pipelined one, it with 1 dQ buffer "
+                         "(default), and nohoist: the shipped step with _no_hoist")
     a = ap.parse_args()
     os.makedirs(a.dump, exist_ok=True)
     driver.set_active(_Sm90())
@@ -84,13 +120,17 @@ def main() -> None:
     cfgs = configs.GLUON_WS_SM90 + ([] if a.ws_only else configs.GLUON_SM90)
     if a.bwd:  # the shipped backward, then its timing variants (bwd_gluon.flash_bwd's _kw)
         from attnhub_triton_portable import bwd_gluon
-        cfgs = [{"BWD": True}, {"BWD": True, "_pipe": True},
-                {"BWD": True, "_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}]
+        builds = {"step": {"BWD": True, "_pipe": False}, "pipe": {"BWD": True, "_pipe": True},
+                  "pipe1": {"BWD": True, "_pipe": True, "_dq_bufs": 1},
+                  "nohoist": {"BWD": True, "_pipe": False, "_no_hoist": True}}
+        cfgs = [builds[n] for n in a.bwd_builds]
     bad = 0
     for cfg in cfgs:
         mod = fwd_gluon_ws if cfg.get("WS") else fwd_gluon
         kern = fwd_gluon_ws._fwd_ws_kernel if cfg.get("WS") else fwd_gluon._fwd_kernel
         for name, kw in cases:
+            if a.case and name not in a.case:
+                continue
             q = torch.randn(1, 1024, 16, 128, dtype=torch.bfloat16)
             k = torch.randn(1, 1024, 8, 128, dtype=torch.bfloat16)
             params = AttnParams(scale=128 ** -0.5, **kw)
@@ -124,11 +164,11 @@ def main() -> None:
             md = ck.metadata
             nreg = sorted(set(re.findall(
                 r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
-            print(f"OK {name:9s} {cfg}: regs={getattr(ck, 'n_regs', '?')} "
-                  f"spills={getattr(ck, 'n_spills', '?')} smem={md.shared} "
+            print(f"OK {name:9s} {cfg}: {_resources(f'{a.dump}/{tag}.cubin')} smem={md.shared} "
                   f"setmaxnreg={nreg} HGMMA={sass.count('HGMMA')} "
                   f"DEPBAR={sass.count('WARPGROUP.DEPBAR')} MUFU.EX2={sass.count('MUFU.EX2')} "
-                  f"LDL={sass.count('LDL')} STL={sass.count('STL')}")
+                  f"LDL={sass.count('LDL')} STL={sass.count('STL')} "
+                  f"loop_spills={_hot_spills(sass)}")
     sys.exit(1 if bad else 0)
 
 

@@ -20,7 +20,11 @@ about 1% (the barriers without it: 12.03 ms against 12.13), a tile-contiguous dQ
 (FlashAttention-3's layout, one TMA op a tile), a rotated walk of the query tiles, dQ's
 GEMM before dK's, and dK's left running under the next tile's first two GEMMs each timed
 no faster. The rest is the step's serial chain (softmax and dS between the GEMMs, two CTA
-barriers) at 255 registers with spills, two warpgroups and no ping-pong.
+barriers) at 255 registers with spills, two warpgroups and no ping-pong. Most of those
+spills are loop invariants LLVM hoists out of the query loop (the wgmma descriptors of K, V
+and dS, the mask's column offsets): the pipelined step keeps them in the loop and builds
+with no spill under Triton 3.6, and ``_no_hoist`` does the same to this step, both untimed
+(docs/benchmarks/cpu_20261205_gluon_offline_builds.md).
 
 dQ's summation order varies run to run: this kernel is not deterministic and is never picked
 when ``deterministic=True`` (the dq_mode "atomic" rule of :mod:`.configs`).
@@ -58,7 +62,8 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 #: stages and 1 buffer 14.1 ms. 2 + 2 fill 208 of the 227 KiB at d128.
 STAGES, DQ_BUFS = 2, 2
 #: The step: the next tile's first two GEMMs under this tile's dQ epilogue (True), or each
-#: tile's five GEMMs in its own step (False).
+#: tile's five GEMMs in its own step (False). The pipelined step is untimed: no spill under
+#: Triton 3.6 since 2026-12-05 (the offline builds' doc), 49 LDL / 45 STL before.
 PIPE = False
 
 
@@ -129,46 +134,70 @@ def _scores(c, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
+def _opaque_zero(c):
+    """0, from an asm with side effects that reads ``c``: an index the compiler cannot
+    fold or hoist, so a buffer indexed by it has its addresses made in the loop."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [c], gl.int32, is_pure=False,
+                                     pack=1)
+
+
+@gluon.jit
 def _step_pipelined(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, st, dpt, dk, dv,
-                    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                    ld_bar, q_desc, do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off,
-                    left, right, scale, scale2, HEAD_DIM: gl.constexpr,
+                    k_ring, v_ring, q_smem, do_smem, lse_smem, delta_smem, ds_ring, dq_smem,
+                    offs_smem, ld_bar, q_desc, do_desc, lse_desc, delta_desc, dq_desc, seqlen_q,
+                    q_off, left, right, scale, scale2, HEAD_DIM: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     DQ_BUFS: gl.constexpr, MASK_TILE: gl.constexpr, CAUSAL: gl.constexpr,
                     WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
                     st_layout: gl.constexpr, op_layout: gl.constexpr,
                     dq_layout: gl.constexpr):
-    """Tile ``c`` given its finished ``S^T`` and ``dP^T``: softmax, dV, dS, dK and dQ; then
-    the next tile's ``S^T`` and ``dP^T`` run on the tensor cores under this tile's dQ
-    epilogue (its store to shared memory, the CTA barrier, the reduce-add) and are waited
-    for before the step ends, so no wgmma is in flight across the loop's back edge (ptxas
-    serializes every wgmma of a loop where one is). Returns (S^T, dP^T, dK, dV)."""
+    """Tile ``c`` given its finished ``S^T`` and ``dP^T``: softmax, dS, dV, dQ and dK; dQ
+    goes to shared memory under dK's GEMM, then the next tile's ``S^T`` and ``dP^T`` run on
+    the tensor cores under this tile's dQ epilogue (the CTA barrier, the reduce-add, the
+    next load) and are waited for before the step ends, so no wgmma is in flight across the
+    loop's back edge (ptxas serializes every wgmma of a loop where one is). Returns (S^T,
+    dP^T, dK, dV).
+
+    Registers (255 a thread, two warpgroups): dK and dV hold 128, S^T and dP^T 64, dQ 32,
+    so dQ leaves for shared memory before the next tile's S^T and dP^T are issued (224
+    otherwise), dS is made before dV's GEMM takes P (P, dP^T and P's bf16 copy together
+    otherwise), and nothing loop-invariant may sit in registers: LLVM hoists the 32 wgmma
+    descriptors of K, V and dS (fixed addresses) and the mask's 16 column offsets per thread
+    out of the loop, and Triton 3.6 spilled them (49 LDL / 45 STL, full mask). Hence K, V
+    and dS are read through :func:`_opaque_zero`, and the offsets from shared memory."""
     stage = c % STAGES
     m0 = lo + (c - g * n_tiles) * BLOCK_M
     h = hk * group + g
+    zero = _opaque_zero(c)
+    k_smem = k_ring.index(zero)
+    v_smem = v_ring.index(zero)
+    ds_smem = ds_ring.index(zero)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    pt = _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, BLOCK_M, BLOCK_N,
-                MASK_TILE, CAUSAL, WIN_LEFT, WIN_RIGHT, st_layout)
+    offs = gl.arange(0, BLOCK_M, layout=col_layout)
+    if MASK_TILE:
+        offs = offs_smem.load(col_layout)  # a load in the loop: LLVM cannot hoist it
+    pt = _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, offs, BLOCK_M,
+                BLOCK_N, MASK_TILE, CAUSAL, WIN_LEFT, WIN_RIGHT, st_layout)
     qs = q_smem.index(stage)
     dos = do_smem.index(stage)
+    dst = _dst(pt, dpt, delta_smem.index(stage).load(col_layout)).to(q_smem.dtype)
     dv = warpgroup_mma(gl.convert_layout(pt.to(q_smem.dtype), op_layout), dos, dv,
                        is_async=True)
-    delta = delta_smem.index(stage).load(col_layout)
-    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_smem.dtype)
     ds_smem.store(dst)
     fence_async_shared()
     cta_barrier()  # dQ's GEMM reads both warpgroups' rows of dS^T
-    dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
     dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
                        gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout),
                        use_acc=False, is_async=True)
-    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-    # the next tile (on the last step, this one again: a branch would drain the wgmmas)
-    st, dpt = _scores(gl.minimum(c + 1, total - 1), k_smem, v_smem, q_smem, do_smem, ld_bar,
-                      BLOCK_M, BLOCK_N, STAGES, st_layout)
+    dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
+    dq, dv = warpgroup_mma_wait(num_outstanding=1, deps=(dq, dv))
     tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this step's dQ buffer
     dqs = dq_smem.index(c % DQ_BUFS)
     dqs.store(dq * scale)
+    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+    # the next tile (on the last step, this one again: a branch would drain the wgmmas)
+    st, dpt = _scores(gl.minimum(c + 1, total - 1), k_smem, v_smem, q_smem, do_smem, ld_bar,
+                      BLOCK_M, BLOCK_N, STAGES, st_layout)
     fence_async_shared()
     # both warpgroups' dQ rows are stored, and both are done with tile c's stage and dS
     cta_barrier()
@@ -181,17 +210,19 @@ def _step_pipelined(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, st, d
 
 
 @gluon.jit
-def _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, BLOCK_M: gl.constexpr,
-           BLOCK_N: gl.constexpr, MASK_TILE: gl.constexpr, CAUSAL: gl.constexpr,
-           WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr, st_layout: gl.constexpr):
+def _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, offs,
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_TILE: gl.constexpr,
+           CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
+           st_layout: gl.constexpr):
     """P^T of the tile from its scores ``S^T`` and its rows' LSE (masked where the tile
-    needs it; a row with LSE -inf attends nothing and gets zeros)."""
+    needs it, query ``m0 + offs[i]`` in column i; a row with LSE -inf attends nothing and
+    gets zeros)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     lse = lse_smem.index(stage).load(col_layout)
     lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     s = st * scale2
     if MASK_TILE:
-        cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+        cols = m0 + offs
         jj = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout)), 1)
         ok = fwd_gluon.band_mask(jj >= 0, gl.expand_dims(cols, 0) + q_off, jj, left, right,
                                  CAUSAL, WIN_LEFT, WIN_RIGHT)
@@ -200,33 +231,52 @@ def _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, BLOCK_M: gl.
 
 
 @gluon.jit
+def _dst(pt, dpt, delta):
+    """dS^T = P^T (dP^T - delta), and 0 where P is: a row or key that sees nothing must not
+    take 0 x NaN from a NaN value (dP^T's row of that key) into dQ or dK."""
+    return gl.where(pt == 0.0, 0.0, pt * (dpt - gl.expand_dims(delta, 0)))
+
+
+@gluon.jit
 def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem, v_smem,
-          q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc,
-          lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right, scale, scale2,
+          q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, offs_smem, ld_bar, q_desc,
+          do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right, scale, scale2,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, MASK_TILE: gl.constexpr,
           CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
           st_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
-          PROBE: gl.constexpr):
+          PROBE: gl.constexpr, NO_HOIST: gl.constexpr):
     """Query tile ``c`` of this program's walk (head g of the group, tile c - g * n_tiles):
     its five GEMMs. Nothing is in flight across the step's ends but the last DQ_BUFS - 1 dQ
-    reduce-adds and the loads of the next STAGES - 1 tiles."""
+    reduce-adds and the loads of the next STAGES - 1 tiles. ``k_smem``, ``v_smem``,
+    ``ds_smem``: rings of one. ``NO_HOIST``: their addresses and the mask's offsets made in
+    the loop, as the pipelined step does (:func:`_step_pipelined` says why)."""
     stage = c % STAGES
     m0 = lo + (c - g * n_tiles) * BLOCK_M
     h = hk * group + g
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    offs = gl.arange(0, BLOCK_M, layout=col_layout)
+    if NO_HOIST:
+        zero = _opaque_zero(c)
+        if MASK_TILE:
+            offs = offs_smem.load(col_layout)
+    else:
+        zero = 0
+    k_smem = k_smem.index(zero)
+    v_smem = v_smem.index(zero)
+    ds_smem = ds_smem.index(zero)
     qs = q_smem.index(stage)
     dos = do_smem.index(stage)
     st, dpt = _scores(c, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M, BLOCK_N, STAGES,
                       st_layout)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    pt = _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, BLOCK_M, BLOCK_N,
-                MASK_TILE, CAUSAL, WIN_LEFT, WIN_RIGHT, st_layout)
+    pt = _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, offs, BLOCK_M,
+                BLOCK_N, MASK_TILE, CAUSAL, WIN_LEFT, WIN_RIGHT, st_layout)
     dv = warpgroup_mma(gl.convert_layout(pt.to(q_smem.dtype), op_layout), dos, dv,
                        is_async=True)
     delta = delta_smem.index(stage).load(col_layout)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_smem.dtype)
+    dst = _dst(pt, dpt, delta).to(q_smem.dtype)
     ds_smem.store(dst)
     tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this step's dQ buffer
     fence_async_shared()
@@ -263,7 +313,8 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
                 WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
-                DQ_BUFS: gl.constexpr, PROBE: gl.constexpr, PIPE: gl.constexpr):
+                DQ_BUFS: gl.constexpr, PROBE: gl.constexpr, PIPE: gl.constexpr,
+                NO_HOIST: gl.constexpr):
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
     bh = gl.program_id(1)
     b = bh // num_kv_heads
@@ -285,14 +336,18 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
 
     dtype: gl.constexpr = q_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    # K, V and dS in rings of one: the pipelined step indexes them with _opaque_zero
+    k_ring = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_smem = k_ring.index(0)  # what the TMA loads write
+    v_smem = v_ring.index(0)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-    ds_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    ds_ring = gl.allocate_shared_memory(
+        dtype, [1, BLOCK_N, BLOCK_M],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM],
                                         dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -320,6 +375,12 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
     MASKED: gl.constexpr = CAUSAL or WIN_LEFT or WIN_RIGHT
     t_lo = (full_lo - lo) // BLOCK_M
     t_hi = (full_hi - lo) // BLOCK_M
+    offs_smem = q_smem  # unread unless the step does not hoist
+    if PIPE or NO_HOIST:  # the query offsets 0..BLOCK_M-1 in S^T's columns, for the step
+        offs_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        offs_smem.store(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout)))
+        cta_barrier()
     if PIPE:
         st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
         dpt = st
@@ -345,21 +406,21 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                     if PIPE:
                         st, dpt, dk, dv = _step_pipelined(
                             g * n_tiles + i, total, n_tiles, lo, g, hk, group, b, n0,
-                            num_heads, st, dpt, dk, dv, k_smem, v_smem, q_smem, do_smem,
-                            lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc, do_desc,
-                            lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right,
+                            num_heads, st, dpt, dk, dv, k_ring, v_ring, q_smem, do_smem,
+                            lse_smem, delta_smem, ds_ring, dq_smem, offs_smem, ld_bar, q_desc,
+                            do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right,
                             scale, scale2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS,
                             MASKED and bnd != 1, CAUSAL, WIN_LEFT, WIN_RIGHT, st_layout,
                             op_layout, dq_layout)
                     else:
                         dk, dv = _step(g * n_tiles + i, total, n_tiles, lo, g, hk, group, b, n0,
-                                   num_heads, dk, dv, k_smem, v_smem, q_smem, do_smem,
-                                   lse_smem, delta_smem, ds_smem, dq_smem, ld_bar, q_desc,
-                                   do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off,
-                                   left, right, scale, scale2, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   STAGES, DQ_BUFS, MASKED and bnd != 1, CAUSAL,
+                                   num_heads, dk, dv, k_ring, v_ring, q_smem, do_smem,
+                                   lse_smem, delta_smem, ds_ring, dq_smem, offs_smem, ld_bar,
+                                   q_desc, do_desc, lse_desc, delta_desc, dq_desc, seqlen_q,
+                                   q_off, left, right, scale, scale2, HEAD_DIM, BLOCK_M,
+                                   BLOCK_N, STAGES, DQ_BUFS, MASKED and bnd != 1, CAUSAL,
                                    WIN_LEFT, WIN_RIGHT, st_layout, op_layout, dq_layout,
-                                   PROBE)
+                                   PROBE, NO_HOIST)
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
     for t in gl.static_range(STAGES):
@@ -403,13 +464,14 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               delta: torch.Tensor, _probe: int = 0, _stages: int = STAGES,
-              _dq_bufs: int = DQ_BUFS, _pipe: bool = PIPE
+              _dq_bufs: int = DQ_BUFS, _pipe: bool = PIPE, _no_hoist: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
     2 dq altogether; ``_stages`` / ``_dq_bufs`` try other ring depths, ``_pipe`` the other
-    step (benchmarks)."""
+    step, ``_no_hoist`` the shipped step with the pipelined step's cure for its spills
+    (benchmarks)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
@@ -428,5 +490,5 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=args.causal,
         BOTTOM_RIGHT=args.bottom_right, WIN_LEFT=args.left >= 0, WIN_RIGHT=args.right >= 0,
         NUM_WARPS=NUM_WARPS, STAGES=_stages, DQ_BUFS=_dq_bufs, PROBE=_probe, PIPE=_pipe,
-        num_warps=NUM_WARPS, num_stages=1)
+        NO_HOIST=_no_hoist, num_warps=NUM_WARPS, num_stages=1)
     return dqacc.to(q.dtype), dk, dv

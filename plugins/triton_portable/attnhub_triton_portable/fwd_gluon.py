@@ -157,10 +157,12 @@ def _epilogue(acc, m_i, l_i, m0, offs_m, b, h, O, LSE, sob, sos, soh, slb, slh, 
               ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, row_o: gl.constexpr,
               o_layout: gl.constexpr):
     """Rows [m0, m0 + ROWS) of the output (acc / l) and their natural-log LSE, stored.
-    Fully masked rows end with l == 0: output 0 and LSE -inf, never 0/0."""
+    Fully masked rows end with l == 0: output 0 and LSE -inf, never 0/0, nor their zero
+    weights times a NaN value of a key they load but cannot see (as :mod:`.fwd`)."""
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+    l_o = gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    out = gl.where(l_o == 0.0, 0.0, acc / gl.where(l_o == 0.0, 1.0, l_o))
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     rows_o = m0 + gl.arange(0, ROWS, layout=row_o)
     cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))

@@ -74,15 +74,84 @@ def test_gluon_backward(shape: tuple[int, ...], kw: dict) -> None:
     for a, c in zip(first, second):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a.float(), c.float(), atol=1e-2, rtol=1e-2)
-    # its timing variants (one dQ buffer; the other step) give the same gradients, so the
-    # default can move to either on this evidence
+    # its timing variants (one dQ buffer; the other step; the shipped step without hoisted
+    # addresses) give the same gradients, so the default can move to any on this evidence
     from attnhub_triton_portable import bwd_gluon
 
     out = out.detach()
     delta = (out.float() * g.float()).sum(-1).transpose(1, 2).contiguous()  # lse's layout
     for variant in ({"_dq_bufs": 1}, {"_pipe": not bwd_gluon.PIPE},
-                    {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}):
+                    {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}, {"_no_hoist": True}):
         got = bwd_gluon.flash_bwd(args, out, lse, g, delta, **variant)
         for a, c in zip(first, got):
             torch.testing.assert_close(c.float(), a.float(), atol=1e-2, rtol=1e-2,
                                        msg=lambda m, v=variant: f"{v}: {m}")
+
+
+#: top-left window (100, 37), Sq 512 > Sk 256: rows 356.. see no key yet share a query tile
+#: (and its key tiles) with rows that do; v's key 250 (seen by rows 213..350) holds NaN
+_DEAD_SHAPE, _DEAD_KW, _NAN_KEY = (1, 512, 256, 4, 2, 128), {"window": (100, 37),
+                                                             "alignment": "top_left"}, 250
+
+
+def _dead_rows_case(seed: int) -> tuple:
+    """(q, k, v with NaN at _NAN_KEY, the same v with 0 there, params, dead-row mask (Sq,),
+    rows that see the NaN key (Sq,))."""
+    b, sq, sk, hq, hkv, d = _DEAD_SHAPE
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    clean = v.clone()
+    clean[:, _NAN_KEY] = 0
+    v[:, _NAN_KEY] = float("nan")
+    left, right = _DEAD_KW["window"]
+    i = torch.arange(sq, device="cuda")
+    dead = i - left > sk - 1
+    sees = (i - left <= _NAN_KEY) & (_NAN_KEY <= i + right)
+    return q, k, v, clean, AttnParams(scale=d ** -0.5, **_DEAD_KW), dead, sees
+
+
+@pytest.mark.parametrize("cfg", configs.GLUON_SM90 + configs.GLUON_WS_SM90, ids=str)
+def test_gluon_forward_dead_rows_stay_zero_under_nan_values(cfg: dict) -> None:
+    """A row that sees no key, in a tile that loads a NaN value: output 0 and LSE -inf
+    (its acc is zero weights times NaN = NaN; the epilogue divided it by a guarded 1)."""
+    from attnhub_triton_portable.fwd import flash_fwd, gluon_missing, gluon_unsupported
+    from attnhub_triton_portable.launch import DenseArgs
+
+    if cfg.get("WS") and gluon_missing(ws=True) is not None:
+        pytest.skip(gluon_missing(ws=True))
+    q, k, v, _, params, dead, _ = _dead_rows_case(7)
+    args = DenseArgs.from_params(q, k, v, params, "bshd")
+    assert gluon_unsupported(args, cfg) is None
+    out, lse = flash_fwd(args, cfg)
+    assert bool(dead.any()) and not bool(dead.all())
+    assert not bool(out[:, dead].isnan().any()) and not bool(out[:, dead].any())
+    assert bool(torch.isneginf(lse[..., dead]).all())
+
+
+def test_gluon_backward_nan_value_stays_in_rows_that_see_it() -> None:
+    """NaN in the value of one key: dQ of the rows that do not see it (dead rows: exactly 0),
+    and dK / dV of every other key, equal those of the same call with 0 there (dS took
+    0 x NaN from that key's dP^T row for every query of its tile)."""
+    from attnhub_triton_portable import bwd_gluon
+    from attnhub_triton_portable.fwd import flash_fwd, gluon_unsupported
+    from attnhub_triton_portable.launch import DenseArgs
+
+    q, k, v, clean, params, dead, sees = _dead_rows_case(11)
+    cfg = configs.GLUON_SM90[0]
+    args_clean = DenseArgs.from_params(q, k, clean, params, "bshd")
+    assert gluon_unsupported(args_clean, cfg) is None and bwd_gluon.supports(args_clean) is None
+    out, lse = flash_fwd(args_clean, cfg)
+    g = torch.randn_like(out)
+    delta = (out.float() * g.float()).sum(-1).transpose(1, 2).contiguous()
+    args_nan = DenseArgs.from_params(q, k, v, params, "bshd")
+    keys = torch.arange(k.shape[1], device="cuda") != _NAN_KEY
+    for variant in ({}, {"_pipe": not bwd_gluon.PIPE}, {"_no_hoist": True}):
+        want = bwd_gluon.flash_bwd(args_clean, out, lse, g, delta, **variant)
+        dq, dk, dv = bwd_gluon.flash_bwd(args_nan, out, lse, g, delta, **variant)
+        assert not bool(dq[:, dead].isnan().any()) and not bool(dq[:, dead].any()), variant
+        close = dict(atol=1e-2, rtol=1e-2, msg=lambda m, v=variant: f"{v}: {m}")
+        torch.testing.assert_close(dq[:, ~sees].float(), want[0][:, ~sees].float(), **close)
+        torch.testing.assert_close(dk[:, keys].float(), want[1][:, keys].float(), **close)
+        torch.testing.assert_close(dv[:, keys].float(), want[2][:, keys].float(), **close)
