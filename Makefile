@@ -8,7 +8,7 @@ install:
 	$(PY) -m pip install -q -r requirements/cpu.txt
 
 run: install
-	attnhub run
+	$(PY) -m attnhub run
 
 test: install
 	$(PY) -m pytest -n 2

@@ -18,6 +18,11 @@ Conventions, for whoever edits the docs:
   README.md must be read somewhere in the code, and every ``attnhub <command> --flag`` (in
   code spans and code blocks, or ``<command> --flag`` with a known command) must be an
   option of that command's parser, so a renamed flag or variable fails here.
+- Every ``attnhub <command> [<action>]`` they show must be a command of the CLI, every
+  relative Markdown link must reach a file, every backend they name where a backend is meant
+  (a ``backend`` table column, ``use:`` lists, ``backend=``, ``--backend(s)``/``--exclude``,
+  ``check-plugin NAME``, ``ATTNHUB_BACKEND``) must be registered, and every YAML block with
+  ``rules:`` must load as a policy (a fragment as an overlay of the default).
 - Every dotted name ``attnhub.x.y`` / ``attnhub_plugin.x`` and every repository path
   (``attnhub/...``, ``plugins/...``, ``tests/...::test_name``, ...) they name must exist; the
   few that name something else (a schema, a file a command writes) are listed below.
@@ -40,7 +45,9 @@ from attnhub.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-ALL_DOCS = [*DOCS, *sorted((ROOT / "plugins").glob("*/README.md"))]
+ALL_DOCS = [*DOCS, ROOT / "docs" / "benchmarks" / "README.md",
+            *sorted((ROOT / "plugins").glob("*/README.md")),
+            *sorted((ROOT / "examples").glob("*/README.md"))]
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 _SKIP = re.compile(r"<!--\s*snippet:\s*skip\b(.*?)-->")
 _RUNNER = """\
@@ -271,3 +278,151 @@ def test_policy_key_tables_match_the_schema(heading: str, model: str) -> None:
                   for name in re.findall(r"`([\w.]+)`", row)}
     fields = getattr(schema, model).model_fields
     assert documented == {f.alias or n for n, f in fields.items()}
+
+
+# ---------------------------------------------------------------- commands, links, backends
+
+
+def _command_words(line: str) -> list[list[str]]:
+    """The words after each ``attnhub`` that starts a command in ``line``."""
+    out = []
+    for part in re.split(r"&&|\|\||[;|#(]", line):
+        words = part.split()
+        while words and "=" in words[0]:  # VAR=value attnhub ...
+            words = words[1:]
+        if words[:1] == ["attnhub"] and len(words) > 1 and _WORD.match(words[1]):
+            out.append(words[1:])
+    return out
+
+
+def _unknown_commands(line: str, commands: dict[str, argparse.ArgumentParser]) -> list[str]:
+    bad = []
+    for words in _command_words(line):
+        if words[0] not in commands:
+            bad.append(words[0])
+            continue
+        actions = _subparsers(commands[words[0]])
+        if actions and len(words) > 1 and _WORD.match(words[1]) and words[1] not in actions:
+            bad.append(f"{words[0]} {words[1]}")
+    return bad
+
+
+def test_every_documented_command_exists() -> None:
+    commands = _subparsers(build_parser())
+    seen = 0
+    missing = []
+    for path in ALL_DOCS:
+        for line in _code_text(path):
+            seen += len(_command_words(line))
+            missing += [f"attnhub {c} ({path.relative_to(ROOT)})"
+                        for c in _unknown_commands(line, commands)]
+    assert seen > 20, f"only {seen} documented commands found: the scan is broken"
+    assert not missing, f"documented commands the CLI does not have: {sorted(set(missing))}"
+
+
+def test_command_scan_catches_an_unknown_command() -> None:
+    commands = _subparsers(build_parser())
+    assert _unknown_commands("attnhub fp8check --kv", commands) == ["fp8check"]
+    assert _unknown_commands("X=1 attnhub policy chek a.yaml", commands) == ["policy chek"]
+    assert _unknown_commands("attnhub policy check a.yaml && attnhub run", commands) == []
+
+
+def test_every_command_takes_json() -> None:
+    """README: "Every command takes `--json`" (each leaf command, actions included)."""
+    def leaves(parser: argparse.ArgumentParser, name: str) -> list[tuple[str, set[str]]]:
+        subs = _subparsers(parser)
+        if not subs:
+            return [(name, _options(parser))]
+        return [leaf for n, p in subs.items() for leaf in leaves(p, f"{name} {n}".strip())]
+
+    found = leaves(build_parser(), "")
+    assert len(found) > 10
+    assert not [n for n, opts in found if "--json" not in opts]
+
+
+_LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
+
+
+def test_every_relative_link_reaches_a_file() -> None:
+    missing = []
+    for doc in ALL_DOCS:
+        for target in _LINK.findall(_FENCE.sub("", doc.read_text())):
+            path = target.split("#", 1)[0]
+            if not path or re.match(r"^[a-z]+:", target):
+                continue  # an anchor in the same file, or a URL
+            if not (doc.parent / path).exists():
+                missing.append(f"{target} ({doc.relative_to(ROOT)})")
+    assert not missing, f"links to files that do not exist: {missing}"
+
+
+#: Backend names the docs use for a third-party plugin not installed here, and placeholders.
+EXAMPLE_BACKENDS = {"example", "myattn", "NAME", "name"}
+_NAMED = [re.compile(p) for p in (
+    r"""\b(?:local_)?backend\s*=\s*["']([\w.-]+)["']""",  # backend="x" in Python
+    r"--(?:backend|backends|exclude)[ =]([\w,.-]+)",  # CLI flags
+    r"\bcheck-plugin (\w[\w.-]*)",
+    r"\bATTNHUB_BACKEND=([\w.-]+)",
+    r"\bATTNHUB_PROVIDERS=([\w.-]+)=",
+)]
+
+
+def _table_backends(text: str) -> list[str]:
+    """First-column code spans of Markdown tables whose first header cell is ``backend``."""
+    names = []
+    for table in re.findall(r"(?:^\|.*\n)+", _FENCE.sub("", text), re.M):
+        rows = table.splitlines()
+        if rows[0].split("|")[1].strip().lower() == "backend":
+            names += [n for row in rows[2:] for n in re.findall(r"`([\w.-]+)`",
+                                                                 row.split("|")[1])]
+    return names
+
+
+def _documented_backends(path: Path) -> list[str]:
+    names = _table_backends(path.read_text())
+    for line in _code_text(path):
+        for pattern in _NAMED:
+            names += [n for m in pattern.findall(line) for n in m.split(",") if n]
+    return names
+
+
+def test_every_documented_backend_is_registered() -> None:
+    from attnhub.core.registry import Registry
+
+    known = set(Registry.load().backends) | EXAMPLE_BACKENDS
+    named = {(n, p.relative_to(ROOT)) for p in ALL_DOCS for n in _documented_backends(p)}
+    assert len(named) > 20, f"only {len(named)} documented backend names: the scan is broken"
+    missing = sorted(f"{n} ({where})" for n, where in named if n not in known)
+    assert not missing, f"documented backends no plugin registers: {missing}"
+
+
+def test_backend_scan_catches_an_unknown_backend(tmp_path: Path) -> None:
+    doc = tmp_path / "README.md"
+    doc.write_text("| backend | what |\n|---|---|\n| `fa3x` | typo |\n\n"
+                   "`attnhub bench --backends torch_sdpa,trition`\n\n"
+                   "```python\nattnhub.attention(q, k, v, backend='sdpa')\n```\n")
+    assert sorted(_documented_backends(doc)) == ["fa3x", "sdpa", "torch_sdpa", "trition"]
+
+
+def _policy_blocks() -> list[tuple[str, str]]:
+    return [(where, src) for p in ALL_DOCS for lang, where, src, _ in _blocks(p)
+            if lang == "yaml" and re.search(r"^rules:", src, re.M)]
+
+
+@pytest.mark.parametrize("where,src", _policy_blocks(), ids=[b[0] for b in _policy_blocks()])
+def test_documented_policy_loads(where: str, src: str, tmp_path: Path) -> None:
+    """A YAML policy in the docs loads (keys, ``before:`` targets, conditions) and names only
+    registered backends; a fragment (no ``name``) is read as an overlay of the default."""
+    from attnhub.core.registry import Registry
+    from attnhub.policy import load_policy
+    from attnhub.policy.lint import lint_policy
+
+    if not re.search(r"^name:", src, re.M):
+        src = "name: doc-fragment\nversion: 1\nextends: default\n" + src
+    path = tmp_path / "doc.yaml"
+    path.write_text(src)
+    policy = load_policy(str(path))
+    unknown = [f for f in lint_policy(policy, Registry.load())
+               if f.level == "error" and str(path) in f.where
+               and f.message.startswith("unknown backend")
+               and not any(f"'{n}'" in f.message for n in EXAMPLE_BACKENDS)]
+    assert not unknown, f"{where}: " + "; ".join(map(str, unknown))

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
-from typing import Any, Callable, Sequence
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 
 def at_least(low: float, kind: type = int, *, strict: bool = False) -> Callable[[str], Any]:
@@ -42,18 +46,20 @@ def list_of(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 STORE_FAILED = 3  # exit status: measured and printed, but the profile store was not written
 
 
-def recorded(command: str, path: Any, record: Callable[[], None]) -> bool:
+def recorded(command: str, path: Any, record: Callable[[], None],
+             skip_flag: str = "--no-store") -> bool:
     """Run ``record`` (writes to the profile store at ``path``) after the results were
     printed; False, said on stderr, if the store cannot be read or written (the results are
-    not lost with it; the store on disk is as it was)."""
+    not lost with it; the store on disk is as it was). ``skip_flag``: the command's own flag
+    for not recording, named in the fix."""
     from ..errors import PolicyError
 
     try:
         record()
     except (OSError, PolicyError, ValueError) as exc:
         print(f"\nattnhub {command}: the profile store {path} could not be written ({exc}); "
-              "the results above were not recorded: fix it, or pass --store PATH (or "
-              "--no-store)", file=sys.stderr)
+              f"the results above were not recorded: fix it, or pass --store PATH (or "
+              f"{skip_flag})", file=sys.stderr)
         return False
     return True
 
@@ -67,9 +73,73 @@ def seed(text: str) -> int:
     return value
 
 
-def add_hardware(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hardware", metavar="ARCH",
-                   help="simulate a device for offline planning (cpu, sm80, sm90, gfx942, ...)")
+def wants_progress(args: argparse.Namespace) -> bool:
+    """A progress bar only on a terminal: not with --json or --no-progress, nor when stderr is
+    piped or in a file (a bar's carriage returns would fill the log)."""
+    return not (getattr(args, "json", False) or getattr(args, "no_progress", False)
+                or not sys.stderr.isatty())
+
+
+def progress(args: argparse.Namespace, desc: str, total: int, unit: str = "it") -> Any:
+    """A tqdm bar on stderr for long work, or None (see ``wants_progress``)."""
+    if not wants_progress(args):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` (same suffix, so writers that infer the format from
+    it still do) that replaces ``path`` only when the block succeeds: a failed or interrupted
+    write leaves the old file, or none, never a truncated one."""
+    target = Path(os.path.realpath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix,
+                               dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:  # on disk before the rename, as the store's JSON
+            os.fsync(f.fileno())
+        from ..policy.profile import _UMASK
+
+        os.chmod(tmp, 0o666 & ~_UMASK)  # as an ordinary new file (mkstemp: 0600)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """``path`` holds ``text`` afterwards, or is as it was (see ``atomic_path``)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def hardware_names(text: str) -> str:
+    """An argparse ``type`` for a ``--hardware`` list: at least one name (an empty value
+    planned for this machine, or for ATTNHUB_HARDWARE, as if the flag had not been given)."""
+    if not [h for h in text.split(",") if h.strip()]:
+        raise argparse.ArgumentTypeError(f"{text!r} names no hardware; pass e.g. sm90, or "
+                                         "leave the flag out")
+    return text
+
+
+def hardware_name(text: str) -> str:
+    """An argparse ``type`` for a one-device ``--hardware``: exactly one name (``explain``
+    read the first of ``sm90,sm80`` and dropped the rest without a word)."""
+    names = [h.strip() for h in hardware_names(text).split(",") if h.strip()]
+    if len(names) > 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: one device here; `attnhub plan --hardware "
+                                         f"{','.join(names)}` compares several")
+    return names[0]
+
+
+def add_hardware(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    p.add_argument("--hardware", metavar="ARCH", type=hardware_name,
+                   help=help or "simulate a device for offline planning (cpu, sm80, sm90, "
+                                "gfx942, ...)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:

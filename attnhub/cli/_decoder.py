@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._common import add_hardware, at_least, seed
+from ._common import add_hardware, at_least, progress, seed, wants_progress
 
 
 def parse_heads(text: str) -> tuple[int, int]:
@@ -25,6 +24,17 @@ def parse_heads(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"--heads {text!r}: query heads must be a positive "
                                          "multiple of KV heads")
     return hq, hkv
+
+
+def even_head_dim(text: str) -> int:
+    """``--head-dim``: a positive even number (the decoder's rotary embedding rotates pairs of
+    channels; an odd one failed mid-run with a shape error)."""
+    value = at_least(1)(text)
+    if value % 2:
+        near = " or ".join(str(x) for x in (value - 1, value + 1) if x)
+        raise argparse.ArgumentTypeError(f"{text!r}: the decoder's rotary embedding needs an "
+                                         f"even head dim; use {near}")
+    return value
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:
@@ -58,16 +68,17 @@ def parse_device(text: str) -> torch.device:
 
 
 def add_decoder_args(p: argparse.ArgumentParser, *, batch: int = 4, prompt_len: int = 128,
-                     new_tokens: int = 32) -> None:
+                     new_tokens: int = 32, hardware_help: str | None = None) -> None:
     """The model and run-size flags (small CPU-friendly defaults)."""
     p.add_argument("--policy", metavar="FILE",
                    help="policy YAML (default: ATTNHUB_POLICY, else the packaged default)")
-    add_hardware(p)
+    add_hardware(p, hardware_help)
     g = p.add_argument_group("model (built-in decoder, random weights)")
     g.add_argument("--layers", type=at_least(1), default=4, help="decoder layers (default 4)")
     g.add_argument("--heads", type=parse_heads, default=(8, 2), metavar="Q:KV",
                    help="query:KV heads (default 8:2)")
-    g.add_argument("--head-dim", type=at_least(1), default=64, help="head dim (default 64)")
+    g.add_argument("--head-dim", type=even_head_dim, default=64,
+                   help="head dim, even (default 64)")
     g.add_argument("--vocab", type=at_least(1), default=1024, help="vocabulary size (default 1024)")
     g.add_argument("--intermediate", type=at_least(1), default=None,
                    help="MLP width (default 8/3 of the hidden size)")
@@ -108,6 +119,7 @@ def build(args: argparse.Namespace) -> Setup:
     ``--hardware`` the model is shapes only (meta device): a plan for a machine not here."""
     from ..core.device import DeviceInfo, library_versions
     from ..core.spec import torch_dtype
+    from ..errors import AttnhubError
     from ..hub import Hub
     from ..models.decoder import Decoder, DecoderConfig
 
@@ -121,11 +133,13 @@ def build(args: argparse.Namespace) -> Setup:
     gpu = hub.device.vendor != "cpu"
     dtype = torch_dtype(args.dtype or ("bf16" if gpu else "fp32"))
     hq, hkv = args.heads
-    cfg = DecoderConfig(num_layers=args.layers, num_q_heads=hq, num_kv_heads=hkv,
-                        head_dim=args.head_dim, vocab_size=args.vocab,
-                        intermediate=args.intermediate,
-                        layer_kinds=args.layer_kinds,
-                        window=args.window, seed=args.seed)
+    try:
+        cfg = DecoderConfig(num_layers=args.layers, num_q_heads=hq, num_kv_heads=hkv,
+                            head_dim=args.head_dim, vocab_size=args.vocab,
+                            intermediate=args.intermediate, layer_kinds=args.layer_kinds,
+                            window=args.window, seed=args.seed)
+    except ValueError as exc:  # sizes the flags' own checks let through
+        raise AttnhubError(f"the decoder flags: {exc}") from None
     model = Decoder(cfg, dtype=dtype, device=device)
     table = hub.bind(model, batch=args.batch, prompt_len=args.prompt_len,
                      max_len=args.prompt_len + args.new_tokens, dtype=dtype,
@@ -133,13 +147,28 @@ def build(args: argparse.Namespace) -> Setup:
     return Setup(hub, model, table, device, dtype, simulated)
 
 
-def progress_bar(args: argparse.Namespace, desc: str, total: int):  # type: ignore[no-untyped-def]
-    """A tqdm wrapper for a loop (on stderr), or None with --json / --no-progress."""
-    if getattr(args, "json", False) or getattr(args, "no_progress", False):
+def describe(args: argparse.Namespace, s: Setup) -> str:
+    """One line of what is about to run: the sizes behind the binding table's buckets."""
+    hq, hkv = args.heads
+    window = f" (window {args.window})" if "sliding" in args.layer_kinds else ""
+    where = f"{s.hub.device.arch} (simulated: plan only)" if s.simulated else s.device
+    return (f"run: {str(s.dtype).removeprefix('torch.')} on {where}, {args.layers} "
+            f"layer(s) of {','.join(args.layer_kinds)}{window}, heads {hq}:{hkv}, head dim "
+            f"{args.head_dim}; {args.batch} prompt(s) of {args.prompt_len} tokens, then "
+            f"{args.new_tokens} decode steps over a paged KV cache (page {args.page_size})")
+
+
+def progress_bar(args: argparse.Namespace, desc: str,
+                 total: int) -> Callable[[Iterable[int]], Iterable[int]] | None:
+    """Wraps a loop in a new progress bar per call (``_common.progress``: none when piped,
+    with --json or --no-progress), or None when there would be no bar."""
+    if not wants_progress(args):
         return None
-    from tqdm import tqdm
 
     def wrap(it: Iterable[int]) -> Iterable[int]:
-        return tqdm(it, desc=desc, total=total, file=sys.stderr, leave=False, unit="step")
+        with progress(args, desc, total, unit="step") as bar:
+            for i in it:
+                yield i
+                bar.update()
 
     return wrap

@@ -20,14 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from ..core.backend import safe_available
-from ._common import STORE_FAILED, add_json, at_least, list_of, print_json, table
+from ._common import (STORE_FAILED, add_json, at_least, atomic_path, list_of, print_json,
+                      progress, table, write_text_atomic)
 from ._decoder import add_decoder_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="time every available backend on a shape grid, each "
                                      "checked against the reference first")
-    add_decoder_args(p, batch=1, prompt_len=256)
+    add_decoder_args(p, batch=1, prompt_len=256,
+                     hardware_help="refused: timings need the real machine (plan with "
+                                   "`attnhub explain` / `plan --hardware`)")
     g = p.add_argument_group("grid and timing")
     g.add_argument("--phases", default="prefill,decode",
                    help="comma list of prefill, decode (default both)")
@@ -80,9 +83,7 @@ def grid_specs(args: argparse.Namespace, dtype: str) -> list[Any]:
     hq, hkv = args.heads
     lens = args.seqlens or [args.prompt_len]
     out = []
-    for phase in [x.strip() for x in args.phases.split(",") if x.strip()]:
-        if phase not in ("prefill", "decode"):
-            raise SystemExit(f"attnhub bench: --phases {args.phases!r}: use prefill, decode")
+    for phase in _phases(args.phases):
         for n in lens:
             decode = phase == "decode"
             out.append(AttentionSpec(
@@ -94,12 +95,23 @@ def grid_specs(args: argparse.Namespace, dtype: str) -> list[Any]:
     return out
 
 
+def _phases(text: str) -> list[str]:
+    """``--phases``: a non-empty comma list of prefill, decode."""
+    phases = [x.strip() for x in text.split(",") if x.strip()]
+    if not phases or set(phases) - {"prefill", "decode"}:
+        raise SystemExit(f"attnhub bench: --phases {text!r}: use a comma list of prefill, "
+                         "decode")
+    return phases
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every output file asked for can be written, checked before anything is measured: a
     bad path found after the run would lose the report (and, before the store, the store's
-    records) behind a traceback."""
+    records) behind a traceback. The files are then written whole or not at all
+    (``atomic_path``)."""
     import os
 
+    _phases(args.phases)
     for flag in ("md", "plot", "out_json", "pack"):
         given = getattr(args, flag)
         if not given:
@@ -132,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
              else grid_specs(args, dtype_name(s.dtype)))
     specs = list(dict.fromkeys(specs))
     names, absent = _backends(args, s.hub)
-    bar = _bar(args, len(specs) * len(names))
+    bar = progress(args, "bench", len(specs) * len(names), unit="run")
     results = []
     for spec in specs:
         results += measure(s.hub, spec, names, s.device, warmup=args.warmup,
@@ -140,10 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if bar:
         bar.close()
     md = markdown(results)
-    if args.md:
-        Path(args.md).write_text(md + "\n", encoding="utf-8")
-    if args.plot:
-        plot(results, args.plot)
+    _write_md_plot(args, md, lambda path: plot(results, path))
     if args.json:
         print_json({"device": s.hub.device.describe(), "results": [m.to_json() for m in results]})
     else:
@@ -197,14 +206,16 @@ def run_regret(args: argparse.Namespace) -> int:
             "rounds": args.rounds}
     results: list[rg.CellResult] = []
 
+    def report(complete: bool) -> dict[str, Any]:
+        return {**meta, "complete": complete, "bound": rg.BOUND,
+                "cells": [r.to_json() for r in results]}
+
     def write_data(complete: bool) -> None:
         """JSON report and pack, rewritten after every cell: a run cut short keeps its cells."""
         from ..policy.profile import write_json_atomic
 
         if args.out_json:
-            write_json_atomic(Path(args.out_json), {
-                **meta, "complete": complete, "bound": rg.BOUND,
-                "cells": [r.to_json() for r in results]})
+            write_json_atomic(Path(args.out_json), report(complete))
         if args.pack:
             write_json_atomic(Path(args.pack), rg.pack_data(
                 results, hub.device, {**meta, "complete": complete}, args.repeats))
@@ -235,14 +246,12 @@ def run_regret(args: argparse.Namespace) -> int:
             "fastest after a round keeps that figure and sits out the next, one over "
             f"{rg.SKIP_ABOVE:g}x in three calibration calls sits out every round.\n")
     md = rg.markdown(results, head)
-    print(md)
-    if args.md:
-        Path(args.md).write_text(md + "\n", encoding="utf-8")
-    if args.plot:
-        rg.plot(results, args.plot, title=f"attnhub policy regret, {hub.device.describe()}, "
-                                          f"{when} {args.header}")
+    _print_report(args, md, report(complete=True))
+    _write_md_plot(args, md, lambda path: rg.plot(
+        results, path, title=f"attnhub policy regret, {hub.device.describe()}, {when} "
+                             f"{args.header}"))
     if args.pack:
-        print(f"\nwrote profile pack {args.pack}")
+        rg.stderr_log(f"wrote profile pack {args.pack}")
     if not args.no_store and not _store(args, hub.device, [
             (r.spec, b, ms) for r in results if r.spec is not None
             for b, ms in r.times.items()]):
@@ -271,12 +280,28 @@ def render_saved(args: argparse.Namespace) -> int:
     results = sorted(cells.values(), key=lambda r: grid.index(r.cell) if r.cell in grid
                      else len(grid))
     md = rg.markdown(results, args.header + "\n\nfrom " + "; ".join(heads) + "\n")
-    print(md)
-    if args.md:
-        Path(args.md).write_text(md + "\n", encoding="utf-8")
-    if args.plot:
-        rg.plot(results, args.plot, title=args.header)
+    _print_report(args, md, {"header": args.header, "sources": heads, "bound": rg.BOUND,
+                             "cells": [r.to_json() for r in results]})
+    _write_md_plot(args, md, lambda path: rg.plot(results, path, title=args.header))
     return 1 if rg.misses(results) else 0
+
+
+def _print_report(args: argparse.Namespace, md: str, data: dict[str, Any]) -> None:
+    """The regret report on stdout: markdown, or with --json the same data as --out-json."""
+    if args.json:
+        print_json(data)
+    else:
+        print(md)
+
+
+def _write_md_plot(args: argparse.Namespace, md: str, draw: Any) -> None:
+    """``--md`` and ``--plot``, each written whole or not at all: ``draw(path)`` saves the
+    figure to a temporary file beside ``--plot`` that replaces it once complete."""
+    if args.md:
+        write_text_atomic(args.md, md + "\n")
+    if args.plot:
+        with atomic_path(args.plot) as tmp:
+            draw(str(tmp))
 
 
 def _backends(args: argparse.Namespace, hub: Any) -> tuple[list[str], dict[str, str]]:
@@ -285,7 +310,13 @@ def _backends(args: argparse.Namespace, hub: Any) -> tuple[list[str], dict[str, 
     if args.backends:
         names = [b.strip() for b in args.backends.split(",") if b.strip()]
         for n in names:
-            hub.registry.get(n)  # unknown names fail now, listing the known ones
+            caps = hub.registry.get(n).capabilities  # unknown names fail now, listing all
+            if not caps.exact:
+                raise SystemExit(
+                    f"attnhub bench: --backends {n}: {n} is not exact softmax attention "
+                    f"(exact=False, error budget {caps.error_budget}), and bench checks "
+                    "every backend against the exact fp64 reference first; drop it (for FP8 "
+                    "accuracy use `attnhub fp8-check`)")
         return names, {}
     names, absent = [], {}
     for n, b in hub.registry.backends.items():
@@ -297,16 +328,6 @@ def _backends(args: argparse.Namespace, hub: Any) -> tuple[list[str], dict[str, 
         else:
             names.append(n)
     return names, absent
-
-
-def _bar(args: argparse.Namespace, total: int):  # type: ignore[no-untyped-def]
-    if args.json or args.no_progress:
-        return None
-    import sys
-
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="bench", file=sys.stderr, leave=False)
 
 
 def _store(args: argparse.Namespace, device: Any, timed: list[tuple[Any, str, float]]) -> bool:

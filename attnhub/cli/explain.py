@@ -30,32 +30,38 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "every other candidate is not)")
     add_policy(p)
     add_hardware(p)
-    p.add_argument("--phase", choices=PHASES, default="prefill")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--phase", choices=PHASES, default="prefill", help="default prefill")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16",
+                   help="query dtype: fp32, fp16 or bf16 (default bf16)")
     p.add_argument("--kv-dtype", choices=DTYPES, help="KV dtype (default: --dtype)")
-    p.add_argument("--head-dim", type=at_least(1), default=128)
+    p.add_argument("--head-dim", type=at_least(1), default=128, help="default 128")
     p.add_argument("--head-dim-v", type=at_least(1), help="value head dim (default: --head-dim)")
-    p.add_argument("--heads", type=parse_heads, default=(32, 32), metavar="Q:KV")
+    p.add_argument("--heads", type=parse_heads, default=(32, 32), metavar="Q:KV",
+                   help="query:KV heads (default 32:32)")
     p.add_argument("--seqlen", type=at_least(1), default=4096, help="KV length (and query length "
                                                             "outside decode)")
     p.add_argument("--seqlen-q", type=at_least(1), help="query length (default: 1 for decode, else "
                                                 "--seqlen)")
-    p.add_argument("--batch", type=at_least(1), default=1)
+    p.add_argument("--batch", type=at_least(1), default=1, help="default 1")
     p.add_argument("--mask", default="none", help=f"comma-separated kinds: {', '.join(MASK_KINDS)}")
     p.add_argument("--window", type=at_least(0), help="left window for sliding_window "
                                                         "(default 1024)")
     p.add_argument("--top-left", action="store_true", help="top-left causal alignment")
-    p.add_argument("--layout", choices=[x for x in LAYOUTS if x != "bhsd"])
+    p.add_argument("--layout", choices=[x for x in LAYOUTS if x != "bhsd"],
+                   help="default: thd with a document mask, else bshd")
     p.add_argument("--page-size", type=at_least(1),
                    help="KV page size for --layout paged (default 16)")
     p.add_argument("--grad", action="store_true", help="gradients needed (default for train)")
-    p.add_argument("--deterministic", action="store_true")
-    p.add_argument("--return-lse", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bitwise-reproducible forward (and backward with --grad)")
+    p.add_argument("--return-lse", action="store_true", help="the call asks for the LSE")
     g = p.add_argument_group("bind context")
-    g.add_argument("--model")
-    g.add_argument("--layer", type=at_least(0))
-    g.add_argument("--layer-kind", default="softmax")
-    g.add_argument("--world-size", type=at_least(1), default=1)
+    g.add_argument("--model", help="model name, for `when: {model: ...}` rules")
+    g.add_argument("--layer", type=at_least(0), help="layer index, for `when: {layer: ...}`")
+    g.add_argument("--layer-kind", default="softmax",
+                   help="softmax (default), sliding, linear, gla, ... for `layer: {kind: ...}`")
+    g.add_argument("--world-size", type=at_least(1), default=1,
+                   help="context-parallel ranks (default 1; >= 2 for ring rules)")
     p.add_argument("--trace", action="store_true", help="list each rule tried and why it did "
                                                         "not match")
     p.add_argument("--run", action="store_true", help="run the binding once on this machine "

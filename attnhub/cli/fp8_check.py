@@ -28,7 +28,7 @@ import torch
 
 from ..core.backend import safe_check
 from ._common import (STORE_FAILED, add_hardware, add_json, at_least, list_of, print_json,
-                      recorded, seed, table)
+                      progress, recorded, seed, table)
 
 OUTLIER_KINDS = ("q_channel", "k_bias")
 
@@ -76,7 +76,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="profile store (default ATTNHUB_PROFILE or ~/.cache/attnhub)")
     p.add_argument("--no-record", action="store_true", help="do not write accuracy records")
     p.add_argument("--seed", type=seed, default=0, help="inputs seed (default 0)")
-    add_hardware(p)
+    add_hardware(p, help="a simulated device (sm90, ...): only with --emulate --no-record, "
+                         "the modelled numerics shown, nothing recorded for a device that "
+                         "did not run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -141,12 +144,30 @@ def captured_cases(path: str, device: torch.device) -> list[Case]:
     for i, item in enumerate(items):
         try:
             q, k, v = (item[n].to(torch.bfloat16) for n in ("q", "k", "v"))
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, AttributeError, IndexError):
             raise SystemExit(f"attnhub fp8-check: {path}[{i}] needs keys q, k, v "
                              "(B, S, H, D tensors)") from None
+        why = _captured_shapes(q, k, v)
+        if why:
+            raise SystemExit(f"attnhub fp8-check: --inputs {path}[{i}]: {why}; save q, k, v "
+                             "as (B, S, H, D) with k, v alike and query heads a multiple of "
+                             "KV heads")
         cases.append(Case(f"{path}[{i}] {tuple(q.shape)}", "captured", 1.0, q, k, v,
                           bool(item.get("causal", False))))
     return cases
+
+
+def _captured_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """Why captured q, k, v cannot be one attention call, or "" (checked before any case
+    runs: a mismatch failed deep in a backend with a traceback)."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not q.dim() == k.dim() == v.dim() == 4:
+        return f"{shapes}: each must have 4 dims"
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        return f"{shapes}: batch and head dim must agree, and k and v must match"
+    if min(q.shape) < 1 or min(k.shape) < 1 or q.shape[2] % k.shape[2]:
+        return f"{shapes}: every dim must be >= 1 and query heads a multiple of KV heads"
+    return ""
 
 
 def _spec(case: Case) -> Any:
@@ -227,13 +248,24 @@ def evaluate_kv(case: Case, fp8: Any, bf16: Any, timed: bool) -> None:
 
 
 def _bf16_backend(hub: Any, spec: Any) -> Any:
-    for name in ("fa3", "torch_sdpa"):
-        if name in hub.registry.backends and not safe_check(hub.registry.get(name), spec,
-                                                                        hub.device):
-            b = hub.registry.get(name)
-            b.load()
-            return b
-    raise SystemExit("attnhub fp8-check: no BF16 backend for the baseline")
+    """The BF16 baseline: fa3 where it can run, else torch SDPA (on the CPU for a simulated
+    device, whose installs are not checked); one that fails to load is passed over, said."""
+    names = ("torch_sdpa",) if hub.device.simulated else ("fa3", "torch_sdpa")
+    why = []
+    for name in names:
+        if name not in hub.registry.backends:
+            continue
+        b = hub.registry.get(name)
+        reasons = [] if hub.device.simulated else safe_check(b, spec, hub.device)
+        try:
+            if not reasons:
+                b.load()
+                return b
+        except Exception as exc:  # noqa: BLE001  a plugin's import error, said below
+            reasons = [f"{type(exc).__name__}: {exc}"]
+        why.append(f"{name}: {reasons[0]}")
+    raise SystemExit("attnhub fp8-check: no BF16 backend for the baseline ("
+                     + "; ".join(why) + ")")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -241,9 +273,15 @@ def run(args: argparse.Namespace) -> int:
     from ..hub import Hub
 
     hub = Hub(hardware=args.hardware, registry=Registry.load())
+    if hub.device.simulated and not (args.emulate and args.no_record):
+        raise SystemExit(f"attnhub fp8-check: {hub.device.arch} is a simulated device (--hardware "
+                         "or ATTNHUB_HARDWARE): the FP8 kernel runs on the real machine only, "
+                         "and an emulation must not stand as that device's accuracy record; "
+                         "run it there, or add --emulate --no-record to see the modelled "
+                         "numerics here")
     args.backend = args.backend or ("triton_decode_fp8" if args.kv else "fa3_fp8")
     fp8 = hub.registry.get(args.backend)
-    device = torch.device(hub.device.torch_device)
+    device = torch.device("cpu" if hub.device.simulated else hub.device.torch_device)
     shapes = args.shape or [(1, 4096, 16, 16, 128)]
     mags = args.magnitudes
     if args.channel is not None and args.channel >= min(s[4] for s in shapes):
@@ -275,11 +313,16 @@ def run(args: argparse.Namespace) -> int:
     budget = args.budget if args.budget is not None else fp8.capabilities.error_budget
     bf16 = _bf16_backend(hub, replace(_spec(cases[0]), kv_dtype="bf16", layout="bshd",
                                       page_size=0) if args.kv else _spec(cases[0]))
+    bar = progress(args, "fp8-check", len(cases), unit="case")
     for c in cases:
         if c.kv:
             evaluate_kv(c, fp8, bf16, args.time)
         else:
             evaluate(c, fp8, bf16, recipes, args.emulate, args.time)
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     verdicts = _verdicts(cases, f"fp8 {gated}", budget, args.gate_magnitude)
     rc = _report(args, hub, cases, verdicts, gated, budget)
     if args.no_record:
@@ -288,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
     from ..policy.profile import default_profile_path
 
     done = recorded("fp8-check", args.store or default_profile_path(), lambda: _record(
-        args, hub.device, cases, verdicts, args.backend, gated, budget))
+        args, hub.device, cases, verdicts, args.backend, gated, budget), "--no-record")
     return rc if done else STORE_FAILED
 
 

@@ -11,14 +11,14 @@ from typing import Any
 
 from ..core.decision import Decision
 from ..policy.cells import cells
-from ._common import add_json, print_json, table
+from ._common import add_json, hardware_names, print_json, table
 from ._policy_common import add_policy, devices, load
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="support matrix: cells x hardware -> backend (offline)")
     add_policy(p)
-    p.add_argument("--hardware", metavar="A,B",
+    p.add_argument("--hardware", metavar="A,B", type=hardware_names,
                    help="comma-separated hardware to plan for (default: the policy's targets)")
     add_json(p)
     p.set_defaults(func=run)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ._common import add_json, at_least, print_json, table
-from ._decoder import add_decoder_args, build, progress_bar
+from ._decoder import add_decoder_args, build, describe, progress_bar
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
                               "bindings": s.table.to_json()}
     if not args.json:
         print(s.table)
+        print(f"(each rule is in the policy file; `--json` lists every rejected candidate's "
+              f"reasons)\n{describe(args, s)}", flush=True)
     if s.simulated:
         report["note"] = "simulated device: binding plan only, nothing was run"
         _finish(args, report, ["simulated device: binding plan only, nothing was run"])
