@@ -55,6 +55,9 @@ def selected(reg: Registry, names: list[str], all_available: bool) -> list[str]:
             out.append(n)
         elif n in reg.plugins and reg.plugins[n].backends:
             out += reg.plugins[n].backends
+        elif n in reg.plugins:  # the plugin is there but serves nothing: say why, not "unknown"
+            why = "; ".join(reg.plugins[n].errors) or "its hook registered no backend"
+            raise AttnhubError(f"plugin {n!r} has no backend to check: {why}")
         else:
             reg.get(n)  # raises UnknownBackendError listing what exists
     return out

@@ -1,5 +1,6 @@
 """``attnhub doctor``: the device, library versions, usable backends and how to unlock more,
-plugin errors, and policy rules that name a backend no installed plugin registers."""
+plugin errors, and policy rules that name a backend no installed plugin registers. Exit 1 when
+the policy (``--policy`` or ``ATTNHUB_POLICY``) does not load, else 0."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+#: The first line of :func:`policy_gaps` when the policy itself does not load.
+NO_POLICY = "policy does not load: "
+
+
 def policy_gaps(reg: Registry, policy_ref: str | None) -> list[str]:
     """Each (rule, backend) of the policy whose backend is not registered here: at run time
     the next candidate serves those calls (warned once, counted in ``Hub.fallback_counts``)."""
@@ -29,7 +34,7 @@ def policy_gaps(reg: Registry, policy_ref: str | None) -> list[str]:
     try:
         policy = load_policy(policy_ref)
     except PolicyError as exc:
-        return [f"policy does not load: {exc.problems[0]}"]
+        return [NO_POLICY + exc.problems[0]]
     return [f"rule {lr.rule.name} ({lr.location}) names {name}: {reg.missing_reason(name)}"
             for lr in policy.rules for name in lr.rule.use.names if name not in reg.backends]
 
@@ -48,9 +53,12 @@ def run(args: argparse.Namespace) -> int:
         "plugin_errors": [f"{p}: {e}" for p, e in reg.errors()],
         "policy_missing_backends": policy_gaps(reg, args.policy),
     }
+    # a policy that does not load is the one finding that fails the run: every later command
+    # with it fails too (plugin errors are shown, the plugins that load still serve)
+    status = int(any(e.startswith(NO_POLICY) for e in report["policy_missing_backends"]))
     if args.json:
         print_json(report)
-        return 0
+        return status
     print(f"device:   {dev.describe()}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in dev.versions))
     print(f"usable:   {', '.join(report['usable']) or 'none'}")
@@ -60,4 +68,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"  plugin error: {e}")
     for e in report["policy_missing_backends"]:
         print(f"  policy: {e}")
-    return 0
+    return status

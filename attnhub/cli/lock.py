@@ -4,6 +4,7 @@ malformed lockfile, located (exit 3)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from ..policy import load_policy
 from ..policy.cells import cells
 from ..policy.lock import (EXIT_BAD_LOCK, LockfileError, build_lock, check_lock, read_lock,
                            write_lock)
-from ._common import add_json, print_json
+from ._common import add_json, print_json, progress
 from ._policy_common import add_policy, devices, load
 
 
@@ -39,9 +40,17 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         return _check(args)
     policy, registry = load(args)
+    _not_a_policy_file(Path(args.output), policy.data.paths)
     ctx = BindContext(model=args.model)
-    pairs = [(dev, policy.resolve(c.spec(), dev, registry, ctx))
-             for dev in devices(args.hardware) for c in cells()]
+    grid = [(dev, c) for dev in devices(args.hardware) for c in cells()]
+    bar = progress(args, "lock", len(grid), unit="binding")  # seconds for many hardware
+    pairs = []
+    for dev, c in grid:
+        pairs.append((dev, policy.resolve(c.spec(), dev, registry, ctx)))
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     lock = build_lock(policy, registry, pairs)
     write_lock(args.output, lock)
     unserved = sum(d.backend is None for _, d in pairs)
@@ -53,6 +62,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}: {len(pairs)} bindings on {', '.join(summary['hardware'])}"
               f" ({unserved} unserved) for policy {policy.name}")
     return 0
+
+
+def _not_a_policy_file(out: Path, policy_files: tuple[Path, ...]) -> None:
+    """``-o`` naming the policy (or a file it extends) replaced that YAML with the lock's
+    JSON: the policy was lost and the next ``lock --check`` could not load it."""
+    real = Path(os.path.realpath(out))
+    if real in {Path(os.path.realpath(f)) for f in policy_files}:
+        raise AttnhubError(f"-o {out} is a file of the policy being locked; expected a new "
+                           "path for the lockfile (e.g. attnhub.lock.json), the policy is "
+                           "unchanged")
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -36,7 +36,7 @@ def bounded(fn: Callable[[], T], timeout: float | None, name: str = "attnhub-plu
         try:
             box["value"] = fn()
         except KeyboardInterrupt as exc:
-            box["error"] = OwnInterrupt(str(exc))
+            box["error"] = OwnInterrupt(safe_str(exc))
         except BaseException as exc:
             box["error"] = exc
 
@@ -48,3 +48,13 @@ def bounded(fn: Callable[[], T], timeout: float | None, name: str = "attnhub-plu
     if "error" in box:
         raise box["error"]
     return box.get("value")  # type: ignore[return-value]
+
+
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)`` that cannot raise: a plugin's exception whose ``__str__`` raises crashed
+    the host while it recorded that plugin as broken. What ``__str__`` raises, even
+    KeyboardInterrupt, is the plugin's code (a Ctrl-C landing inside it is the only loss)."""
+    try:
+        return str(exc)
+    except BaseException as inner:  # SystemExit, KeyboardInterrupt too: the plugin's own raise
+        return f"<{type(exc).__name__}: str() raised {type(inner).__name__}>"

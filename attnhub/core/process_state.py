@@ -2,15 +2,26 @@
 
 A plugin imported by the host that sets torch's default dtype, turns on deterministic
 algorithms, switches an SDPA kernel off, silences logging or sets ``ATTNHUB_BACKEND`` would
-change every later attention call of the host, silently. The registry takes a
-:func:`snapshot` before a plugin's import and hooks and calls :func:`restore` after them:
-what changed is put back and reported against the plugin.
+change every later attention call of the host, silently. So would one that changes the
+working directory (relative policy and lock paths), replaces ``sys.stdout`` or the exception
+hooks (the CLI printed nothing, a crash left no traceback), lowers the recursion limit, turns
+every warning into an error, removes modules from ``sys.modules`` or monkeypatches attnhub
+itself. The registry takes a :func:`snapshot` before a plugin's import and hooks and calls
+:func:`restore` after them: what changed is put back and reported against the plugin.
+Threads cannot be put back: :func:`stray_threads` names the ones that would keep the process
+from exiting.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import signal
+import sys
+import threading
+import warnings
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -30,8 +41,44 @@ def _set_device(d: torch.device) -> None:
     torch.set_default_device(None if d == torch.device("cpu") else d)
 
 
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:  # deleted: nothing to compare or go back to
+        return None
+
+
+def _chdir(path: str | None) -> None:
+    if path is not None:
+        os.chdir(path)
+
+
+def _catch_all(f: tuple[Any, ...]) -> bool:
+    """A filter for every warning from everywhere (``simplefilter("error")``); a library's
+    filter for its own messages or modules is its business."""
+    return f[1] is None and f[3] is None and f[2] is Warning
+
+
+def _warn_all() -> list[tuple[Any, ...]]:
+    return [f for f in warnings.filters if _catch_all(f)]
+
+
+def _set_warn_all(old: list[tuple[Any, ...]]) -> None:
+    warnings.filters[:] = [f for f in warnings.filters if not _catch_all(f) or f in old]
+    warnings._filters_mutated()  # type: ignore[attr-defined]  # the caches read the list
+
+
+def _handler(sig: signal.Signals) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    def put(old: Any) -> None:
+        if old is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(sig, old)
+
+    return (lambda: signal.getsignal(sig)), put
+
+
 _B = torch.backends
-#: (what, getter, setter): torch's numerics and kernel switches, and the host's logging.
+#: (what, getter, setter): torch's numerics and kernel switches, the host's logging, and the
+#: interpreter state every later call (and the CLI's output) depends on.
 #: ``enable_cudnn_sdp`` is left out: the core flips it around some CUDA calls.
 SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("torch default dtype", torch.get_default_dtype, torch.set_default_dtype),
@@ -56,7 +103,18 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("logging.disable level", lambda: logging.root.manager.disable, logging.disable),
     ("'attnhub' logger level", lambda: _log.level, _log.setLevel),
     ("'attnhub' logger disabled", *_attr(_log, "disabled")),
+    ("working directory", _cwd, _chdir),
+    ("sys.stdout", *_attr(sys, "stdout")),
+    ("sys.stderr", *_attr(sys, "stderr")),
+    ("sys.stdin", *_attr(sys, "stdin")),
+    ("sys.excepthook", *_attr(sys, "excepthook")),
+    ("threading.excepthook", *_attr(threading, "excepthook")),
+    ("recursion limit", sys.getrecursionlimit, sys.setrecursionlimit),
+    ("warnings filter for every warning", _warn_all, _set_warn_all),
+    *((f"{sig.name} handler", *_handler(sig)) for sig in (signal.SIGINT, signal.SIGTERM)),
 )
+#: Class attributes that Python or pydantic set lazily, on first use: not a plugin's doing.
+_LAZY = ("__pydantic", "_abc_", "__warningregistry__", "__abstractmethods__")
 
 
 def _own_env() -> dict[str, str]:
@@ -66,21 +124,97 @@ def _own_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("ATTNHUB_")}
 
 
-def snapshot() -> tuple[list[Any], dict[str, str]]:
-    """The current values of :data:`SETTINGS` and the host's ``ATTNHUB_*`` variables."""
-    return [get() for _, get, _ in SETTINGS], _own_env()
+def _namespaces() -> dict[str, Any]:
+    """Every imported attnhub module and the classes it defines, by dotted name."""
+    out: dict[str, Any] = {}
+    for name, mod in list(sys.modules.items()):
+        if not isinstance(mod, ModuleType) or not (name == "attnhub" or
+                                                   name.startswith("attnhub.")):
+            continue
+        out[name] = mod
+        for v in list(vars(mod).values()):
+            if isinstance(v, type) and v.__module__ == name:
+                out[f"{name}.{v.__qualname__}"] = v
+    return out
 
 
-def restore(before: tuple[list[Any], dict[str, str]]) -> list[str]:
+def _watched(obj: Any, key: str, value: Any) -> bool:
+    """What a monkeypatch replaces: a module's functions and classes (its other globals are
+    state, such as a lazily made default hub), and a class's attributes."""
+    if isinstance(obj, type):
+        return not key.startswith(_LAZY)
+    return inspect.isfunction(value) or inspect.isclass(value)
+
+
+def _attnhub_attrs() -> dict[str, tuple[Any, dict[str, Any]]]:
+    return {label: (obj, dict(vars(obj))) for label, obj in _namespaces().items()}
+
+
+def _restore_attnhub(before: dict[str, tuple[Any, dict[str, Any]]]) -> list[str]:
+    """Put attnhub's functions and class attributes back; the dotted names that changed."""
+    changed: list[str] = []
+    for label, (obj, old) in before.items():
+        now = vars(obj)
+        for key in [k for k, v in old.items() if _watched(obj, k, v) and now.get(k, _GONE)
+                    is not v]:
+            setattr(obj, key, old[key])
+            changed.append(f"{label}.{key}")
+        if isinstance(obj, type):
+            for key in [k for k in now if k not in old and _watched(obj, k, now[k])]:
+                delattr(obj, key)
+                changed.append(f"{label}.{key}")
+    return changed
+
+
+def _dropped_modules(before: dict[str, Any]) -> list[str]:
+    """Modules taken out of ``sys.modules`` (or set to None there: every later import of
+    them fails); put back."""
+    gone = [n for n, m in before.items() if m is not None and sys.modules.get(n) is None]
+    for n in gone:
+        sys.modules[n] = before[n]
+    return gone
+
+
+_GONE = object()
+
+
+def _shown(v: Any) -> str:
+    """``repr`` for a message, short, and never raising (a plugin's stream object may)."""
+    try:
+        text = repr(v)
+    except Exception:
+        text = f"<{type(v).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+State = tuple[list[Any], dict[str, str], dict[str, Any], dict[str, Any], set[int]]
+
+
+def snapshot() -> State:
+    """The current values of :data:`SETTINGS`, the host's ``ATTNHUB_*`` variables, attnhub's
+    functions and classes, ``sys.modules`` and the running threads."""
+    return ([get() for _, get, _ in SETTINGS], _own_env(), _attnhub_attrs(),
+            dict(sys.modules), {t.ident or 0 for t in threading.enumerate()})
+
+
+def stray_threads(before: State) -> list[str]:
+    """Names of the threads started since ``before`` that still run and are not daemons:
+    the interpreter waits for them at exit, so the host (``attnhub plugins``) never ends."""
+    return [t.name for t in threading.enumerate()
+            if t.ident not in before[4] and not t.daemon and t.is_alive()]
+
+
+def restore(before: State) -> list[str]:
     """Put back what changed since ``before``; one line per change (environment values are
     not shown: they may be secrets)."""
-    values, env = before
+    values, env, attrs, modules, _ = before
     changed: list[str] = []
     for (what, get, put), old in zip(SETTINGS, values):
         new = get()
-        if new != old:
-            put(old)
-            changed.append(f"{what} {old!r} -> {new!r}")
+        if new is not old and new != old:
+            try:
+                put(old)
+            except Exception as exc:  # e.g. the old working directory was deleted meanwhile
+                what += f" (not put back: {type(exc).__name__})"
+            changed.append(f"{what} {_shown(old)} -> {_shown(new)}")
     now = _own_env()
     keys = sorted(k for k in env.keys() | now.keys() if env.get(k) != now.get(k))
     for k in keys:
@@ -90,4 +224,12 @@ def restore(before: tuple[list[Any], dict[str, str]]) -> list[str]:
             del os.environ[k]
     if keys:
         changed.append(f"environment variable(s) {', '.join(keys)}")
+    gone = _dropped_modules(modules)
+    if gone:
+        changed.append(f"module(s) removed from sys.modules: {', '.join(gone[:5])}"
+                       + (f" and {len(gone) - 5} more" if len(gone) > 5 else ""))
+    patched = _restore_attnhub(attrs)
+    if patched:
+        changed.append(f"attnhub itself (monkeypatched): {', '.join(patched[:5])}"
+                       + (f" and {len(patched) - 5} more" if len(patched) > 5 else ""))
     return changed

@@ -39,8 +39,9 @@ from .. import hookspecs
 from ..errors import PluginError, UnknownBackendError
 from . import process_state
 from .backend import TIERS, Backend
-from .bounded import OwnInterrupt, Stalled, bounded
+from .bounded import OwnInterrupt, Stalled, bounded, safe_str
 from .capabilities import Capabilities
+from .modsig import arity_error
 
 log = logging.getLogger("attnhub")
 
@@ -156,6 +157,7 @@ class Registry:
             reg._load_one(name, mod, lambda m=mod: importlib.import_module(m), dist, version,
                           timeout)
         if entry_points:  # otherwise plugins are added later (Registry.of) or left out
+            core.errors += _shadowed_distributions()
             core.errors += _unknown_names("ATTNHUB_PLUGINS", named or [], found)
             core.errors += [reg._pick_problem(b) for b in providers
                             if b not in reg.backends and b not in reg.conflicts]
@@ -165,12 +167,12 @@ class Registry:
         """Why the deployment's provider pick for ``backend`` serves nothing."""
         pick = self.providers[backend]
         if pick not in self.plugins:
-            hint = _did_you_mean(pick, list(self.plugins))
+            hint = did_you_mean(pick, list(self.plugins))
             return (f"{PROVIDERS_ENV} picks plugin {pick!r} for backend {backend!r}, but no "
                     f"plugin of that name is loaded (loaded: {', '.join(self.plugins)}){hint}; "
                     f"no plugin serves {backend!r}")
         mine = self.plugins[pick].backends
-        hint = _did_you_mean(backend, mine)
+        hint = did_you_mean(backend, mine)
         return (f"{PROVIDERS_ENV} picks plugin {pick!r} for backend {backend!r}, which that "
                 f"plugin does not register (it registers: {', '.join(mine) or 'nothing'}){hint}")
 
@@ -186,11 +188,17 @@ class Registry:
             return rec
         finally:
             changed = process_state.restore(before)
+            threads = process_state.stray_threads(before)
             if changed and rec is not None:
                 rec.errors.append(
                     f"changed process-wide state while loading: {'; '.join(changed)}; put "
                     "back (a plugin must not change the host's settings at import or "
                     "registration: set them inside forward(), or leave them to the deployment)")
+            if threads and rec is not None:
+                rec.errors.append(
+                    f"started non-daemon thread(s) {', '.join(map(repr, threads))} while "
+                    "loading, still running: the process cannot exit until they end (start "
+                    "threads with daemon=True, and not at import)")
 
     def _load_unguarded(self, name: str, module: str, loader: Callable[[], Any],
                         dist: str | None, version: str | None,
@@ -292,7 +300,7 @@ class Registry:
             if hc.spec is None:
                 rec.errors.append(f"hook {hc.name!r} is not an attnhub hook and is never called"
                                   f"; expected one of: {', '.join(HOOKS)}"
-                                  + _did_you_mean(hc.name, list(HOOKS)))
+                                  + did_you_mean(hc.name, list(HOOKS)))
         if any(hc.spec is not None for hc in callers):
             return True
         if callers:  # only misspelt hooks, each reported above
@@ -388,8 +396,10 @@ class Registry:
                     add(name, score_mod, mask_mod, doc)
 
         def add(name: Any, score_mod: Any, mask_mod: Any, doc: Any) -> None:
-            if not isinstance(name, str) or not name.isidentifier():
-                rec.errors.append(f"variant name {name!r} is not an identifier (a rule names it "
+            if not _nameable(name):
+                what = "an identifier" if not isinstance(name, str) or not name.isidentifier() \
+                    else f"an ASCII identifier of at most {MAX_NAME} characters"
+                rec.errors.append(f"variant name {_short(name)} is not {what} (a rule names it "
                                   "in `when.variant`, a call in score_mod=/mask_mod=)")
                 return
             bad = [(k, f) for k, f in (("score_mod", score_mod), ("mask_mod", mask_mod))
@@ -405,6 +415,11 @@ class Registry:
                 return
             if score_mod is None and mask_mod is None:
                 rec.errors.append(f"variant {name!r} has neither score_mod nor mask_mod")
+                return
+            why = arity_error("score_mod", score_mod, name) or \
+                arity_error("mask_mod", mask_mod, name)
+            if why:  # refused here, not at every call that names it
+                rec.errors.append(why)
                 return
             self.variants[name] = Variant(name, score_mod, mask_mod, str(doc), rec.name)
             rec.variants.append(name)
@@ -449,7 +464,7 @@ class Registry:
         if name in self.providers:
             return self._pick_problem(name)
         return (f"unknown backend (no installed plugin registers it); known: "
-                f"{', '.join(sorted(self.backends))}")
+                f"{', '.join(sorted(self.backends))}{did_you_mean(name, list(self.backends))}")
 
     def errors(self) -> list[tuple[str, str]]:
         return [(r.name, e) for r in self.plugins.values() for e in r.errors]
@@ -535,24 +550,52 @@ def parse_providers(text: str) -> dict[str, str]:
     return out
 
 
-def _did_you_mean(name: str, names: list[str]) -> str:
-    hint = difflib.get_close_matches(name, names, n=1)
+def did_you_mean(name: str, names: list[str]) -> str:
+    """`` (did you mean 'x'?)``, or "". Names are case-sensitive, and difflib alone missed
+    ``Torch_SDPA`` for ``torch_sdpa`` (half its letters differ in case)."""
+    folded = {n.casefold(): n for n in names}
+    hint = [folded[name.casefold()]] if name.casefold() in folded else [
+        folded[h] for h in difflib.get_close_matches(name.casefold(), list(folded), n=1)]
     return f" (did you mean {hint[0]!r}?)" if hint else ""
+
+
+def _shadowed_distributions() -> list[str]:
+    """A line for each plugin distribution installed more than once on ``sys.path`` in
+    copies that differ (version or entry points): ``importlib.metadata`` serves only the
+    first copy, so the other was skipped without a word (an upgrade that never loads)."""
+    copies: dict[str, list[tuple[str, str, str]]] = {}
+    for dist in importlib.metadata.distributions():
+        try:
+            eps = sorted(f"{ep.name}={ep.value}" for ep in dist.entry_points
+                         if ep.group == ENTRY_POINT_GROUP)
+            if eps:
+                name = dist.metadata["Name"] or "?"
+                key = name.lower().replace("_", "-").replace(".", "-")
+                copies.setdefault(key, []).append((dist.version or "?", ", ".join(eps),
+                                                   str(dist.locate_file(""))))
+        except Exception:  # one broken metadata folder must not hide the others
+            continue
+    return [f"plugin distribution {name!r} is installed {len(found)} times: "
+            + "; ".join(f"{v} ({eps}) in {where}" for v, eps, where in found)
+            + "; only the first on sys.path is loaded, expected one copy (uninstall or "
+              "remove the others from the path)"
+            for name, found in copies.items() if len({c[:2] for c in found}) > 1]
 
 
 def _unknown_names(env: str, named: list[str], found: list[str]) -> list[str]:
     """A line for each plugin ``env`` names that is not on offer: a misspelt allow entry
     would load nothing of it, a misspelt deny entry would load it anyway."""
     return [f"{env} names plugin {n!r}, which is not installed (installed: "
-            f"{', '.join(sorted(set(found)))}){_did_you_mean(n, found)}"
+            f"{', '.join(sorted(set(found)))}){did_you_mean(n, found)}"
             for n in dict.fromkeys(named) if n not in found]
 
 
 def _exc_text(exc: BaseException, lines: int = 1) -> str:
     kind = "KeyboardInterrupt" if isinstance(exc, OwnInterrupt) else type(exc).__name__
-    if not str(exc):
+    text = safe_str(exc)
+    if not text:
         return kind
-    return "; ".join(f"{kind}: {exc}".splitlines()[:lines])[:300 * lines]
+    return "; ".join(f"{kind}: {text}".splitlines()[:lines])[:300 * lines]
 
 
 def _module_distribution(module: str) -> tuple[str | None, str | None]:
@@ -566,6 +609,22 @@ def _module_distribution(module: str) -> tuple[str | None, str | None]:
     return (dists[0], _version(dists[0])) if dists else (None, None)
 
 
+#: The longest backend or variant name: what a policy may write (``policy.schema``).
+MAX_NAME = 128
+
+
+def _nameable(name: Any) -> bool:
+    """A name a policy can write: ASCII (a Cyrillic 'а' in "triton" lists like the real one
+    and no policy could name it) and short (a megabyte name filled every listing)."""
+    return (isinstance(name, str) and name.isascii() and name.isidentifier()
+            and len(name) <= MAX_NAME)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _invalid_backend(obj: Any) -> str | None:
     if isinstance(obj, type) and issubclass(obj, Backend):
         return (f"registered the class {obj.__name__}, expected an instance: "
@@ -576,8 +635,9 @@ def _invalid_backend(obj: Any) -> str | None:
         name = getattr(obj, "name", None)
     except Exception as exc:
         return f"backend {type(obj).__name__}: reading its name raised {_exc_text(exc)}"
-    if not isinstance(name, str) or not name.isidentifier():
-        return f"backend {type(obj).__name__} has an invalid name {name!r} (use an identifier)"
+    if not _nameable(name):
+        return (f"backend {type(obj).__name__} has an invalid name {_short(name)} (use an ASCII "
+                f"identifier of at most {MAX_NAME} characters: a policy names it)")
     try:
         tier = obj.tier
         ok = isinstance(tier, str) and tier in TIERS

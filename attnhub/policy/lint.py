@@ -9,7 +9,6 @@ unserved only because a first-party plugin is not installed here.
 
 from __future__ import annotations
 
-import difflib
 import heapq
 import tempfile
 from collections import defaultdict
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.device import simulate
-from ..core.registry import Registry
+from ..core.registry import Registry, did_you_mean
 from .cells import Cell, cells
 from .loader import LoadedRule
 from .profile import ProfileStore
@@ -104,10 +103,9 @@ def _backend_names(lr: LoadedRule, registry: Registry) -> list[Finding]:
                 f"-e plugins/{plugin}); resolution skips it with that reason")))
         elif b is None:
             known = sorted(set(registry.backends) | set(FIRST_PARTY))
-            hint = difflib.get_close_matches(name, known, n=1)
             out.append(Finding("error", where, label, (
                 f"unknown backend {name!r}, expected one of: {', '.join(known)}"
-                + (f" (did you mean {hint[0]!r}?)" if hint else ""))))
+                + did_you_mean(name, known))))
         elif not b.capabilities.exact and not (lr.rule.when.layer or accuracy_gated(lr, name)):
             out.append(Finding("error", where, label, (
                 f"{name} is approximate (error budget {b.capabilities.error_budget}), expected "
@@ -130,13 +128,11 @@ def _variant_names(lr: LoadedRule, registry: Registry) -> list[Finding]:
         if name in registry.variants:
             continue
         known = sorted(registry.variants)
-        hint = difflib.get_close_matches(name, known, n=1)
         out.append(Finding("warning", lr.where("when", "variant", j),
                            _label(lr, "when", "variant", j), (
             f"no installed plugin registers variant {name!r}, so the rule matches only calls "
             f"whose score_mod/mask_mod callable is named {name!r}; expected one of: "
-            f"{', '.join(known) or '(none installed)'}"
-            + (f" (did you mean {hint[0]!r}?)" if hint else ""))))
+            f"{', '.join(known) or '(none installed)'}" + did_you_mean(name, known))))
     return out
 
 

@@ -258,8 +258,10 @@ def _validate(doc: Located, problems: list[str]) -> tuple[PolicyFile | None, int
     if doc.data is None and problems:  # a syntax error: nothing to validate
         return None, 0
     if not isinstance(doc.data, dict):
-        problems.append(f"{doc.where(())} (document): got {type(doc.data).__name__}, expected "
-                        "a mapping with name, rules and optional extends, defaults, targets")
+        got = "no value (an empty file, only comments, or null)" if doc.data is None else \
+            type(doc.data).__name__
+        problems.append(f"{doc.where(())} (document): got {got}, expected a mapping with "
+                        "name, rules and optional extends, defaults, targets")
         return None, 0
     try:
         pf = PolicyFile.model_validate(doc.data)

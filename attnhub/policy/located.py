@@ -67,7 +67,10 @@ _DECIMAL = re.compile(r"[-+]?(?:0|[1-9][0-9]{0,17})\Z")
 _LEGACY_NUMBER = re.compile(r"[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)\Z")
 #: Only escapes can write these; they would reach terminals and JSON output (a lone surrogate
 #: cannot even be printed as UTF-8).
-_UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+#: Control characters, lone surrogates and the bidirectional overrides that make text read
+#: differently from what it is ("Trojan Source": a name shown reversed in every message).
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff"
+                          "\u202a-\u202e\u2066-\u2069]")
 
 
 class _Refused(Exception):

@@ -49,6 +49,7 @@ from typing import Any, Callable
 from ..core.device import DeviceInfo
 from ..core.spec import AttentionSpec
 from ..errors import PolicyError
+from .loader import TooBig, read_limited
 
 SCHEMA = "attnhub.profile/1"
 #: Versions that do not change kernel speed or accuracy (left out of the device key).
@@ -248,7 +249,7 @@ class ProfileStore:
         target = Path(os.path.realpath(self.path))  # a symlink's target: its lock, its file
         try:
             with self._lock, file_lock(target):
-                data = _load(target)
+                data = _load(self.path)  # named as configured; the same file
                 change(data)
                 # never write what a read refuses (a NaN metric): every record would be lost
                 bad = list(_type_problems(data["devices"]))
@@ -293,24 +294,43 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_size
 
 
-def _load(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {"schema": SCHEMA, "devices": {}}
+#: Far above a store of every bucket of every backend on a few devices (about 1 MiB each).
+MAX_STORE_BYTES = 256 * 2**20
+
+
+def _load(path: Path, env: str = "ATTNHUB_PROFILE") -> dict[str, Any]:
+    """The store at ``path`` (empty when there is none; ``env`` is the variable that points
+    elsewhere, named in the fix). Read as the policy loader reads: a
+    FIFO or ``/dev/zero`` in its place hung every reader, and JSON nested past Python's
+    recursion limit escaped as a RecursionError traceback."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise PolicyError([f"{path}: the profile store cannot be read ({exc}); fix or delete "
-                           "it, or point ATTNHUB_PROFILE elsewhere"]) from None
+        raw = read_limited(path, MAX_STORE_BYTES)
+    except FileNotFoundError:
+        return {"schema": SCHEMA, "devices": {}}
+    except (OSError, TooBig) as exc:
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise PolicyError([f"{path}: the profile store cannot be read ({what}); expected a "
+                           f"JSON file of at most {MAX_STORE_BYTES // 2**20} MiB: move it "
+                           f"away, or point {env} elsewhere"]) from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise PolicyError([f"{path}: the profile store cannot be read ({_first_line(exc)}); "
+                           f"fix or delete it, or point {env} elsewhere"]) from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(
             data.get("devices"), dict):
         raise PolicyError([f"{path}: not an attnhub profile store (expected \"schema\": "
                            f"\"{SCHEMA}\" and a \"devices\" mapping); move it away or point "
-                           "ATTNHUB_PROFILE elsewhere"])
+                           f"{env} elsewhere"])
     problems = list(_type_problems(data["devices"]))
     if problems:
         raise PolicyError([f"{path}: {where}: {what}; fix or delete that entry (or the file)"
                            for where, what in problems[:20]])
     return data
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _is_num(x: Any) -> bool:
@@ -436,7 +456,7 @@ def _shipped_pack(key: str, name: str, arch: str, versions: tuple[tuple[str, str
     stale: list[str] = []
     for fname, _ in stamp:
         path = folder / fname
-        data = _load(path)
+        data = _load(path, PACKS_ENV)
         measured = str(data.get("pack", {}).get("measured", "date unknown")) \
             if isinstance(data.get("pack"), dict) else "date unknown"
         for dkey, entry in data["devices"].items():

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
                       field_validator, model_validator)
 
 from ..core.device import known_hardware
+from ..core.registry import MAX_NAME as REGISTRY_MAX_NAME
 from ..core.spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES
 
 PhaseName = Literal[PHASES]  # type: ignore[valid-type]
@@ -43,16 +45,39 @@ def _hardware(v: Any) -> Any:
                      f"or gfxNNN) or a vendor ({', '.join(VENDORS)})")
 
 
-def _identifier(v: Any) -> Any:
-    if isinstance(v, str) and _IDENT_RE.match(v):
+#: Longer names are typos or generated garbage: refused before they fill every message (the
+#: registry refuses longer backend names too).
+MAX_NAME = REGISTRY_MAX_NAME
+
+
+def _name(v: Any, pattern: re.Pattern[str], what: str) -> Any:
+    """``v`` when it is a name ``pattern`` allows; else why not, pointing at the character
+    that is wrong (a Cyrillic 'а' in "triton" reads like the Latin one in every message)."""
+    if isinstance(v, str) and len(v) <= MAX_NAME and pattern.match(v):
         return v
-    raise ValueError(f"got {v!r}, expected a name made of letters, digits and _")
+    if isinstance(v, str) and len(v) > MAX_NAME:
+        raise ValueError(f"got a name of {len(v)} characters ({v[:20]!r}...), expected {what} "
+                         f"of at most {MAX_NAME}")
+    if isinstance(v, bool) or v is None:
+        raise ValueError(f"got {v!r} (YAML reads unquoted yes/no/on/off/true/false as a flag "
+                         f"and an empty value or ~ as null), expected {what} (quote it)")
+    shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+    odd = next((i for i, c in enumerate(v) if not c.isascii() or c.isspace()), None) \
+        if isinstance(v, str) else None
+    if odd is None:
+        raise ValueError(f"got {shown}, expected {what}")
+    c = v[odd]
+    raise ValueError(f"got {shown}, expected {what}: character {odd + 1} is U+{ord(c):04X} "
+                     f"{unicodedata.name(c, 'unnamed')}, not an ASCII letter or digit "
+                     "(retype the name)")
+
+
+def _identifier(v: Any) -> Any:
+    return _name(v, _IDENT_RE, "a name made of ASCII letters, digits and _")
 
 
 def _rule_name(v: Any) -> Any:
-    if isinstance(v, str) and _RULE_NAME_RE.match(v):
-        return v
-    raise ValueError(f"got {v!r}, expected a rule name of letters, digits, '_', '-' and '.'")
+    return _name(v, _RULE_NAME_RE, "a rule name of ASCII letters, digits, '_', '-' and '.'")
 
 
 def _number(v: Any) -> Any:
