@@ -8,7 +8,6 @@ code runs on a cache hit.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 import os
@@ -24,23 +23,28 @@ from .core.decision import BindContext, Decision, report_missing
 from .core.device import DeviceInfo, probe
 from .core.registry import Registry
 from .core.masking import attends_nothing
+from .core.modsig import arity_error, shape_key
 from .core.lse_guard import guard_lse
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
 from .core.contract import (
     PAGED,
+    SCALAR_MAX,
+    SCALAR_MIN,
     THD,
+    autocast_on,
     call_inputs,
     check_call,
+    check_extra,
     check_max_seqlen,
     check_output,
     check_qkv,
     check_result,
     check_scalars,
     fit_positions,
+    grad_needed,
     nan_violation,
     shared_memory,
-    versions,
-    written_inputs,
+    watched_forward,
 )
 from .errors import (
     ArgumentError,
@@ -129,7 +133,9 @@ class Runner:
         the call was checked before any backend ran, so that one is never retried) or broke
         the output contract: raise per the rule, or go on with the next candidate."""
         chain = self.chain
-        if chain[0] is not failed:  # moved back meanwhile (another thread): the chain now
+        if chain[0] is not failed or autocast_on(device.type):
+            # moved back meanwhile (another thread): the chain now; or under torch.autocast
+            # (a backend's kernels ran in its dtype): first again, as the slow lane runs it
             return self._fallback(chain, 0, q, k, v, spec, params, want, device, dtype)
         return self._fallback(chain, self.hub._on_failure(self, chain, 0, exc), q, k, v,
                               spec, params, want, device, dtype)
@@ -143,26 +149,23 @@ class Runner:
         This is the slow lane (a binding's first call, a fallback, debug mode), so it also
         checks what the hot path leaves out: that the backend wrote into none of its inputs
         (version counters: raised at once, never retried, since the inputs are no longer
-        what the caller passed) and that its result shares no memory with them."""
-        needs_grad = torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad)
+        what the caller passed) and that its result shares no memory with them. It runs
+        backends with ``torch.autocast`` off: attention computes in q's dtype (the contract),
+        whatever autocast would pick for their kernels (a hot-path call whose output came
+        back in autocast's dtype is redone here, by ``recover``)."""
+        if autocast_on(device.type):
+            with torch.autocast(device.type, enabled=False):
+                return self._fallback(chain, i, q, k, v, spec, params, want, device, dtype)
+        needs_grad = grad_needed(q, k, v)
         inputs = call_inputs(q, k, v, params)
         while True:
             backend = chain[i]
-            before = versions(inputs)
-            try:
-                if not backend._loaded:
-                    backend.load()
-                res = backend.forward(q, k, v, spec, params)
-            except InputError:
-                raise
-            except Exception as exc:
-                failure: Exception | None = exc
-            else:
-                failure = None
-            if (written := written_inputs(backend, before, inputs)) is not None:
+            res, failure, written = watched_forward(backend, q, k, v, spec, params, inputs)
+            if written is not None:
                 self.hub._distrust(self, backend, _failure_reason(written))
                 raise written from failure
+            if isinstance(failure, InputError):
+                raise failure  # the caller's input: never retried on a fallback
             if failure is None:
                 try:
                     out, lse = self._checked(backend, res, q, v, spec, params, want, device,
@@ -513,9 +516,10 @@ class Hub:
             hit = None
         if hit is not None:
             if (scale is not None or softcap is not None) and not (
-                    (scale is None or (scale.__class__ is float and 0.0 < scale < _INF))
-                    and (softcap is None
-                         or (softcap.__class__ is float and 0.0 < softcap < _INF))):
+                    (scale is None or (scale.__class__ is float
+                                       and SCALAR_MIN <= scale <= SCALAR_MAX))
+                    and (softcap is None or (softcap.__class__ is float
+                                             and SCALAR_MIN <= softcap <= SCALAR_MAX))):
                 check_scalars(scale, softcap)  # raises; an int or odd value is checked
             (spec, run, window, named, named_score, named_mask, default_scale, want,
              max_q, max_k) = hit
@@ -580,7 +584,7 @@ class Hub:
                 default_scale if scale is None else scale, causal, causal_alignment, window,
                 softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end, cu_q, cu_k,
                 max_q, max_k, bt, sl, score_mod, mask_mod,
-                deterministic, return_lse, dict(extra) if extra else {})
+                deterministic, return_lse, check_extra(extra, k.dtype) if extra else {})
             first = run.first
             if first is not None and first._loaded and not self.debug:
                 try:  # Runner.__call__ inlined for the first candidate: a frame less
@@ -615,6 +619,7 @@ class Hub:
         q, k, v, layout, window = a.q, a.k, a.v, a.layout, a.window
         score_named, mask_named = isinstance(score_mod, str), isinstance(mask_mod, str)
         named = score_named or mask_named
+        variants = (score_mod if score_named else None, mask_mod if mask_named else None)
         if named:
             score_mod, mask_mod = self._variant(score_mod, mask_mod)
         if score_mod is not None and not callable(score_mod):
@@ -623,8 +628,8 @@ class Hub:
         if mask_mod is not None and not callable(mask_mod):
             raise ArgumentError(f"mask_mod={mask_mod!r} is not callable; pass a function "
                                 "(b, h, q_idx, kv_idx) -> bool or a variant name")
-        _check_arity("score_mod", score_mod, 5)
-        _check_arity("mask_mod", mask_mod, 4)
+        _check_arity("score_mod", score_mod, variants[0])
+        _check_arity("mask_mod", mask_mod, variants[1])
         max_seqlen_q, max_seqlen_k, batch = a.max_seqlen_q, a.max_seqlen_k, a.batch
         if phase is None:
             phase = _phase(needs_grad, layout == "paged", max_seqlen_q, max_seqlen_k)
@@ -647,7 +652,8 @@ class Hub:
             cu_seqlens_q=a.cu_seqlens_q, cu_seqlens_k=a.cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=a.block_table,
             seqlens_k=a.seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
-            deterministic=deterministic, return_lse=return_lse, extra=dict(extra or {}))
+            deterministic=deterministic, return_lse=return_lse,
+            extra=check_extra(extra, k.dtype) if extra else {})
         with self._lock:
             hit = self._runners.get(key)
             if hit is not None:
@@ -853,30 +859,19 @@ def _callable_name(fn: Any) -> str | None:
 def _mod_kind(fn: Any) -> Any:
     """Exact-table key of a score/mask argument: a variant name as itself, a callable by its
     kind (a fresh lambda per call shares one entry; the caller's own callable always runs)
-    and arity (a lambda of the other kind, same name, goes to the slow path's check)."""
+    and what its arity check reads (a partial, method or lambda of another arity, same name,
+    goes to the slow path's check)."""
     if fn.__class__ is str:
         return fn
-    return ("callable", _callable_name(fn), getattr(getattr(fn, "__code__", None),
-                                                    "co_argcount", None))
+    return ("callable", _callable_name(fn), shape_key(fn))
 
 
-def _check_arity(slot: str, fn: Any, n: int) -> None:
+def _check_arity(slot: str, fn: Any, variant: str | None) -> None:
     """A score_mod takes 5 arguments, a mask_mod 4: a callable of the other kind is the
     caller's mistake, refused here (never a backend's TypeError, retried on a fallback)."""
-    if fn is None:
-        return
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # no signature to read (a builtin): it runs as given
-        return
-    try:
-        sig.bind(*range(n))
-    except TypeError:
-        other, form = (("mask_mod", "(score, b, h, q_idx, kv_idx) -> score") if n == 5
-                       else ("score_mod", "(b, h, q_idx, kv_idx) -> bool"))
-        raise ArgumentError(f"{slot}={_callable_name(fn)!r} takes {sig}, not the {n} "
-                            f"arguments of a {slot} {form}; if it is a {other}, pass it as "
-                            f"{other}=") from None
+    why = arity_error(slot, fn, variant)
+    if why is not None:
+        raise ArgumentError(why)
 
 
 def _meta(t: Any) -> tuple | None:

@@ -34,6 +34,7 @@ from .core.masking import (
     doc_ranges,
     query_offset,
 )
+from .core.first_order import first_order_only
 from .core.kvquant import refuse_stray_descales
 from .core.paged import paged_to_varlen
 from .core.reference import reference_attention
@@ -69,6 +70,7 @@ __all__ = [
     "attends_nothing",
     "bottom_right_form",
     "doc_ranges",
+    "first_order_only",
     "flash_dense_form",
     "causal_alibi_lse",
     "check_call",

@@ -17,16 +17,18 @@ import torch
 
 from .core.backend import Backend
 from .core.contract import (
+    autocast_on,
     call_inputs,
     check_output,
     check_result,
+    grad_needed,
     shared_memory,
-    versions,
-    written_inputs,
+    watched_forward,
 )
 from .core.decision import Decision
 from .core.seqstate import STATE_KEY
 from .core.spec import AttentionSpec, AttnParams
+from .errors import OutputContractError
 from .timing import interleaved_ms
 
 #: The timing: short, interleaved, batched (``interleaved_ms``): a few ms for decode calls.
@@ -54,36 +56,34 @@ def settle(d: Decision, backends: dict[str, Backend], q: torch.Tensor, k: torch.
     """``d`` with its tied candidates timed on this call's tensors and the fastest bound
     (the others follow it as fallbacks where the rule has them); a candidate that raises is
     left out, with its reason in the notes."""
+    if autocast_on(q.device.type):  # timed as the slow lane runs them: autocast off
+        with torch.autocast(q.device.type, enabled=False):
+            return settle(d, backends, q, k, v, spec, params)
     why = blocker(q, spec, params)
     if why is not None:
         return replace(d, tied=(), notes=(*d.notes, f"near-tie not timed: {why}; the "
                                           f"pack's order binds {d.backend}"))
     fns, failed = {}, []
     inputs = call_inputs(q, k, v, params)
-    needs_grad = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = grad_needed(q, k, v)
     for name in d.tied:
         b = backends[name]
-        before = versions(inputs)
-        try:
-            if not b._loaded:
-                b.load()
-            # the first call: a compile or a refusal shows, and its result is held to the
-            # output contract (a candidate that breaks it is never timed, nor bound)
-            res = b.forward(q, k, v, spec, params)
-            out, lse = check_result(name, res)
-            check_output(name, out, lse, q, v, spec.layout, params.return_lse, needs_grad)
-            bad = shared_memory(name, out, lse, inputs)
-            if bad is not None:
-                raise bad
-        except Exception as exc:  # noqa: BLE001 - reported in the notes, never bound
-            written = written_inputs(b, before, inputs)
-            if written is not None:
-                raise written from exc
-            failed.append(f"{name} raised {type(exc).__name__}: {str(exc)[:120]}")
+        # the first call: a compile or a refusal shows, and its result is held to the
+        # output contract (a candidate that breaks it is never timed, nor bound)
+        res, failure, written = watched_forward(b, q, k, v, spec, params, inputs)
+        if written is not None:  # the caller's tensors changed: timing would repeat it
+            raise written from failure
+        if failure is None:
+            try:
+                out, lse = check_result(name, res)
+                check_output(name, out, lse, q, v, spec.layout, params.return_lse,
+                             needs_grad)
+                failure = shared_memory(name, out, lse, inputs)
+            except OutputContractError as exc:
+                failure = exc
+        if failure is not None:  # reported in the notes, never bound
+            failed.append(f"{name} raised {type(failure).__name__}: {str(failure)[:120]}")
             continue
-        if (written := written_inputs(b, before, inputs)) is not None:
-            raise written  # the caller's tensors changed: timing it again would repeat it
         fns[name] = (lambda b=b: b.forward(q, k, v, spec, params))
     if not fns:
         return replace(d, tied=(), notes=(*d.notes, "near-tie not timed: " + "; ".join(failed)))

@@ -135,3 +135,30 @@ def assert_nan_pattern(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     assert torch.equal(torch.isnan(out).any(-1), want)
     keep = ~want
     assert_fa_rule(out[keep], ref64[keep], same[keep])
+
+
+#: FlashAttention's GPU test shapes with attnhub's mask conventions, (b, sq, sk, hq, hkv, d,
+#: causal, causal alignment): GQA/MHA heads, Sq < Sk and Sq > Sk, top-left, an odd
+#: non-causal length, one-query decode. A plugin's GPU grid appends its own feature column
+#: (a window, a softcap) and the rows that exercise it.
+FA_GPU_SHAPES: tuple[tuple[int, int, int, int, int, int, bool, str], ...] = (
+    (2, 128, 128, 8, 2, 128, True, "bottom_right"),
+    (1, 64, 200, 8, 8, 64, True, "bottom_right"),
+    (1, 200, 64, 8, 2, 128, True, "bottom_right"),
+    (1, 96, 160, 4, 4, 128, True, "top_left"),
+    (2, 77, 77, 8, 4, 128, False, "bottom_right"),
+    (3, 1, 300, 8, 2, 128, True, "bottom_right"),
+)
+
+
+def grid_id(case: tuple[Any, ...]) -> str:
+    """pytest id of a grid case: its shape and alignment (``2x128x128x8x2x128-top_left``)."""
+    return "x".join(map(str, case[:6])) + f"-{case[7]}"
+
+
+def gpu_marks() -> list[Any]:
+    """``pytestmark`` of a module that needs a CUDA GPU: marked ``gpu``, skipped without one."""
+    import pytest
+
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -16,7 +16,6 @@ on a fallback). ``docs/contract.md`` is the same contract in prose.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import threading
 import weakref
@@ -24,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .spec import DTYPES, torch_dtype
 from ..errors import (
     ArgumentError,
     DeviceMismatchError,
@@ -38,6 +38,12 @@ log = logging.getLogger("attnhub")
 
 _RANK = {"bshd": 4, "bhsd": 4, "thd": 3, "paged": 4}
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+#: The only k/v dtypes that may differ from q's: an FP8 KV cache (the spec's fp8 dtypes).
+FP8_KV = frozenset(torch_dtype(n) for n in DTYPES if n.startswith("fp8"))
+#: The range of ``scale``/``softcap``: kernels compute scores in float32 at best, where a
+#: larger finite Python float is inf (inf * 0 = NaN) and a smaller one is 0 or a subnormal
+#: that GPUs flush to 0 (a softcap of 0 makes a zero score 0/0 = NaN): silent NaN answers.
+SCALAR_MIN, SCALAR_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 _PHASES = ("train", "prefill", "decode")
 #: Arguments that belong to one family of layouts; passing one elsewhere is an error rather
 #: than silently ignored (a ``seqlens_k`` with ``bshd`` would otherwise change nothing).
@@ -182,10 +188,11 @@ def check_qkv(q: Any, k: Any, v: Any, layout: Any) -> None:
         raise DTypeMismatchError(
             f"q is {q.dtype}; attention takes fp16, bf16 or fp32 queries (FP8 goes through an "
             "FP8 backend with descales)")
-    if k.dtype != q.dtype and (k.dtype in _FLOAT or not k.dtype.is_floating_point):
+    if k.dtype != q.dtype and k.dtype not in FP8_KV:
         raise DTypeMismatchError(
-            f"q is {q.dtype} but k/v are {k.dtype}; cast them to one dtype "
-            "(only an FP8 KV cache may differ from q)")
+            f"q is {q.dtype} but k/v are {k.dtype}; cast them to q's dtype "
+            f"(only an FP8 KV cache, {' or '.join(sorted(map(str, FP8_KV)))}, may differ "
+            "from q)")
     head_axis = 1 if layout == "bhsd" else -2
     hq, hk, hv = q.shape[head_axis], k.shape[head_axis], v.shape[head_axis]
     if q.shape[-1] != k.shape[-1]:
@@ -218,7 +225,8 @@ def check_qkv(q: Any, k: Any, v: Any, layout: Any) -> None:
 
 
 def check_scalars(scale: Any, softcap: Any) -> None:
-    """``scale`` and ``softcap``: finite real numbers above 0 (or None)."""
+    """``scale`` and ``softcap``: real numbers that float32 holds as normal numbers, in
+    [``SCALAR_MIN``, ``SCALAR_MAX``] (or None)."""
     for name, x, off in (("scale", scale, "leave scale=None for 1/sqrt(head_dim)"),
                          ("softcap", softcap, "pass softcap=None to turn capping off")):
         if x is None:
@@ -226,8 +234,61 @@ def check_scalars(scale: Any, softcap: Any) -> None:
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise ArgumentError(f"{name}={x!r} ({type(x).__name__}); pass a Python float "
                                 f"(e.g. float({name})), or {off}")
-        if not 0.0 < x < math.inf:  # False for NaN too
-            raise ArgumentError(f"{name}={x!r}; it must be a finite number above 0 ({off})")
+        if not SCALAR_MIN <= x <= SCALAR_MAX:  # False for NaN too
+            raise ArgumentError(f"{name}={x!r}; it must be a number in [{SCALAR_MIN:.4g}, "
+                                f"{SCALAR_MAX:.4g}], float32's normal range (kernels compute "
+                                f"scores in float32, where it would be 0 or inf) ({off})")
+
+
+#: Keys of ``extra`` that every backend ignores, and why: what attention here never does,
+#: or takes as an argument of its own (FlashAttention's names). Passing one is refused: an
+#: ignored key is a silent wrong answer (dropout not applied, a scale not used).
+_IGNORED_EXTRA = {
+    "dropout_p": "attention here has no dropout (every backend is exact); apply dropout "
+                 "outside it (on the output), or drop dropout_p",
+    "q_descale": "queries are fp16/bf16/fp32 here, never FP8 (fa3_fp8 quantizes them itself, "
+                 "with its own descale); drop q_descale",
+    "softmax_scale": "pass scale= to attention",
+    "window_size": "pass window=(left, right) to attention",
+    "is_causal": "pass causal= to attention",
+    "attn_mask": "pass the mask as causal=, window=, prefix_lens=, colmask_start/end= or a "
+                 "mask_mod",
+}
+_IGNORED_EXTRA["dropout"] = _IGNORED_EXTRA["dropout_p"].replace("dropout_p", "dropout")
+for _name in ("scale", "causal", "window", "softcap", "alibi_slopes"):
+    _IGNORED_EXTRA[_name] = f"pass {_name}= to attention itself"
+#: FP8 descales: read only beside an FP8 k/v, and needed there (both).
+_DESCALES = ("k_descale", "v_descale")
+
+
+def check_extra(extra: Any, kv_dtype: torch.dtype) -> dict[str, Any]:
+    """``extra`` (backend-specific options, a dict) as a private copy for ``AttnParams``,
+    refused where a backend would silently ignore part of it: a key of ``_IGNORED_EXTRA``,
+    FP8 descales beside a 16/32-bit k/v, or an FP8 k/v without both descales. Checked for
+    every backend here, on every call that passes ``extra`` (``extra`` is not in the hot
+    path's key; a call without it pays one truth test)."""
+    if not isinstance(extra, dict):
+        raise ArgumentError(f"extra={extra!r} ({type(extra).__name__}); pass a dict of "
+                            "backend options, or None")
+    for name in extra:
+        why = _IGNORED_EXTRA.get(name)
+        if why is not None:
+            raise ArgumentError(f"extra[{name!r}] is read by no backend (it would be silently "
+                                f"ignored): {why}")
+    given = [n for n in _DESCALES if n in extra]
+    if kv_dtype in FP8_KV:
+        missing = [n for n in _DESCALES if n not in given]
+        if missing:
+            raise ArgumentError(
+                f"k/v are {kv_dtype} (an FP8 KV cache) but extra has no "
+                f"{' or '.join(missing)}; pass both descales, float32 per (page or batch, KV "
+                "head), e.g. extra=PagedKVCache.scales.descales(layer)")
+    elif given:
+        raise ArgumentError(
+            f"extra {' and '.join(given)} given for {kv_dtype} k/v, which every backend reads "
+            "as is (descales scale an FP8 KV cache, float8_e4m3fn); drop them, or pass the "
+            "FP8 k/v they scale")
+    return dict(extra)
 
 
 def check_window(window: Any, causal: bool) -> tuple[int, int] | None:
@@ -708,6 +769,38 @@ def call_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             "colmask_end": params.colmask_end, "cu_seqlens_q": params.cu_seqlens_q,
             "cu_seqlens_k": params.cu_seqlens_k, "block_table": params.block_table,
             "seqlens_k": params.seqlens_k}
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for this device type (False where it has none).
+    Backends run with it off (the slow lane, settle): attention computes in q's dtype."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
+
+
+def grad_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether this call needs gradients (grad mode on and q, k or v requiring grad)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    spec: Any, params: Any, inputs: dict[str, Any]
+                    ) -> tuple[Any, Exception | None, OutputContractError | None]:
+    """Load and run ``backend`` once, as the slow lane and settle's first calls do, watching
+    ``inputs`` (:func:`call_inputs`): ``(result, failure, written)``, ``failure`` what it
+    raised (None if nothing), ``written`` :func:`written_inputs`'s error when it wrote into
+    an input (the caller then raises it, chained from ``failure``: never retried)."""
+    before = versions(inputs)
+    res = failure = None
+    try:
+        if not backend._loaded:
+            backend.load()
+        res = backend.forward(q, k, v, spec, params)
+    except Exception as exc:  # noqa: BLE001 - handed to the caller, which decides
+        failure = exc
+    return res, failure, written_inputs(backend, before, inputs)
 
 
 def versions(inputs: dict[str, Any]) -> dict[str, int]:

@@ -84,8 +84,9 @@ class CacheStep:
         """Undo this step's reservation: every sequence back to its length and pages before
         the step, pages taken for it back on the free list. Only while the cache has not
         changed since (another reserve, free or fork would be undone with it). Layers bound
-        to a stateful backend keep what they wrote to ``cache.states``: free the sequences
-        of a failed step there."""
+        to a stateful backend keep what they wrote to ``cache.states``; the hybrid plugin's
+        linear layers see that their state is ahead of the context on the retry and rebuild
+        it from the cached keys (other stores: free the sequences of a failed step)."""
         if self._aborted[0]:
             return
         if self._undo is None or self.cache._version != self._version:

@@ -45,7 +45,8 @@ LN2 = math.log(2.0)
 
 def flashinfer_capabilities(build: FlashInferBuild, phases: frozenset[str],
                             max_query_len_decode: int | None) -> Capabilities:
-    """Declared from the wrappers' parameters: windows and softcap only where plan takes them."""
+    """Declared from what the wrappers take (``FlashInferBuild``: by the installed version,
+    since plan() may be ``**kwargs``): windows and softcap only where plan takes them."""
     masks = {"causal"}
     if build.window:
         masks.add("sliding_window")
@@ -108,6 +109,8 @@ class FlashInferPagedBackend(Backend):
         return flashinfer_capabilities(self.build, self.phases, self.max_query_len)
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        if (old := self.build.too_old) is not None:
+            return [old]
         m = spec.mask
         if m.window is not None and m.alignment == "top_left" and not m.causal:
             return ["top-left windows not supported (FlashInfer aligns bottom-right)"]

@@ -1,16 +1,22 @@
 """What the installed kernel libraries can do, read without importing their kernels.
 
-Capabilities are derived from the installed build, never from a version string: the Python
-interfaces of flash-attn and FlashInfer are parsed (``ast``) for the parameters each entry
-point takes, and torch's own FlashAttention-2 op is read from its registered schema. Nothing
-here imports a CUDA extension or touches a GPU, so planning on a CPU box stays cheap.
+Capabilities are derived from the installed build: the Python interfaces of flash-attn and
+FlashInfer are parsed (``ast``) for the parameters each entry point takes, and torch's own
+FlashAttention-2 op is read from its registered schema. FlashInfer is the exception: from
+0.6.15 its ``plan()`` is ``plan(..., page_size, *args, **kwargs)``, a signature that names
+none of the options, so its installed version decides (``FLASHINFER_SINCE``); only a copy
+without distribution metadata is read from its source, where a ``**kwargs`` function counts
+the parameters its docstring documents. Nothing here imports a CUDA extension or touches a
+GPU, so planning on a CPU box stays cheap.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import importlib.metadata
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +59,44 @@ def source_params(package: str, relpath: str, qualname: str) -> frozenset[str] |
                 found = True
                 a = node.args
                 names.update(x.arg for x in a.posonlyargs + a.args + a.kwonlyargs)
+                if a.kwarg is not None:  # **kwargs names nothing: what the docs promise
+                    names.update(documented_params(ast.get_docstring(node) or ""))
     return frozenset(names) if found else None
+
+
+_SECTION = re.compile(r"^\s*(\w[\w ]*)\n\s*-{3,}\s*$", re.M)
+_PARAM = re.compile(r"^\s*(\w+)\s*:", re.M)
+
+
+def documented_params(doc: str) -> frozenset[str]:
+    """Names in a numpydoc ``Parameters`` section (``name : type`` lines)."""
+    heads = list(_SECTION.finditer(doc))
+    for i, head in enumerate(heads):
+        if head.group(1).strip() == "Parameters":
+            end = heads[i + 1].start() if i + 1 < len(heads) else len(doc)
+            return frozenset(_PARAM.findall(doc[head.end():end]))
+    return frozenset()
+
+
+def installed_version(package: str, distributions: tuple[str, ...]) -> tuple[int, ...] | None:
+    """Release (major, minor, patch) of the distribution that installed ``package`` (the
+    directory probing reads: a copy shadowing it on ``sys.path`` has no version), from its
+    metadata, without importing it. None when no distribution vouches for that directory."""
+    root = package_dir(package)
+    for name in distributions:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        try:
+            same = root is not None and Path(str(dist.locate_file(package))).resolve() == \
+                root.resolve()
+        except OSError:
+            same = False
+        m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", dist.version or "")
+        if same and m:
+            return tuple(int(x or 0) for x in m.groups())
+    return None
 
 
 @dataclass(frozen=True)
@@ -116,9 +159,19 @@ def flash_attn_build() -> FlashAttnBuild:
     )
 
 
+#: The FlashInfer release from which the wrappers take all that attnhub passes:
+#: ``plan(window_left=, logits_soft_cap=, q_data_type=, kv_data_type=, sm_scale=)``,
+#: ``run(return_lse=)`` and the decode wrapper's ``use_tensor_cores=`` (0.1.6 had ``plan``
+#: without ``kv_data_type``, ``run`` without ``return_lse``; read from flashinfer's tags).
+FLASHINFER_SINCE = (0, 2, 0)
+FLASHINFER_DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
+
+
 @dataclass(frozen=True)
 class FlashInferBuild:
-    """Parameters of FlashInfer's paged decode/prefill wrappers in the installed package."""
+    """What FlashInfer's paged decode/prefill wrappers take in the installed package: by its
+    ``version`` when known (a ``**kwargs`` plan() hides its options), else by the parameters
+    its source names or documents."""
 
     installed: bool
     decode_init: frozenset[str]
@@ -126,22 +179,38 @@ class FlashInferBuild:
     decode_run: frozenset[str]
     prefill_plan: frozenset[str]
     prefill_run: frozenset[str]
+    version: tuple[int, ...] | None = None
+
+    def _takes(self, name: str, *where: frozenset[str]) -> bool:
+        if self.version is not None:
+            return self.version >= FLASHINFER_SINCE
+        return all(name in w for w in where)
+
+    @property
+    def too_old(self) -> str | None:
+        """Why this release cannot serve at all (plan() would raise TypeError), or None."""
+        if self.version is None or self.version >= FLASHINFER_SINCE:
+            return None
+        have = ".".join(map(str, self.version))
+        need = ".".join(map(str, FLASHINFER_SINCE))
+        return (f"FlashInfer {have} is older than {need}: its plan() takes no kv_data_type "
+                "and run() no return_lse; pip install -U flashinfer-python")
 
     @property
     def window(self) -> bool:
-        return "window_left" in self.decode_plan and "window_left" in self.prefill_plan
+        return self._takes("window_left", self.decode_plan, self.prefill_plan)
 
     @property
     def softcap(self) -> bool:
-        return "logits_soft_cap" in self.decode_plan and "logits_soft_cap" in self.prefill_plan
+        return self._takes("logits_soft_cap", self.decode_plan, self.prefill_plan)
 
     @property
     def tensor_core_choice(self) -> bool:
-        return "use_tensor_cores" in self.decode_init
+        return self._takes("use_tensor_cores", self.decode_init)
 
     @property
     def lse(self) -> bool:
-        return "return_lse" in self.decode_run and "return_lse" in self.prefill_run
+        return self._takes("return_lse", self.decode_run, self.prefill_run)
 
 
 _FI_UPSTREAM = FlashInferBuild(
@@ -158,13 +227,14 @@ def flashinfer_build() -> FlashInferBuild:
     """Parameters of ``BatchDecode/BatchPrefillWithPagedKVCacheWrapper`` as installed."""
     dec = "BatchDecodeWithPagedKVCacheWrapper"
     pre = "BatchPrefillWithPagedKVCacheWrapper"
+    version = installed_version("flashinfer", FLASHINFER_DISTRIBUTIONS)
     decode_plan = source_params("flashinfer", "decode.py", f"{dec}.plan")
-    if decode_plan is None:
+    if decode_plan is None and version is None:
         return _FI_UPSTREAM
     return FlashInferBuild(
-        installed=True,
+        installed=True, version=version,
         decode_init=source_params("flashinfer", "decode.py", f"{dec}.__init__") or frozenset(),
-        decode_plan=decode_plan,
+        decode_plan=decode_plan or frozenset(),
         decode_run=source_params("flashinfer", "decode.py", f"{dec}.run") or frozenset(),
         prefill_plan=source_params("flashinfer", "prefill.py", f"{pre}.plan") or frozenset(),
         prefill_run=source_params("flashinfer", "prefill.py", f"{pre}.run") or frozenset(),

@@ -16,24 +16,20 @@ import torch
 import attnhub
 from attnhub.plugin import AttnParams, paged_to_varlen
 from attnhub.testing import (
+    FA_GPU_SHAPES,
     assert_fa_rule,
     assert_grads_fa_rule,
     assert_lse,
     attention_or_skip,
     fa_references,
+    gpu_marks,
+    grid_id,
 )
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = gpu_marks()
 
-GRID = [  # b, sq, sk, hq, hkv, d, causal, alignment, window
-    (2, 128, 128, 8, 2, 128, True, "bottom_right", None),
-    (1, 64, 200, 8, 8, 64, True, "bottom_right", None),
-    (1, 200, 64, 8, 2, 128, True, "bottom_right", None),
-    (1, 96, 160, 4, 4, 128, True, "top_left", None),
-    (2, 77, 77, 8, 4, 128, False, "bottom_right", None),
+GRID = [(*shape, None) for shape in FA_GPU_SHAPES] + [  # ..., window
     (1, 128, 256, 8, 2, 128, True, "bottom_right", (32, 0)),
-    (3, 1, 300, 8, 2, 128, True, "bottom_right", None),
 ]
 
 
@@ -48,7 +44,7 @@ def rnd(*shape, seed=0, grad=False):
 
 
 @pytest.mark.parametrize("name", ["fa2", "fa2_torch"])
-@pytest.mark.parametrize("case", GRID, ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[7]}")
+@pytest.mark.parametrize("case", GRID, ids=grid_id)
 def test_forward_fa_rule(hub, name, case):
     b, sq, sk, hq, hkv, d, causal, align, window = case
     q, k, v = rnd(b, sq, hq, d), rnd(b, sk, hkv, d, seed=1), rnd(b, sk, hkv, d, seed=2)

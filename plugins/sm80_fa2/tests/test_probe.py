@@ -119,3 +119,129 @@ def test_importing_the_plugin_imports_no_kernel(tmp_path, monkeypatch):
     assert {b.name for b in registered} == {"fa2", "fa2_torch", "flashinfer_decode",
                                             "flashinfer_prefill"}
     assert "flash_attn" not in sys.modules and "flashinfer" not in sys.modules
+
+
+# -- FlashInfer by release: plan() may be ``**kwargs`` ----------------------------------------
+# From 0.6.15 ``BatchDecodeWithPagedKVCacheWrapper.plan`` is ``plan(self, indptr, indices,
+# last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *deprecated_positional_args,
+# **kwargs)`` (flashinfer fb28d72, flashinfer/decode.py): its signature names neither
+# ``window_left`` nor ``logits_soft_cap``, and the probe, which read names only, declared
+# windows and softcap unsupported on every new release. The fakes take both shapes of plan().
+_DOC = '''
+        r"""Plan batch decode.
+
+        Parameters
+        ----------
+        indptr : torch.Tensor
+            The indptr of the paged kv cache.
+        {extra}
+        Returns
+        -------
+        out : None
+            Nothing; ``window_right : int`` below a Returns head is no parameter.
+        """'''
+
+_PLAN_KW = '''
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, *deprecated_positional_args, **kwargs):{doc}
+        return self._plan_impl(**kwargs)
+'''
+
+_PLAN_NAMED = '''
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
+             q_data_type="float16", kv_data_type=None, sm_scale=None):
+        pass
+'''
+
+_DOCUMENTED = ("window_left : int\n            Left window.\n        logits_soft_cap : "
+               "Optional[float]\n            Soft cap.")
+
+
+def _files(plan: str) -> dict[str, str]:
+    """decode.py / prefill.py whose plan() has the given shape (prefill keeps it too)."""
+    def wrapper(cls: str, first: str) -> str:
+        body = plan.replace("indptr, indices", f"{first}indptr, indices")
+        return (f"class {cls}:\n    def __init__(self, float_workspace_buffer, kv_layout='NHD',"
+                f" use_tensor_cores=False):\n        pass\n{textwrap.indent(body, '')}\n"
+                "    def run(self, q, paged_kv_cache, *args, return_lse=False):\n        pass\n")
+    return {"decode.py": wrapper("BatchDecodeWithPagedKVCacheWrapper", ""),
+            "prefill.py": wrapper("BatchPrefillWithPagedKVCacheWrapper", "qo_indptr, ")}
+
+
+def _install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str],
+             version: str | None = None, located: bool = True) -> None:
+    """A fake flashinfer, with a distribution's metadata for its directory or another."""
+    install_fake(tmp_path, monkeypatch, "flashinfer", files)
+    if version is not None:
+        base = tmp_path if located else tmp_path / "elsewhere"
+        info = base / f"flashinfer_python-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: flashinfer-python\nVersion: {version}\n")
+        if not located:
+            monkeypatch.syspath_prepend(str(base))
+
+
+def _declares(window: bool, softcap: bool) -> None:
+    for backend in (FlashInferDecodeBackend(), FlashInferPrefillBackend()):
+        masks = backend.capabilities.masks
+        assert ("sliding_window" in masks) == window and ("softcap" in masks) == softcap, \
+            f"{backend.name}: {sorted(masks)}"
+    assert "flashinfer" not in sys.modules
+
+
+@pytest.mark.parametrize("version", ["0.6.18", "0.6.15rc1", "0.2.0.post1", "1.0"])
+def test_a_kwargs_plan_of_a_known_release_declares_window_and_softcap(tmp_path, monkeypatch,
+                                                                      version):
+    _install(tmp_path, monkeypatch, _files(_PLAN_KW.format(doc="")), version=version)
+    _declares(window=True, softcap=True)
+    build = probe.flashinfer_build()
+    assert build.version is not None and build.lse and build.tensor_core_choice
+    assert build.too_old is None
+
+
+def test_a_kwargs_plan_without_metadata_is_read_from_its_documentation(tmp_path, monkeypatch):
+    _install(tmp_path, monkeypatch,
+             _files(_PLAN_KW.format(doc=_DOC.format(extra=_DOCUMENTED))))
+    _declares(window=True, softcap=True)
+    assert probe.flashinfer_build().version is None
+
+
+def test_a_kwargs_plan_that_documents_neither_declares_neither(tmp_path, monkeypatch):
+    """No version and no promise: not declared (a call with a window is refused, not run
+    on a plan() that might drop it). ``window_right`` under Returns is not a parameter."""
+    _install(tmp_path, monkeypatch, _files(_PLAN_KW.format(doc=_DOC.format(extra=""))))
+    build = probe.flashinfer_build()
+    assert build.version is None and not build.window and not build.softcap
+    _declares(window=False, softcap=False)
+
+
+@pytest.mark.parametrize("located", [True, False])
+def test_a_named_plan_is_read_by_version_or_by_its_names(tmp_path, monkeypatch, located):
+    """The old shape: names decide without metadata, and metadata of another directory (a
+    copy shadowing the installed one) is not this build's version."""
+    _install(tmp_path, monkeypatch, _files(_PLAN_NAMED), version="0.3.1", located=located)
+    build = probe.flashinfer_build()
+    assert build.version == ((0, 3, 1) if located else None)
+    assert build.window and build.softcap
+    _declares(window=True, softcap=True)
+
+
+def test_a_release_older_than_the_interface_is_refused_by_name(tmp_path, monkeypatch):
+    """0.1.6's plan() names window_left but takes no kv_data_type: by version, it cannot
+    serve at all, and the reason says which release is needed."""
+    _install(tmp_path, monkeypatch, _files(_PLAN_NAMED), version="0.1.6")
+    backend = FlashInferDecodeBackend()
+    assert not backend.build.window and not backend.build.lse
+    reasons = backend.check(attnhub.AttentionSpec(phase="decode", layout="paged"),
+                            attnhub.simulate("sm80"))
+    assert any("FlashInfer 0.1.6 is older than 0.2.0" in r for r in reasons), reasons
+    assert "flashinfer" not in sys.modules
+
+
+def test_documented_params_reads_the_parameters_section_only() -> None:
+    doc = _DOC.format(extra=_DOCUMENTED)
+    assert probe.documented_params(textwrap.dedent(doc)) == {
+        "indptr", "window_left", "logits_soft_cap"}
+    assert probe.documented_params("no sections here\nx : int") == frozenset()

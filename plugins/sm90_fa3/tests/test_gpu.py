@@ -16,24 +16,20 @@ import torch
 import attnhub
 from attnhub.plugin import AttnParams, reference_attention
 from attnhub.testing import (
+    FA_GPU_SHAPES,
     assert_fa_rule,
     assert_grads_fa_rule,
     assert_lse,
     attention_or_skip,
     fa_references,
+    gpu_marks,
+    grid_id,
 )
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = gpu_marks()
 
-GRID = [  # b, sq, sk, hq, hkv, d, causal, alignment, softcap
-    (2, 128, 128, 8, 2, 128, True, "bottom_right", None),
-    (1, 64, 200, 8, 8, 64, True, "bottom_right", None),
-    (1, 200, 64, 8, 2, 128, True, "bottom_right", None),
-    (1, 96, 160, 4, 4, 128, True, "top_left", None),
-    (2, 77, 77, 8, 4, 128, False, "bottom_right", None),
+GRID = [(*shape, None) for shape in FA_GPU_SHAPES] + [  # ..., softcap
     (1, 128, 256, 8, 2, 128, True, "bottom_right", 30.0),
-    (3, 1, 300, 8, 2, 128, True, "bottom_right", None),
 ]
 
 
@@ -50,7 +46,7 @@ def inputs(b, sq, sk, hq, hkv, d, seed=0, grad=False):
 
 
 @pytest.mark.parametrize("name", ["fa3", "cudnn"])
-@pytest.mark.parametrize("case", GRID, ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[7]}")
+@pytest.mark.parametrize("case", GRID, ids=grid_id)
 def test_forward_fa_rule(hub, name, case):
     b, sq, sk, hq, hkv, d, causal, align, softcap = case
     q, k, v = inputs(b, sq, sk, hq, hkv, d)
@@ -117,7 +113,7 @@ def test_fp8_within_declared_budget_and_smoothing_helps(hub):
     assert errs["smooth_k"] <= budget, errs
 
 
-@pytest.mark.parametrize("case", GRID, ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[7]}")
+@pytest.mark.parametrize("case", GRID, ids=grid_id)
 def test_op_path_is_the_interface_path(hub, case):
     """The forward op called directly (calls without autograd) computes exactly what FA3's
     interface functions compute: the same kernel, bit for bit."""

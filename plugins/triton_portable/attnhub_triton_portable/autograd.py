@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from attnhub.plugin import AttnParams, InputError, dtype_name
+from attnhub.plugin import AttnParams, InputError, dtype_name, first_order_only
 
 from . import autotune
 from .bwd import flash_bwd, gluon_bwd_unsupported
@@ -106,9 +106,22 @@ class _DenseAttention(torch.autograd.Function):
         if dout is None:  # only the LSE reached the loss
             dout = torch.zeros_like(out)
         args = replace(ctx.args, q=q, k=k, v=v)
-        cfg = ctx.bwd_cfg or bwd_config_for(args, out, lse, dout, ctx.deterministic)
-        dq, dk, dv = flash_bwd(args, out, lse, dout, cfg, dlse)
+        with torch.no_grad():  # create_graph=True: the fused kernels have no derivative
+            cfg = ctx.bwd_cfg or bwd_config_for(args, out, lse, dout, ctx.deterministic)
+            dq, dk, dv = flash_bwd(args, out, lse, dout, cfg, dlse)
+        # the gradients are right; differentiating them (create_graph=True) raises
+        dq, dk, dv = first_order_only((dq, dk, dv), (q, k, v, dout, dlse),
+                                      lambda: InputError(SECOND_ORDER))
         return dq, dk, dv, None, None, None, None
+
+
+SECOND_ORDER = (
+    "triton: second-order gradients (differentiating the gradients of the dense Triton "
+    "kernels, e.g. a gradient penalty through torch.autograd.grad(..., create_graph=True)) "
+    "are not supported: the backward is a fused kernel autograd cannot differentiate, and "
+    "its gradients would silently count as constants. The first-order gradients are exact; "
+    "for that term use a backend whose backward is differentiable (backend='reference' or "
+    "'sliding_window'), or detach() the gradients")
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttnParams,

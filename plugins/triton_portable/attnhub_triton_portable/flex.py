@@ -58,7 +58,8 @@ from attnhub.plugin import (
     unit_head_stride,
 )
 
-from .variants import heads_mismatch
+from .flex_checks import check_user_mods
+from .variants import heads_mismatch, positions_mismatch
 
 Mod = Callable[..., torch.Tensor]
 
@@ -178,7 +179,8 @@ def build_mask_mod(params: AttnParams, pos: _Positions, hq: int, hkv: int,
 
 
 def build_score_mod(params: AttnParams, pos: _Positions, device: torch.device) -> Mod | None:
-    """softcap, then ALiBi, then the user's score_mod; None when the score is left alone."""
+    """softcap, then ALiBi, then the user's score_mod, in the score's dtype (a floating
+    result of another dtype is cast, as compiled flex does); None when nothing changes."""
     cap = params.softcap
     slopes = params.alibi_slopes.to(device=device, dtype=torch.float32) \
         if params.alibi_slopes is not None else None
@@ -188,6 +190,7 @@ def build_score_mod(params: AttnParams, pos: _Positions, device: torch.device) -
 
     def score_mod(score, b, h, q_idx, kv_idx):
         seq, qi, kj, qpos, _ = pos(b, q_idx, kv_idx)
+        dtype = score.dtype  # kept: a user's fp64 result made eager flex's LSE fp64
         if cap:
             score = torch.tanh(score / cap) * cap
         if slopes is not None:
@@ -195,7 +198,7 @@ def build_score_mod(params: AttnParams, pos: _Positions, device: torch.device) -
             score = score - slope * (qpos - kj).abs()
         if user is not None:
             score = user(score, seq * 0 if pos.packed else seq, h, qi, kj)
-        return score
+        return score.to(dtype)
 
     return score_mod
 
@@ -360,6 +363,7 @@ class ModCache:
 
 def _build(params: AttnParams, batch: int, hq: int, hkv: int, sq: int, sk: int,
            packed: bool, device: torch.device) -> FlexMods:
+    check_user_mods(params, device)
     pos = _Positions(params, sq, sk, packed, device)
     mask_mod, per_b, per_h = build_mask_mod(params, pos, hq, hkv, sq, device)
     block_mask = None
@@ -444,37 +448,62 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
         lse_shape = (hq, sq) if packed else (batch, hq, sq)
         lse = torch.full(lse_shape, float("-inf"), device=q.device) if want_lse else None
         return out, lse
-    if params.score_mod is not None and (why := heads_mismatch(params.score_mod, hq)):
-        raise InputError(f"flex: {why}")
+    for fn in (params.score_mod, params.mask_mod):
+        if fn is not None and (why := _variant_mismatch(fn, params, hq, sq, sk, packed)):
+            raise InputError(f"flex: {why}")
     m = mods.get(params, batch, hq, hkv, sq, sk, packed, q.device)
-    fn = compiled_flex() if compiled else _fa.flex_attention
     kwargs: dict[str, Any] = {"score_mod": m.score_mod, "block_mask": m.block_mask,
                               "scale": params.scale, "enable_gqa": hq != hkv}
-    # the LSE finds the fully masked rows (below); eager flex returns it at no cost
-    with_lse = want_lse or not compiled
+    # the LSE finds the fully masked rows (below): eager flex returns it at no cost, compiled
+    # GPU flex for one fp32 per row; compiled CPU flex cannot (an eager call finds them)
+    with_lse = want_lse or not compiled or q.device.type != "cpu"
     if with_lse:
         kwargs["return_aux"] = _fa.AuxRequest(lse=True)
     if compiled:
         grad = qt.requires_grad or kt.requires_grad or vt.requires_grad
         signature = (qt.shape, kt.shape, vt.shape, qt.dtype, kt.dtype, qt.device, grad,
                      torch.is_grad_enabled(), id(m.score_mod), id(m.block_mask),
-                     params.scale, want_lse)
-        res = _run_compiled(fn, signature, qt, kt, vt, **kwargs)
+                     params.scale, with_lse)
+        res = _run_compiled(compiled_flex(), signature, qt, kt, vt, **kwargs)
     else:
-        with warnings.catch_warnings():  # the eager path warns on every call that it is unfused
-            warnings.simplefilter("ignore", UserWarning)
-            res = fn(qt, kt, vt, **kwargs)
+        res = _eager(qt, kt, vt, kwargs)
     out, lse = (res[0], res[1].lse) if with_lse else (res, None)
     if lse is not None:
         out = _zero_dead_rows(out, lse)
         lse = lse if want_lse else None
+    elif torch.isnan(out).any():  # compiled CPU flex: a host check is cheap there
+        dead = _eager(qt, kt, vt, {**kwargs, "return_aux": _fa.AuxRequest(lse=True)})[1].lse
+        out = _zero_dead_rows(out, dead)
     if packed:
         return out[0].transpose(0, 1), (lse[0] if lse is not None else None)
     return out.transpose(1, 2), lse
 
 
+def _variant_mismatch(fn: Mod, params: AttnParams, hq: int, sq: int, sk: int,
+                      packed: bool) -> str | None:
+    """A variant sized for a model (heads) or a sequence (positions) that this call exceeds;
+    packed documents index positions inside a document (read only for such a variant)."""
+    why = heads_mismatch(fn, hq)
+    if why is None and getattr(fn, "positions", None) is not None:
+        if packed:
+            sq, sk = (int((c[1:] - c[:-1]).max()) for c in (params.cu_seqlens_q,
+                                                              params.cu_seqlens_k))
+        why = positions_mismatch(fn, sq, sk)
+    return why
+
+
+def _eager(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
+           kwargs: dict[str, Any]) -> Any:
+    """Eager flex (it materialises the scores), without its per-call 'unfused' warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return _fa.flex_attention(qt, kt, vt, **kwargs)
+
+
 def _zero_dead_rows(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Flex weighs the masked keys of a partly masked block by 0 (eager flex: every key): a
     row that sees no key (LSE -inf) comes back NaN when such a value holds NaN (0 x NaN); the
-    contract keeps it 0. Compiled calls without the LSE keep that NaN (docs/contract.md)."""
+    contract keeps it 0. Compiled CPU flex has no LSE: only an output holding NaN pays for
+    an eager call to find that call's dead rows (the mask alone would miss rows that a
+    score_mod sets to -inf)."""
     return out.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)

@@ -78,7 +78,7 @@ def alibi(num_heads: int) -> Mod:
     slopes = alibi_slopes(num_heads)
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        if h.dim() and int(h.max()) + 1 != num_heads:  # dense callers: every head at once
+        if h.dim() == 4 and int(h.max()) + 1 != num_heads:  # dense (1, H, 1, 1): all heads
             raise InputError(heads_mismatch(score_mod, int(h.max()) + 1))
         return score - slopes.to(score.device)[h] * (q_idx - kv_idx).abs()
 
@@ -130,27 +130,37 @@ def document(doc_ids: torch.Tensor, causal: bool = False) -> Mod:
         same = ids[q_idx] == ids[kv_idx]
         return same & (kv_idx <= q_idx) if causal else same
 
-    return _named(mask_mod, "causal_document" if causal else "document",
-                  "same document" + (", causal" if causal else ""))
+    fn = _named(mask_mod, "causal_document" if causal else "document",
+                "same document" + (", causal" if causal else ""))
+    fn.positions = int(doc_ids.shape[0])  # type: ignore[attr-defined]
+    return fn
 
 
-#: The named defaults registered for YAML and string lookup.
-DEFAULTS: tuple[Mod, ...] = (
-    softcap(30.0), softcap(50.0),
-    alibi(8), alibi(16), alibi(32), alibi(64),
-    sliding_window(1024), sliding_window(4096),
-    prefix_lm(128), prefix_lm(512),
-)
+def positions_mismatch(fn: Mod, q_len: int, k_len: int) -> str | None:
+    """Why a variant holding one entry per position (``fn.positions``: ``document``'s ids)
+    cannot serve indices up to ``q_len``/``k_len``: compiled flex reads past the tensor
+    without a bound check (eager flex and the reference raise IndexError). None when it
+    fits."""
+    have = getattr(fn, "positions", None)
+    if have is None or have >= max(q_len, k_len):
+        return None
+    return (f"mask_mod {fn.__name__!r} holds ids for {have} positions, but this call "
+            f"indexes {q_len} queries and {k_len} keys; pass one id per position "
+            f"(variants.document(ids) with len(ids) >= {max(q_len, k_len)})")
+
+
+#: The named defaults registered for YAML and string lookup, by slot (the registry checks
+#: each one's arity against its slot).
+SCORE_DEFAULTS: tuple[Mod, ...] = (
+    softcap(30.0), softcap(50.0), alibi(8), alibi(16), alibi(32), alibi(64))
+MASK_DEFAULTS: tuple[Mod, ...] = (
+    sliding_window(1024), sliding_window(4096), prefix_lm(128), prefix_lm(512))
+DEFAULTS: tuple[Mod, ...] = SCORE_DEFAULTS + MASK_DEFAULTS
 
 
 def register_variants(register: Callable[..., None]) -> None:
-    """Register every named default: score variants as score_mod, mask ones as mask_mod."""
-    for fn in DEFAULTS:
-        is_score = _arity(fn) == 5
-        register(fn.__name__, score_mod=fn if is_score else None,
-                 mask_mod=None if is_score else fn, doc=fn.__doc__ or "")
-
-
-def _arity(fn: Mod) -> int:
-    return fn.__code__.co_argcount
-
+    """Register every named default in its slot."""
+    for fn in SCORE_DEFAULTS:
+        register(fn.__name__, score_mod=fn, doc=fn.__doc__ or "")
+    for fn in MASK_DEFAULTS:
+        register(fn.__name__, mask_mod=fn, doc=fn.__doc__ or "")
