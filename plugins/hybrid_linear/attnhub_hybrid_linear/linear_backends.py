@@ -21,6 +21,8 @@ cache that makes decode O(1) per token, and :mod:`.linear_ops` for which kernels
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -85,6 +87,30 @@ def _to_heads(x: torch.Tensor, hq: int, what: str) -> torch.Tensor:
     return x.repeat_interleave(hq // h, dim=2)
 
 
+def _check_gate(g: Any, k: torch.Tensor, layout: str) -> None:
+    """A given gate is a floating log-decay (every value <= 0; thd: one row per packed key).
+    Checked once per call, before any state is read or written: a positive or NaN decay
+    overflows the recurrence and would store inf/NaN in a sequence's state. The values are
+    read on the CPU, or with ``ATTNHUB_DEBUG=1``: on an accelerator that read is a host sync
+    per layer and step, which decode cannot afford (the hub's NaN checks follow that rule)."""
+    where = f"gla: extra[{X.GATE!r}]"
+    if not isinstance(g, torch.Tensor):
+        raise InputError(f"{where} must be a tensor, got {type(g).__name__}")
+    if not g.is_floating_point():
+        raise InputError(f"{where} has dtype {g.dtype}; pass float log-decays (<= 0), e.g. "
+                         "F.logsigmoid(x) / 16")
+    if layout == "thd" and g.shape[:1] != k.shape[:1]:
+        raise InputError(f"{where} has {g.shape[0] if g.dim() else 0} rows but k packs "
+                         f"{k.shape[0]} tokens; a thd gate is packed like k (total_k, H, K|-)")
+    if not g.is_cpu and os.environ.get("ATTNHUB_DEBUG", "") in ("", "0"):
+        return
+    with torch.no_grad():
+        bad = int((~(g <= 0)).sum())  # NaN included
+    if bad:
+        raise InputError(f"{where} has {bad} values that are > 0 or NaN; the gate is a log-"
+                         "decay (<= 0): pass e.g. F.logsigmoid(x) / 16, or clamp(max=0)")
+
+
 def _several_queries(q: torch.Tensor, spec: AttentionSpec, params: AttnParams) -> bool:
     """Does some sequence bring more than one query? (With one, causal changes nothing.)"""
     if spec.layout == "thd":
@@ -131,6 +157,8 @@ class _LinearFamily(Backend):
         if X.GATE in params.extra and self.name != "gla":
             raise InputError(f"{self.name}: extra[{X.GATE!r}] given, but {self.name} has no "
                              "data-dependent gate; bind this layer to gla to use it")
+        if X.GATE in params.extra:
+            _check_gate(params.extra[X.GATE], k, spec.layout)
         batch = (params.cu_seqlens_q.numel() - 1 if spec.layout == "thd" else q.shape[0])
         ref = X.state_ref(params.extra, batch, self.name)
         if spec.layout == "paged" and ref is not None:
@@ -154,8 +182,17 @@ class _LinearFamily(Backend):
                              "last Sq tokens of the context, so Sq <= Sk")
         if ref is not None:  # the state holds the prefix: only the new tokens are read
             g = self.gate(q, k[:, pre:], p.extra, doc, sk)
+
+            def context(i: int) -> tuple[torch.Tensor, ...] | None:
+                gc = self._context_gate(q, k, p.extra, doc, sk)
+                if gc is None:
+                    return None
+                return (_to_heads(k[i:i + 1, :pre], hq, "k"),
+                        _to_heads(v[i:i + 1, :pre], hq, "v"), gc[i:i + 1, :pre])
+
             return self._continue(q, _to_heads(k[:, pre:], hq, "k"),
-                                  _to_heads(v[:, pre:], hq, "v"), g, p, ref, [pre] * b, spec)
+                                  _to_heads(v[:, pre:], hq, "v"), g, p, ref, [pre] * b, spec,
+                                  context)
         g = self.gate(q, k, p.extra, doc, sk)
         k, v = _to_heads(k, hq, "k"), _to_heads(v, hq, "v")
         h0 = None
@@ -167,20 +204,36 @@ class _LinearFamily(Backend):
             h0 = linear_ops.state_after(k[:, :pre], v[:, :pre], g[:, :pre])
         return self._run(q, k[:, pre:], v[:, pre:], g[:, pre:], p, h0, spec)[0]
 
+    def _context_gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any],
+                      doc: Doc | None, context: int) -> torch.Tensor | None:
+        """The gate of every key of the context (B, Sk, Hq, K), or None when the call's gate
+        covers only the new tokens (the prefix's decay is then unknown here)."""
+        given = extra.get(X.GATE)  # thd: packed like k, so it covers the document's keys
+        if given is not None and doc is None and given.shape[1] != context:
+            return None
+        return self.gate(q, k, extra, doc, context)
+
     def _continue(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  p: AttnParams, ref: X.StateRef, expected: list[int],
-                  spec: AttentionSpec) -> torch.Tensor:
-        """New tokens only (k/v/g of length Sq): read the states, run, store the new ones."""
+                  p: AttnParams, ref: X.StateRef, expected: list[int], spec: AttentionSpec,
+                  context: Callable[[int], tuple[torch.Tensor, ...] | None]) -> torch.Tensor:
+        """New tokens only (k/v/g of length Sq): read the states, run, store the new ones.
+        A state that does not sit where the context ends (a step aborted after this layer
+        wrote it, CacheStep.abort; a skipped step) is rebuilt from the context's keys, which
+        the KV cache holds (``context(i)``: sequence i's prefix k, v, gate, heads expanded)."""
         h0, pos = ref.cache.read(ref.seq_ids, ref.layer)
-        if pos != expected:
-            bad = [(s, have, want) for s, have, want in zip(ref.seq_ids, pos, expected)
-                   if have != want]
-            s, have, want = bad[0]
-            raise InputError(
-                f"{self.name}: the recurrent state of sequence {s} in layer {ref.layer} has "
-                f"consumed {have} tokens but this call's context puts its new tokens after "
-                f"{want}; every step of a sequence must pass through the same state cache "
-                "(prefill included), in order")
+        for i, (s, have, want) in enumerate(zip(ref.seq_ids, pos, expected)):
+            if have == want:
+                continue
+            prefix = context(i)
+            if prefix is None:
+                raise InputError(
+                    f"{self.name}: the recurrent state of sequence {s} in layer {ref.layer} "
+                    f"has consumed {have} tokens but this call's context puts its new tokens "
+                    f"after {want}, and extra[{X.GATE!r}] covers only the new tokens, so the "
+                    "state cannot be rebuilt from the context: pass the gate of every key "
+                    "(B, Sk, H, K|-), or keep every step of a sequence, in order, on this cache")
+            h0[i] = linear_ops.state_after(*prefix)[0].to(h0.dtype)
+            ref.cache.restore(s, ref.layer, h0[i], want)
         o, h1 = self._run(q, k, v, g, p, h0.to(q.device), spec)
         ref.cache.write(ref.seq_ids, ref.layer, h1.to(ref.cache.device), q.shape[1])
         return o
@@ -201,7 +254,18 @@ class _LinearFamily(Backend):
         k = _to_heads(k_new, hq, "k")
         v = _to_heads(v_cache[pages, pos % page], hq, "v")
         expected = (lens.view(-1) - sq).tolist()
-        return self._continue(q, k, v, g, p, ref, expected, spec)
+
+        def context(i: int) -> tuple[torch.Tensor, ...] | None:
+            if X.GATE in p.extra:  # a paged gate covers the new tokens only
+                return None
+            at = torch.arange(expected[i], device=lens.device)
+            pg = p.block_table[i].to(torch.long)[at // page]
+            kc = k_cache[pg, at % page].unsqueeze(0)
+            return (_to_heads(kc, hq, "k"),
+                    _to_heads(v_cache[pg, at % page].unsqueeze(0), hq, "v"),
+                    self.gate(q[i:i + 1], kc, p.extra, None, expected[i]))
+
+        return self._continue(q, k, v, g, p, ref, expected, spec, context)
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              p: AttnParams, h0: torch.Tensor | None,

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attnhub.plugin import InputError, first_order_only
+
 BT = 64  # chunk length
 BC = 16  # sub-chunk length (tl.dot needs >= 16)
 
@@ -316,32 +318,47 @@ class _ChunkGLA(torch.autograd.Function):
         qp, kp, vp, gc, _ = _prepare(q, k, v, g)
         s0 = s0.float().contiguous() if s0 is not None else None
         o, final, states = _forward(qp, kp, vp, gc, scale, s0, want_final)
-        ctx.save_for_backward(qp, kp, vp, gc, states)
+        ctx.save_for_backward(qp, kp, vp, gc, states, q, k, v, g)
         ctx.scale, ctx.t = scale, t
         ctx.mark_non_differentiable(*(x for x in (final,) if x is not None))
         return o[:, :t], final
 
     @staticmethod
     def backward(ctx, do, _dfinal):  # type: ignore[no-untyped-def]
-        qp, kp, vp, gc, states = ctx.saved_tensors
-        scale, t = ctx.scale, ctx.t
-        b, tp, h, kd = qp.shape
-        vd = vp.shape[-1]
-        bk, bv = _blocks(kd, vd)
-        dop = _pad_t(do.to(vp.dtype), tp)
-        dstates, _ = _scan(qp, dop, gc, None, scale, True, True, False)
-        nv = triton.cdiv(vd, bv)
-        dq = qp.new_empty(nv, b, tp, h, kd, dtype=torch.float32)
-        dk = torch.empty_like(dq)
-        dv = torch.empty_like(vp)
-        _chunk_bwd_kernel[(nv, tp // BT, b * h)](
-            qp, kp, vp, gc, dop, states, dstates, dq, dk, dv, scale, tp, tp // BT, H=h, K=kd,
-            V=vd, CT=BT, CC=BC, BK=bk, BV=bv, PREC=_prec(vp))
-        dq = dq.sum(0) * scale
-        dk = dk.sum(0)
-        dg = _decay_grad(qp.float() * dq - kp.float() * dk, states, dstates)
-        return (dq[:, :t].to(qp.dtype), dk[:, :t].to(kp.dtype), dv[:, :t], dg[:, :t], None,
-                None, None)
+        qp, kp, vp, gc, states, *inputs = ctx.saved_tensors
+        with torch.no_grad():  # create_graph=True: the fused kernels have no derivative
+            grads = _backward(ctx, qp, kp, vp, gc, states, do)
+        # the gradients are right; differentiating them (create_graph=True) raises
+        return (*first_order_only(grads, (*inputs, do), lambda: InputError(SECOND_ORDER)),
+                None, None, None)
+
+
+SECOND_ORDER = (
+    "gla/linear/retention (Triton chunk kernels): second-order gradients (a gradient penalty "
+    "through torch.autograd.grad(..., create_graph=True)) are not supported: the backward "
+    "is a fused kernel autograd cannot differentiate. The first-order gradients are exact; "
+    "detach() them, or compute that term with backend='reference'")
+
+
+def _backward(ctx, qp, kp, vp, gc, states, do):  # type: ignore[no-untyped-def]
+    """dq, dk, dv, dg of the chunked scan (unpadded to the call's length)."""
+    scale, t = ctx.scale, ctx.t
+    b, tp, h, kd = qp.shape
+    vd = vp.shape[-1]
+    bk, bv = _blocks(kd, vd)
+    dop = _pad_t(do.to(vp.dtype), tp)
+    dstates, _ = _scan(qp, dop, gc, None, scale, True, True, False)
+    nv = triton.cdiv(vd, bv)
+    dq = qp.new_empty(nv, b, tp, h, kd, dtype=torch.float32)
+    dk = torch.empty_like(dq)
+    dv = torch.empty_like(vp)
+    _chunk_bwd_kernel[(nv, tp // BT, b * h)](
+        qp, kp, vp, gc, dop, states, dstates, dq, dk, dv, scale, tp, tp // BT, H=h, K=kd,
+        V=vd, CT=BT, CC=BC, BK=bk, BV=bv, PREC=_prec(vp))
+    dq = dq.sum(0) * scale
+    dk = dk.sum(0)
+    dg = _decay_grad(qp.float() * dq - kp.float() * dk, states, dstates)
+    return (dq[:, :t].to(qp.dtype), dk[:, :t].to(kp.dtype), dv[:, :t], dg[:, :t])
 
 
 def _decay_grad(z: torch.Tensor, states: torch.Tensor, dstates: torch.Tensor) -> torch.Tensor:

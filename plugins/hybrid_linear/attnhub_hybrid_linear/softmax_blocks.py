@@ -30,6 +30,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     if k.shape[-2] == 0:  # no key in reach: every row is fully masked
         return _nothing(q, k, v, cd)
     s = torch.matmul(q.to(cd), k.to(cd).transpose(-1, -2)) * scale
+    if s.dtype is not cd:  # torch.autocast ran it in its dtype: attention computes in q's
+        with torch.autocast(q.device.type, enabled=False):
+            return attend(q, k, v, allowed, scale, softcap, bias)
     if softcap:
         s = torch.tanh(s / softcap) * softcap
     if bias is not None:

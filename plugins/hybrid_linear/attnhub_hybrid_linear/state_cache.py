@@ -117,6 +117,17 @@ class RecurrentStateCache:
         for s, n in zip(slots, steps):
             self._pos[s][row] += int(n)
 
+    def restore(self, seq_id: int, layer: int, state: torch.Tensor, position: int) -> None:
+        """Set one sequence's state in ``layer`` and the tokens it has consumed, absolutely:
+        a state rebuilt from the KV cache's context after a step was aborted or skipped."""
+        slot, row = self._slot_of(seq_id), self._layer_row(layer)
+        if tuple(state.shape) != tuple(self._pool.shape[2:]) or position < 0:
+            raise InputError(f"RecurrentStateCache.restore: state {tuple(state.shape)} at "
+                             f"position {position}; expected {tuple(self._pool.shape[2:])} "
+                             "(H, K, V) at a position >= 0")
+        self._pool[slot, row].copy_(state)
+        self._pos[slot][row] = int(position)
+
     def check_invariants(self) -> None:
         """Every slot is either free or owned by exactly one sequence."""
         owned = list(self._slot.values())

@@ -68,3 +68,20 @@ def test_gradients_match_the_torch_reference(kernels: ModuleType, strong: bool) 
     for name, a, b in zip("qkvg", ours, oracle):
         assert torch.isfinite(a.grad).all(), f"d{name}: not finite"
         assert rel_rmse(a.grad, b.grad) < TOL, f"d{name}: {rel_rmse(a.grad, b.grad):.2e}"
+
+
+def test_second_order_through_the_chunk_kernel_is_refused(kernels: ModuleType) -> None:
+    """create_graph=True: the first-order gradients are the oracle's, and differentiating
+    them raises (the fused backward has no derivative; they used to count as constants)."""
+    from attnhub.errors import InputError
+
+    q, k, v, g, _ = _inputs(1, 20, 1, 16, 16)
+    ours = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    oracle = [x.double().requires_grad_() for x in (q, k, v, g)]
+    o, _ = kernels.chunked(*ours, 0.3)
+    (gq,) = torch.autograd.grad(o.square().sum(), ours[0], create_graph=True)
+    o_ref, _ = linear_torch.recurrent(*oracle, 0.3)
+    (want,) = torch.autograd.grad(o_ref.square().sum(), oracle[0])
+    assert rel_rmse(gq.detach(), want) < TOL
+    with pytest.raises(InputError, match="second-order"):
+        gq.square().sum().backward()

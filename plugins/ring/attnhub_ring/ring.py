@@ -9,6 +9,10 @@ contribution until it arrives back at the rank that owns the block (``W`` hops).
 gradients come from a fused backward given the merged output and the global LSE (cuDNN or
 torch's FlashAttention), or from the exact fp32 math where those cannot serve
 (block_kernels.py says which and why).
+
+A rank whose block kernel raises keeps draining the ring (it passes every block on; in the
+backward the dK/dV accumulators it forwards become NaN, never a quietly partial sum) and
+raises only after its last hop, so no other rank is left waiting on it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from attnhub.plugin import AttentionSpec, AttnParams, Backend, MaskSpec
+from attnhub.plugin import AttentionSpec, AttnParams, Backend, MaskSpec, first_order_only
 
 from .block_backward import block_backward
 from .comm import PendingHop, ProcessGroup, Ring, RingError, resolve_group
@@ -200,7 +204,7 @@ def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend |
     return out, (lse.t() if thd else lse.transpose(1, 2))
 
 
-#: Per (group, rank, world, global_seqlens): the shard lengths and header of the last call
+#: Per (group name, rank, world, global_seqlens): the shard lengths and header of the last call
 #: the ranks agreed on. Only the last: a rank that went back alone to an earlier agreed call
 #: (causal, scale, dtype...) while the others repeat the last one would skip the handshake
 #: with them and run a silently wrong ring.
@@ -219,7 +223,9 @@ def _agree_once(ring: Transport, problem: str | None, gs: tuple[int, ...],
         if problem:
             raise RingError(problem)
         return
-    geo = (id(ring.group), ring.rank, ring.world, gs)
+    # the group's name, not id(): a destroyed group's address may be reused by a new group on
+    # one rank only, which would then skip a handshake that the other ranks make (a hang)
+    geo = (getattr(ring.group, "group_name", id(ring.group)), ring.rank, ring.world, gs)
     mine = (tuple(local_lens or ()), values or [])
     before = _AGREED.get(geo)
     if problem is None and before == mine:
@@ -319,10 +325,9 @@ class _RingAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         with torch.no_grad():  # create_graph=True: fused ops and hops have no derivative
             dq, dk, dv = _backward(ctx.call, q, k, v, out, lse, dout, dlse)
-        if torch.is_grad_enabled():  # the gradients are right; differentiating them raises
-            anchors = [x for x in (q, k, v, dout, dlse) if x is not None and x.requires_grad]
-            if anchors:
-                dq, dk, dv = _FirstOrderOnly.apply(dq, dk, dv, *anchors)
+        # the gradients are right; differentiating them (create_graph=True) raises
+        dq, dk, dv = first_order_only((dq, dk, dv), (q, k, v, dout, dlse),
+                                      lambda: RingError(SECOND_ORDER))
         return dq, dk, dv, None
 
 
@@ -334,21 +339,6 @@ SECOND_ORDER = (
     "gradient penalty or Hessian-vector product, compute that term on unsharded inputs with "
     "a single-device backend (e.g. attnhub.attention without world_size), or detach() the "
     "gradients")
-
-
-class _FirstOrderOnly(torch.autograd.Function):
-    """Returns the ring's gradients, connected to the inputs they depend on (``anchors``)
-    only so that a second backward reaches this node and raises :data:`SECOND_ORDER`,
-    instead of autograd's in-place error on a leaf or a silently partial second derivative."""
-
-    @staticmethod
-    def forward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                *anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return dq.view_as(dq), dk.view_as(dk), dv.view_as(dv)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
-        raise RingError(SECOND_ORDER)
 
 
 def _forward(call: RingCall, q: torch.Tensor, k: torch.Tensor,
@@ -363,33 +353,46 @@ def _forward(call: RingCall, q: torch.Tensor, k: torch.Tensor,
     kv = bufs[0][:call.numel(call.ring.rank)]
     last = len(call.plans) - 1
     first = True  # the first block that reaches a row writes it; later ones merge
+    failed: Exception | None = None
     for step, plan in enumerate(call.plans):
         hop = call.ring.hop(kv, call.numel(call.next_source(step)), _KV_TAG,
                             into=bufs[(step + 1) % 2]) if step < last else None
-        if not plan.empty:
-            rows = plan.q_rows(dev)
-            o_b, l_b = _local_block(call, q, *call.unpack(kv, plan.source), plan, step)
-            if first and _covers(rows, q.shape[axis]):
-                out.copy_(o_b)
-                lse.copy_(l_b)
-            else:
-                if first:  # rows the block skips have seen nothing yet: (0, -inf)
-                    out.zero_()
-                    lse.fill_(float("-inf"))
-                if isinstance(rows, slice):  # views: merged in place
-                    merge_into(_take(out, rows, axis), _take(lse, rows, axis), o_b, l_b)
-                else:
-                    o, l = merge_partial(_take(out, rows, axis), _take(lse, rows, axis), o_b,
-                                         l_b)
-                    _put(out, rows, axis, o)
-                    _put(lse, rows, axis, l)
-            first = False
+        try:
+            if failed is None and not plan.empty:
+                first = _forward_block(call, q, kv, plan, step, out, lse, first)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the ring is drained
+            failed = exc
         if hop is not None:
             kv = hop.wait()
+    if failed is not None:  # the others got every block from us: they finish, exact
+        raise failed
     if first:  # no block reached this rank (it holds no visible pair)
         out.zero_()
         lse.fill_(float("-inf"))
     return out.to(q.dtype), lse
+
+
+def _forward_block(call: RingCall, q: torch.Tensor, kv: torch.Tensor, plan: BlockPlan,
+                   step: int, out: torch.Tensor, lse: torch.Tensor, first: bool) -> bool:
+    """Run one block and merge it into ``out``/``lse``; False once a block has written."""
+    axis, dev = call.axis, q.device
+    rows = plan.q_rows(dev)
+    o_b, l_b = _local_block(call, q, *call.unpack(kv, plan.source), plan, step)
+    if first and _covers(rows, q.shape[axis]):
+        out.copy_(o_b)
+        lse.copy_(l_b)
+    else:
+        if first:  # rows the block skips have seen nothing yet: (0, -inf)
+            out.zero_()
+            lse.fill_(float("-inf"))
+        if isinstance(rows, slice):  # views: merged in place
+            merge_into(_take(out, rows, axis), _take(lse, rows, axis), o_b, l_b)
+        else:
+            o, l = merge_partial(_take(out, rows, axis), _take(lse, rows, axis), o_b,
+                                 l_b)
+            _put(out, rows, axis, o)
+            _put(lse, rows, axis, l)
+    return False
 
 
 def _local_block(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -431,26 +434,35 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv = bufs[0][:call.numel(call.ring.rank)]
     dkv_hop = None
     last = len(call.plans) - 1
+    failed: Exception | None = None
     for step, plan in enumerate(call.plans):
         nxt = call.next_source(step)
         kv_hop = call.ring.hop(kv, call.numel(nxt), _KV_TAG,
                                into=bufs[(step + 1) % 2]) if step < last else None
         dkv = torch.zeros(call.numel(plan.source), dtype=torch.float32, device=dev)
-        if not plan.empty:
-            dk_b, dv_b = call.unpack(dkv, plan.source)
-            k_b, v_b = call.unpack(kv, plan.source)
-            if fused:
-                _fused_block_grads(call, plan, kernel, q, k_b, v_b, dout, out, lse_k, dq, dk_b,
-                                   dv_b)
-            else:
-                assert delta is not None
-                _block_grads(call, plan, q, k_b, v_b, dout, lse, delta, dq, dk_b, dv_b)
+        try:
+            if failed is None and not plan.empty:
+                dk_b, dv_b = call.unpack(dkv, plan.source)
+                k_b, v_b = call.unpack(kv, plan.source)
+                if fused:
+                    _fused_block_grads(call, plan, kernel, q, k_b, v_b, dout, out, lse_k, dq,
+                                       dk_b, dv_b)
+                else:
+                    assert delta is not None
+                    _block_grads(call, plan, q, k_b, v_b, dout, lse, delta, dq, dk_b, dv_b)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the ring is drained
+            failed = exc
         if dkv_hop is not None:  # earlier ranks' share of this block's dK/dV, one hop behind
             dkv = dkv_hop.wait().add_(dkv)
+        if failed is not None:  # this block misses our share: NaN, never a quietly wrong dK/dV
+            dkv.fill_(float("nan"))
         dkv_hop = call.ring.hop(dkv, call.numel(nxt), _DKV_TAG)
         if kv_hop is not None:
             kv = kv_hop.wait()
     assert dkv_hop is not None  # W >= 1 steps: the last hop brings this rank's own dK/dV home
+    if failed is not None:
+        dkv_hop.wait()
+        raise failed
     dk, dv = call.unpack(dkv_hop.wait(), call.ring.rank)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
