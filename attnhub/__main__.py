@@ -1,7 +1,5 @@
 """``python -m attnhub``: the same as the ``attnhub`` command."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
+import time
 from typing import Sequence
 
+from ..core.process_state import STRAY
 from ..errors import AttnhubError
 
 
@@ -40,5 +43,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+def run() -> None:
+    """The ``attnhub`` process: :func:`main`, then exit without waiting on threads a plugin
+    left running (they are reported when it loads; the interpreter would wait for them at
+    exit forever). Given 2 s to end, then the process exits with main's status."""
+    rc = main()
+    stray = [t for t in list(STRAY) if t.is_alive()]
+    deadline = time.monotonic() + 2.0
+    for t in stray:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stray = [t.name for t in stray if t.is_alive()]
+    if stray:
+        print(f"attnhub: exiting without waiting for thread(s) {', '.join(map(repr, stray))} "
+              "still running (started by a plugin: see `attnhub plugins`)", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    run()

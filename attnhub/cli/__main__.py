@@ -1,7 +1,5 @@
 """``python -m attnhub.cli``: the same as the ``attnhub`` command."""
 
-import sys
+from . import run
 
-from . import main
-
-sys.exit(main())
+run()

@@ -264,16 +264,19 @@ def render_saved(args: argparse.Namespace) -> int:
     import json
 
     from .. import regret as rg
+    from ..policy.loader import TooBig, read_limited
+    from ..policy.profile import MAX_STORE_BYTES
 
     cells: dict[str, Any] = {}
     heads = []
     for f in [x.strip() for x in args.from_json.split(",") if x.strip()]:
         try:
-            data = json.loads(Path(f).read_text(encoding="utf-8"))
+            data = json.loads(read_limited(Path(f), MAX_STORE_BYTES))  # not a FIFO's wait
             heads += [f"{Path(f).name}: {m.get('measured')}, {m.get('device')}, "
                       f"{m.get('commit')}" for m in data.get("parts", [data])]  # combined: parts
             cells.update((c["cell"], rg.from_json(c)) for c in data["cells"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, TooBig, ValueError, KeyError, TypeError, AttributeError,
+                RecursionError) as exc:
             raise SystemExit(f"attnhub bench: --from-json {f}: not a saved --out-json report "
                              f"({type(exc).__name__}: {exc})") from None
     grid = [c.name for c in rg.standard_grid()]

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ..core.backend import Backend, reasons_of, safe_check
+from ..core.backend import Backend, plugin_fault, reasons_of, safe_check
+from ..core.bounded import safe_str
 from ..core.device import DeviceInfo
 from ..core.reference import reference_attention
 from ..errors import InputError
@@ -98,7 +99,9 @@ def backend_grid(backend: Backend, device: DeviceInfo, quick: bool = False,
         try:
             if not within(timeout_s, lambda: safe_check(backend, spec, device)):
                 return cases
-        except Exception:  # a hang here is judged (as a crash) by run_case
+        except BaseException as exc:  # a hang here is judged (as a crash) by run_case
+            if not plugin_fault(exc):
+                raise
             return cases
     return grid(caps, quick)
 
@@ -140,13 +143,13 @@ def run_case(backend: Backend, device: DeviceInfo, case: Case,
     try:
         return within(timeout_s, lambda: _check_load_judge(backend, device, case, inp))
     except Hung as exc:
-        return CaseResult(case, "crash", str(exc), hung=True)
-    except KeyboardInterrupt:
-        raise
+        return CaseResult(case, "crash", safe_str(exc), hung=True)
     except InputError as exc:
         return CaseResult(case, "fail", f"raised {_exc(exc)} for a call its check() accepted; "
                                         "decline such calls in extra_checks instead")
     except BaseException as exc:  # SystemExit from a plugin is its crash, not the kit's end
+        if not plugin_fault(exc):
+            raise
         return CaseResult(case, "crash", _exc(exc))
 
 
@@ -160,7 +163,9 @@ def _check_load_judge(backend: Backend, device: DeviceInfo, case: Case, inp: Inp
     would silently skip it for every such call), not a decline."""
     try:
         got = backend.check(inp.spec, device)
-    except Exception as exc:
+    except BaseException as exc:
+        if not plugin_fault(exc):
+            raise
         return CaseResult(case, "crash", f"check() raised {_exc(exc)}; return reasons instead")
     items = reasons_of(backend, "check", got)  # a bad return value becomes one bug reason
     bugs = [r for r in items if _BUG_MARK in r]  # check() or extra_checks returned junk,
@@ -183,7 +188,7 @@ def _call(backend: Backend, inp: Inputs, q: torch.Tensor, k: torch.Tensor, v: to
         check_fields(inp.params, fields)
         check_untouched(given, before, res[0])
     except InputsWritten as exc:
-        raise _Fail(str(exc)) from None
+        raise _Fail(safe_str(exc)) from None
     return res[0], res[1]
 
 
@@ -329,4 +334,4 @@ def _grads(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
 
 
 def _exc(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:240]
+    return f"{type(exc).__name__}: {safe_str(exc)}".splitlines()[0][:240]

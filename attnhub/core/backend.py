@@ -15,6 +15,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from .bounded import safe_str
 from .capabilities import Capabilities
 from .device import DeviceInfo
 from .seqstate import SequenceStore, StateGeometry
@@ -45,9 +46,17 @@ def module_available(name: str) -> bool:
         return False
 
 
-def raised_reason(backend: object, what: str, exc: Exception) -> str:
+def raised_reason(backend: object, what: str, exc: BaseException) -> str:
     """A rejection reason for plugin code that raised, naming the backend and the plugin."""
-    return _bug(backend, what, f"raised {type(exc).__name__}: {exc}")
+    return _bug(backend, what, f"raised {type(exc).__name__}: {safe_str(exc)}")
+
+
+def plugin_fault(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by plugin code a host called, is that plugin's fault (said as
+    a reason) rather than the user's: everything (SystemExit included, which would end the
+    host with no word) except a KeyboardInterrupt on the main thread, where Ctrl-C lands."""
+    return not (isinstance(exc, KeyboardInterrupt)
+                and threading.current_thread() is threading.main_thread())
 
 
 def _bug(backend: object, what: str, text: str) -> str:
@@ -78,7 +87,9 @@ def safe_check(backend: "Backend", spec: AttentionSpec, device: DeviceInfo) -> l
     returns something other than a list of reasons) gives a reason instead."""
     try:
         return reasons_of(backend, "check", backend.check(spec, device))
-    except Exception as exc:
+    except BaseException as exc:
+        if not plugin_fault(exc):
+            raise
         return [raised_reason(backend, "check", exc)]
 
 
@@ -86,7 +97,9 @@ def safe_available(backend: "Backend", device: DeviceInfo) -> list[str]:
     """``backend.available`` for hosts, as :func:`safe_check`."""
     try:
         return reasons_of(backend, "available", backend.available(device))
-    except Exception as exc:
+    except BaseException as exc:
+        if not plugin_fault(exc):
+            raise
         return [raised_reason(backend, "available", exc)]
 
 

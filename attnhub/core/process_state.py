@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 import warnings
 from types import ModuleType
 from typing import Any, Callable
@@ -195,11 +196,19 @@ def snapshot() -> State:
             dict(sys.modules), {t.ident or 0 for t in threading.enumerate()})
 
 
+#: Non-daemon threads plugins left running while loading (``stray_threads``): the
+#: ``attnhub`` process exits without waiting for them (``attnhub.cli.run``).
+STRAY: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
 def stray_threads(before: State) -> list[str]:
     """Names of the threads started since ``before`` that still run and are not daemons:
-    the interpreter waits for them at exit, so the host (``attnhub plugins``) never ends."""
-    return [t.name for t in threading.enumerate()
-            if t.ident not in before[4] and not t.daemon and t.is_alive()]
+    the interpreter waits for them at exit, so the host (``attnhub plugins``) never ends.
+    They are kept in :data:`STRAY`."""
+    stray = [t for t in threading.enumerate()
+             if t.ident not in before[4] and not t.daemon and t.is_alive()]
+    STRAY.update(stray)
+    return [t.name for t in stray]
 
 
 def restore(before: State) -> list[str]:
