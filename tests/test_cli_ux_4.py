@@ -182,13 +182,14 @@ def test_run_says_what_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
 # ---------------------------------------------------------------- --hardware names a device
 
 
-@pytest.mark.parametrize("cmd", ["run", "bench", "explain", "backends", "fp8-check", "plan"])
+@pytest.mark.parametrize("cmd", ["run", "bench", "explain", "backends", "fp8-check", "plan",
+                                 "lock", "policy check policies/default.yaml"])
 def test_empty_hardware_is_refused_not_ignored(cmd: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Before: ``--hardware ''`` (an unset shell variable) or ``--hardware ,`` planned for
     this machine, or the policy's targets, as if the flag had not been given."""
     blank = RNG.choice(["", " ", ",", " , "])
-    _usage_error(capsys, [cmd, "--hardware", blank], "--hardware", "names no hardware")
+    _usage_error(capsys, [*cmd.split(), "--hardware", blank], "--hardware", "names no hardware")
 
 
 @pytest.mark.parametrize("cmd", ["explain", "backends", "run"])

@@ -15,7 +15,7 @@ from ..policy import load_policy
 from ..policy.cells import cells
 from ..policy.lock import (EXIT_BAD_LOCK, LockfileError, build_lock, check_lock, read_lock,
                            write_lock)
-from ._common import add_json, print_json, progress
+from ._common import add_json, hardware_names, print_json, progress
 from ._policy_common import add_policy, devices, load
 
 
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("lock", help="freeze resolved bindings with library versions; "
                                     "--check reports drift")
     add_policy(p)
-    p.add_argument("--hardware", metavar="A,B",
+    p.add_argument("--hardware", metavar="A,B", type=hardware_names,
                    help="lock simulated hardware (default: this machine)")
     p.add_argument("--model", help="model name of the bind context (rules may match on it)")
     p.add_argument("-o", "--output", metavar="FILE", help="lockfile to write")

@@ -9,7 +9,7 @@ from ..core.registry import Registry
 from ..errors import PolicyError
 from ..policy import load_policy
 from ..policy.lint import lint_policy
-from ._common import add_json, print_json, table
+from ._common import add_json, hardware_names, print_json, table
 from ._policy_common import hardware_list
 
 
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = psub.add_parser("check", help="lint policies: unknown backends, shadowed rules, "
                                       "contradictions, unserved cells (exit 1 on errors)")
     c.add_argument("files", nargs="+", metavar="FILE")
-    c.add_argument("--hardware", metavar="A,B",
+    c.add_argument("--hardware", metavar="A,B", type=hardware_names,
                    help="hardware whose cells must be served (default: the policy's targets)")
     add_json(c)
     c.set_defaults(func=run_check)
