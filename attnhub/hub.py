@@ -27,25 +27,26 @@ from .core.modsig import arity_error, shape_key
 from .core.lse_guard import guard_lse
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
 from .core.contract import (
-    PAGED,
     SCALAR_MAX,
     SCALAR_MIN,
-    THD,
-    autocast_on,
-    call_inputs,
     check_call,
     check_extra,
     check_max_seqlen,
-    check_output,
     check_qkv,
-    check_result,
     check_scalars,
     fit_positions,
+)
+from .core.outputs import (
+    autocast_on,
+    call_inputs,
+    check_output,
+    check_result,
     grad_needed,
     nan_violation,
     shared_memory,
     watched_forward,
 )
+from .core.tables import PAGED, THD
 from .errors import (
     ArgumentError,
     BackendUnavailableError,

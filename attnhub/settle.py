@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from .core.backend import Backend
-from .core.contract import (
+from .core.outputs import (
     autocast_on,
     call_inputs,
     check_output,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attnhub
-from attnhub.core import contract
+from attnhub.core import contract, tables
 from attnhub.core.backend import AttentionOutput, Backend
 from attnhub.core.capabilities import ALL_MASKS, Capabilities
 from attnhub.core.contract import canonical_device, same_device
@@ -54,15 +54,15 @@ def spy_hub():
     return attnhub.Hub(registry=Registry.of(spy, plugin="spy"), hardware="cpu"), spy
 
 
-def _counting(monkeypatch, name: str) -> list[int]:
+def _counting(monkeypatch, module, name: str) -> list[int]:
     calls: list[int] = []
-    real = getattr(contract, name)
+    real = getattr(module, name)
 
     def counted(*a, **kw):  # type: ignore[no-untyped-def]
         calls.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(contract, name, counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 
@@ -91,7 +91,7 @@ def test_fast_path_hands_backends_the_checked_params(spy_hub, kw):
 @pytest.fixture
 def counted_hub(spy_hub, monkeypatch):
     """The spy hub and a list that grows by one per ``check_call`` (the slow path)."""
-    checks = _counting(monkeypatch, "check_call")
+    checks = _counting(monkeypatch, contract, "check_call")
     monkeypatch.setattr("attnhub.hub.check_call", contract.check_call)
     return (*spy_hub, checks)
 
@@ -156,7 +156,7 @@ def _varlen(lens_q, lens_k):
 
 def test_thd_offsets_checked_once_per_change(spy_hub, monkeypatch):
     hub, spy = spy_hub
-    checks = _counting(monkeypatch, "_check_cu_contents")
+    checks = _counting(monkeypatch, tables, "_check_cu_contents")
     q, k, v, cq, ck = _varlen([3, 5, 2], [4, 6, 2])
     for _ in range(4):  # the layers of one step: one check of each tensor
         out = hub.attention(q, k, v, layout="thd", cu_seqlens_q=cq, cu_seqlens_k=ck,
@@ -218,7 +218,7 @@ def test_kv_cache_tables_need_no_read_back(spy_hub, monkeypatch):
     """Tables the cache built are vouched for: the hub's paged check never reads them back,
     yet backends still read private snapshots and the answer is right."""
     hub, spy = spy_hub
-    reads = _counting(monkeypatch, "_check_paged_contents")
+    reads = _counting(monkeypatch, tables, "_check_paged_contents")
     cache, seqs = _cache_step()
     bt, sl = cache.block_table(seqs), cache.seqlens(seqs)
     q = torch.randn(3, 1, 4, 8)
@@ -250,7 +250,7 @@ def _break_tables(how: str, bt: torch.Tensor, kc: torch.Tensor,
 @pytest.mark.parametrize("how", ["inplace", "data", "smaller_cache"])
 def test_vouched_tables_still_checked_when_they_stop_holding(spy_hub, monkeypatch, how):
     hub, _ = spy_hub
-    reads = _counting(monkeypatch, "_check_paged_contents")
+    reads = _counting(monkeypatch, tables, "_check_paged_contents")
     cache, seqs = _cache_step()
     bt, sl = cache.block_table(seqs), cache.seqlens(seqs)
     q = torch.randn(3, 1, 4, 8)
@@ -290,7 +290,7 @@ def test_kv_cache_device_is_canonical(monkeypatch):
 def test_accelerator_memo_uses_the_stamp():
     """Off the CPU a hit is proved by the stamp (no host sync): an in-place edit bumps
     ``_version`` and misses; other geometry misses. (meta tensors stand in for a GPU.)"""
-    memo = contract.CuSeqlens()
+    memo = tables.CuSeqlens()
     a, b = torch.zeros(3, dtype=torch.int32, device="meta"), torch.zeros(3, dtype=torch.int32,
                                                                           device="meta")
     memo._store(a, b, (4, 4, a.device), a.clone(), b.clone(), 2, 2)
@@ -325,8 +325,8 @@ def test_paged_layer_shortcut_sees_every_change(spy_hub, monkeypatch, how):
     hub's check still goes through the full check."""
     hub, spy = spy_hub
     looked_up: list[int] = []
-    real = contract.PAGED.unchanged
-    monkeypatch.setattr(contract.PAGED, "unchanged",
+    real = tables.PAGED.unchanged
+    monkeypatch.setattr(tables.PAGED, "unchanged",
                         lambda *a: looked_up.append(1) or real(*a))
     cache, seqs = _cache_step()
     bt, sl = cache.block_table(seqs), cache.seqlens(seqs)
@@ -354,11 +354,11 @@ def test_unstamped_accelerator_tables_are_said_once(monkeypatch, caplog):
     """Tables made under inference_mode keep no version counter: on an accelerator every
     call then proves them by reading them (a sync per call). That is warned, once per kind
     (meta tensors stand in for an accelerator's: not CPU)."""
-    monkeypatch.setattr(contract, "_warned_unstamped", set())
+    monkeypatch.setattr(tables, "_warned_unstamped", set())
     with torch.inference_mode():
         bt = torch.zeros(2, 4, dtype=torch.int32, device="meta")
         sl = torch.zeros(2, dtype=torch.int32, device="meta")
-    memo = contract.PagedTables()
+    memo = tables.PagedTables()
     with caplog.at_level("WARNING", logger="attnhub"):
         memo._store(bt, sl, (), bt, sl, 0)
         memo._store(bt, sl, (), bt, sl, 0)
@@ -367,5 +367,5 @@ def test_unstamped_accelerator_tables_are_said_once(monkeypatch, caplog):
     stamped = torch.zeros(2, 4, dtype=torch.int32, device="meta")
     caplog.clear()
     with caplog.at_level("WARNING", logger="attnhub"):
-        contract.CuSeqlens()._store(stamped, stamped, (), stamped, stamped, 0, 0)
+        tables.CuSeqlens()._store(stamped, stamped, (), stamped, stamped, 0, 0)
     assert not caplog.records  # a version counter: stamped, nothing to say

@@ -129,11 +129,11 @@ def _generate_under_inference_mode(transformers, twin_models, one_intraop_thread
 def test_kv_cache_tables_keep_their_proof_in_inference_mode(hub: Hub, monkeypatch) -> None:
     """A cache's tables made under inference_mode are still vouched for: the hub reads
     nothing back (no host sync per step on an accelerator), and an edit is still seen."""
-    from attnhub.core import contract
+    from attnhub.core import tables
 
     reads = []
-    real = contract._check_paged_contents
-    monkeypatch.setattr(contract, "_check_paged_contents",
+    real = tables._check_paged_contents
+    monkeypatch.setattr(tables, "_check_paged_contents",
                         lambda *a: reads.append(1) or real(*a))
     with torch.inference_mode():
         bt, sl, kc, vc = _filled_cache((3, 6))

@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-#: Query dtypes the API takes (contract.check_inputs); only an FP8 KV cache may differ.
+#: Query dtypes the API takes (contract.check_qkv); only an FP8 KV cache may differ.
 _Q_DTYPES = ("fp32", "fp16", "bf16")
 
 

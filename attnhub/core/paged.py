@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SeqlensError
-from .contract import _check_paged_contents
+from .tables import _check_paged_contents
 
 
 def paged_to_varlen(
@@ -18,7 +18,7 @@ def paged_to_varlen(
     seqlens_k (B,). Returns q (B*Sq, Hq, D), k, v (sum(seqlens), Hkv, D), cu_seqlens_q,
     cu_seqlens_k. A copy: for backends without native paging and for tests.
 
-    The tables are checked as the hub checks them (``contract._check_paged_contents``): a
+    The tables are checked as the hub checks them (``tables._check_paged_contents``): a
     caller outside the hub must not gather another sequence's pages through a negative page
     id (which indexing wraps around) or a length past its table.
     """

@@ -1,0 +1,185 @@
+"""The result side of a backend call: what it returns and what it must leave as it was.
+
+* :func:`check_result` / :func:`check_output` are the output contract every backend result
+  meets before it is returned (metadata only); :func:`shared_memory` its memory checks (once
+  per binding) and :func:`nan_violation` its debug-mode extension.
+* :func:`watched_forward` runs a backend watching its inputs (:func:`call_inputs`,
+  :func:`versions`): :func:`written_inputs` is the error for one that wrote into them.
+* :func:`autocast_on` and :func:`grad_needed`: the call's modes a result is checked under.
+
+``docs/contract.md`` is the same contract in prose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .tables import _forget_tables
+from ..errors import OutputContractError
+
+
+def check_result(backend: str, res: Any) -> tuple[Any, Any]:
+    """``(out, lse)`` of a backend's result: an ``AttentionOutput`` (any pair is taken);
+    anything else (a bare tensor, None, a dict, an iterator) is that backend failing, said
+    in words rather than as the unpacking error it would otherwise raise."""
+    if isinstance(res, tuple) and len(res) == 2:
+        return res[0], res[1]
+    what = (f"a tuple of {len(res)}" if isinstance(res, tuple) else
+            f"a bare tensor {tuple(res.shape)}" if isinstance(res, torch.Tensor) else
+            type(res).__name__)
+    raise OutputContractError(f"backend {backend!r} returned {what}; the contract is "
+                              "AttentionOutput(out, lse) (attnhub.plugin.AttentionOutput, "
+                              "lse None unless return_lse)")
+
+
+def check_output(backend: str, out: Any, lse: Any, q: torch.Tensor, v: torch.Tensor,
+                 layout: str, return_lse: bool, needs_grad: bool | None = None) -> None:
+    """A backend's result against the contract: out is ``q.shape[:-1] + (Dv,)`` in q's dtype
+    on q's device, a plain tensor (or q's own class), in the autograd graph when the call
+    needs gradients (``needs_grad``; an output in a graph of its own is fine: learned side
+    tensors such as ALiBi slopes or a captured score bias put it there); LSE (when asked
+    for) fp32, (B, Hq, Sq) or (Hq, T) for thd. Metadata only."""
+    want = (*q.shape[:-1], v.shape[-1])
+    if not isinstance(out, torch.Tensor):
+        raise OutputContractError(f"backend {backend!r} returned {type(out).__name__} as the "
+                                  "output, not a tensor")
+    if out.shape != want or out.dtype != q.dtype or out.device != q.device:
+        raise OutputContractError(
+            f"backend {backend!r} returned out {tuple(out.shape)} {out.dtype} on {out.device}; "
+            f"the contract is {want} {q.dtype} on {q.device}")
+    if out.__class__ is not torch.Tensor and out.__class__ is not q.__class__:
+        raise OutputContractError(
+            f"backend {backend!r} returned out as a {type(out).__name__} (a torch.Tensor "
+            f"subclass); the contract is a plain tensor like q ({type(q).__name__})")
+    if needs_grad and not out.requires_grad:
+        raise OutputContractError(
+            f"backend {backend!r} returned an output cut from the autograd graph for a call "
+            "that needs gradients: no gradient would reach q, k or v through it")
+    if return_lse:
+        lwant = (q.shape[1], q.shape[0]) if layout == "thd" else (
+            q.shape[0], q.shape[2], q.shape[1])
+        if (not isinstance(lse, torch.Tensor) or lse.shape != lwant
+                or lse.dtype != torch.float32 or lse.device != q.device):
+            got = (f"{tuple(lse.shape)} {lse.dtype} on {lse.device}"
+                   if isinstance(lse, torch.Tensor) else repr(type(lse).__name__))
+            raise OutputContractError(f"backend {backend!r} returned lse {got}; the contract "
+                                      f"is {lwant} torch.float32 on {q.device}")
+
+
+def shared_memory(backend: str, out: torch.Tensor, lse: Any,
+                  inputs: dict[str, Any]) -> OutputContractError | None:
+    """The memory checks of a result (once per binding: the slow path, settle, debug mode):
+    ``out``/``lse`` must not share memory with an input (the caller's q, k, v, side tensors:
+    writing the output would change them) nor with itself (a stride-0 dimension: one element
+    seen at many places, which an in-place op on the output refuses or smears)."""
+    for what, t in (("out", out), ("lse", lse)):
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        if any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride())):
+            return OutputContractError(
+                f"backend {backend!r} returned {what} with stride {tuple(t.stride())} for "
+                f"shape {tuple(t.shape)}: elements share memory (an expanded tensor); the "
+                "contract is a tensor of its own (.contiguous() it)")
+        ptr = _storage_ptr(t)
+        if not ptr:
+            continue
+        for name, x in inputs.items():
+            if isinstance(x, torch.Tensor) and x.numel() and _storage_ptr(x) == ptr:
+                return OutputContractError(
+                    f"backend {backend!r} returned {what} in the memory of its input {name}; "
+                    "the contract is a new tensor (writing the output would change the "
+                    "caller's input)")
+    return None
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # no storage to compare (a tensor subclass, a functional wrapper)
+        return 0
+
+
+def call_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                params: Any) -> dict[str, Any]:
+    """What a backend is handed and must leave as it is (the caller's tensors, the hub's
+    checked copies of tables and offsets), by the names errors use."""
+    return {"q": q, "k": k, "v": v, "alibi_slopes": params.alibi_slopes,
+            "prefix_lens": params.prefix_lens, "colmask_start": params.colmask_start,
+            "colmask_end": params.colmask_end, "cu_seqlens_q": params.cu_seqlens_q,
+            "cu_seqlens_k": params.cu_seqlens_k, "block_table": params.block_table,
+            "seqlens_k": params.seqlens_k}
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for this device type (False where it has none).
+    Backends run with it off (the slow lane, settle): attention computes in q's dtype."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
+
+
+def grad_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether this call needs gradients (grad mode on and q, k or v requiring grad)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    spec: Any, params: Any, inputs: dict[str, Any]
+                    ) -> tuple[Any, Exception | None, OutputContractError | None]:
+    """Load and run ``backend`` once, as the slow lane and settle's first calls do, watching
+    ``inputs`` (:func:`call_inputs`): ``(result, failure, written)``, ``failure`` what it
+    raised (None if nothing), ``written`` :func:`written_inputs`'s error when it wrote into
+    an input (the caller then raises it, chained from ``failure``: never retried)."""
+    before = versions(inputs)
+    res = failure = None
+    try:
+        if not backend._loaded:
+            backend.load()
+        res = backend.forward(q, k, v, spec, params)
+    except Exception as exc:  # noqa: BLE001 - handed to the caller, which decides
+        failure = exc
+    return res, failure, written_inputs(backend, before, inputs)
+
+
+def versions(inputs: dict[str, Any]) -> dict[str, int]:
+    """The version counters of the tensors in ``inputs`` (inference tensors keep none and
+    are left out): :func:`written_inputs` compares them after a backend ran."""
+    out = {}
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor):
+            try:
+                out[name] = t._version
+            except RuntimeError:  # made under torch.inference_mode: no counter
+                pass
+    return out
+
+
+def written_inputs(backend: Any, before: dict[str, int],
+                   inputs: dict[str, Any]) -> OutputContractError | None:
+    """A backend that wrote into an input in place (its version counter moved): the caller's
+    tensors (or the hub's checked copies of the tables) no longer hold what was passed, so
+    no fallback can give the right answer and none is tried. The table memos are dropped
+    (a copy a backend wrote into must not serve the next call)."""
+    moved = [n for n, ver in before.items() if inputs[n]._version != ver]
+    if not moved:
+        return None
+    _forget_tables()
+    name, plugin = getattr(backend, "name", "?"), getattr(backend, "plugin", "?")
+    return OutputContractError(
+        f"backend {name!r} (plugin {plugin!r}) wrote into its input {', '.join(moved)} in "
+        "place; those tensors no longer hold the values passed, so no fallback is tried. A "
+        "backend must leave its inputs as they are: report it to the plugin's authors and "
+        f"keep {name!r} out of the policy (or ATTNHUB_PLUGINS=-{plugin}) until it is fixed")
+
+
+def nan_violation(backend: str, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> OutputContractError | None:
+    """Debug mode: NaN in the output when no input held NaN (a host sync per call)."""
+    if bool(torch.isnan(out).any()) and not any(
+            t.dtype.itemsize > 1 and bool(torch.isnan(t).any()) for t in (q, k, v)):
+        return OutputContractError(f"backend {backend!r} returned NaN from inputs without NaN "
+                                   "(found by ATTNHUB_DEBUG=1 / Hub(debug=True))")
+    return None
