@@ -109,3 +109,26 @@ def test_bench_from_json_refuses_a_fifo(tmp_path: Path) -> None:
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode != 0 and "--from-json" in run.stderr and "Traceback" not in \
         run.stderr, run.stderr[-2000:]
+
+
+def test_a_hanging_available_is_a_reason_in_listings(device: DeviceInfo) -> None:
+    """``attnhub backends`` / ``doctor`` / ``check-plugin --all`` waited forever on one
+    plugin's ``available()``; with a limit it is that backend's reason, the others listed."""
+    release = threading.Event()
+
+    class Hanging(Backend):
+        name, plugin = "hanging", "adv_plugin"
+        capabilities = Capabilities()
+
+        def available(self, device):  # type: ignore[no-untyped-def]
+            release.wait(30)
+            return []
+
+        def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def]
+            return AttentionOutput(q.clone())
+
+    try:
+        (reason,) = safe_available(Hanging(), device, timeout=0.2)
+    finally:
+        release.set()
+    assert "did not return within 0.2 s" in reason and "'adv_plugin'" in reason, reason

@@ -6,7 +6,7 @@ import argparse
 
 from ..core.backend import safe_available
 from ..core.device import probe
-from ..core.registry import Registry
+from ..core.registry import Registry, plugin_timeout
 from ._common import add_hardware, add_json, print_json, table
 
 
@@ -21,7 +21,7 @@ def backend_rows(reg: Registry, hardware: str | None) -> list[dict]:
     dev = probe(hardware)
     out = []
     for name, b in reg.backends.items():
-        reasons = safe_available(b, dev)
+        reasons = safe_available(b, dev, plugin_timeout())
         c = b.capabilities
         out.append({"name": name, "plugin": b.plugin, "tier": b.tier, "available": not reasons,
                     "reasons": reasons, "exact": c.exact, "backward": c.backward,

@@ -13,7 +13,7 @@ import time
 from ..conformance import backend_grid, format_report, run_kit
 from ..core.backend import safe_available
 from ..core.device import probe
-from ..core.registry import Registry
+from ..core.registry import Registry, plugin_timeout
 from ..errors import AttnhubError
 from ._common import add_json, at_least, print_json
 
@@ -48,7 +48,8 @@ def selected(reg: Registry, names: list[str], all_available: bool) -> list[str]:
     """Backend names from backend or plugin names (or every available backend)."""
     device = probe()
     if all_available:
-        return [n for n, b in reg.backends.items() if not safe_available(b, device)]
+        return [n for n, b in reg.backends.items()
+                if not safe_available(b, device, plugin_timeout())]
     out: list[str] = []
     for n in names:
         if n in reg.backends:

@@ -15,7 +15,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from .bounded import safe_str
+from .bounded import Stalled, bounded, safe_str
 from .capabilities import Capabilities
 from .device import DeviceInfo
 from .seqstate import SequenceStore, StateGeometry
@@ -93,10 +93,17 @@ def safe_check(backend: "Backend", spec: AttentionSpec, device: DeviceInfo) -> l
         return [raised_reason(backend, "check", exc)]
 
 
-def safe_available(backend: "Backend", device: DeviceInfo) -> list[str]:
-    """``backend.available`` for hosts, as :func:`safe_check`."""
+def safe_available(backend: "Backend", device: DeviceInfo,
+                   timeout: float | None = None) -> list[str]:
+    """``backend.available`` for hosts, as :func:`safe_check`; with ``timeout`` (seconds) a
+    call that has not returned by then is a reason too (listing commands: ``attnhub
+    backends``, ``doctor``, ``check-plugin`` hung on one plugin's probe)."""
     try:
-        return reasons_of(backend, "available", backend.available(device))
+        got = bounded(lambda: backend.available(device), timeout,
+                      name=f"attnhub-available-{getattr(backend, 'name', '?')}")
+        return reasons_of(backend, "available", got)
+    except Stalled:
+        return [_bug(backend, "available", f"did not return within {timeout:g} s")]
     except BaseException as exc:
         if not plugin_fault(exc):
             raise

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from ..errors import CacheFullError, InputError
-from .contract import PAGED, canonical_device
+from .contract import canonical_device
 from .kvquant import FP8_MAX, PageScales, is_fp8
 from .seqstate import SequenceStates, SequenceStore
+from .tables import PAGED
 
 
 @dataclass
