@@ -68,6 +68,10 @@ _INF = math.inf
 #: The default of ``Hub.attention``'s guard parameter: a fourth positional argument is not it.
 _KEYWORDS = object()
 _TENSOR = torch.Tensor
+#: Whether torch.autocast is on for any device type: one C call, the hot path's only cost
+#: when it is off (when on, the hot path runs its backend with it off, as the slow lane does).
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: autocast_on("cpu") or autocast_on("cuda"))
 
 
 class Resolver(Protocol):
@@ -134,9 +138,7 @@ class Runner:
         the call was checked before any backend ran, so that one is never retried) or broke
         the output contract: raise per the rule, or go on with the next candidate."""
         chain = self.chain
-        if chain[0] is not failed or autocast_on(device.type):
-            # moved back meanwhile (another thread): the chain now; or under torch.autocast
-            # (a backend's kernels ran in its dtype): first again, as the slow lane runs it
+        if chain[0] is not failed:  # moved back meanwhile (another thread): the chain now
             return self._fallback(chain, 0, q, k, v, spec, params, want, device, dtype)
         return self._fallback(chain, self.hub._on_failure(self, chain, 0, exc), q, k, v,
                               spec, params, want, device, dtype)
@@ -152,8 +154,8 @@ class Runner:
         (version counters: raised at once, never retried, since the inputs are no longer
         what the caller passed) and that its result shares no memory with them. It runs
         backends with ``torch.autocast`` off: attention computes in q's dtype (the contract),
-        whatever autocast would pick for their kernels (a hot-path call whose output came
-        back in autocast's dtype is redone here, by ``recover``)."""
+        whatever autocast would pick for their kernels (the hot path too, so a binding's later
+        calls compute as its first did)."""
         if autocast_on(device.type):
             with torch.autocast(device.type, enabled=False):
                 return self._fallback(chain, i, q, k, v, spec, params, want, device, dtype)
@@ -589,7 +591,11 @@ class Hub:
             first = run.first
             if first is not None and first._loaded and not self.debug:
                 try:  # Runner.__call__ inlined for the first candidate: a frame less
-                    res = first.forward(q, k, v, spec, params)
+                    if _any_autocast():  # off, as the slow lane ran it: q's dtype computes
+                        with torch.autocast(device.type, enabled=False):
+                            res = first.forward(q, k, v, spec, params)
+                    else:
+                        res = first.forward(q, k, v, spec, params)
                     # metadata only, the cheap tests first (classes and dtypes are
                     # singletons); the details (and a result of another type) when one
                     # fails or an LSE is asked for

@@ -254,6 +254,12 @@ for _name in ("scale", "causal", "window", "softcap", "alibi_slopes"):
     _IGNORED_EXTRA[_name] = f"pass {_name}= to attention itself"
 #: FP8 descales: read only beside an FP8 k/v, and needed there (both).
 _DESCALES = ("k_descale", "v_descale")
+#: Dropout keys: a probability of 0 is what every backend does, so it passes.
+_DROPOUT = ("dropout_p", "dropout")
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
 def check_extra(extra: Any, kv_dtype: torch.dtype) -> dict[str, Any]:
@@ -265,12 +271,12 @@ def check_extra(extra: Any, kv_dtype: torch.dtype) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ArgumentError(f"extra={extra!r} ({type(extra).__name__}); pass a dict of "
                             "backend options, or None")
-    for name in extra:
+    for name, value in extra.items():
         why = _IGNORED_EXTRA.get(name)
-        if why is not None:
+        if why is not None and not (name in _DROPOUT and _is_zero(value)):
             raise ArgumentError(f"extra[{name!r}] is read by no backend (it would be silently "
                                 f"ignored): {why}")
-    given = [n for n in _DESCALES if n in extra]
+    given = [n for n in _DESCALES if extra.get(n) is not None]  # None: not given
     if kv_dtype in FP8_KV:
         missing = [n for n in _DESCALES if n not in given]
         if missing:

@@ -113,7 +113,8 @@ def refuse_stray_descales(backend: str, kv_dtype: torch.dtype, extra: dict[str, 
     """``k_descale``/``v_descale`` in ``extra`` with a 16/32-bit cache: an error, never
     ignored (the caller's values would silently be read unscaled). Call only when ``extra``
     is not empty (the hot path pays one truth test)."""
-    if ("k_descale" in extra or "v_descale" in extra) and not is_fp8(kv_dtype):
+    if (extra.get("k_descale") is not None or extra.get("v_descale") is not None) and not (
+            is_fp8(kv_dtype)):
         raise InputError(f"{backend}: extra k_descale/v_descale given for a {kv_dtype} KV "
                          "cache, which this backend reads as is (descales belong to an FP8 "
                          "e4m3 cache); drop them, or pass the e4m3 cache they scale")

@@ -114,8 +114,14 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("warnings filter for every warning", _warn_all, _set_warn_all),
     *((f"{sig.name} handler", *_handler(sig)) for sig in (signal.SIGINT, signal.SIGTERM)),
 )
-#: Class attributes that Python or pydantic set lazily, on first use: not a plugin's doing.
-_LAZY = ("__pydantic", "_abc_", "__warningregistry__", "__abstractmethods__")
+#: Changes that stay, neither put back nor blamed: a raised recursion limit (torch.compile
+#: raises it to 2000 while compiling; a library that raised it at import needs it later).
+_KEPT: dict[str, Callable[[Any, Any], bool]] = {"recursion limit": lambda old, new: new > old}
+#: Class attributes that Python or pydantic set lazily, on first use: not a plugin's doing
+#: (``isinstance`` against a Protocol creates ``__annotations__``, ``copy``/``pickle`` of an
+#: instance ``__slotnames__``).
+_LAZY = ("__pydantic", "_abc_", "__warningregistry__", "__abstractmethods__",
+         "__annotations__", "__slotnames__")
 
 
 def _own_env() -> dict[str, str]:
@@ -179,6 +185,10 @@ def _dropped_modules(before: dict[str, Any]) -> list[str]:
 _GONE = object()
 
 
+def _never(old: Any, new: Any) -> bool:
+    return False
+
+
 def _shown(v: Any) -> str:
     """``repr`` for a message, short, and never raising (a plugin's stream object may)."""
     try:
@@ -218,7 +228,7 @@ def restore(before: State) -> list[str]:
     changed: list[str] = []
     for (what, get, put), old in zip(SETTINGS, values):
         new = get()
-        if new is not old and new != old:
+        if new is not old and new != old and not _KEPT.get(what, _never)(old, new):
             try:
                 put(old)
             except Exception as exc:  # e.g. the old working directory was deleted meanwhile

@@ -278,13 +278,14 @@ class PagedTables(_Memo):
             self._vouched.pop(id(t), None)
             if self._memo and self._memo[0] is t:
                 self._memo = ()
-            self._revoked[id(t)] = (weakref.ref(t), why)
+            self._revoked[id(t)] = (weakref.ref(t), why, _version(t))
             if len(self._revoked) > 64:  # the tables themselves are gone: forget them
                 self._revoked = {i: e for i, e in self._revoked.items() if e[0]() is not None}
 
     def _refuse_revoked(self, bt: torch.Tensor) -> None:
         entry = self._revoked.get(id(bt))
-        if entry is not None and entry[0]() is bt:
+        # refreshed in place since (a static buffer, CUDA graphs): checked as any table
+        if entry is not None and entry[0]() is bt and entry[2] in (None, _version(bt)):
             raise SeqlensError(
                 f"block_table was built by a PagedKVCache whose pages it names were freed "
                 f"since ({entry[1]}): it may point at another sequence's tokens. Build the "
@@ -340,3 +341,11 @@ def _forget_tables() -> None:
             memo._memo = ()
     with PAGED._lock:
         PAGED._vouched.clear()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for an inference tensor (it keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
