@@ -66,5 +66,8 @@ def _check(slot: str, fn: Callable[..., Any], got: Any, device: torch.device,
         return
     what = (f"a {type(got).__name__}" if not isinstance(got, torch.Tensor) else
             f"a {got.dtype} tensor of shape {tuple(got.shape)} on {got.device}")
+    if isinstance(got, torch.Tensor) and got.dim() > 1:  # doc[b][q_idx] keeps a whole row
+        hint += ("; index a captured tensor in one subscript (doc[b, q_idx], not "
+                 "doc[b][q_idx], which selects whole rows)")
     raise InputError(f"flex: {slot} {_name(fn)!r} returned {what} for inputs of shape (2,) "
                      f"on {device}; a {slot} is elementwise: {_FORMS[slot]}; {hint}")

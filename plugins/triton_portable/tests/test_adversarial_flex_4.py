@@ -330,3 +330,19 @@ def test_document_ids_shorter_than_the_positions_are_refused(hub: Hub, layout: s
         hub.attention(q, k, v, backend="flex", mask_mod=short, **kw)
     fits = variants.document(torch.randint(0, 3, (longest,), generator=g))
     _check(hub, q, k, v, mask_mod=fits, **kw)
+
+
+def test_chained_indexing_in_a_mod_is_named_with_its_fix(hub: Hub) -> None:
+    """``doc[b][q_idx]`` selects whole rows (a (2, S) result on the probe): the error says
+    to index in one subscript, and that form runs and matches the reference."""
+    g = _gen("chained")
+    q, k, v = _qkv(9, 9, g)
+    doc = torch.randint(0, 3, (B, 9), generator=g).sort(-1).values
+    with pytest.raises(InputError, match=r"doc\[b, q_idx\], not doc\[b\]\[q_idx\]"):
+        hub.attention(q, k, v, backend="flex",
+                      mask_mod=lambda b, h, qi, ki: doc[b][qi] == doc[b][ki])
+    one = hub.attention(q, k, v, backend="flex",
+                        mask_mod=lambda b, h, qi, ki: doc[b, qi] == doc[b, ki])
+    ref = hub.attention(q, k, v, backend="reference",
+                        mask_mod=lambda b, h, qi, ki: doc[b, qi] == doc[b, ki])
+    assert torch.allclose(one, ref, atol=1e-5)
