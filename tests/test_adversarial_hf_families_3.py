@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 from attnhub import Hub, InputError
 from attnhub.integrations import transformers as hf
 from attnhub.integrations.transformers.testing import one_intraop_thread, twin_models
+from attnhub.integrations.transformers.testing import padded as padded_ids  # noqa: E402
 from attnhub.policy import load_policy
 
 t = transformers
@@ -88,12 +89,7 @@ def pair(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 def padded(gen: torch.Generator, lens: tuple[int, ...], side: str = "left"
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(lens)
-    ids = torch.randint(2, VOCAB, (len(lens), width), generator=gen)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lens):
-        mask[i, width - n:] = 1
-    return ids, (mask if side == "left" else mask.flip(1))
+    return padded_ids(gen, lens, VOCAB, side)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 2e-4) -> None:

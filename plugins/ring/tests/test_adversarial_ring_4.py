@@ -254,15 +254,7 @@ def _subgroup(rank: int, world: int) -> None:
     lq, lk, lv = (x.index_select(1, idx).float().requires_grad_() for x in full[:3])
     out = ring_attention(lq, lk, lv, local_backend=LOCAL, causal=True, group=group)
     grads = torch.autograd.grad((out * full[3].index_select(1, idx).float()).sum(), (lq, lk, lv))
-    refs = {}
-    for dt in (torch.float64, torch.float32):
-        leaves = [x.to(dt).requires_grad_() for x in full[:3]]
-        o, _ = reference_attention(*leaves, AttnParams(scale=8 ** -0.5, causal=True),
-                                   compute_dtype=dt)
-        refs[dt] = [o, *torch.autograd.grad((o * full[3].to(dt)).sum(), leaves)]
-    for i, got in enumerate((out, *grads)):
-        want = [refs[dt][i].index_select(1, idx) for dt in (torch.float64, torch.float32)]
-        assert_fa_rule(got, *want, mult=3, what=f"subgroup rank {rank} output {i}")
+    _exact(me, 2, dict(enumerate((out, *grads))), full, f"subgroup (global rank {rank})")
 
 
 SCENARIOS: dict[str, Callable[[int, int], None]] = {
@@ -280,14 +272,7 @@ def launch_ranks(rank: int, world: int, names: list[str]) -> tuple[list[str], di
 
 
 def _scenarios(rank: int, world: int, names: list[str]) -> dict[str, str]:
-    out = {}
-    for name in names:
-        try:
-            SCENARIOS[name](rank, world)
-            out[name] = "ok"
-        except Exception as exc:  # noqa: BLE001 - reported to the test, which judges it
-            out[name] = f"{type(exc).__name__}: {exc}"
-    return out
+    return _sibling("test_ring_adversarial_3").run_scenarios(SCENARIOS, rank, world, names)
 
 
 #: world size -> scenarios run there (round 3's sweep covers world 4)

@@ -339,10 +339,16 @@ SCENARIOS: dict[str, Callable[[int, int], None]] = {
 
 def scenario_ranks(rank: int, world: int, names: list[str]) -> dict[str, str]:
     """Per scenario: ``ok`` or the exception's type and message on this rank."""
+    return run_scenarios(SCENARIOS, rank, world, names)
+
+
+def run_scenarios(table: dict[str, Any], rank: int, world: int,
+                  names: list[str]) -> dict[str, str]:
+    """``table[name](rank, world)`` for each name: ``ok`` or the exception it raised."""
     out = {}
     for name in names:
         try:
-            SCENARIOS[name](rank, world)
+            table[name](rank, world)
             out[name] = "ok"
         except Exception as exc:  # noqa: BLE001 - reported to the test, which judges it
             out[name] = f"{type(exc).__name__}: {exc}"
