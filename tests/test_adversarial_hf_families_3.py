@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from attnhub import Hub, InputError
 from attnhub.integrations import transformers as hf
 from attnhub.integrations.transformers.testing import one_intraop_thread, twin_models
-from attnhub.integrations.transformers.testing import padded as padded_ids  # noqa: E402
+from attnhub.integrations.transformers.testing import padded as padded_ids
 from attnhub.policy import load_policy
 
 t = transformers
