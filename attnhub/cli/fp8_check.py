@@ -11,9 +11,10 @@ error stays within the budget on the random inputs, every outlier case up to
 an accuracy record per spec bucket, which ``requires: {accuracy: ...}`` rules read.
 
 ``--kv`` checks an FP8 KV cache instead (default backend ``triton_decode_fp8``): the same
-inputs' keys and values are written into an e4m3 ``PagedKVCache`` (page 16) the way a
-server fills it (a prefill chunk, then one token per step, so page descales grow and pages
-are requantized), and the last query token (bf16) decodes against it; the BF16 column is a
+inputs' keys and values are written into an e4m3 ``PagedKVCache`` (page 16, or
+``--page-size``: records are per page size, as the hub's buckets are) the way a server fills
+it (a prefill chunk, then one token per step, so page descales grow and pages are
+requantized), and the last query token (bf16) decodes against it; the BF16 column is a
 BF16 backend over the unquantized cache. Its records are for the paged decode bucket.
 """
 
@@ -58,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the FP8 backend (default fa3_fp8; with --kv triton_decode_fp8)")
     p.add_argument("--kv", action="store_true",
                    help="check decode over an e4m3 paged KV cache (bf16 queries)")
+    p.add_argument("--page-size", type=at_least(1), default=None,
+                   help="--kv: the cache's page size, as the server pages it (default 16); "
+                        "records are per page size")
     p.add_argument("--recipe", default=None,
                    help="the recipe to gate (default: the backend's configured one)")
     p.add_argument("--magnitudes", type=list_of(at_least(0, float, strict=True)),
@@ -96,6 +100,7 @@ class Case:
     v: torch.Tensor
     causal: bool
     kv: bool = False  # an FP8 KV cache decode case (see ``evaluate_kv``)
+    page: int = 0  # its page size (the record's bucket has it)
     errors: dict[str, dict[str, float]] = field(default_factory=dict)
     ms: dict[str, float] = field(default_factory=dict)
 
@@ -179,7 +184,7 @@ def _spec(case: Case) -> Any:
                              num_q_heads=hq, num_kv_heads=case.k.shape[2], layout="paged",
                              mask=MaskSpec(causal=case.causal), max_seqlen_q=1,
                              max_seqlen_k=case.k.shape[1], batch=b,
-                             page_size=KV_PAGE).bucketed()
+                             page_size=case.page).bucketed()
     return AttentionSpec(phase="prefill", dtype="bf16", head_dim=d, num_q_heads=hq,
                          num_kv_heads=case.k.shape[2], mask=MaskSpec(causal=case.causal),
                          max_seqlen_q=s, max_seqlen_k=case.k.shape[1], batch=b)
@@ -208,7 +213,8 @@ def evaluate(case: Case, fp8: Any, bf16: Any, recipes: tuple[str, ...], emulate:
             case.ms[name] = median_ms(fn, case.q.device, warmup=3, repeats=10)
 
 
-#: Page size of the FP8 KV cache ``--kv`` builds, and how many tokens it appends one by one.
+#: Default page size of the FP8 KV cache ``--kv`` builds, and how many tokens it appends
+#: one by one.
 KV_PAGE, KV_STEPS = 16, 8
 
 
@@ -221,7 +227,7 @@ def evaluate_kv(case: Case, fp8: Any, bf16: Any, timed: bool) -> None:
 
     b, s, hkv, d = case.k.shape
     q = case.q[:, -1:]
-    cache = PagedKVCache(num_layers=1, num_pages=b * -(-s // KV_PAGE), page_size=KV_PAGE,
+    cache = PagedKVCache(num_layers=1, num_pages=b * -(-s // case.page), page_size=case.page,
                          num_kv_heads=hkv, head_dim=d, dtype=torch.float8_e4m3fn,
                          device=case.q.device)
     ids = [cache.allocate() for _ in range(b)]
@@ -295,7 +301,10 @@ def run(args: argparse.Namespace) -> int:
         if args.emulate:
             raise SystemExit("attnhub fp8-check: --kv runs the kernel itself (on a CPU under "
                              "TRITON_INTERPRET=1); it has no --emulate")
-        cases = [replace(c, kv=True) for c in cases]
+        cases = [replace(c, kv=True, page=args.page_size or KV_PAGE) for c in cases]
+    elif args.page_size is not None:
+        raise SystemExit("attnhub fp8-check: --page-size is the FP8 KV cache's (--kv); a "
+                         "prefill check has no pages")
     why = safe_check(fp8, _spec(cases[0]), hub.device)
     if why and not args.emulate:
         raise SystemExit(f"attnhub fp8-check: {args.backend} cannot run here: "
@@ -331,7 +340,8 @@ def run(args: argparse.Namespace) -> int:
     from ..policy.profile import default_profile_path
 
     done = recorded("fp8-check", args.store or default_profile_path(), lambda: _record(
-        args, hub.device, cases, verdicts, args.backend, gated, budget), "--no-record")
+        args, hub.device, cases, verdicts, args.backend, gated, budget,
+        hub.registry.provider_text(fp8.plugin)), "--no-record")
     return rc if done else STORE_FAILED
 
 
@@ -365,11 +375,12 @@ def _worst(a: float, b: float) -> float:
 
 def _record(args: argparse.Namespace, device: Any, cases: list[Case],
             verdicts: dict[str, dict[str, Any]], backend: str, recipe: str,
-            budget: float) -> None:
+            budget: float, provider: str = "?") -> None:
+    from ..policy.fp8_gate import reference as fp8_reference
     from ..policy.profile import ProfileStore
 
     store = ProfileStore(args.store)
-    ref = "fp32" + (" (FP8 emulated)" if args.emulate else "") + f", recipe {recipe}"
+    ref = fp8_reference(args.emulate, recipe, provider)
     for v in verdicts.values():
         # the store holds finite numbers (a NaN error fails the case, and the report shows it)
         metrics = {k: x for k, x in dict(v["metrics"], budget=budget).items()

@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def entry(d: Decision) -> dict[str, Any]:
     return {"backend": d.backend, "rule": d.rule, "fallbacks": list(d.fallbacks),
             "inner": d.inner.backend if d.inner is not None else None,
-            "rejected": {r.backend: list(r.reasons) for r in d.rejected}}
+            "rejected": {r.backend: list(r.reasons) for r in d.rejected},
+            "notes": list(d.notes)}  # e.g. which accuracy record let an FP8 backend in
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from ..core.decision import BindContext, Decision, Rejection
 from ..core.device import DeviceInfo
 from ..core.registry import Registry
 from ..core.spec import AttentionSpec, bucket
+from .fp8_gate import passed_note, record_hint, record_problems
 from .loader import LoadedRule, PolicyData
 from .match import Matcher, RuleIndex, set_bits
 from .profile import (
@@ -240,7 +241,10 @@ class Policy:
                            "only by a rule with a layer selector (when.layer) or one that "
                            f"requires an accuracy record for it; {lr.rule.name!r} has neither")
         if gated:
-            reasons += self._accuracy_reasons(name, lr, spec, device)
+            # the opt-in note only for a backend nothing else rejects (never a misleading one)
+            reasons += self._accuracy_reasons(name, lr, spec, device, backend,
+                                              registry.provider_text(backend.plugin),
+                                              [] if reasons else out.notes)
         if local and caps.lse_second_pass:
             reasons.append("computes the LSE by a second pass over materialised fp32 scores, "
                            "not in the kernel (lse_second_pass); a distributed backend merges "
@@ -250,21 +254,25 @@ class Policy:
         return reasons
 
     def _accuracy_reasons(self, name: str, lr: LoadedRule, spec: AttentionSpec,
-                          device: DeviceInfo) -> list[str]:
+                          device: DeviceInfo, backend: Backend, provider: str,
+                          notes: list[str]) -> list[str]:
         req = lr.rule.requires.accuracy  # type: ignore[union-attr]
         rec = self.profile.accuracy(device, spec, name)
         if rec is None:
             return [f"rule {lr.rule.name!r} requires a passing accuracy record and there is "
                     f"none for {name} on {device_key(device)} (bucket {bucket_key(spec)!r}) in "
-                    f"{self.profile.path}; record one with ProfileStore.record_accuracy "
-                    "(attnhub bench)"]
+                    f"{self.profile.path}; record one with {record_hint(name, spec)}"]
         if not rec.passed:
             return [f"accuracy record ({rec.key}, against {rec.reference}) failed: "
                     f"{_metrics(rec.metrics)}"]
         bad = [f"{k}={rec.metrics.get(k)} (max {v})" for k, v in req.max.items()
                if rec.metrics.get(k) is None or rec.metrics[k] > v]
-        return [f"accuracy record ({rec.key}) exceeds the rule's bounds: {', '.join(bad)}"] \
-            if bad else []
+        out = record_problems(rec, backend, provider) + (
+            [f"accuracy record ({rec.key}) exceeds the rule's bounds: {', '.join(bad)}"]
+            if bad else [])
+        if not out:
+            notes.append(passed_note(name, rec))
+        return out
 
     def _local_kernel(self, backend: Backend, spec: AttentionSpec, device: DeviceInfo,
                       registry: Registry, ctx: BindContext, local: bool,
