@@ -107,7 +107,8 @@ def test_plan_covers_every_cell_and_hardware(capsys):
     assert rc == 0 and doc["hardware"] == ["cpu", "gfx942"] and len(doc["cells"]) == 90
     row = doc["cells"][0]
     assert set(row) == {"phase", "dtype", "mask", "spec", "bindings"}
-    assert set(row["bindings"]["cpu"]) == {"backend", "rule", "fallbacks", "inner", "rejected"}
+    assert set(row["bindings"]["cpu"]) == {"backend", "rule", "fallbacks", "inner", "rejected",
+                                             "notes"}
     assert all(c["bindings"]["cpu"]["backend"] in ("torch_sdpa", "reference")
                for c in doc["cells"])
     assert main(["plan", "--hardware", "sm90"]) == 0
