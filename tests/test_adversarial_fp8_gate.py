@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,40 @@ def test_fp8_check_emulated_on_the_cpu_reports_real_error_figures(
         assert fp8 and all(0 < e < 1 for e in fp8), case
         if case["kind"] == "random":
             assert min(fp8) > case["errors"]["bf16"]["rel"] > 0, case
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf"), "int"])
+def test_descales_that_cannot_scale_are_refused_at_the_hub(bad: object) -> None:
+    """A negative, zero, NaN or inf descale (or an integer tensor) beside an e4m3 cache gave
+    wrong or NaN scores without a word on triton_decode_fp8; the hub refuses it for every
+    backend, naming the key. The cache's own descales pass and answer."""
+    import torch
+
+    from attnhub import Hub
+    from attnhub.core.kvcache import PagedKVCache
+    from attnhub.errors import ArgumentError
+
+    g = torch.Generator().manual_seed(zlib.crc32(repr(bad).encode()))
+    cache = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=2, head_dim=8,
+                         dtype=torch.float8_e4m3fn)
+    s = cache.allocate()
+    cache.append(s, [torch.randn(6, 2, 8, generator=g)], [torch.randn(6, 2, 8, generator=g)])
+    q = torch.randn(1, 1, 4, 8, generator=g).to(torch.bfloat16)
+    hub = Hub(hardware="cpu")
+
+    def call(extra: dict) -> object:
+        return hub.attention(q, cache.k_cache(0), cache.v_cache(0), layout="paged",
+                             block_table=cache.block_table([s]), seqlens_k=cache.seqlens([s]),
+                             extra=extra, backend="triton_decode_fp8")
+
+    good = cache.scales.descales(0)
+    assert torch.isfinite(call(good)).all()
+    name = RNG.choice(["k_descale", "v_descale"])
+    worse = dict(good)
+    if bad == "int":
+        worse[name] = good[name].to(torch.int32)
+    else:
+        worse[name] = good[name].clone()
+        worse[name][RNG.randrange(4), RNG.randrange(2)] = bad
+    with pytest.raises(ArgumentError, match=f"extra\\['{name}'\\]"):
+        call(worse)

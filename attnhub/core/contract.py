@@ -15,7 +15,9 @@ What a backend returns is checked by :mod:`attnhub.core.outputs`.
 
 from __future__ import annotations
 
+import math
 import operator
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -284,12 +286,36 @@ def check_extra(extra: Any, kv_dtype: torch.dtype) -> dict[str, Any]:
                 f"k/v are {kv_dtype} (an FP8 KV cache) but extra has no "
                 f"{' or '.join(missing)}; pass both descales, float32 per (page or batch, KV "
                 "head), e.g. extra=PagedKVCache.scales.descales(layer)")
+        for name in _DESCALES:
+            _check_descale(name, extra[name])
     elif given:
         raise ArgumentError(
             f"extra {' and '.join(given)} given for {kv_dtype} k/v, which every backend reads "
             "as is (descales scale an FP8 KV cache, float8_e4m3fn); drop them, or pass the "
             "FP8 k/v they scale")
     return dict(extra)
+
+
+def _check_descale(name: str, d: Any) -> None:
+    """A descale is a floating tensor (or number) of finite values > 0: a negative, zero or
+    NaN one gave wrong scores without a word. Values are read on the CPU, or with
+    ``ATTNHUB_DEBUG=1``: on an accelerator that read is a host sync per call."""
+    if isinstance(d, bool) or not isinstance(d, (torch.Tensor, int, float)):
+        raise ArgumentError(f"extra[{name!r}] is {type(d).__name__}; pass float32 descales "
+                            "(a tensor per page or batch and KV head, or a number)")
+    if isinstance(d, torch.Tensor):
+        if not d.is_floating_point():
+            raise ArgumentError(f"extra[{name!r}] has dtype {d.dtype}; descales are float32 "
+                                f"(use {name}.float())")
+        if not d.is_cpu and os.environ.get("ATTNHUB_DEBUG", "") in ("", "0"):
+            return
+        bad = int((~(d > 0) | ~torch.isfinite(d)).sum())
+    else:
+        bad = int(not (0 < d < math.inf))
+    if bad:
+        raise ArgumentError(f"extra[{name!r}] holds {bad} value(s) that are <= 0, NaN or inf; "
+                            "a descale multiplies e4m3 values back to their scale (amax / "
+                            "448 per page and KV head, as PagedKVCache.scales keeps them)")
 
 
 def check_window(window: Any, causal: bool) -> tuple[int, int] | None:
