@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from attnhub import Hub, InputError
 from attnhub.integrations import transformers as hf
-from attnhub.integrations.transformers.testing import one_intraop_thread, twin_models
+from attnhub.integrations.transformers.testing import close, one_intraop_thread, twin_models
 from attnhub.integrations.transformers.testing import padded as padded_ids
 from attnhub.policy import load_policy
 
@@ -90,10 +90,6 @@ def pair(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
 def padded(gen: torch.Generator, lens: tuple[int, ...], side: str = "left"
            ) -> tuple[torch.Tensor, torch.Tensor]:
     return padded_ids(gen, lens, VOCAB, side)
-
-
-def close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 2e-4) -> None:
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=1e-4, msg=what)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 from attnhub import Hub, InputError
 from attnhub.integrations import transformers as hf
-from attnhub.integrations.transformers.testing import (one_intraop_thread, same_generation,
+from attnhub.integrations.transformers.testing import (close, one_intraop_thread, same_generation,
                                                       sharpened, twin_models)
 from attnhub.integrations.transformers.testing import padded as padded_ids
 from attnhub.policy import load_policy
@@ -84,10 +84,6 @@ def hub() -> Iterator[Hub]:
 def padded(gen: torch.Generator, lens: tuple[int, ...], side: str = "right"
            ) -> tuple[torch.Tensor, torch.Tensor]:
     return padded_ids(gen, lens, VOCAB, side)
-
-
-def close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 2e-4) -> None:
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=1e-4, msg=what)
 
 
 @pytest.mark.parametrize("name", list(ENC_DEC))

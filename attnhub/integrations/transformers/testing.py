@@ -74,3 +74,8 @@ def same_generation(ours: torch.nn.Module, other: torch.nn.Module, inputs: Any, 
     for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
         torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=1e-4,
                                    msg=f"{what} step {step}")
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 2e-4) -> None:
+    """Logits or hidden states of attnhub's model against eager's, compared in fp32."""
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=1e-4, msg=what)
