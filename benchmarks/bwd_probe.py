@@ -193,9 +193,11 @@ def main() -> None:
                 # gradients: four of the five GEMMs)
                 other = "gluon-pipe" if not bwd_gluon.PIPE else "gluon-step"
                 for nm, kw in (("gluon-s2-dq1", {"_stages": 2, "_dq_bufs": 1}),
+                               ("gluon-s3-dq1", {"_stages": 3, "_dq_bufs": 1}),
                                (other, {"_pipe": not bwd_gluon.PIPE}),
                                (other + "-dq1", {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}),
-                               ("gluon-nohoist", {"_no_hoist": True}),
+                               ("gluon-hoist" if bwd_gluon.NO_HOIST else "gluon-nohoist",
+                                {"_no_hoist": not bwd_gluon.NO_HOIST}),
                                ("gluon-no-dq-probe", {"_probe": 2})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))

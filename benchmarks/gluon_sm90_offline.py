@@ -103,7 +103,7 @@ def main() -> None:
                     help="only these mask forms: full causal causal_tl window (default: all)")
     ap.add_argument("--bwd-builds", nargs="*", default=["step", "pipe", "pipe1"],
                     help="with --bwd: the shipped step, the pipelined one, it with 1 dQ buffer "
-                         "(default), and nohoist: the shipped step with _no_hoist")
+                         "(default), and hoist: the step before its spill cure (_no_hoist=False)")
     a = ap.parse_args()
     os.makedirs(a.dump, exist_ok=True)
     driver.set_active(_Sm90())
@@ -122,7 +122,7 @@ def main() -> None:
         from attnhub_triton_portable import bwd_gluon
         builds = {"step": {"BWD": True, "_pipe": False}, "pipe": {"BWD": True, "_pipe": True},
                   "pipe1": {"BWD": True, "_pipe": True, "_dq_bufs": 1},
-                  "nohoist": {"BWD": True, "_pipe": False, "_no_hoist": True}}
+                  "hoist": {"BWD": True, "_pipe": False, "_no_hoist": False}}
         cfgs = [builds[n] for n in a.bwd_builds]
     bad = 0
     for cfg in cfgs:

@@ -65,6 +65,11 @@ STAGES, DQ_BUFS = 2, 2
 #: tile's five GEMMs in its own step (False). The pipelined step is untimed: no spill under
 #: Triton 3.6 since 2026-12-05 (the offline builds' doc), 49 LDL / 45 STL before.
 PIPE = False
+#: The step keeps its loop invariants in the loop (wgmma descriptors through one-slot buffers
+#: indexed by an opaque zero, the mask's offsets from shared memory) so LLVM cannot hoist them
+#: into registers that then spill. H200, 16k, d128 (2026-12-05): 11.55 ms against 12.42 at
+#: full, 6.10 against 8.55 at causal (docs/benchmarks/h200_20261205_s14).
+NO_HOIST = True
 
 
 @gluon.jit
@@ -464,14 +469,13 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               delta: torch.Tensor, _probe: int = 0, _stages: int = STAGES,
-              _dq_bufs: int = DQ_BUFS, _pipe: bool = PIPE, _no_hoist: bool = False
+              _dq_bufs: int = DQ_BUFS, _pipe: bool = PIPE, _no_hoist: bool = NO_HOIST
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
     2 dq altogether; ``_stages`` / ``_dq_bufs`` try other ring depths, ``_pipe`` the other
-    step, ``_no_hoist`` the shipped step with the pipelined step's cure for its spills
-    (benchmarks)."""
+    step, ``_no_hoist=False`` the step as it was before its spills were cured (benchmarks)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view

@@ -74,14 +74,15 @@ def test_gluon_backward(shape: tuple[int, ...], kw: dict) -> None:
     for a, c in zip(first, second):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a.float(), c.float(), atol=1e-2, rtol=1e-2)
-    # its timing variants (one dQ buffer; the other step; the shipped step without hoisted
+    # its timing variants (one dQ buffer; the other step; the step with or without hoisted
     # addresses) give the same gradients, so the default can move to any on this evidence
     from attnhub_triton_portable import bwd_gluon
 
     out = out.detach()
     delta = (out.float() * g.float()).sum(-1).transpose(1, 2).contiguous()  # lse's layout
     for variant in ({"_dq_bufs": 1}, {"_pipe": not bwd_gluon.PIPE},
-                    {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}, {"_no_hoist": True}):
+                    {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1},
+                    {"_no_hoist": not bwd_gluon.NO_HOIST}):
         got = bwd_gluon.flash_bwd(args, out, lse, g, delta, **variant)
         for a, c in zip(first, got):
             torch.testing.assert_close(c.float(), a.float(), atol=1e-2, rtol=1e-2,
@@ -147,7 +148,7 @@ def test_gluon_backward_nan_value_stays_in_rows_that_see_it() -> None:
     delta = (out.float() * g.float()).sum(-1).transpose(1, 2).contiguous()
     args_nan = DenseArgs.from_params(q, k, v, params, "bshd")
     keys = torch.arange(k.shape[1], device="cuda") != _NAN_KEY
-    for variant in ({}, {"_pipe": not bwd_gluon.PIPE}, {"_no_hoist": True}):
+    for variant in ({}, {"_pipe": not bwd_gluon.PIPE}, {"_no_hoist": not bwd_gluon.NO_HOIST}):
         want = bwd_gluon.flash_bwd(args_clean, out, lse, g, delta, **variant)
         dq, dk, dv = bwd_gluon.flash_bwd(args_nan, out, lse, g, delta, **variant)
         assert not bool(dq[:, dead].isnan().any()) and not bool(dq[:, dead].any()), variant
