@@ -13,18 +13,16 @@ through shared memory). Each dQ tile leaves by one TMA reduce-add into an fp32 b
 (FlashAttention-3's way) from one of two shared-memory buffers, so the sum runs under the
 next tile's GEMMs.
 
-What limits it (H200, 16k full, d128; docs/benchmarks/h200_20261203_s12): about 450 TFLOP/s.
-Without dQ it runs 8.9 ms, which counts as 618 but executes four of the five GEMMs, so 494
-of executed work; dQ's GEMM is a fifth of the tensor work. The wait for dQ's buffer costs
-about 1% (the barriers without it: 12.03 ms against 12.13), a tile-contiguous dQ buffer
-(FlashAttention-3's layout, one TMA op a tile), a rotated walk of the query tiles, dQ's
-GEMM before dK's, and dK's left running under the next tile's first two GEMMs each timed
-no faster. The rest is the step's serial chain (softmax and dS between the GEMMs, two CTA
-barriers) at 255 registers with spills, two warpgroups and no ping-pong. Most of those
-spills are loop invariants LLVM hoists out of the query loop (the wgmma descriptors of K, V
-and dS, the mask's column offsets): the pipelined step keeps them in the loop and builds
-with no spill under Triton 3.6, and ``_no_hoist`` does the same to this step, both untimed
-(docs/benchmarks/cpu_20261205_gluon_offline_builds.md).
+What limits it (H200, 16k, d128; docs/benchmarks/h200_20261205_s14): 11.45 ms at full
+(480 TFLOP/s for the kernel, 476 with delta and dQ's cast), 6.02 ms causal (450), against
+cuDNN's 10.16 / 5.23. The step as first written hoisted its loop invariants (the wgmma
+descriptors of K, V and dS, the mask's column offsets) into registers and spilled them at
+255 (12.21 / 8.43 ms): ``NO_HOIST`` keeps them in the loop (242 registers, no spill). Without
+dQ the kernel runs 9.2 ms; dQ's GEMM is a fifth of the tensor work, and its buffer's wait
+about 1% (docs/benchmarks/h200_20261203_s13). The rest is the step's serial chain (softmax
+and dS between the GEMMs, two CTA barriers), two warpgroups and no ping-pong. A tile-
+contiguous dQ buffer, a rotated walk of the query tiles, dQ's GEMM before dK's and the
+pipelined step (``PIPE``) were each timed no faster.
 
 dQ's summation order varies run to run: this kernel is not deterministic and is never picked
 when ``deterministic=True`` (the dq_mode "atomic" rule of :mod:`.configs`).
@@ -62,8 +60,8 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 #: stages and 1 buffer 14.1 ms. 2 + 2 fill 208 of the 227 KiB at d128.
 STAGES, DQ_BUFS = 2, 2
 #: The step: the next tile's first two GEMMs under this tile's dQ epilogue (True), or each
-#: tile's five GEMMs in its own step (False). The pipelined step is untimed: no spill under
-#: Triton 3.6 since 2026-12-05 (the offline builds' doc), 49 LDL / 45 STL before.
+#: tile's five GEMMs in its own step (False). H200, 16k (2026-12-05): pipelined 12.29 ms full,
+#: 6.49 causal, against 11.55 / 6.10 for the step without hoisting.
 PIPE = False
 #: The step keeps its loop invariants in the loop (wgmma descriptors through one-slot buffers
 #: indexed by an opaque zero, the mask's offsets from shared memory) so LLVM cannot hoist them

@@ -201,10 +201,9 @@ def bwd_candidates(arch: str, head_dim: int, dtype: str, causal: bool,
 
 
 #: The Hopper Gluon backward (:mod:`.bwd_gluon`): one kernel, 128 keys a program, 64 query
-#: rows a step, dq summed by TMA reduce-add (not deterministic). On the H200 at 16k full
-#: (bf16, d128, 16 heads) it ran 448 TFLOP/s against 391 for the atomic-free pair; the
-#: portable atomic-dq configs it replaces, 311 / 228 (benchmarks/bwd_probe.py, 2026-12-03).
-#: At 16k causal the pair is as fast (324 vs 309-324): the autotuner times both.
+#: rows a step, dq summed by TMA reduce-add (not deterministic). On the H200 at 16k (bf16,
+#: d128, 16 heads) it ran 476 TFLOP/s full and 450 causal against 391 / 321 for the
+#: atomic-free pair (benchmarks/bwd_probe.py, 2026-12-05): the autotuner times both.
 GLUON_BWD_SM90: Config = {"GLUON": True, "dq_mode": "atomic",
                           "dkdv": _cfg(64, 128, 8, 1), "dq": _cfg(64, 128, 8, 1)}
 
