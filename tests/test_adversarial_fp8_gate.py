@@ -3,7 +3,8 @@
 Before: the resolver trusted ``passed`` alone, so a record measured by emulation
 (``fp8-check --emulate``: the kernel never ran), one for another recipe than the backend
 runs, or one whose recorded error is over the backend's error budget (written with a loose
-``--budget`` or hand-edited) bound fa3_fp8; and a bind through the gate left no note saying
+``--budget`` or hand-edited) bound fa3_fp8, as did ``passed=True`` with no error measured at
+all, for one bucket or device-wide (``*``); and a bind through the gate left no note saying
 which record opted FP8 in.
 """
 
@@ -45,13 +46,15 @@ def _provider(hub: Hub) -> str:
     return hub.registry.provider_text(hub.registry.get("fa3_fp8").plugin)
 
 
-def _record(hub: Hub, store: Path, spec: AttentionSpec, rel: float, reference: str) -> None:
-    ProfileStore(store).record_accuracy(hub.device, spec, "fa3_fp8", True,
-                                        {"rel_error": rel, "budget": 10.0},
-                                        reference=reference)
+def _record(hub: Hub, store: Path, spec: AttentionSpec | str, rel: float | None,
+            reference: str) -> None:
+    ProfileStore(store).record_accuracy(
+        hub.device, spec, "fa3_fp8", True,
+        None if rel is None else {"rel_error": rel, "budget": 10.0}, reference=reference)
 
 
-@pytest.mark.parametrize("flaw", ["emulated", "other_recipe", "over_budget", "other_version"])
+@pytest.mark.parametrize("flaw", ["emulated", "other_recipe", "over_budget", "other_version",
+                                  "no_error", "no_error_device_wide"])
 def test_a_passing_record_that_does_not_vouch_for_the_kernel_does_not_bind_fp8(
         flaw: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     recipe = RNG.choice(RECIPES)
@@ -64,13 +67,17 @@ def test_a_passing_record_that_does_not_vouch_for_the_kernel_does_not_bind_fp8(
     by = _provider(hub)
     if flaw == "other_version":
         by = by.rsplit(" ", 1)[0] + f" 0.{RNG.randint(0, 99)}.{RNG.randint(0, 9)}.dev-old"
-    _record(hub, store, spec, rel, f"fp32{emulated}, recipe {checked}, by {by}")
+    if flaw.startswith("no_error"):  # passed=True from the API, nothing measured
+        rel = None
+    _record(hub, store, "*" if flaw.endswith("device_wide") else spec, rel,
+            f"fp32{emulated}, recipe {checked}, by {by}")
     d = hub.decide(spec)
     assert d.backend != "fa3_fp8", (flaw, d)
     why = " ".join(r for x in d.rejected if x.backend == "fa3_fp8" for r in x.reasons)
     expect = {"emulated": "--emulate", "other_recipe": f"runs recipe {recipe}",
               "over_budget": "over fa3_fp8's error budget",
-              "other_version": "is now served by"}[flaw]
+              "other_version": "is now served by", "no_error": "records no rel_error",
+              "no_error_device_wide": "(*) says passed but records no rel_error"}[flaw]
     assert expect in why, why
 
 
