@@ -95,6 +95,9 @@ def main() -> None:
                                                return_mode="median"))
                 rows["api"].append(do_bench(call, rep=300, return_mode="median"))
             tag = {x: picked[x] for x in KEYS if x in picked}
+            from bwd_probe import per_kernel_ms  # every kernel one API call launches
+
+            print(f"{name}: api kernels (ms per call) {per_kernel_ms(call, 5)}", flush=True)
             for what, t in rows.items():
                 m = statistics.median(t)
                 print(f"{name}: {what} do_bench(rep=300) x3 {[round(x, 3) for x in t]} ms, "
