@@ -12,6 +12,7 @@
 #   gpu_tests.txt      every test marked `gpu` (FlashInfer's included: it JIT-compiles)
 #   kit.txt            `attnhub check-plugin --all-available --quick` on the GPU
 # Usage (carry .whl, made by ../shared/gpu/wheels.sh all): COMMIT=abc1234 bash benchmarks/gpu_session.sh
+# (name COMMIT here: the device's copy of .git can be older than the working tree it runs)
 # STEPS picks steps (default: overhead hf ring tests kit; also: profile, a cProfile of
 # overhead.py's calls; null, benchmarks/hub_null_overhead.py on GPU tensors; dho, benchmarks/decode_host_overhead.py on the GPU; grow, benchmarks/decode_growing_gpu.py; pvf, benchmarks/policy_vs_forced.py on PVF_CELLS; regret, REGRET_S seconds; probe, benchmarks/triton_autotune_probe.py (which dense forward config the autotuner takes, beside the API time); gluon_ws, benchmarks/gluon_ws.py; fp8g, benchmarks/decode_fp8_gluon.py, the Gluon FP8 decode variants beside the bf16 and FP8 rows; fp8api, benchmarks/decode_fp8_api.py, e4m3 vs bf16 paged decode through attnhub.attention; gap, benchmarks/decode_api_gap.py, the same call as kernel, backend, API and CUDA graph, with the idle gaps between calls; bwd, benchmarks/bwd_probe.py, each backward kernel timed on its own); KIT_BACKENDS names the kit's backends (default: --all-available).
 set -uo pipefail
@@ -86,7 +87,9 @@ say "start gpu_tests and kit in parallel"
 # the GPU tests are mostly JIT compiles (Triton, Gluon, FlashInfer): spread over processes
 # when pytest-xdist was carried (pip download --no-deps -d .whl pytest-xdist execnet)
 xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${TESTS_N:-4}")
-want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu ${TESTS_PATHS:-plugins tests} -rs -p no:cacheprovider "${xdist[@]}" \
+# -v -v: one line per test (the project's addopts has -q), so a step cut by its timeout still
+# says which tests finished
+want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu ${TESTS_PATHS:-plugins tests} -rs -v -v -p no:cacheprovider "${xdist[@]}" \
     > "$out/gpu_tests.txt" 2>&1; echo "gpu_tests rc=$?" >> "$out/gpu_tests.txt" ) &
 want kit && ( timeout "${KIT_S:-200}" python3 -m attnhub check-plugin ${KIT_BACKENDS:---all-available} \
     --quick --budget "${KIT_BUDGET:-25}" --total "$(( ${KIT_S:-200} - 15 ))" > "$out/kit.txt" 2> "$out/kit.err"
