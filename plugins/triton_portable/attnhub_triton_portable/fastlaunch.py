@@ -147,6 +147,48 @@ class Launcher:
             self._bins[device] = kernel
 
 
+class LaunchTable:
+    """Launchers of positional launches, each under a key the caller makes fix everything
+    Triton specializes on, with its kernel's constexprs in parameter order (bounded: cleared
+    when full). ``who`` names the caller in errors."""
+
+    __slots__ = ("entries", "limit", "who")
+
+    def __init__(self, who: str, limit: int = 256) -> None:
+        self.who, self.limit = who, limit
+        self.entries: dict[tuple[Any, ...], tuple[Launcher, tuple[Any, ...]]] = {}
+
+    def get(self, key: tuple[Any, ...], kernel: Any, grid: tuple[int, ...], n_runtime: int,
+            consts: dict[str, Any], options: dict[str, Any]) -> tuple[Launcher, tuple[Any, ...]]:
+        """(the launcher, the constexprs' values after the ``n_runtime`` runtime arguments)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            names = kernel.arg_names
+            if set(names[n_runtime:]) != set(consts):  # positional: every one, in order
+                raise TypeError(f"{self.who}: {getattr(kernel, '__name__', kernel)} takes "
+                                f"constexprs {names[n_runtime:]}, the launch gave "
+                                f"{sorted(consts)}; pass every constexpr of the kernel (and "
+                                f"only those) after its {n_runtime} runtime arguments")
+            tail = tuple(consts[n] for n in names[n_runtime:])
+            if len(self.entries) >= self.limit:
+                self.entries.clear()
+            entry = self.entries[key] = (Launcher(kernel, grid, options), tail)
+        return entry
+
+
+def launch_on(cuda_index: int | None, launcher: Launcher, args: tuple[Any, ...]) -> None:
+    """``launcher(args)`` on the device of the call's tensors (CUDA index ``cuda_index``),
+    on its current stream."""
+    state = launch_state(cuda_index)
+    if state is None:  # the tensors are not on the current device: launch where they are
+        import torch
+
+        with torch.cuda.device(cuda_index):
+            launcher(*launch_state(cuda_index), args)  # type: ignore[misc]
+    else:
+        launcher(*state, args)
+
+
 def _direct(kernel: CompiledKernel, grid: tuple[int, ...]) -> DirectLaunch:
     """A launch of ``kernel`` over ``grid`` without Triton's dispatch: no launch metadata
     and ``None`` hooks (the launchers skip a ``None`` hook, so with no hook registered it is

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .fastlaunch import Launcher, launch_state
+from .fastlaunch import LaunchTable, launch_on
 from .gluon_compat import tma_load
 from .launch import DenseArgs
 
@@ -385,10 +385,8 @@ def _desc(t: torch.Tensor, block_rows: int, head_dim: int) -> TensorDescriptor:
 
 #: Launch options among a config's ``meta`` (the rest are the kernel's constexprs).
 _OPTIONS = ("num_warps", "num_stages", "maxnreg", "num_ctas")
-#: (kernel, grid, integer arguments, tile geometry, dtype, constexprs, options) ->
-#: (the launch, the constexprs in parameter order): see ``launch``.
-_LAUNCHES: dict[tuple[Any, ...], tuple[Launcher, tuple[Any, ...]]] = {}
-_LAUNCH_LIMIT = 256
+#: (kernel, grid, integer arguments, tile geometry, dtype, constexprs, options) -> the launch
+_LAUNCHES = LaunchTable("fwd_gluon.launch")
 
 
 def launch(kernel: Any, args: DenseArgs, block_m: int, q_rows: int, block_n: int,
@@ -418,28 +416,10 @@ def launch(kernel: Any, args: DenseArgs, block_m: int, q_rows: int, block_n: int
         (options if name in _OPTIONS else consts)[name] = value
     key = (kernel, grid, ints, args.left, args.right, q_rows, block_n, args.q.dtype,
            tuple(consts.items()), tuple(options.items()))
-    entry = _LAUNCHES.get(key)
-    if entry is None:
-        names = kernel.arg_names
-        if set(names[_RUNTIME_ARGS:]) != set(consts):  # positional: every one, in order
-            raise TypeError(f"fwd_gluon.launch: {getattr(kernel, '__name__', kernel)} takes "
-                            f"constexprs {names[_RUNTIME_ARGS:]}, the launch gave "
-                            f"{sorted(consts)}; pass every constexpr of the kernel (and only "
-                            f"those) in the config or meta, after its {_RUNTIME_ARGS} runtime "
-                            "arguments")
-        tail = tuple(consts[n] for n in names[_RUNTIME_ARGS:])
-        if len(_LAUNCHES) >= _LAUNCH_LIMIT:
-            _LAUNCHES.clear()
-        entry = _LAUNCHES[key] = (Launcher(kernel, grid, options), tail)
-    launcher, tail = entry
-    call = (_desc(args.q, q_rows, d), _desc(args.k, block_n, d), _desc(args.v, block_n, d),
-            out, lse, *ints, args.scale * _LOG2E, args.left, args.right, *tail)
-    state = launch_state(args.q.device.index)
-    if state is None:  # q is not on the current device: launch where it is
-        with torch.cuda.device(args.q.device):
-            launcher(*launch_state(args.q.device.index), call)
-    else:
-        launcher(*state, call)
+    launcher, tail = _LAUNCHES.get(key, kernel, grid, _RUNTIME_ARGS, consts, options)
+    launch_on(args.q.device.index, launcher, (
+        _desc(args.q, q_rows, d), _desc(args.k, block_n, d), _desc(args.v, block_n, d), out,
+        lse, *ints, args.scale * _LOG2E, args.left, args.right, *tail))
     return out, lse
 
 

@@ -139,6 +139,36 @@ def test_warp_specialised_variant_off_hopper_names_the_reason() -> None:
         flash_fwd(args, WS)
 
 
+class _Recording:
+    """Stands in for ``fastlaunch.Launcher``: records each launch's arguments by name."""
+
+    def __init__(self, made: list, kernel) -> None:
+        self.made, self.kernel = made, kernel
+
+    def __call__(self, fn, grid, options):  # the Launcher's constructor
+        rec = self
+
+        class One:
+            def __init__(self) -> None:
+                self.grid, self.options, self.calls = grid, options, []
+                rec.made.append(self)
+
+            def __call__(self, device, stream, direct, args) -> None:
+                self.calls.append(dict(zip(rec.kernel.arg_names, args, strict=True)))
+
+        return One()
+
+
+def _recording(monkeypatch, kernel, table) -> list:
+    from attnhub_triton_portable import fastlaunch
+
+    made: list = []
+    monkeypatch.setattr(fastlaunch, "Launcher", _Recording(made, kernel))
+    monkeypatch.setattr(fastlaunch, "launch_state", lambda index: (0, 0, True))
+    monkeypatch.setattr(table, "entries", {})
+    return made
+
+
 @pytest.mark.parametrize("ws", [False, True])
 def test_the_launch_binds_every_parameter_in_order_once_per_key(monkeypatch, ws: bool) -> None:
     """The launch skips Triton's dispatch after its first call, so it passes every kernel
@@ -147,19 +177,7 @@ def test_the_launch_binds_every_parameter_in_order_once_per_key(monkeypatch, ws:
     fwd_gluon = pytest.importorskip("attnhub_triton_portable.fwd_gluon")
     mod = pytest.importorskip("attnhub_triton_portable.fwd_gluon_ws") if ws else fwd_gluon
     kernel = mod._fwd_ws_kernel if ws else mod._fwd_kernel
-    made: list = []
-
-    class Recording:
-        def __init__(self, fn, grid, options) -> None:
-            self.grid, self.options, self.calls = grid, options, []
-            made.append(self)
-
-        def __call__(self, device, stream, direct, args) -> None:
-            self.calls.append(dict(zip(kernel.arg_names, args, strict=True)))
-
-    monkeypatch.setattr(fwd_gluon, "Launcher", Recording)
-    monkeypatch.setattr(fwd_gluon, "launch_state", lambda index: (0, 0, True))
-    monkeypatch.setattr(fwd_gluon, "_LAUNCHES", {})
+    made = _recording(monkeypatch, kernel, fwd_gluon._LAUNCHES)
     cfg = configs.GLUON_WS_WINNERS[0] if ws else GLUON
     run = mod.flash_fwd
     args = _args(sq=256, sk=512, causal=True, window=(100, 0))
@@ -186,6 +204,45 @@ def test_the_launch_binds_every_parameter_in_order_once_per_key(monkeypatch, ws:
     assert len(made) == 3
 
 
+def test_the_backward_launch_binds_every_parameter_in_order_once_per_key(monkeypatch) -> None:
+    """The Gluon backward launches the same way (Triton's dispatch on a key's first call
+    only): every parameter lands on its name, its variants and shapes are keys of their own,
+    and the gradients' buffers are fresh each call."""
+    bwd_gluon = pytest.importorskip("attnhub_triton_portable.bwd_gluon")
+    made = _recording(monkeypatch, bwd_gluon._bwd_kernel, bwd_gluon._LAUNCHES)
+
+    def run(args, **kw):
+        out = torch.randn_like(args.q)
+        lse = torch.randn(args.batch, args.num_heads, args.seqlen_q)
+        return bwd_gluon.flash_bwd(args, out, lse, torch.randn_like(out), lse.clone(), **kw)
+
+    args = _args(sq=256, sk=512, causal=True, window=(100, 0))
+    dq, dk, dv = run(args)
+    got = made[0].calls[0]
+    assert got["DK"] is dk and got["DV"] is dv and dq.shape == args.q.shape
+    assert (got["sdkb"], got["sdks"], got["sdkh"]) == args.bsh_strides(dk)
+    assert (got["sdvb"], got["sdvs"], got["sdvh"]) == args.bsh_strides(dv)
+    assert (got["seqlen_q"], got["seqlen_k"], got["num_heads"], got["num_kv_heads"],
+            got["group"]) == (256, 512, 4, 2, 2)
+    assert (got["left"], got["right"]) == (100, 0)
+    assert got["scale"] == pytest.approx(args.scale)
+    assert got["scale2"] == pytest.approx(args.scale * 1.4426950408889634)
+    assert got["q_desc"].base is args.q and got["k_desc"].base is args.k
+    assert got["v_desc"].base is args.v and got["dq_desc"].base.dtype == torch.float32
+    assert list(got["do_desc"].block_shape) == [bwd_gluon.BLOCK_M, 128]
+    assert got["CAUSAL"] is True and got["WIN_LEFT"] is True and got["HEAD_DIM"] == 128
+    assert got["NO_HOIST"] is bwd_gluon.NO_HOIST and got["STAGES"] == bwd_gluon.STAGES
+    assert made[0].grid == (512 // bwd_gluon.BLOCK_N, 2 * 2)
+    assert made[0].options == {"num_warps": bwd_gluon.NUM_WARPS, "num_stages": 1}
+    again = run(_args(sq=256, sk=512, causal=True, window=(100, 0)))  # same key
+    assert len(made) == 1 and len(made[0].calls) == 2
+    assert made[0].calls[1]["DK"] is again[1] and again[1] is not dk
+    run(_args(sq=256, sk=256, causal=True, window=(100, 0)))  # another key length
+    run(_args(sq=256, sk=512, causal=True, window=(200, 0)))  # another window
+    run(args, _no_hoist=not bwd_gluon.NO_HOIST)  # a timing variant
+    assert len(made) == 4 and made[3].calls[0]["NO_HOIST"] is not bwd_gluon.NO_HOIST
+
+
 def test_a_launch_missing_a_constexpr_names_the_place_and_the_fix(monkeypatch) -> None:
     """Positional launches cannot leave a constexpr to Triton's binder: one the kernel
     takes and the launch lacks is an error naming both lists, before anything runs."""
@@ -195,7 +252,7 @@ def test_a_launch_missing_a_constexpr_names_the_place_and_the_fix(monkeypatch) -
         arg_names = [*fwd_gluon._fwd_kernel.arg_names, "EXTRA"]
 
     kernel = Kernel()
-    monkeypatch.setattr(fwd_gluon, "_LAUNCHES", {})
+    monkeypatch.setattr(fwd_gluon._LAUNCHES, "entries", {})
     with pytest.raises(TypeError, match="fwd_gluon.launch: _fake_kernel.*EXTRA.*pass every"):
         fwd_gluon.launch(kernel, _args(), 64, 64, 64, BLOCK_M=64, NUM_WARPS=4, P_SMEM=True,
                          num_warps=4)
