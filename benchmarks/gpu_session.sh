@@ -14,7 +14,7 @@
 # Usage (carry .whl, made by ../shared/gpu/wheels.sh all): COMMIT=abc1234 bash benchmarks/gpu_session.sh
 # (name COMMIT here: the device's copy of .git can be older than the working tree it runs)
 # STEPS picks steps (default: overhead hf ring tests kit; also: profile, a cProfile of
-# overhead.py's calls; null, benchmarks/hub_null_overhead.py on GPU tensors; dho, benchmarks/decode_host_overhead.py on the GPU; grow, benchmarks/decode_growing_gpu.py; pvf, benchmarks/policy_vs_forced.py on PVF_CELLS; regret, REGRET_S seconds; probe, benchmarks/triton_autotune_probe.py (which dense forward config the autotuner takes, beside the API time); gluon_ws, benchmarks/gluon_ws.py; fp8g, benchmarks/decode_fp8_gluon.py, the Gluon FP8 decode variants beside the bf16 and FP8 rows; fp8api, benchmarks/decode_fp8_api.py, e4m3 vs bf16 paged decode through attnhub.attention; gap, benchmarks/decode_api_gap.py, the same call as kernel, backend, API and CUDA graph, with the idle gaps between calls; bwd, benchmarks/bwd_probe.py, each backward kernel timed on its own); KIT_BACKENDS names the kit's backends (default: --all-available).
+# overhead.py's calls; null, benchmarks/hub_null_overhead.py on GPU tensors; dho, benchmarks/decode_host_overhead.py on the GPU; grow, benchmarks/decode_growing_gpu.py; pvf, benchmarks/policy_vs_forced.py on PVF_CELLS; regret, REGRET_S seconds; probe, benchmarks/triton_autotune_probe.py (which dense forward config the autotuner takes, beside the API time); gluon_ws, benchmarks/gluon_ws.py; fp8g, benchmarks/decode_fp8_gluon.py, the Gluon FP8 decode variants beside the bf16 and FP8 rows; fp8api, benchmarks/decode_fp8_api.py, e4m3 vs bf16 paged decode through attnhub.attention; gap, benchmarks/decode_api_gap.py, the same call as kernel, backend, API and CUDA graph, with the idle gaps between calls; bwd, benchmarks/bwd_probe.py, each backward kernel timed on its own; fagrid, tests/test_fa_grid_gpu.py, FlashAttention's test grid through the API, FAGRID_S seconds, default 480); KIT_BACKENDS names the kit's backends (default: --all-available).
 set -uo pipefail
 final=${OUT:-out/gpu_session}
 out=${WORK:-/tmp/gpu_session}
@@ -82,6 +82,12 @@ want ring && step ring_sim2 "${RING_S:-90}" python3 benchmarks/ring_scaling.py -
   --seqlens 32768 131072 --reps 3 --check-seqlen 4096 \
   --json "$out/ring_sim2.json" --markdown "$out/ring_sim2.md"
 
+# FlashAttention's test grid through the API (96 cases x every exact backend; mostly JIT
+# compiles, so on all cores): a step of its own, apart from the tests step's budget
+fx=(); python3 -c "import xdist" 2>/dev/null && fx=(-n "${FAGRID_N:-14}")
+want fagrid && step fagrid "${FAGRID_S:-480}" python3 -m pytest -m gpu tests/test_fa_grid_gpu.py -rs -v -v \
+  -p no:cacheprovider "${fx[@]}"
+
 # -- correctness, side by side ------------------------------------------------------------
 say "start gpu_tests and kit in parallel"
 # the GPU tests are mostly JIT compiles (Triton, Gluon, FlashInfer): spread over processes
@@ -89,7 +95,7 @@ say "start gpu_tests and kit in parallel"
 xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${TESTS_N:-4}")
 # -v -v: one line per test (the project's addopts has -q), so a step cut by its timeout still
 # says which tests finished
-want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu ${TESTS_PATHS:-plugins tests} -rs -v -v -p no:cacheprovider "${xdist[@]}" \
+want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu ${TESTS_PATHS:-plugins tests --ignore=tests/test_fa_grid_gpu.py} -rs -v -v -p no:cacheprovider "${xdist[@]}" \
     > "$out/gpu_tests.txt" 2>&1; echo "gpu_tests rc=$?" >> "$out/gpu_tests.txt" ) &
 want kit && ( timeout "${KIT_S:-200}" python3 -m attnhub check-plugin ${KIT_BACKENDS:---all-available} \
     --quick --budget "${KIT_BUDGET:-25}" --total "$(( ${KIT_S:-200} - 15 ))" > "$out/kit.txt" 2> "$out/kit.err"
@@ -103,7 +109,7 @@ grep -B2 -A8 "attnhub adds" "$out/profile.out" 2>/dev/null
 tail -25 "$out/regret/regret.md" 2>/dev/null
 say "done"
 (cd "$out" && tar czf "$final/results.tar.gz" ./* 2>/dev/null)
-for f in session.log overhead.json null.out probe.out fp8api.out fp8api.json gap.out gap.json bwd.out bwd.json bwd.png fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
+for f in session.log overhead.json null.out probe.out fp8api.out fp8api.json gap.out gap.json fagrid.out bwd.out bwd.json bwd.png fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
     regret/regret.md regret/regret.png; do
   [[ -f "$out/$f" ]] && cp "$out/$f" "$final/"
 done
