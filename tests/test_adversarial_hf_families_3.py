@@ -4,9 +4,10 @@ alternating sliding layers, encoders, T5Gemma's cross-attention, Gemma 3's image
 successive left-padded batches, batch 1 without a mask, greedy generate() with dynamic and
 static caches, caches continued by chunks, packed rows, training gradients, autocast and
 model.to(bf16) after bind. Refused, never ignored: keywords that eager folds into the mask or
-scores (DeepSeek-V3.2's sparse ``indices``, gpt-oss sinks) and padding-free ``cu_seq_lens``
+scores (DeepSeek-V3.2's sparse ``indices``, position biases) and padding-free ``cu_seq_lens``
 whose documents the mask does not keep apart. A module without ``is_causal`` (Mllama's
-cross-attention) attends as eager does; bind resolves what generate() then calls."""
+cross-attention) attends as eager does; bind resolves what generate() then calls. (gpt-oss's
+sinks, refused here once, are applied now: tests/test_hf_sinks.py.)"""
 
 from __future__ import annotations
 
@@ -227,7 +228,7 @@ def test_sparse_indices_are_refused_not_ignored(config: Callable[[], object]) ->
 
 
 def test_unknown_attention_arguments_are_refused_and_bookkeeping_is_not() -> None:
-    """Any keyword with a value that the integration does not know (sinks, biases, sparse
+    """Any keyword with a value that the integration does not know (biases, sparse
     selections a model may add) is refused; transformers' bookkeeping keywords change
     nothing."""
     gen = torch.Generator().manual_seed(29)
@@ -239,7 +240,7 @@ def test_unknown_attention_arguments_are_refused_and_bookkeeping_is_not() -> Non
                                 use_cache=True, output_attentions=False, cu_seq_lens_q=None,
                                 output_hidden_states=True, sinks=None)[0]
     assert torch.equal(plain, book)
-    for name, value in (("sinks", torch.randn(2, 4, 5, 1, generator=gen)),
+    for name, value in (("position_bias", torch.randn(2, 4, 5, 5, generator=gen)),
                         ("block_indices", torch.zeros(2, 5, 2, dtype=torch.int32)),
                         ("window_size", (2, 0))):
         with pytest.raises(InputError, match=f"passes '{name}'"):
@@ -378,11 +379,3 @@ def test_gemma3_image_tokens_attend_bidirectionally_in_their_block() -> None:
               eager(input_ids=ids, **kw).logits[mask.bool()], "gemma3 images")
         kw.update(max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
-
-
-def test_attention_sinks_of_gpt_oss_are_refused() -> None:
-    ours, _ = twin_models(t.GptOssConfig(**GQA, **ALTERNATE, head_dim=8, num_local_experts=4,
-                                         num_experts_per_tok=2))
-    with pytest.raises(InputError, match=r"GptOssAttention \(layer 0\) passes 's_aux'"):
-        with torch.no_grad():
-            ours(input_ids=torch.randint(2, VOCAB, (1, 6)))

@@ -15,8 +15,9 @@ those with ``_supports_attention_backend = False``: Bloom, Falcon, T5, ...) woul
 name or misuse the mask; building one with ``attn_implementation="attnhub"`` raises
 ``InputError`` (``VETTED`` encoder-decoders, which leave the flag False but route through the
 interface, excepted), and so does a call carrying what attnhub would ignore (``guards``:
-sinks, biases, sparse indices, packed documents the mask does not keep apart, attention
-weights requested). See docs/transformers.md.
+biases, sparse indices, packed documents the mask does not keep apart, attention weights
+requested). Attention sinks (GPT-OSS's ``s_aux``) are applied exactly from the output and its
+LSE (``with_sinks``). See docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from ...bind import BindingTable
 
 __all__ = ["NAME", "DenseMask", "attention_forward", "attention_modules", "bind_model",
-           "check_model_class", "mask_args", "register"]
+           "check_model_class", "mask_args", "register", "with_sinks"]
 
 NAME = "attnhub"
 _hub: Hub | None = None
@@ -127,6 +128,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) in,
     (B, Sq, Hq, Dv) out, contiguous (models ``.view()`` it), and no attention weights."""
+    sinks = kwargs.pop("s_aux", None)  # GPT-OSS and kin: one learned logit per head
+    if sinks is None:
+        sinks = kwargs.pop("sinks", None)
     if dropout or not HARMLESS.issuperset(kwargs) or weights_requested():
         refuse_unsupported(module, dropout, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -165,8 +169,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # does not reach past the keys, and eager and sdpa, which apply the window through
         # the mask alone, apply none here (OLMoE passes its config's window with a full
         # causal mask)
-        out = hub.attention(q, k, v, causal=causal and sq > 1, scale=scaling,
-                            softcap=softcap, context=_context(module, sliding_window))
+        out = _attend(hub, module, q, k, v, sinks, causal=causal and sq > 1, scale=scaling,
+                      softcap=softcap, context=_context(module, sliding_window))
         return out.contiguous(), None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.device != q.device:
         raise InputError(f"attention_mask is on {attention_mask.device} but the queries are on "
@@ -178,11 +182,43 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise InputError(f"{where(module)}: {e}") from None
     if sq > 1 and kwargs.get("cu_seq_lens_q") is not None:
         check_documents(module, kwargs["cu_seq_lens_q"], mask.get("mask_mod"), sq, sk)
-    out = hub.attention(q, k, v, scale=scaling, softcap=softcap,
-                        context=_context(module, sliding_window),
-                        **mask)
+    out = _attend(hub, module, q, k, v, sinks, scale=scaling, softcap=softcap,
+                  context=_context(module, sliding_window), **mask)
     # contiguous, as eager and sdpa return it: some models .view() it (AfMoE, JetMoE)
     return out.contiguous(), None
+
+
+def _attend(hub: Hub, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor, sinks: torch.Tensor | None, **kw: Any) -> torch.Tensor:
+    """``hub.attention``, with attention sinks when the model passes them."""
+    if sinks is None:
+        return hub.attention(q, k, v, **kw)
+    out, lse = hub.attention(q, k, v, return_lse=True, **kw)
+    return with_sinks(out, lse, sinks, where(module))
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+               at: str = "attention") -> torch.Tensor:
+    """Attention whose softmax has one more logit per row, a sink that takes probability
+    mass and gives no value (GPT-OSS's ``s_aux``, one per head; per query ``(B, H, Sq, 1)``):
+    the keys keep ``e^lse / (e^lse + e^sink) = sigmoid(lse - sink)`` of the mass, so it is the
+    exact attention's output (bshd) scaled by that per row, from its LSE. A row that sees no
+    key (LSE -inf) stays 0, as in eager. Gradients reach q, k, v through the output and the
+    LSE, and the sinks through the factor."""
+    b, sq, hq, _ = out.shape
+    s = sinks.view(1, -1, 1) if sinks.dim() == 1 else (
+        sinks.squeeze(-1) if sinks.dim() == 4 and sinks.shape[-1] == 1 else sinks)
+    if s.dim() != 3 or any(n not in (1, m) for n, m in zip(s.shape, (b, hq, sq))):
+        raise InputError(f"{at}: attention sinks of shape {tuple(sinks.shape)}; expected one "
+                         f"per head ({hq},) or one per query ({b}, {hq}, {sq}, 1)")
+    if out.requires_grad and not lse.requires_grad:
+        raise InputError(f"{at}: attention sinks scale the output by a function of its LSE, "
+                         "but the backend bound here returns an LSE that carries no "
+                         "gradient, so q and k would get wrong gradients; force a backend "
+                         "with a differentiable LSE (backend='reference' or 'triton'), or "
+                         "train with attn_implementation='eager'")
+    keep = torch.sigmoid(lse.float() - s.to(device=lse.device, dtype=torch.float32))
+    return (out.float() * keep.transpose(1, 2).unsqueeze(-1)).to(out.dtype)
 
 
 def _context(module: torch.nn.Module, sliding_window: int | None) -> BindContext:

@@ -23,15 +23,17 @@ def where(module: torch.nn.Module) -> str:
 #: ``cu_seq_lens_*``: ``check_documents`` makes sure the mask keeps those documents apart).
 #: Anything else with a value is refused: models hand implementations other than eager/sdpa
 #: what those two fold into the mask or the scores (DeepSeek-V3.2's sparse ``indices``,
-#: ``sinks``, ``position_bias``), and ignoring it would be a silent wrong answer.
+#: ``position_bias``), and ignoring it would be a silent wrong answer. (Sinks, ``s_aux`` or
+#: ``sinks``, are taken out before this check and applied.) ``logits_to_keep`` is
+#: generate()'s, leaked into the layers by some models (GOT-OCR2).
 HARMLESS = frozenset({
     "position_ids", "use_cache", "output_hidden_states", "output_router_logits",
     "num_items_in_batch", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-    "seq_idx", "deterministic", "return_dict", "cache_position"})
+    "seq_idx", "deterministic", "return_dict", "cache_position", "logits_to_keep"})
 
 #: What the refused keywords known to models mean, for the error.
-_MEANING = {"position_bias": "a learned position bias", "s_aux": "attention sinks",
-            "sinks": "attention sinks", "indices": "sparse attention indices (DSA)",
+_MEANING = {"position_bias": "a learned position bias",
+            "indices": "sparse attention indices (DSA)",
             "block_indices": "sparse attention block indices",
             "head_mask": "a per-head mask"}
 
