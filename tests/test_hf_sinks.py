@@ -9,8 +9,6 @@ logits on a padded batch, generate(), and training gradients (the sinks' include
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -99,34 +97,16 @@ def test_the_attention_function_applies_sinks_and_ignores_logits_to_keep() -> No
 #: transformers model types whose attention passes ``s_aux`` (those this version has).
 SINK_FAMILIES = ("gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash",
                  "deepseek_v4")
-SMALL = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-             head_dim=8, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-             num_experts=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=6,
-             tie_word_embeddings=False)
-
-
-def _config(model_type: str) -> Any:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if model_type not in CONFIG_MAPPING:
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
-    cfg = CONFIG_MAPPING[model_type]()
-    for name, value in SMALL.items():
-        if hasattr(cfg, name):
-            setattr(cfg, name, value)
-    return cfg
-
 
 @pytest.mark.parametrize("model_type", SINK_FAMILIES)
 def test_sink_families_match_eager(model_type: str) -> None:
     from attnhub.integrations import transformers as hf
-    from attnhub.integrations.transformers.testing import (close, one_intraop_thread, padded,
-                                                          same_generation, sharpened)
+    from attnhub.integrations.transformers.testing import (matches_eager, one_intraop_thread,
+                                                          sharpened, tiny_config)
 
     hf.register(attnhub.Hub(hardware="cpu"))
     with one_intraop_thread():
-        ours, twin = sharpened(_config(model_type), transformers.AutoModelForCausalLM, 4.0)
+        ours, twin = sharpened(tiny_config(model_type) or pytest.skip(f"no {model_type} here"), transformers.AutoModelForCausalLM, 4.0)
         with torch.no_grad():  # sinks well away from 0, so that they matter
             g = torch.Generator().manual_seed(1)
             for (name, p), (_, p2) in zip(ours.named_parameters(), twin.named_parameters()):
@@ -134,22 +114,4 @@ def test_sink_families_match_eager(model_type: str) -> None:
                     p.copy_(torch.randn(p.shape, generator=g) * 2)
                     p2.copy_(p)
         assert any(n.endswith("sinks") for n, _ in ours.named_parameters())
-        ids, mask = padded(torch.Generator().manual_seed(0), (9, 6), 99, side="left")
-        keep = mask.bool()
-        with torch.no_grad():
-            got = ours(input_ids=ids, attention_mask=mask).logits
-            want = twin(input_ids=ids, attention_mask=mask).logits
-        close(got[keep], want[keep], f"{model_type} logits")
-        same_generation(ours, twin, ids, f"{model_type} generate", attention_mask=mask,
-                        max_new_tokens=5, do_sample=False, pad_token_id=0)
-        # training on right padding (left padding's fully masked rows give 0 here and an
-        # average in eager, and the shifted loss reads the last pad: docs/transformers.md)
-        ids, mask = padded(torch.Generator().manual_seed(2), (9, 6), 99, side="right")
-        labels = ids.masked_fill(~mask.bool(), -100)
-        for m in (ours, twin):
-            m.train()
-            m.zero_grad()
-            m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        for (name, p), (_, p2) in zip(ours.named_parameters(), twin.named_parameters()):
-            if p2.grad is not None:
-                close(p.grad, p2.grad, f"{model_type} grad {name}", atol=1e-4)
+        matches_eager(ours, twin, 99, model_type)

@@ -71,12 +71,23 @@ def register(hub: Hub | None = None, name: str = NAME) -> str:
 #: own: their sub-models are checked when they are built or switched.
 VETTED = frozenset({"bart", "mbart", "pegasus", "marian", "whisper", "blenderbot",
                     "blenderbot_small", "m2m_100", "plbart", "encoder_decoder",
-                    "vision_encoder_decoder"})
+                    "vision_encoder_decoder",
+                    # hybrids whose full-attention layers go through the interface (their
+                    # linear / Mamba layers hold no attention), and StableLM; logits,
+                    # generate() and training gradients against eager in
+                    # tests/test_hf_vetted.py
+                    "qwen3_next", "olmo_hybrid", "falcon_h1", "nemotron_h", "lara_mini",
+                    "stablelm"})
+#: Classes vetted where their package also holds others that are not (Qwen3.5's vision-
+#: language models): the text models, checked as ``VETTED``.
+VETTED_CLASSES = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5TextModel", "Qwen3_5MoeForCausalLM",
+                            "Qwen3_5MoeTextModel"})
 
 
 def _vetted(cls: type) -> bool:
     return any(k.__module__.startswith("transformers.models.")
-               and k.__module__.split(".")[2] in VETTED for k in cls.__mro__)
+               and (k.__module__.split(".")[2] in VETTED or k.__name__ in VETTED_CLASSES)
+               for k in cls.__mro__)
 
 
 def check_model_class(cls: type, name: str = NAME) -> None:

@@ -79,3 +79,57 @@ def same_generation(ours: torch.nn.Module, other: torch.nn.Module, inputs: Any, 
 def close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 2e-4) -> None:
     """Logits or hidden states of attnhub's model against eager's, compared in fp32."""
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=1e-4, msg=what)
+
+
+#: What ``tiny_config`` sets wherever a config has the field: 2 layers, 4/2 heads of 8, a
+#: small vocabulary and MoE, a window of 6.
+TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            head_dim=8, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            num_experts=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=6,
+            tie_word_embeddings=False)
+
+
+def tiny_config(model_type: str) -> Any:
+    """A random 2-layer config of transformers' ``model_type`` (``TINY``), or None where this
+    transformers lacks it; hybrid models keep one linear or recurrent layer and one
+    full-attention layer."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return None
+    cfg = CONFIG_MAPPING[model_type]()
+    for name, value in TINY.items():
+        if hasattr(cfg, name):
+            setattr(cfg, name, value)
+    kinds = getattr(cfg, "layer_types", None)
+    if isinstance(kinds, list) and any("linear" in k or "mamba" in k for k in kinds):
+        with contextlib.suppress(AttributeError):  # read-only in some configs (Bamba)
+            cfg.layer_types = ([k for k in kinds if "linear" in k or "mamba" in k][:1]
+                               + [k for k in kinds if "attention" in k and "linear" not in k][:1])
+    return cfg
+
+
+def matches_eager(ours: torch.nn.Module, other: torch.nn.Module, vocab: int, what: str,
+                  atol: float = 2e-4) -> None:
+    """A causal LM under attnhub against the same weights under ``other``: logits of a
+    left-padded batch (valid positions), greedy generate() from it, and every parameter's
+    gradient of a loss over a right-padded batch (labels -100 at the pads: left padding's
+    fully masked rows are 0 here and an average in eager, docs/transformers.md)."""
+    ids, mask = padded(torch.Generator().manual_seed(0), (9, 6), vocab, side="left")
+    keep = mask.bool()
+    with torch.no_grad():
+        close(ours(input_ids=ids, attention_mask=mask).logits[keep],
+              other(input_ids=ids, attention_mask=mask).logits[keep], f"{what} logits", atol)
+    same_generation(ours, other, ids, f"{what} generate", atol=atol, attention_mask=mask,
+                    max_new_tokens=5, do_sample=False, pad_token_id=0)
+    ids, mask = padded(torch.Generator().manual_seed(2), (9, 6), vocab, side="right")
+    labels = ids.masked_fill(~mask.bool(), -100)
+    for model in (ours, other):
+        model.train()
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        model.eval()
+    for (name, p), (_, p2) in zip(ours.named_parameters(), other.named_parameters()):
+        if p2.grad is not None:
+            close(p.grad, p2.grad, f"{what} grad {name}", atol=atol / 2)
