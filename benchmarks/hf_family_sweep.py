@@ -43,6 +43,8 @@ def judge(model_type: str, train: bool) -> tuple[str, str]:
         return "refused", str(e)[:200]
     except Exception as e:  # noqa: BLE001 - the generic tiny config does not fit it
         return "not_judged", f"build: {type(e).__name__}: {str(e)[:150]}"
+    except MemoryError:
+        return "not_judged", "build: out of memory (a default config too large to be tiny)"
     ids, mask = padded(torch.Generator().manual_seed(0), (9, 6), 99, side="left")
     keep = mask.bool()
     try:
@@ -100,10 +102,22 @@ def worker(types: list[str], train: bool) -> None:
                           "s": round(time.perf_counter() - t0, 1)}), flush=True)
 
 
+#: Address space of a worker: a default config too large to be tiny (Gemma 4's per-layer
+#: sizes take 20 GiB) fails in its worker instead of swapping the machine.
+WORKER_BYTES = 6 * 2**30
+
+
+def _limit() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (WORKER_BYTES, WORKER_BYTES))
+
+
 def _run(types: list[str], train: bool, timeout: float) -> list[dict]:
     cmd = [sys.executable, __file__, "--worker", *types] + (["--train"] if train else [])
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                           preexec_fn=_limit)
         lines = p.stdout.splitlines()
     except subprocess.TimeoutExpired as e:
         lines = (e.stdout or b"").decode().splitlines() if isinstance(e.stdout, bytes) else (
