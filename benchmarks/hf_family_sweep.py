@@ -72,13 +72,18 @@ def judge(model_type: str, train: bool) -> tuple[str, str]:
         if train:
             ids, mask = padded(torch.Generator().manual_seed(2), (9, 6), 99, side="right")
             labels = ids.masked_fill(~mask.bool(), -100)
-            for m in (ours, twin):
+            for m in (ours, twin):  # one seed: the same dropout outside attention
                 m.train()
                 m.zero_grad()
+                torch.manual_seed(3)
                 m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-            rel = max(float((p.grad - p2.grad).abs().max()) / (float(p2.grad.abs().max()) + 1e-9)
-                      for p, p2 in zip(ours.parameters(), twin.parameters())
-                      if p2.grad is not None)
+            # against the largest gradient of the model: some are 0 in exact arithmetic (a
+            # key bias under softmax) and rounding noise in both, which no ratio of their own
+            # can judge
+            pairs = [(p.grad, p2.grad) for p, p2 in zip(ours.parameters(), twin.parameters())
+                     if p2.grad is not None]
+            top = max(float(g2.abs().max()) for _, g2 in pairs)
+            rel = max(float((g - g2).abs().max()) for g, g2 in pairs) / (top + 1e-30)
             if rel > 1e-3:
                 return "TRAIN_MISMATCH", f"{detail}; gradient relative error {rel:.1e}"
             detail += f", gradients {rel:.1e}"

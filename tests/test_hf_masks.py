@@ -110,6 +110,8 @@ def test_boolean_in_meaning_masks_are_accepted(models, form: str) -> None:
     (lambda m: additive(m, -1e9) - 0.5 * torch.rand(m.shape), "additive bias.*boolean.*eager"),
     (lambda m: m.long() * 2, "0 \\(masked\\) and 1"),
     (lambda m: m[:, :, :, :-1], "does not fit this call"),
+    # one key column for every key (MiniMax's padded decode: a mask for another cache)
+    (lambda m: m[:, :, :, :1], "one key column for a call with .* keys.*without padding"),
 ])
 def test_biases_and_misfit_masks_are_refused_with_the_fix(bad, match: str) -> None:
     with pytest.raises(InputError, match=match):

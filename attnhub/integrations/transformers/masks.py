@@ -132,11 +132,20 @@ def proof(mask: torch.Tensor) -> tuple[Any, int]:
 def _check_shape(mask: torch.Tensor, batch: int, sq: int, sk: int, heads: int | None) -> None:
     ok = (mask.dim() == 4 and mask.shape[0] in (1, batch) and mask.shape[2] in (1, sq)
           and mask.shape[3] == sk and (heads is None or mask.shape[1] in (1, heads)))
-    if not ok:
-        raise InputError(f"attention_mask of shape {tuple(mask.shape)} does not fit this call "
-                         f"(batch {batch}, {heads or 'H'} heads, {sq} queries, {sk} keys): "
-                         f"pass a 4-D (B|1, 1|H, Sq|1, {sk}) mask, or a 2-D (B, Sk) padding "
-                         "mask and let transformers build the 4-D one")
+    if ok:
+        return
+    if mask.dim() == 4 and mask.shape[3] == 1:
+        # built for another layer's cache (MiniMax's decode masks come from its linear
+        # layers'): broadcast, it masks a whole row or nothing, never the padding
+        raise InputError(f"attention_mask of shape {tuple(mask.shape)} has one key column for "
+                         f"a call with {sk} keys: transformers built it for another layer's "
+                         "cache (a hybrid model's linear layers), and broadcast it would mask "
+                         "a whole row or nothing, not the padding; generate without padding "
+                         "(batch 1, or equal lengths), or use attn_implementation='eager'")
+    raise InputError(f"attention_mask of shape {tuple(mask.shape)} does not fit this call "
+                     f"(batch {batch}, {heads or 'H'} heads, {sq} queries, {sk} keys): "
+                     f"pass a 4-D (B|1, 1|H, Sq|1, {sk}) mask, or a 2-D (B, Sk) padding "
+                     "mask and let transformers build the 4-D one")
 
 
 def as_bool(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
