@@ -214,3 +214,24 @@ def test_descales_that_cannot_scale_are_refused_at_the_hub(bad: object) -> None:
         worse[name][RNG.randrange(4), RNG.randrange(2)] = bad
     with pytest.raises(ArgumentError, match=f"extra\\['{name}'\\]"):
         call(worse)
+
+
+def test_an_exact_backend_gated_by_a_record_with_an_error_is_judged_not_crashed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule may ask an exact backend (no error budget) for an accuracy record; one that
+    carries ``rel_error`` raised ``TypeError`` (a float compared with None) in resolution
+    instead of binding it."""
+    monkeypatch.setenv("ATTNHUB_PROFILE", str(tmp_path / "profile.json"))
+    policy = tmp_path / "p.yaml"
+    policy.write_text("name: gate\nversion: 1\nrules:\n  - name: gated\n    use: [torch_sdpa]\n"
+                      "    requires: {accuracy: true}\n")
+    hub = Hub(policy, hardware="cpu", registry=Registry.load())
+    assert hub.registry.get("torch_sdpa").capabilities.error_budget is None
+    spec = AttentionSpec(phase="prefill", dtype="fp32", head_dim=64, num_q_heads=4,
+                         num_kv_heads=4, mask=MaskSpec(causal=True), max_seqlen_q=128,
+                         max_seqlen_k=128, batch=2)
+    ProfileStore(tmp_path / "profile.json").record_accuracy(
+        hub.device, spec, "torch_sdpa", True, {"rel_error": RNG.uniform(1e-4, 1e-2)})
+    d = hub.decide(spec)
+    assert d.backend == "torch_sdpa", d
+    assert any("opted in by a passing accuracy record" in n for n in d.notes), d.notes

@@ -66,10 +66,21 @@ def test_sinks_of_another_shape_or_without_lse_gradient_are_refused() -> None:
     out, lse = torch.randn(2, 5, 4, 8), torch.randn(2, 4, 5)
     for bad in (torch.randn(3), torch.randn(2, 4, 6, 1), torch.randn(4, 5)):
         with pytest.raises(InputError, match="attention sinks of shape"):
-            with_sinks(out, lse, bad, "Layer (layer 3)")
+            with_sinks(out, lse, bad)
     out.requires_grad_()
-    with pytest.raises(InputError, match="LSE that carries no gradient"):
+    with pytest.raises(InputError, match="LSE that carries no gradient.*policy"):
         with_sinks(out, lse, torch.randn(4))
+
+
+def test_a_layer_passing_sinks_of_another_shape_is_named() -> None:
+    from attnhub.integrations import transformers as hf
+
+    q = k = v = torch.randn(1, 4, 5, 8)
+    module = torch.nn.Module()
+    module.is_causal, module.layer_idx = True, 3
+    hf.register(attnhub.Hub(hardware="cpu"))
+    with pytest.raises(InputError, match=r"Module \(layer 3\): attention sinks of shape \(3,\)"):
+        hf.attention_forward(module, q, k, v, None, s_aux=torch.randn(3))
 
 
 def test_the_attention_function_applies_sinks_and_ignores_logits_to_keep() -> None:

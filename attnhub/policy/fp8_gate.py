@@ -5,8 +5,8 @@ kernel never ran), one for another recipe than the backend now runs, one made by
 version of the plugin serving the backend (its kernel changed; the device key holds only the
 libraries' versions), or one whose recorded error exceeds the backend's own error budget (a
 loose ``--budget``, a hand edit) and, for an approximate backend, one that records no error
-at all (``ProfileStore.record_accuracy(passed=True)`` without metrics) all bound FP8. The reference text ``fp8-check`` writes
-carries the recipe, the plugin's version and whether it emulated;
+at all (``ProfileStore.record_accuracy(passed=True)`` without metrics) all bound FP8. The
+reference text ``fp8-check`` writes carries the recipe, the plugin's version and whether it emulated;
 ``reference`` writes it and ``record_problems`` reads it back, so the two cannot drift.
 """
 
@@ -54,7 +54,7 @@ def record_problems(rec: Any, backend: Any, provider: str) -> list[str]:
                    f"approximate backend ({backend.name}, error budget {cap:g}) is opted in "
                    "only by a measured error within its budget; run attnhub fp8-check, or "
                    "pass metrics={'rel_error': ...} to ProfileStore.record_accuracy")
-    elif err is not None and not (math.isfinite(err) and err <= cap):
+    elif err is not None and cap is not None and not (math.isfinite(err) and err <= cap):
         out.append(f"accuracy record ({rec.key}) has rel_error={err:g}, over {backend.name}'s "
                    f"error budget {cap:g} (recorded against budget "
                    f"{rec.metrics.get('budget', 'unknown')}); rerun attnhub fp8-check "

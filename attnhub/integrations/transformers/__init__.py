@@ -205,11 +205,13 @@ def _attend(hub: Hub, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
     if sinks is None:
         return hub.attention(q, k, v, **kw)
     out, lse = hub.attention(q, k, v, return_lse=True, **kw)
-    return with_sinks(out, lse, sinks, where(module))
+    try:
+        return with_sinks(out, lse, sinks)
+    except InputError as e:  # name the layer (built only on error: this is the hot path)
+        raise InputError(f"{where(module)}: {e}") from None
 
 
-def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
-               at: str = "attention") -> torch.Tensor:
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """Attention whose softmax has one more logit per row, a sink that takes probability
     mass and gives no value (GPT-OSS's ``s_aux``, one per head; per query ``(B, H, Sq, 1)``):
     the keys keep ``e^lse / (e^lse + e^sink) = sigmoid(lse - sink)`` of the mass, so it is the
@@ -220,14 +222,15 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
     s = sinks.view(1, -1, 1) if sinks.dim() == 1 else (
         sinks.squeeze(-1) if sinks.dim() == 4 and sinks.shape[-1] == 1 else sinks)
     if s.dim() != 3 or any(n not in (1, m) for n, m in zip(s.shape, (b, hq, sq))):
-        raise InputError(f"{at}: attention sinks of shape {tuple(sinks.shape)}; expected one "
-                         f"per head ({hq},) or one per query ({b}, {hq}, {sq}, 1)")
+        raise InputError(f"attention sinks of shape {tuple(sinks.shape)}; expected one per "
+                         f"head ({hq},) or one per query ({b}, {hq}, {sq}, 1)")
     if out.requires_grad and not lse.requires_grad:
-        raise InputError(f"{at}: attention sinks scale the output by a function of its LSE, "
-                         "but the backend bound here returns an LSE that carries no "
-                         "gradient, so q and k would get wrong gradients; force a backend "
-                         "with a differentiable LSE (backend='reference' or 'triton'), or "
-                         "train with attn_implementation='eager'")
+        raise InputError("attention sinks scale the output by a function of its LSE, but the "
+                         "backend bound here returns an LSE that carries no gradient, so q "
+                         "and k would get wrong gradients; bind a backend with a "
+                         "differentiable LSE for this model in the policy (a rule with "
+                         "use: [triton] or [reference]), or train with "
+                         "attn_implementation='eager'")
     keep = torch.sigmoid(lse.float() - s.to(device=lse.device, dtype=torch.float32))
     return (out.float() * keep.transpose(1, 2).unsqueeze(-1)).to(out.dtype)
 
