@@ -128,6 +128,36 @@ def test_process_wide_state_a_plugin_changes_is_put_back(site: Path, monkeypatch
     assert f"state_{when}_good" in reg.backends  # recorded, not refused: it did register
 
 
+def _deep(n: int, fn: Callable[[], Registry]) -> Registry:
+    return fn() if n == 0 else _deep(n - 1, fn)
+
+
+@pytest.mark.parametrize("limit", [25, 60, 130, 200])
+@pytest.mark.parametrize("when", ["import", "hook"])
+def test_a_lowered_recursion_limit_is_put_back_before_the_host_runs_on(
+        site: Path, limit: int, when: str) -> None:
+    """A host deep in its stack (a test runner, a server's request) loads a plugin that lowers
+    the recursion limit below that depth: the host's own next call failed (a second,
+    misleading error) or Python aborted ("Cannot recover from stack overflow")."""
+    code = f"import sys\nsys.setrecursionlimit({limit})\n"
+    if when == "hook":
+        code = ("@hookimpl\ndef attnhub_register_backends(register):\n"
+                + "".join(f"    {line}\n" for line in code.splitlines()) + "    register(Good())\n")
+    else:
+        code += REG
+    old = sys.getrecursionlimit()
+    mod = _module(site, f"low_{when}", code)
+    try:
+        reg = _deep(250, lambda: _load(mod))
+    finally:
+        now = sys.getrecursionlimit()
+        sys.setrecursionlimit(old)
+    assert now == old
+    (err,) = reg.plugins[mod].errors
+    assert f"recursion limit {old} -> {limit}" in err, err
+    assert f"low_{when}_good" in reg.backends
+
+
 def test_a_non_daemon_thread_started_while_loading_is_named(site: Path) -> None:
     """A plugin that starts a non-daemon thread at import loaded "ok", and the host (``attnhub
     plugins``, a server's start-up check) then never exited: Python waits for such threads."""

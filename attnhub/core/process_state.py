@@ -8,6 +8,9 @@ hooks (the CLI printed nothing, a crash left no traceback), lowers the recursion
 every warning into an error, removes modules from ``sys.modules`` or monkeypatches attnhub
 itself. The registry takes a :func:`snapshot` before a plugin's import and hooks and calls
 :func:`restore` after them: what changed is put back and reported against the plugin.
+A :class:`Watch` puts it back at every return from the plugin's code, before the host's own
+code runs on (under a recursion limit of 60 or ``simplefilter("error")`` the host's next
+call failed, and the plugin got a second, misleading error).
 Threads cannot be put back: :func:`stray_threads` names the ones that would keep the process
 from exiting.
 """
@@ -252,3 +255,27 @@ def restore(before: State) -> list[str]:
         changed.append(f"attnhub itself (monkeypatched): {', '.join(patched[:5])}"
                        + (f" and {len(patched) - 5} more" if len(patched) > 5 else ""))
     return changed
+
+
+class Watch:
+    """The state before a plugin loads, put back each time its code returns to the host
+    (:meth:`settle`); the changes seen accumulate in :attr:`changed`, each once."""
+
+    def __init__(self) -> None:
+        self.before = snapshot()
+        self.limit = self.before[0][_RECURSION]
+        self.changed: list[str] = []
+
+    def settle(self) -> None:
+        """Put everything back. The recursion limit goes first, by C calls only: under a
+        limit the plugin lowered below this thread's depth every Python call fails."""
+        low = sys.getrecursionlimit()
+        if low < self.limit:
+            sys.setrecursionlimit(self.limit)
+        lines = restore(self.before)
+        if low < self.limit:
+            lines.insert(0, f"recursion limit {self.limit} -> {low}")
+        self.changed += [line for line in lines if line not in self.changed]
+
+
+_RECURSION = [what for what, _, _ in SETTINGS].index("recursion limit")

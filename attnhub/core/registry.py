@@ -182,17 +182,17 @@ class Registry:
         """Import one plugin and call its hooks; process-wide settings it changed on the way
         (torch's default dtype, kernel switches, logging, the environment) are put back and
         recorded against it."""
-        before, rec = process_state.snapshot(), None
+        watch, rec = process_state.Watch(), None
         try:
-            rec = self._load_unguarded(name, module, loader, dist, version, timeout)
+            rec = self._load_unguarded(name, module, loader, dist, version, timeout, watch)
             return rec
         finally:
-            changed = process_state.restore(before)
-            threads = process_state.stray_threads(before)
-            if changed and rec is not None:
+            watch.settle()
+            threads = process_state.stray_threads(watch.before)
+            if watch.changed and rec is not None:
                 rec.errors.append(
-                    f"changed process-wide state while loading: {'; '.join(changed)}; put "
-                    "back (a plugin must not change the host's settings at import or "
+                    f"changed process-wide state while loading: {'; '.join(watch.changed)}; "
+                    "put back (a plugin must not change the host's settings at import or "
                     "registration: set them inside forward(), or leave them to the deployment)")
             if threads and rec is not None:
                 rec.errors.append(
@@ -201,8 +201,8 @@ class Registry:
                     "threads with daemon=True, and not at import)")
 
     def _load_unguarded(self, name: str, module: str, loader: Callable[[], Any],
-                        dist: str | None, version: str | None,
-                        timeout: float | None) -> PluginRecord:
+                        dist: str | None, version: str | None, timeout: float | None,
+                        watch: process_state.Watch) -> PluginRecord:
         rec = PluginRecord(name=name, module=module, distribution=dist, version=version)
         if name in self.plugins:
             rec.errors.append(f"plugin name {name!r} already loaded from "
@@ -219,7 +219,7 @@ class Registry:
         # thread's import lock: it loads here, unbounded
         bound = None if module.split(":")[0] in sys.modules else timeout
         try:
-            obj = bounded(loader, bound)
+            obj = bounded(_settling(loader, watch), bound)
         except KeyboardInterrupt:
             raise
         except Stalled as exc:
@@ -230,7 +230,7 @@ class Registry:
             rec.errors.append(f"import failed: {_exc_text(exc)}")
             log.debug("plugin %s failed to import:\n%s", name, traceback.format_exc())
             return rec
-        self._register_from(obj, rec, timeout)
+        self._register_from(obj, rec, timeout, watch)
         return rec
 
     def _stall(self, rec: PluginRecord, what: str) -> None:
@@ -270,8 +270,8 @@ class Registry:
         self._register_from(obj, rec)
         return rec
 
-    def _register_from(self, obj: object, rec: PluginRecord,
-                       timeout: float | None = None) -> None:
+    def _register_from(self, obj: object, rec: PluginRecord, timeout: float | None = None,
+                       watch: process_state.Watch | None = None) -> None:
         try:
             self.pm.register(obj, name=rec.name)
         except KeyboardInterrupt:
@@ -287,7 +287,7 @@ class Registry:
                 if impl.plugin_name == rec.name:
                     gate = _Gate(impl.function.__name__)
                     try:
-                        self._call(rec, impl.function, adder(rec, gate), timeout)
+                        self._call(rec, impl.function, adder(rec, gate, watch), timeout, watch)
                     finally:
                         with self._lock:
                             gate.open = False
@@ -313,11 +313,11 @@ class Registry:
         return False
 
     def _call(self, rec: PluginRecord, hook: Callable[..., Any], register: Callable[..., None],
-              timeout: float | None) -> None:
+              timeout: float | None, watch: process_state.Watch | None) -> None:
         if rec.name in self._stalled:
             return
         try:
-            got = bounded(lambda: hook(register=register), timeout)
+            got = bounded(_settling(lambda: hook(register=register), watch), timeout)
         except KeyboardInterrupt:
             raise
         except Stalled:
@@ -331,8 +331,11 @@ class Registry:
                               "ignored: a hook returns nothing and calls register(...) once per "
                               "backend or variant")
 
-    def _backend_adder(self, rec: PluginRecord, gate: _Gate) -> Callable[[Any], None]:
+    def _backend_adder(self, rec: PluginRecord, gate: _Gate,
+                       watch: process_state.Watch | None) -> Callable[[Any], None]:
         def register(backend: Any) -> None:
+            if watch is not None:
+                watch.settle()
             with self._lock:
                 if rec.name in self._stalled or not gate.admits(rec, type(backend).__name__):
                     return
@@ -388,9 +391,12 @@ class Registry:
                 f"serves it. Pick one with {PROVIDERS_ENV}={name}=<plugin>, or remove the "
                 "other plugin (ATTNHUB_PLUGINS=-<plugin>)")
 
-    def _variant_adder(self, rec: PluginRecord, gate: _Gate) -> Callable[..., None]:
+    def _variant_adder(self, rec: PluginRecord, gate: _Gate,
+                       watch: process_state.Watch | None) -> Callable[..., None]:
         def register(name: str, score_mod: Callable[..., Any] | None = None,
                      mask_mod: Callable[..., Any] | None = None, doc: str = "") -> None:
+            if watch is not None:
+                watch.settle()
             with self._lock:
                 if rec.name not in self._stalled and gate.admits(rec, f"variant {name!r}"):
                     add(name, score_mod, mask_mod, doc)
@@ -493,6 +499,20 @@ class _Gate:
 #: Module -> the worker still importing it past the timeout: a later load in this process
 #: would wait on the module's import lock, so it is skipped at once while that runs.
 _HUNG_IMPORTS: dict[str, threading.Thread] = {}
+
+
+def _settling(fn: Callable[[], Any], watch: process_state.Watch | None) -> Callable[[], Any]:
+    """``fn`` (a plugin's import or hook), with what it changed process-wide put back as it
+    returns, in its own thread: before the host's code runs on under it."""
+    if watch is None:
+        return fn
+
+    def run() -> Any:
+        try:
+            return fn()
+        finally:
+            watch.settle()
+    return run
 
 
 def plugin_timeout() -> float | None:
