@@ -30,6 +30,7 @@ from .core.contract import (
     SCALAR_MAX,
     SCALAR_MIN,
     check_call,
+    check_dropout,
     check_extra,
     check_max_seqlen,
     check_qkv,
@@ -411,6 +412,7 @@ class Hub:
         block_table: torch.Tensor | None = None, seqlens_k: torch.Tensor | None = None,
         score_mod: Any = None, mask_mod: Any = None, deterministic: bool = False,
         context: BindContext | None = None, extra: dict[str, Any] | None = None,
+        dropout_p: float = 0.0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One attention call; see ``docs/contract.md`` for what each argument must be.
 
@@ -467,6 +469,7 @@ class Hub:
                         score_mod if score_mod is None else _mod_kind(score_mod),
                         mask_mod if mask_mod is None else _mod_kind(mask_mod),
                         phase, return_lse, backend, context, deterministic, needs_grad,
+                        dropout_p.__class__ is float and dropout_p > 0.0,
                         dtype, k.dtype, v.dtype, device, k.device, v.device,
                         q_shape, k_shape, v_shape)
             # the layers of a step repeat one key: comparing it with the last one costs
@@ -509,13 +512,16 @@ class Hub:
         if hit is not None and not (
                 causal.__class__ is bool and return_lse.__class__ is bool
                 and deterministic.__class__ is bool
+                and ((dropout_p.__class__ is float and 0.0 <= dropout_p < 1.0)
+                     or (dropout_p.__class__ is int and dropout_p == 0))
                 and (window is None or window.__class__ is int
                      or (window.__class__ is tuple and window[0].__class__ is int
                          and window[1].__class__ is int))
                 and (max_seqlen_q is None or max_seqlen_q.__class__ is int)
                 and (max_seqlen_k is None or max_seqlen_k.__class__ is int)):
-            # the key compares by ==, under which True == 1 == 1.0: a flag, window or length
-            # of another type than the slow path takes goes there (and is refused or checked)
+            # the key compares by ==, under which True == 1 == 1.0: a flag, window, length or
+            # dropout probability of another type or range than the slow path takes goes
+            # there (and is refused or checked)
             hit = None
         if hit is not None:
             if (scale is not None or softcap is not None) and not (
@@ -587,7 +593,8 @@ class Hub:
                 default_scale if scale is None else scale, causal, causal_alignment, window,
                 softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end, cu_q, cu_k,
                 max_q, max_k, bt, sl, score_mod, mask_mod,
-                deterministic, return_lse, check_extra(extra, k.dtype) if extra else {})
+                deterministic, return_lse, check_extra(extra, k.dtype) if extra else {},
+                dropout_p)
             first = run.first
             if first is not None and first._loaded and not self.debug:
                 try:  # Runner.__call__ inlined for the first candidate: a frame less
@@ -622,6 +629,7 @@ class Hub:
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, block_table=block_table, seqlens_k=seqlens_k,
             phase=phase, return_lse=return_lse, deterministic=deterministic)
+        dropout_p = check_dropout(dropout_p)
         transposed = layout == "bhsd"
         q, k, v, layout, window = a.q, a.k, a.v, a.layout, a.window
         score_named, mask_named = isinstance(score_mod, str), isinstance(mask_mod, str)
@@ -648,7 +656,7 @@ class Hub:
                softcap is not None, prefix_lens is not None, layout == "thd",
                colmask_start is not None, score_kind, mask_kind, bucket(max_seqlen_q),
                bucket(max_seqlen_k), bucket(batch), needs_grad, deterministic, return_lse,
-               backend, context, k.shape[1] if layout == "paged" else 0)
+               backend, context, k.shape[1] if layout == "paged" else 0, dropout_p > 0)
         default_scale = 1.0 / math.sqrt(q.shape[-1])
         params = AttnParams(
             scale=scale if scale is not None else default_scale,
@@ -660,7 +668,7 @@ class Hub:
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=a.block_table,
             seqlens_k=a.seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
             deterministic=deterministic, return_lse=return_lse,
-            extra=check_extra(extra, k.dtype) if extra else {})
+            extra=check_extra(extra, k.dtype) if extra else {}, dropout_p=dropout_p)
         with self._lock:
             hit = self._runners.get(key)
             if hit is not None:
@@ -677,7 +685,7 @@ class Hub:
                               score_mod=score_kind, mask_mod=mask_kind),
                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, batch=batch,
                 needs_grad=needs_grad, deterministic=deterministic, return_lse=return_lse,
-                page_size=k.shape[1] if layout == "paged" else 0,
+                page_size=k.shape[1] if layout == "paged" else 0, dropout=dropout_p > 0,
             ).bucketed()
             ctx = context or BindContext()
             run = self.runner_for(spec, ctx, backend)
@@ -891,7 +899,7 @@ def _meta(t: Any) -> tuple | None:
 _PARAM_FIELDS = ("scale", "causal", "alignment", "window", "softcap", "alibi_slopes",
                  "prefix_lens", "colmask_start", "colmask_end", "cu_seqlens_q",
                  "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "block_table", "seqlens_k",
-                 "score_mod", "mask_mod", "deterministic", "return_lse", "extra")
+                 "score_mod", "mask_mod", "deterministic", "return_lse", "extra", "dropout_p")
 if tuple(f.name for f in dataclasses.fields(AttnParams)) != _PARAM_FIELDS:
     raise ImportError("attnhub.hub: AttnParams fields changed order; update _PARAM_FIELDS "
                       "and the positional AttnParams(...) call of the hot path")

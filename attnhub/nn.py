@@ -21,10 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .core.contract import check_dropout
 from .core.decision import BindContext
 from .core.kvcache import CacheStep, PagedKVCache
 from .core.seqstate import StateGeometry
 from .core.spec import AttentionSpec, MaskSpec, dtype_name
+from .errors import ArgumentError
 from .hub import Hub, HubRef, default_hub
 
 #: How a layer reads the cache in decode: ``paged`` hands block tables to the backend,
@@ -53,15 +55,21 @@ class Attention(nn.Module):
     Without a cache, attends over the given k/v (training, or a prefill without cache). With
     a ``CacheStep``, writes k/v into the cache first, then attends over the sequence so far:
     directly on the new tokens for a fresh prefill, through the paged layout (or a gathered
-    copy, see ``decode_layout``) otherwise.
+    copy, see ``decode_layout``) otherwise. ``dropout`` is attention dropout on the
+    probabilities, applied in training mode to calls without a cache, as in
+    ``nn.MultiheadAttention``.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
                  head_dim_v: int | None = None, causal: bool = True,
                  window: tuple[int, int] | None = None, softcap: float | None = None,
                  scale: float | None = None, layer_idx: int | None = None,
-                 layer_kind: str = "softmax", model: str | None = None):
+                 layer_kind: str = "softmax", model: str | None = None, dropout: float = 0.0):
         super().__init__()
+        try:
+            self.dropout = check_dropout(dropout)
+        except ArgumentError as e:
+            raise ValueError(f"Attention: {e}") from None
         if num_kv_heads <= 0 or num_q_heads <= 0 or num_q_heads % num_kv_heads:
             raise ValueError(f"Attention: {num_q_heads} query heads are not a positive "
                              f"multiple of {num_kv_heads} KV heads")
@@ -94,6 +102,7 @@ class Attention(nn.Module):
         return (f"heads={self.num_q_heads}:{self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"causal={self.causal}, kind={c.layer_kind}, layer={c.layer}, "
                 f"decode={self.decode_layout}"
+                + (f", dropout={self.dropout}" if self.dropout else "")
                 + (f", state={self.state_backend}" if self.state_backend else ""))
 
     def set_context(self, model: str | None, layer: int) -> None:
@@ -113,7 +122,8 @@ class Attention(nn.Module):
                          causal=self._causal_for(seqlen_q), window=self.window,
                          softcap=self.softcap is not None, batch=batch, seqlen_q=seqlen_q,
                          seqlen_k=seqlen_k, dtype=dtype, layout=layout,
-                         page_size=page_size if layout == "paged" else 0)
+                         page_size=page_size if layout == "paged" else 0,
+                         dropout=phase == "train" and self.training and self.dropout > 0)
 
     def _causal_for(self, new_tokens: int) -> bool:
         # one query at the end of its context sees every key: causal is a no-op there, and
@@ -148,7 +158,10 @@ class Attention(nn.Module):
                                  "pass layer_idx= or bind the model first")
             cache.write(self.layer_idx, k, v)
             kw["extra"] = self._state_extra(cache)
-        if cache is None or cache.fresh:
+        if cache is None:
+            return hub.attention(q, k, v, causal=self._causal_for(q.shape[1]),
+                                 dropout_p=self.dropout if self.training else 0.0, **kw)
+        if cache.fresh:
             return hub.attention(q, k, v, causal=self._causal_for(q.shape[1]), **kw)
         phase = "decode" if cache.new_tokens == 1 else "prefill"
         causal = self._causal_for(cache.new_tokens)
@@ -190,7 +203,7 @@ def _check_layer_idx(layer_idx: object, where: str) -> None:
 def call_spec(phase: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
               head_dim_v: int, causal: bool, window: tuple[int, int] | None, softcap: bool,
               batch: int, seqlen_q: int, seqlen_k: int, dtype: torch.dtype, layout: str,
-              page_size: int = 0) -> AttentionSpec:
+              page_size: int = 0, dropout: bool = False) -> AttentionSpec:
     """The bucketed spec ``Hub.attention`` builds for a call of these sizes and flags: what
     binding resolves ahead of the calls, so that the calls find their decision cached."""
     return AttentionSpec(
@@ -199,7 +212,7 @@ def call_spec(phase: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
         num_kv_heads=num_kv_heads, layout=layout,  # type: ignore[arg-type]
         mask=MaskSpec(causal=causal, window=window, softcap=softcap),
         max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, batch=batch,
-        needs_grad=phase == "train", page_size=page_size,
+        needs_grad=phase == "train", page_size=page_size, dropout=dropout,
     ).bucketed()
 
 

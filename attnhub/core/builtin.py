@@ -83,13 +83,17 @@ class TorchSDPABackend(Backend):
         dtypes=frozenset({"fp32", "fp16", "bf16"}), max_head_dim=1024, different_v_dim=True,
         masks=ALL_MASKS - {"softcap", "score_mod"}, layouts=_ANY_LAYOUT, backward=True,
         deterministic_backward=True, deterministic_forward=True, gqa=True, returns_lse=True,
-        top_left_causal=True, lse_second_pass=True,
+        top_left_causal=True, lse_second_pass=True, dropout=True,
     )
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        r = []
         if spec.deterministic and spec.needs_grad and device.vendor != "cpu":
-            return ["SDPA's fused GPU backward kernels are not deterministic"]
-        return []
+            r.append("SDPA's fused GPU backward kernels are not deterministic")
+        if spec.dropout and spec.layout != "bshd":
+            r.append(f"attention dropout only for dense bshd/bhsd tensors here (one SDPA call "
+                     f"draws it), not {spec.layout}")
+        return r
 
     def forward(self, q, k, v, spec, params):  # type: ignore[override]
         if params.extra:
@@ -413,12 +417,12 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if native is not None and not _cpu_needs_explicit_mask(native, p, k):
         is_causal, bias_obj = native
         out = sdpa(qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal, scale=p.scale,
-                   enable_gqa=hq != hkv)
+                   enable_gqa=hq != hkv, dropout_p=p.dropout_p)
         lse = _lse(qt, kt, p, _causal_allowed(p, sq, sk, q.device), None, None) \
             if p.return_lse else None
-        out, lse = _keep_nan(out, lse, qt, lambda: F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal, scale=p.scale,
-            enable_gqa=hq != hkv))
+        out, lse = _keep_nan(out, lse, qt, None if p.dropout_p else lambda: (
+            F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal,
+                                           scale=p.scale, enable_gqa=hq != hkv)))
         return AttentionOutput(out.transpose(1, 2), lse)
     allowed = allowed_mask(p, b, hq, sq, sk, q.device, kv_heads=mask_kv_heads)
     bias = alibi_bias(p.alibi_slopes, sq, sk, p.alignment, q.device) \
@@ -457,18 +461,21 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParam
     # k in the autograd graph) takes SDPA and the LSE pass, which autograd differentiates
     lse_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if (p.return_lse and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
-            and (bias is None or q.dtype == torch.float32) and not lse_grad):
+            and (bias is None or q.dtype == torch.float32) and not lse_grad
+            and not p.dropout_p):
         out, lse = _cpu_flash_with_lse(qt, kt, vt, mask, p.scale)
         if row_ok is not None:
             lse = lse.masked_fill(~row_ok.squeeze(-1), float("-inf"))
     else:
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
-        out = sdpa(qt, kt, vt, attn_mask=mask, scale=p.scale, enable_gqa=hq != hkv)
+        out = sdpa(qt, kt, vt, attn_mask=mask, scale=p.scale, enable_gqa=hq != hkv,
+                   dropout_p=p.dropout_p)
         lse = _lse(qt, kt, p, allowed, row_ok, bias) if p.return_lse else None
-    out, lse = _keep_nan(out, lse, qt, lambda: F.scaled_dot_product_attention(
-        qt, kt, vt, attn_mask=mask if mask is None or mask.dtype == torch.bool
-        else mask.to(q.dtype), scale=p.scale, enable_gqa=hq != hkv))
+    out, lse = _keep_nan(out, lse, qt, None if p.dropout_p else lambda: (
+        F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=mask if mask is None or mask.dtype == torch.bool
+            else mask.to(q.dtype), scale=p.scale, enable_gqa=hq != hkv)))
     if nan_seen is not None:  # rows that see a NaN key: NaN, as the maths gives
         out = out + nan_seen.to(out.dtype)
         lse = lse + nan_seen.squeeze(-1) if lse is not None else None
@@ -496,18 +503,21 @@ def _hide_masked_nan_keys(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tenso
 
 
 def _keep_nan(out: torch.Tensor, lse: torch.Tensor | None, qt: torch.Tensor,
-              math_sdpa: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+              math_sdpa: Callable[[], torch.Tensor] | None,
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """NaN in means NaN out (docs/contract.md). SDPA's CPU flash kernel returns a row of
     zeros where every score of a row is NaN (a NaN query, or only NaN keys visible): on the
     CPU, NaN of q is added back (one reduction over q) and, when some output row is exactly
     zero, the call is redone by SDPA's math kernel, which keeps NaN (rare: a zero row).
+    ``math_sdpa`` None (dropout): no redo, which would draw again, conditioned on no zero
+    row (a bias); SDPA runs its math kernel for dropout on the CPU anyway.
     The poison tests finiteness, not a sum: an fp16 row of large finite values sums to inf,
     and inf * 0 would turn an exact answer into NaN."""
     if qt.device.type != "cpu":
         return out, lse
     poison = _nan_rows(qt)
     out = out + poison.to(out.dtype)
-    if bool((out == 0).all(-1).any()):
+    if math_sdpa is not None and bool((out == 0).all(-1).any()):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(SDPBackend.MATH):

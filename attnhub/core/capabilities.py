@@ -61,6 +61,8 @@ class Capabilities:
     error_budget: float | None = None
     max_query_len_decode: int | None = None
     page_size_multiple: int = 1
+    #: Attention dropout (``dropout_p > 0``, training), drawn from torch's generator.
+    dropout: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -108,6 +110,8 @@ class Capabilities:
             r.append("forward is not deterministic (deterministic requested)")
         if spec.num_q_heads != spec.num_kv_heads and not self.gqa:
             r.append(f"GQA/MQA ({spec.num_q_heads}:{spec.num_kv_heads} heads) not supported")
+        if spec.dropout and not self.dropout:
+            r.append("no attention dropout (dropout_p > 0 requested)")
         if spec.return_lse and not self.returns_lse:
             r.append("cannot return LSE (return_lse requested)")
         if (spec.phase == "decode" and self.max_query_len_decode is not None
@@ -149,7 +153,7 @@ _NON_EMPTY = ("vendors", "dtypes", "phases", "layouts")
 _VENDORS = frozenset({"cpu", "cuda", "rocm"})
 _ARCH_RE = re.compile(r"^(cpu|sm\d{2,3}|gfx[0-9a-f]{3,4})$")
 _BOOLS = ("different_v_dim", "backward", "deterministic_backward", "deterministic_forward",
-          "gqa", "returns_lse", "top_left_causal", "exact")
+          "gqa", "returns_lse", "top_left_causal", "exact", "dropout")
 
 
 def _check_types(c: Capabilities) -> None:

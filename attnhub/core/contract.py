@@ -221,6 +221,18 @@ def check_qkv(q: Any, k: Any, v: Any, layout: Any) -> None:
                          "holds at least one token; allocate (pages, page_size >= 1, Hkv, D)")
 
 
+def check_dropout(p: Any) -> float:
+    """``dropout_p`` as a float in [0, 1): the probability of zeroing each attention
+    probability. 1 is refused (it zeroes every output and scales by 1/0)."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise ArgumentError(f"dropout_p={p!r} ({type(p).__name__}); pass a Python float in "
+                            "[0, 1), e.g. dropout_p=0.1 in training and 0.0 in eval")
+    if not 0 <= p < 1:  # False for NaN too
+        raise ArgumentError(f"dropout_p={p!r}; it must be in [0, 1) (0: no dropout; model "
+                            "code passes its attention_dropout while training, 0.0 in eval)")
+    return float(p)
+
+
 def check_scalars(scale: Any, softcap: Any) -> None:
     """``scale`` and ``softcap``: real numbers that float32 holds as normal numbers, in
     [``SCALAR_MIN``, ``SCALAR_MAX``] (or None)."""
@@ -241,8 +253,8 @@ def check_scalars(scale: Any, softcap: Any) -> None:
 #: or takes as an argument of its own (FlashAttention's names). Passing one is refused: an
 #: ignored key is a silent wrong answer (dropout not applied, a scale not used).
 _IGNORED_EXTRA = {
-    "dropout_p": "attention here has no dropout (every backend is exact); apply dropout "
-                 "outside it (on the output), or drop dropout_p",
+    "dropout_p": "pass dropout_p= to attention itself (backends that declare dropout "
+                 "serve it)",
     "q_descale": "queries are fp16/bf16/fp32 here, never FP8 (fa3_fp8 quantizes them itself, "
                  "with its own descale); drop q_descale",
     "softmax_scale": "pass scale= to attention",
@@ -251,7 +263,7 @@ _IGNORED_EXTRA = {
     "attn_mask": "pass the mask as causal=, window=, prefix_lens=, colmask_start/end= or a "
                  "mask_mod",
 }
-_IGNORED_EXTRA["dropout"] = _IGNORED_EXTRA["dropout_p"].replace("dropout_p", "dropout")
+_IGNORED_EXTRA["dropout"] = _IGNORED_EXTRA["dropout_p"]
 for _name in ("scale", "causal", "window", "softcap", "alibi_slopes"):
     _IGNORED_EXTRA[_name] = f"pass {_name}= to attention itself"
 #: FP8 descales: read only beside an FP8 k/v, and needed there (both).

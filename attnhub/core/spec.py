@@ -135,6 +135,9 @@ class AttentionSpec:
     return_lse: bool = False
     #: Tokens per KV page for the ``paged`` layout (0 otherwise): kernels constrain it.
     page_size: int = 0
+    #: Attention dropout on the probabilities (``dropout_p > 0``): only backends that
+    #: declare it may serve (the probability itself is per call, in ``AttnParams``).
+    dropout: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_dtype is None:
@@ -168,6 +171,7 @@ class AttentionSpec:
             + (" deterministic" if self.deterministic else "")
             + (" lse" if self.return_lse else "")
             + (f" page={self.page_size}" if self.page_size else "")
+            + (" dropout" if self.dropout else "")
         )
 
 
@@ -188,6 +192,8 @@ class AttnParams:
       block_table: (B, max_pages) int32 and seqlens_k: (B,) int32 for the ``paged`` layout.
       score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx) follow
         FlexAttention's signature and work on broadcastable index tensors.
+      dropout_p: in [0, 1); each probability is zeroed with it and the others scaled by
+        1 / (1 - dropout_p), drawn from torch's generator of q's device.
     """
 
     scale: float
@@ -210,3 +216,4 @@ class AttnParams:
     deterministic: bool = False
     return_lse: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    dropout_p: float = 0.0

@@ -62,6 +62,7 @@ class LockSpec(_Model):
     deterministic: StrictBool
     return_lse: StrictBool
     page_size: StrictInt = Field(0, ge=0)
+    dropout: StrictBool = False
 
 
 class LockContext(_Model):

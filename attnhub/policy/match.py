@@ -39,7 +39,7 @@ _SPEC_SETS: dict[str, Callable[[AttentionSpec], str]] = {
     "kv_dtype": lambda s: s.kv_dtype or s.dtype,
     "layout": lambda s: s.layout,
 }
-_SPEC_FLAGS = ("needs_grad", "deterministic", "return_lse")
+_SPEC_FLAGS = ("needs_grad", "deterministic", "return_lse", "dropout")
 
 
 def hardware_matches(entries: list[str] | tuple[str, ...], device: DeviceInfo) -> bool:

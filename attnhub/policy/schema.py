@@ -299,6 +299,7 @@ class When(Strict):
     needs_grad: Flag | None = None
     deterministic: Flag | None = None
     return_lse: Flag | None = None
+    dropout: Flag | None = None
     world_size: Range | None = None
     model: _many(str) | None = None  # type: ignore[valid-type]
     layer: LayerSelector | None = None

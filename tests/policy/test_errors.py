@@ -27,7 +27,7 @@ def test_unknown_key(write):
         """)
     assert problems(p) == [
         "F:4:12 rules[0].when.hardwre: unknown key 'hardwre', expected one of: batch, "
-        "capability, deterministic, device_name, dtype, gqa_ratio, hardware, head_dim, "
+        "capability, deterministic, device_name, dropout, dtype, gqa_ratio, hardware, head_dim, "
         "head_dim_v, kv_dtype, layer, layout, mask, mask_any, model, needs_grad, num_kv_heads, "
         "num_q_heads, phase, profile, return_lse, seqlen, seqlen_k, seqlen_q, variant, "
         "world_size (did you mean 'hardware'?)"]

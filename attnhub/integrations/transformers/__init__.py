@@ -142,8 +142,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     sinks = kwargs.pop("s_aux", None)  # GPT-OSS and kin: one learned logit per head
     if sinks is None:
         sinks = kwargs.pop("sinks", None)
-    if dropout or not HARMLESS.issuperset(kwargs) or weights_requested():
-        refuse_unsupported(module, dropout, kwargs)
+    if not HARMLESS.issuperset(kwargs) or weights_requested():
+        refuse_unsupported(module, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     device_type = q.device.type
     if torch.is_autocast_enabled(device_type):
@@ -181,7 +181,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # the mask alone, apply none here (OLMoE passes its config's window with a full
         # causal mask)
         out = _attend(hub, module, q, k, v, sinks, causal=causal and sq > 1, scale=scaling,
-                      softcap=softcap, context=_context(module, sliding_window))
+                      softcap=softcap, context=_context(module, sliding_window),
+                      dropout_p=dropout)
         return out.contiguous(), None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.device != q.device:
         raise InputError(f"attention_mask is on {attention_mask.device} but the queries are on "
@@ -194,7 +195,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sq > 1 and kwargs.get("cu_seq_lens_q") is not None:
         check_documents(module, kwargs["cu_seq_lens_q"], mask.get("mask_mod"), sq, sk)
     out = _attend(hub, module, q, k, v, sinks, scale=scaling, softcap=softcap,
-                  context=_context(module, sliding_window), **mask)
+                  context=_context(module, sliding_window), dropout_p=dropout, **mask)
     # contiguous, as eager and sdpa return it: some models .view() it (AfMoE, JetMoE)
     return out.contiguous(), None
 

@@ -72,14 +72,10 @@ def weights_requested() -> bool:
     return bool(wanted) and any("attentions" in key for key in wanted)
 
 
-def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
-    """Raise for attention dropout, attention weights requested (the keyword or transformers'
-    recorder) or any keyword with a value outside ``HARMLESS``; called only when the fast
-    test failed."""
+def refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Raise for attention weights requested (the keyword or transformers' recorder) or any
+    keyword with a value outside ``HARMLESS``; called only when the fast test failed."""
     at = where(module)
-    if dropout:
-        raise InputError(f"{at}: attnhub attention has no dropout (got dropout={dropout}); "
-                         "call model.eval() or set the config's attention dropout to 0")
     if kwargs.get("output_attentions") or weights_requested():
         raise InputError(f"{at}: attnhub does not return attention weights; use "
                          "attn_implementation='eager' for output_attentions=True")

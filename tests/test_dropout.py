@@ -1,0 +1,174 @@
+"""Attention dropout (``dropout_p``): what it does to the probabilities, its expectation,
+its repeatability under a seed, who may serve it, and the refusals.
+
+The one backend that declares it here is ``torch_sdpa``; the others are rejected with "no
+attention dropout", by the policy and when forced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnhub
+import attnhub.errors
+from attnhub import Hub
+from attnhub.errors import ArgumentError
+from attnhub.core.reference import reference_attention
+from attnhub.core.spec import AttentionSpec, AttnParams, MaskSpec
+from attnhub.nn import Attention
+
+
+@pytest.fixture(scope="module")
+def cpu_hub() -> Hub:
+    return Hub(hardware="cpu")
+
+
+def _qkv(b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype=torch.float32,
+         grad: bool = False) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(sq * 31 + sk)
+    return tuple(torch.randn(b, s, h, d, generator=g, dtype=dtype).requires_grad_(grad)
+                 for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+
+
+def test_dropout_zeroes_probabilities_and_scales_the_rest(cpu_hub: Hub) -> None:
+    """With v the identity (one value column per key) the output row is the dropped
+    probability row itself: each entry is 0 or P / (1 - p), and about p of them are 0."""
+    p, sk, sq = 0.3, 64, 48
+    q, k, _ = _qkv(2, sq, sk, 4, 4, sk)
+    v = torch.eye(sk).expand(2, 4, sk, sk).transpose(1, 2).contiguous()  # (B, Sk, H, Sk)
+    probs = cpu_hub.attention(q, k, v, causal=True)  # exact: the probability rows
+    out = cpu_hub.attention(q, k, v, causal=True, dropout_p=p)
+    kept = out != 0
+    visible = probs > 0
+    assert not (kept & ~visible).any()  # nothing appears where the mask hides a key
+    torch.testing.assert_close(out[kept], probs[kept] / (1 - p), rtol=1e-5, atol=0)
+    n = int(visible.sum())
+    frac = float((~kept & visible).sum()) / n
+    assert abs(frac - p) < 6 * (p * (1 - p) / n) ** 0.5, (frac, n)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_is_unbiased(cpu_hub: Hub, p: float) -> None:
+    """The mean of many draws is the exact output, within 6 standard errors per element;
+    the same bound refuses the mean without the 1/(1 - p) scale (the test can fail)."""
+    q, k, v = _qkv(1, 8, 12, 4, 2, 16)
+    exact = cpu_hub.attention(q, k, v, window=(4, 2))
+    n = 600
+    draws = torch.stack([cpu_hub.attention(q, k, v, window=(4, 2), dropout_p=p)
+                         for _ in range(n)]).double()
+    mean, se = draws.mean(0), draws.std(0) / n ** 0.5
+    assert ((mean - exact.double()).abs() <= 6 * se + 1e-6).all()
+    unscaled = mean * (1 - p)
+    assert not ((unscaled - exact.double()).abs() <= 6 * se + 1e-6).all()
+
+
+CASES = {  # name: (b, sq, sk, hq, hkv, d, call arguments)
+    "full": (2, 16, 16, 4, 4, 32, {}),
+    "causal-gqa": (2, 16, 24, 8, 2, 32, {"causal": True}),
+    "window": (1, 20, 20, 4, 4, 16, {"window": (5, 0), "causal": True}),
+    "alibi": (2, 9, 13, 4, 4, 16, {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_seed_repeats_the_draw_as_sdpa_draws_it(cpu_hub: Hub, case: str,
+                                                  dtype: torch.dtype) -> None:
+    """Under one seed the hub's output and gradients are SDPA's with the same dropout, the
+    same mask as a boolean tensor: one draw from torch's generator, nothing redrawn."""
+    b, sq, sk, hq, hkv, d, kw = CASES[case]
+    q, k, v = _qkv(b, sq, sk, hq, hkv, d, dtype, grad=True)
+    params = AttnParams(scale=d ** -0.5, alignment="bottom_right",
+                        **{n: kw[n] for n in ("causal", "window", "alibi_slopes") if n in kw})
+    from attnhub.core.masking import alibi_bias, allowed_mask
+
+    mask = allowed_mask(params, b, hq, sq, sk, q.device)
+    if "alibi_slopes" in kw:
+        mask = alibi_bias(params.alibi_slopes, sq, sk, "bottom_right", q.device).to(dtype)
+    torch.manual_seed(11)
+    ours = cpu_hub.attention(q, k, v, dropout_p=0.25, **kw)
+    torch.manual_seed(11)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        dropout_p=0.25, enable_gqa=hq != hkv).transpose(1, 2)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ours, ref, **tol)
+    assert not torch.allclose(ours.float(), cpu_hub.attention(q, k, v, **kw).float(),
+                              rtol=1e-2, atol=1e-2)
+    dout = torch.randn_like(ours)
+    g1 = torch.autograd.grad(ours, (q, k, v), dout)
+    g2 = torch.autograd.grad(ref, (q, k, v), dout)
+    for a, r in zip(g1, g2):
+        torch.testing.assert_close(a.float(), r.float(), **tol)
+
+
+def test_bhsd_and_the_hot_path_draw_too(cpu_hub: Hub) -> None:
+    """The second call of a shape takes the hot path: it draws with its own probability,
+    and a call without dropout of the same shape is never served by the dropout binding."""
+    q, k, v = _qkv(1, 10, 10, 2, 2, 8)
+    exact = cpu_hub.attention(q, k, v)
+    for p in (0.2, 0.6, 0.2):
+        torch.manual_seed(3)
+        got = cpu_hub.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                layout="bhsd", dropout_p=p).transpose(1, 2)
+        torch.manual_seed(3)
+        want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2), dropout_p=p).transpose(1, 2)
+        torch.testing.assert_close(got, want)
+        for zero in (0.0, 0):
+            torch.testing.assert_close(cpu_hub.attention(q, k, v, dropout_p=zero), exact,
+                                       rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [1.0, 1, -0.1, float("nan"), float("inf"), True, "0.1",
+                                 torch.tensor(0.1)])
+def test_a_bad_probability_is_refused_on_both_paths(cpu_hub: Hub, bad: object) -> None:
+    q, k, v = _qkv(1, 4, 4, 2, 2, 8)
+    for warm in (0.0, 0.5):  # the shape's binding cached (hot path) or not
+        cpu_hub.attention(q, k, v, dropout_p=warm)
+        with pytest.raises(ArgumentError, match=r"dropout_p=.*\[0, 1\)"):
+            cpu_hub.attention(q, k, v, dropout_p=bad)
+
+
+def test_backends_without_dropout_are_rejected_with_the_reason(cpu_hub: Hub) -> None:
+    spec = AttentionSpec(phase="train", dtype="fp32", head_dim=32, num_q_heads=4,
+                         num_kv_heads=4, mask=MaskSpec(causal=True), max_seqlen_q=64,
+                         max_seqlen_k=64, needs_grad=True, dropout=True)
+    d = cpu_hub.decide(spec)
+    assert d.backend == "torch_sdpa"
+    assert d.rejected and all("no attention dropout" in " ".join(r.reasons)
+                              for r in d.rejected)
+    assert "dropout" in spec.describe()
+    sim = Hub(hardware="h100").decide(spec.with_(dtype="bf16", kv_dtype="bf16"))
+    assert sim.backend == "torch_sdpa", sim.explain()
+    assert {r.backend for r in sim.rejected} >= {"fa3", "triton"}
+    q, k, v = _qkv(1, 8, 8, 2, 2, 8)
+    with pytest.raises(attnhub.BackendUnavailableError, match="no attention dropout"):
+        cpu_hub.attention(q, k, v, dropout_p=0.1, backend="reference")
+
+
+def test_dropout_outside_dense_tensors_is_refused_with_the_reason(cpu_hub: Hub) -> None:
+    q, k, v = _qkv(1, 6, 6, 2, 2, 8)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(attnhub.errors.AttnhubError, match="dropout only for dense bshd"):
+        cpu_hub.attention(q[0], k[0], v[0], layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu,
+                          dropout_p=0.1)
+
+
+def test_the_layer_drops_in_training_only() -> None:
+    """``nn.Attention(dropout=p)``: dropped in train mode, exact in eval mode and with a KV
+    cache; a bad p is refused when the layer is built."""
+    layer = Attention(2, 2, 8, dropout=0.4)
+    q, k, v = _qkv(1, 12, 12, 2, 2, 8)
+    exact, _ = reference_attention(q.double(), k.double(), v.double(),
+                                AttnParams(scale=8 ** -0.5, causal=True))
+    torch.testing.assert_close(layer.eval()(q, k, v).double(), exact, rtol=1e-5, atol=1e-6)
+    dropped = layer.train()(q, k, v)
+    assert (dropped == 0).any() and not torch.allclose(dropped.double(), exact)
+    assert layer.spec("train", batch=1, seqlen_q=12, seqlen_k=12,
+                      dtype=torch.float32).dropout
+    assert not layer.eval().spec("train", batch=1, seqlen_q=12, seqlen_k=12,
+                                 dtype=torch.float32).dropout
+    with pytest.raises(ValueError, match=r"Attention: dropout_p=1.5"):
+        Attention(2, 2, 8, dropout=1.5)
