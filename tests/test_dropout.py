@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import attnhub
 import attnhub.errors
+import attnhub.plugin
 from attnhub import Hub
 from attnhub.errors import ArgumentError
 from attnhub.core.reference import reference_attention
@@ -172,3 +173,55 @@ def test_the_layer_drops_in_training_only() -> None:
                                  dtype=torch.float32).dropout
     with pytest.raises(ValueError, match=r"Attention: dropout_p=1.5"):
         Attention(2, 2, 8, dropout=1.5)
+
+
+class _Dropping(attnhub.plugin.Backend):
+    """SDPA with dropout, bshd, as a third party would wrap it; subclasses break the law."""
+
+    name, plugin = "dropping", "test"
+    capabilities = attnhub.plugin.Capabilities(gqa=True, dropout=True)
+
+    def _p(self, params: AttnParams) -> float:
+        return params.dropout_p
+
+    def _out(self, q, k, v, spec, params):  # type: ignore[no-untyped-def]
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=params.scale, dropout_p=self._p(params), enable_gqa=True).transpose(1, 2)
+
+    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
+        return attnhub.plugin.AttentionOutput(self._out(q, k, v, spec, params).contiguous())
+
+
+class _Ignores(_Dropping):
+    def _p(self, params: AttnParams) -> float:
+        return 0.0
+
+
+class _Unscaled(_Dropping):
+    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
+        out = self._out(q, k, v, spec, params) * (1 - params.dropout_p)
+        return attnhub.plugin.AttentionOutput(out)
+
+
+class _OwnGenerator(_Dropping):
+    _gen = torch.Generator().manual_seed(0)
+
+    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
+        with torch.random.fork_rng():
+            torch.manual_seed(int(torch.randint(0, 2**31, (), generator=self._gen)))
+            return super().forward(q, k, v, spec, params)
+
+
+@pytest.mark.parametrize("cls, verdict", [
+    (_Dropping, "mean of 200 draws"), (_Ignores, "no dropout applied"),
+    (_Unscaled, "scale kept probabilities by 1/"),
+    (_OwnGenerator, "under one torch.manual_seed differ")])
+def test_the_kit_judges_declared_dropout_by_its_law(cls: type, verdict: str) -> None:
+    from attnhub.conformance.kit import run_kit
+
+    hub = Hub(hardware="cpu")
+    (res,) = [r for r in run_kit(cls(), hub.device).results if r.case.dropout_p]
+    assert res.status == ("pass" if cls is _Dropping else "fail"), res
+    assert verdict in res.detail, res.detail
+    assert not [r for r in run_kit(cls(), hub.device, quick=True).results
+                if r.status == "fail" and not r.case.dropout_p]

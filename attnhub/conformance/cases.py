@@ -63,6 +63,8 @@ class Case:
     #: q/k/v as views whose head dim has stride 2 (every other element of wider tensors):
     #: the API passes such views on, and a kernel reading the head dim as dense is wrong
     strided: bool = False
+    #: Attention dropout: judged by its law (``kit._judge_dropout``), not against values.
+    dropout_p: float = 0.0
     seed: int = 0
     #: A declaration the kit finds inconsistent by itself (reported as a failure).
     notes: tuple[str, ...] = field(default=())
@@ -83,6 +85,8 @@ class Case:
             bits.append(f"window={self.window}")
         if self.softcap:
             bits.append(f"softcap={self.softcap:g}")
+        if self.dropout_p:
+            bits.append(f"dropout={self.dropout_p:g}")
         return " ".join(bits)
 
 
@@ -312,4 +316,6 @@ def _results(base: Case, caps: Capabilities) -> list[Case]:
     if caps.deterministic_forward:
         out.append(replace(base, feature="deterministic forward", deterministic=True,
                            repeat=True, causal=causal))
+    if caps.dropout:
+        out.append(replace(base, feature="dropout", dropout_p=0.25, causal=causal))
     return out

@@ -88,7 +88,8 @@ def build(case: Case, device: torch.device) -> Inputs:
     common = dict(scale=scale, causal=case.causal, alignment=case.alignment,
                   window=case.window, softcap=case.softcap, return_lse=case.return_lse,
                   deterministic=case.deterministic, **extra)
-    params = AttnParams(**common, **layout_args)  # type: ignore[arg-type]
+    params = AttnParams(**common, **layout_args,  # type: ignore[arg-type]
+                        dropout_p=case.dropout_p)
     if case.layout in ("bshd", "bhsd"):
         params.max_seqlen_q, params.max_seqlen_k = q.shape[1], k.shape[1]
     ref_params = AttnParams(**common, **ref[4])  # type: ignore[arg-type]
@@ -104,7 +105,8 @@ def build(case: Case, device: torch.device) -> Inputs:
         num_q_heads=hq, num_kv_heads=hkv, layout=layout, mask=mask,  # type: ignore[arg-type]
         max_seqlen_q=max(case.seqlens_q), max_seqlen_k=max(case.seqlens_k), batch=b,
         needs_grad=case.backward, deterministic=case.deterministic,
-        return_lse=case.return_lse, page_size=case.page_size).bucketed()
+        return_lse=case.return_lse, page_size=case.page_size,
+        dropout=case.dropout_p > 0).bucketed()
     return Inputs(q, k, v, spec, params, ref[0], ref[1], ref[2], ref[3], ref_params,
                   out_shape, lse_shape, batched=case.layout == "paged")
 

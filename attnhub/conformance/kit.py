@@ -8,6 +8,7 @@ determinism is declared, bitwise-equal results twice; and always q, k, v and the
 tensors left unchanged, with an output of its own memory (``guards``). Approximate backends
 (``exact=False``) are held to their declared ``error_budget`` (relative RMSE) instead of the
 rule. ``check()`` raising or returning junk is the backend's crash/failure, not a decline.
+Declared dropout is judged by its law (``_judge_dropout``).
 
 The backend is called directly (``check``, ``load``, ``forward``) with the spec and params the
 hub would build, so the kit judges the backend's own contract, not the hub's safety nets.
@@ -197,6 +198,8 @@ class _Fail(Exception):
 
 
 def _judge(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
+    if case.dropout_p:
+        return _judge_dropout(backend, case, inp)
     grad = case.backward
     q, k, v = inp.q, inp.k, inp.v
     if grad:
@@ -235,6 +238,52 @@ def _judge(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
     except _Fail as exc:
         return CaseResult(case, "fail", str(exc))
     return CaseResult(case, "pass", note if approx else "", err, allowed)
+
+
+#: Draws averaged to judge dropout: the mean's standard error is 1/sqrt(200) of a draw's.
+DROPOUT_DRAWS = 200
+
+
+def _judge_dropout(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
+    """A dropout draw has no reference value; its law does: one torch seed repeats the draw
+    (the generator a caller seeds), a draw differs from the exact output, and the mean of
+    :data:`DROPOUT_DRAWS` draws is the exact output within 6 standard errors per element
+    (plus twice the same-precision reference's rounding): zeroed probabilities with the
+    rest scaled by 1/(1 - p), unbiased. The caller's generator state is left as it was."""
+    q, k, v = inp.q, inp.k, inp.v
+    devices = [q.device.index or 0] if q.device.type == "cuda" else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(5)
+            first, _ = _call(backend, inp, q, k, v)
+            _contract(first, None, case, inp)
+            torch.manual_seed(5)
+            if not torch.equal(_call(backend, inp, q, k, v)[0], first):
+                raise _Fail("two calls under one torch.manual_seed differ: draw the dropout "
+                            "from torch's generator of q's device")
+            total = first.double().clone()
+            sq_sum = total.square()
+            for _ in range(DROPOUT_DRAWS - 1):
+                out = _call(backend, inp, q, k, v)[0].double()
+                total += out
+                sq_sum += out.square()
+        ref64, _, ref_same, _ = _references(inp, q, k, v, grad=False)
+        n = DROPOUT_DRAWS
+        mean = total / n
+        se = ((sq_sum / n - mean.square()).clamp_min(0) * n / (n - 1) / n).sqrt()
+        rounding = 2 * (ref_same.double() - ref64).abs() + 1e-5
+        if torch.allclose(first.double(), ref64, rtol=0, atol=1e-3):
+            raise _Fail(f"dropout_p={case.dropout_p} requested and declared, but the output "
+                        "is the exact one: no dropout applied")
+        off = (mean - ref64).abs() - (6 * se + rounding)
+        if (off > 0).any():
+            raise _Fail(f"the mean of {n} dropout draws is off the exact output by "
+                        f"{float((mean - ref64).abs().max()):.3g} (6 standard errors plus "
+                        f"rounding allow {float((6 * se + rounding).min()):.3g} at least): "
+                        "scale kept probabilities by 1/(1 - dropout_p)")
+    except _Fail as exc:
+        return CaseResult(case, "fail", str(exc))
+    return CaseResult(case, "pass", f"mean of {DROPOUT_DRAWS} draws within 6 standard errors")
 
 
 def _contract(out: torch.Tensor, lse: torch.Tensor | None, case: Case, inp: Inputs) -> None:
