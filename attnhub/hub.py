@@ -114,7 +114,8 @@ class Runner:
         #: unchecked first call
         self.first: Backend | None = None
         #: backends caught breaking what only the slow lane checks: never ``first`` again
-        self.distrusted: frozenset[Backend] = frozenset()
+        #: ``id()`` of each (a backend need not be hashable: a ``@dataclass`` is not)
+        self.distrusted: frozenset[int] = frozenset()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
@@ -164,7 +165,9 @@ class Runner:
         inputs = call_inputs(q, k, v, params)
         while True:
             backend = chain[i]
-            res, failure, written = watched_forward(backend, q, k, v, spec, params, inputs)
+            vet = self.hub.debug or (self.first is None and backend is self.chain[0])
+            res, failure, written = watched_forward(backend, q, k, v, spec, params, inputs,
+                                                    vet)
             if written is not None:
                 self.hub._distrust(self, backend, _failure_reason(written))
                 raise written from failure
@@ -182,7 +185,7 @@ class Runner:
                     if bad is None:
                         if (self.first is None and backend is self.chain[0]
                                 and self.local is None and not self.empty
-                                and backend not in self.distrusted):
+                                and id(backend) not in self.distrusted):
                             self.first = backend  # vetted: the hot path may call it now
                         return AttentionOutput(out, lse)
                     failure = bad
@@ -380,9 +383,9 @@ class Hub:
         ``on_failure: next`` with another candidate it moves behind the others; else every
         later call runs it through the checked lane (and fails there, with the reason)."""
         with self._lock:
-            if failed in runner.distrusted:
+            if id(failed) in runner.distrusted:
                 return  # another thread did it
-            runner.distrusted |= {failed}
+            runner.distrusted |= {id(failed)}
             if runner.first is failed:
                 runner.first = None
         d = runner.decision
@@ -461,6 +464,10 @@ class Hub:
                         _meta(colmask_end), _meta(block_table), _meta(seqlens_k),
                         _meta(cu_seqlens_q), _meta(cu_seqlens_k))
                 positions = prefix_lens is not None or colmask_start is not None
+            if not (window is None or window.__class__ is int or window.__class__ is tuple):
+                # a numpy int compares with a tuple as an array, whose truth raises: such a
+                # key could never be compared (or looked up) again; the slow path converts
+                raise TypeError
             device, dtype = q.device, q.dtype
             q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
             # flags first, shapes last: comparing with the last key fails fast on a flag
@@ -507,7 +514,8 @@ class Hub:
                         *base[:-3], (q_shape[0], sq, q_shape[3 - axis], v_shape[-1]), sq, sk)
                     if hit is not None:  # the next layers of this step: the last-key compare
                         self._last_exact = (fast_key, hit)
-        except (TypeError, AttributeError):  # unhashable or not a tensor: slow path
+        except (TypeError, AttributeError, ValueError):  # unhashable, not a tensor, or
+            # a key element whose == raises (a numpy array): the slow path checks
             hit, fast_key = None, None
         if hit is not None and not (
                 causal.__class__ is bool and return_lse.__class__ is bool
@@ -630,6 +638,10 @@ class Hub:
             max_seqlen_k=max_seqlen_k, block_table=block_table, seqlens_k=seqlens_k,
             phase=phase, return_lse=return_lse, deterministic=deterministic)
         dropout_p = check_dropout(dropout_p)
+        if context is not None and not isinstance(context, BindContext):
+            raise ArgumentError(f"context={context!r} ({type(context).__name__}); pass an "
+                                "attnhub.BindContext(model=..., layer=..., layer_kind=...) or "
+                                "None")
         transposed = layout == "bhsd"
         q, k, v, layout, window = a.q, a.k, a.v, a.layout, a.window
         score_named, mask_named = isinstance(score_mod, str), isinstance(mask_mod, str)

@@ -70,7 +70,7 @@ def settle(d: Decision, backends: dict[str, Backend], q: torch.Tensor, k: torch.
         b = backends[name]
         # the first call: a compile or a refusal shows, and its result is held to the
         # output contract (a candidate that breaks it is never timed, nor bound)
-        res, failure, written = watched_forward(b, q, k, v, spec, params, inputs)
+        res, failure, written = watched_forward(b, q, k, v, spec, params, inputs, vet=True)
         if written is not None:  # the caller's tensors changed: timing would repeat it
             raise written from failure
         if failure is None:

@@ -93,6 +93,22 @@ def safe_check(backend: "Backend", spec: AttentionSpec, device: DeviceInfo) -> l
         return [raised_reason(backend, "check", exc)]
 
 
+def safe_capabilities(backend: "Backend") -> Capabilities | str:
+    """``backend.capabilities`` for hosts, read once: a property that raises (a driver probe
+    that failed after registration) or returns something other than ``Capabilities`` is a
+    reason (the ``str``) that rejects the backend, not a crash of the resolver."""
+    try:
+        caps = backend.capabilities
+    except BaseException as exc:
+        if not plugin_fault(exc):
+            raise
+        return raised_reason(backend, "capabilities", exc)
+    if not isinstance(caps, Capabilities):
+        return _bug(backend, "capabilities", f"returned a {type(caps).__name__}, not "
+                                              "attnhub.plugin.Capabilities")
+    return caps
+
+
 def safe_available(backend: "Backend", device: DeviceInfo,
                    timeout: float | None = None) -> list[str]:
     """``backend.available`` for hosts, as :func:`safe_check`; with ``timeout`` (seconds) a

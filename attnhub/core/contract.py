@@ -166,8 +166,9 @@ def _current_index(kind: str) -> int | None:
 
 def check_qkv(q: Any, k: Any, v: Any, layout: Any) -> None:
     """Rank, device, dtype, head dims, head counts and batch agreement of q, k, v."""
-    if layout not in _RANK:
-        raise LayoutError(f"layout={layout!r} is unknown; use one of {', '.join(_RANK)}")
+    if not isinstance(layout, str) or layout not in _RANK:
+        raise LayoutError(f"layout={layout!r} is unknown; use one of {', '.join(_RANK)} (a "
+                          "string)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import process_state
 from .tables import _forget_tables
 from ..errors import OutputContractError
 
@@ -82,16 +83,35 @@ def shared_memory(backend: str, out: torch.Tensor, lse: Any,
                 f"backend {backend!r} returned {what} with stride {tuple(t.stride())} for "
                 f"shape {tuple(t.shape)}: elements share memory (an expanded tensor); the "
                 "contract is a tensor of its own (.contiguous() it)")
-        ptr = _storage_ptr(t)
+        ptr, span = _storage_ptr(t), _extent(t)
         if not ptr:
             continue
-        for name, x in inputs.items():
-            if isinstance(x, torch.Tensor) and x.numel() and _storage_ptr(x) == ptr:
-                return OutputContractError(
-                    f"backend {backend!r} returned {what} in the memory of its input {name}; "
-                    "the contract is a new tensor (writing the output would change the "
-                    "caller's input)")
+        shared = [name for name, x in inputs.items()
+                  if isinstance(x, torch.Tensor) and x.numel() and x.device == t.device
+                  and (_storage_ptr(x) == ptr or _overlap(span, _extent(x)))]
+        if shared:
+            return OutputContractError(
+                f"backend {backend!r} returned {what} in the memory of its input "
+                f"{' / '.join(shared)}; the contract is a new tensor (writing the output "
+                "would change the caller's input)")
     return None
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, past the last)`` a tensor's elements lie in. A fresh allocation
+    never reaches into a live input's: overlap means the output is in the input's memory,
+    even when it comes back as a storage object of its own (DLPack, ``from_numpy``, a raw
+    pointer at an inner offset), which the storage comparison misses."""
+    try:
+        first = t.data_ptr()
+    except Exception:  # no data pointer (a tensor subclass, a functional wrapper)
+        return (0, 0)
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 1)
+    return (first, first + (last + 1) * t.element_size()) if first else (0, 0)
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[0] != a[1] and b[0] != b[1]
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -127,13 +147,19 @@ def grad_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    spec: Any, params: Any, inputs: dict[str, Any]
+                    spec: Any, params: Any, inputs: dict[str, Any], vet: bool = False
                     ) -> tuple[Any, Exception | None, OutputContractError | None]:
     """Load and run ``backend`` once, as the slow lane and settle's first calls do, watching
     ``inputs`` (:func:`call_inputs`): ``(result, failure, written)``, ``failure`` what it
     raised (None if nothing), ``written`` :func:`written_inputs`'s error when it wrote into
-    an input (the caller then raises it, chained from ``failure``: never retried)."""
-    before = versions(inputs)
+    an input (the caller then raises it, chained from ``failure``: never retried).
+
+    torch's settings it changed (:data:`process_state.CALL_SETTINGS`) are put back and are
+    its ``failure``. With ``vet`` (the call that admits a backend to the hot path, or debug
+    mode) the inputs' bits are summed too: a write through ``.data`` or a raw pointer moves
+    no version counter (one reduction per input; on a GPU, one host sync)."""
+    before, sums, settings = versions(inputs), bit_sums(inputs) if vet else None, \
+        process_state.call_snapshot()
     res = failure = None
     try:
         if not backend._loaded:
@@ -141,7 +167,14 @@ def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         res = backend.forward(q, k, v, spec, params)
     except Exception as exc:  # noqa: BLE001 - handed to the caller, which decides
         failure = exc
-    return res, failure, written_inputs(backend, before, inputs)
+    changed = process_state.call_restore(settings)
+    if changed and failure is None:
+        failure = OutputContractError(
+            f"backend {getattr(backend, 'name', '?')!r} (plugin "
+            f"{getattr(backend, 'plugin', '?')!r}) changed process-wide settings in forward(): "
+            f"{'; '.join(changed)}; put back (a backend must leave torch's settings as it "
+            "found them: use a context manager inside forward())")
+    return res, failure, written_inputs(backend, before, inputs, sums)
 
 
 def versions(inputs: dict[str, Any]) -> dict[str, int]:
@@ -157,13 +190,34 @@ def versions(inputs: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def written_inputs(backend: Any, before: dict[str, int],
-                   inputs: dict[str, Any]) -> OutputContractError | None:
+def bit_sums(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Each input tensor's elements read as integers of their width, summed (int64, on its
+    device): :func:`written_inputs` compares them to find writes no version counter saw."""
+    out: dict[str, torch.Tensor] = {}
+    if torch.compiler.is_compiling():  # traced, not run: nothing to sum
+        return out
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
+            ints = _INT_OF_WIDTH.get(t.element_size())
+            if ints is not None and not t.is_complex():
+                out[name] = (t if t.dtype == ints else t.detach().view(ints)).sum(
+                    dtype=torch.int64)
+    return out
+
+
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def written_inputs(backend: Any, before: dict[str, int], inputs: dict[str, Any],
+                   sums: dict[str, torch.Tensor] | None = None) -> OutputContractError | None:
     """A backend that wrote into an input in place (its version counter moved): the caller's
     tensors (or the hub's checked copies of the tables) no longer hold what was passed, so
     no fallback can give the right answer and none is tried. The table memos are dropped
     (a copy a backend wrote into must not serve the next call)."""
     moved = [n for n, ver in before.items() if inputs[n]._version != ver]
+    if sums and not moved:
+        now = bit_sums({n: inputs[n] for n in sums})
+        moved = [n for n, s in sums.items() if not torch.equal(now[n], s)]
     if not moved:
         return None
     _forget_tables()

@@ -224,12 +224,10 @@ def stray_threads(before: State) -> list[str]:
     return [t.name for t in stray]
 
 
-def restore(before: State) -> list[str]:
-    """Put back what changed since ``before``; one line per change (environment values are
-    not shown: they may be secrets)."""
-    values, env, attrs, modules, _ = before
+def _put_back(settings: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...],
+              values: list[Any]) -> list[str]:
     changed: list[str] = []
-    for (what, get, put), old in zip(SETTINGS, values):
+    for (what, get, put), old in zip(settings, values):
         new = get()
         if new is not old and new != old and not _KEPT.get(what, _never)(old, new):
             try:
@@ -237,6 +235,31 @@ def restore(before: State) -> list[str]:
             except Exception as exc:  # e.g. the old working directory was deleted meanwhile
                 what += f" (not put back: {type(exc).__name__})"
             changed.append(f"{what} {_shown(old)} -> {_shown(new)}")
+    return changed
+
+
+#: What a backend's ``forward()`` must leave as it found it: torch's numerics and kernel
+#: switches (the slow lane checks them around each call it vets: a backend that set the
+#: default dtype or turned grad mode off changed every later call of the host).
+CALL_SETTINGS = tuple(s for s in SETTINGS if s[0].startswith(("torch", "SDPA")))
+
+
+def call_snapshot() -> list[Any]:
+    """The values of :data:`CALL_SETTINGS` (for :func:`call_restore`)."""
+    return [get() for _, get, _ in CALL_SETTINGS]
+
+
+def call_restore(values: list[Any]) -> list[str]:
+    """Put back what of :data:`CALL_SETTINGS` changed since :func:`call_snapshot`; a line
+    per change."""
+    return _put_back(CALL_SETTINGS, values)
+
+
+def restore(before: State) -> list[str]:
+    """Put back what changed since ``before``; one line per change (environment values are
+    not shown: they may be secrets)."""
+    values, env, attrs, modules, _ = before
+    changed = _put_back(SETTINGS, values)
     now = _own_env()
     keys = sorted(k for k in env.keys() | now.keys() if env.get(k) != now.get(k))
     for k in keys:

@@ -10,19 +10,22 @@ unserved only because a first-party plugin is not installed here.
 from __future__ import annotations
 
 import heapq
+import math
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..core.backend import safe_capabilities
+from ..core.capabilities import Capabilities
 from ..core.device import simulate
 from ..core.registry import Registry, did_you_mean
 from .cells import Cell, cells
 from .loader import LoadedRule
 from .profile import ProfileStore
 from .resolver import Policy, accuracy_gated
-from .schema import Range, When
+from .schema import RANGE_MINIMUM, Range, When
 
 #: Backend names of the in-repo plugins -> the plugin directory that provides them.
 FIRST_PARTY: dict[str, str] = {
@@ -106,12 +109,14 @@ def _backend_names(lr: LoadedRule, registry: Registry) -> list[Finding]:
             out.append(Finding("error", where, label, (
                 f"unknown backend {name!r}, expected one of: {', '.join(known)}"
                 + did_you_mean(name, known))))
-        elif not b.capabilities.exact and not (lr.rule.when.layer or accuracy_gated(lr, name)):
+        elif isinstance(caps := safe_capabilities(b), str):
+            out.append(Finding("warning", where, label, f"{caps}; resolution rejects it"))
+        elif not caps.exact and not (lr.rule.when.layer or accuracy_gated(lr, name)):
             out.append(Finding("error", where, label, (
-                f"{name} is approximate (error budget {b.capabilities.error_budget}), expected "
+                f"{name} is approximate (error budget {caps.error_budget}), expected "
                 "it only in a rule with a layer selector (when.layer) or with `requires: "
                 "{accuracy: ...}` for it; the resolver never binds it here")))
-        elif b.capabilities.fp8 and not accuracy_gated(lr, name):
+        elif caps.fp8 and not accuracy_gated(lr, name):
             out.append(Finding("warning", where, label, (
                 f"{name} computes in FP8 without an accuracy gate; FP8 attention lost accuracy "
                 "badly on outlier inputs (rel. error 0.17-0.26 vs 0.0018 for BF16 on an H200): "
@@ -165,9 +170,10 @@ def _contradictions(lr: LoadedRule, registry: Registry) -> list[Finding]:
     fp8_kv = w.kv_dtype is not None and set(w.kv_dtype) <= _FP8
     for j, name in enumerate(lr.rule.use.names):
         b = registry.backends.get(name)
-        if b is None:
+        c = None if b is None else safe_capabilities(b)
+        if not isinstance(c, Capabilities):  # missing or unreadable: reported above
             continue
-        c, where, label = b.capabilities, _use_where(lr, j), _label(lr, "use", j)
+        where, label = _use_where(lr, j), _label(lr, "use", j)
         if fp8_only and not set(w.dtype or ()) & c.dtypes:
             out.append(Finding("error", where, label, (
                 f"rule routes FP8 ({', '.join(w.dtype or ())}) to {name}, which supports "
@@ -259,7 +265,84 @@ def _out_of_domain(w: When) -> list[tuple[str, str]]:
                                  f"{layer.every} is at most {layer.every - 1})"))
     if w.device_name is not None and not any(w.device_name):
         out.append(("device_name", "a device name is never empty, and `device_name` is ''"))
+    return out + _no_whole_number(w) + _capability_misses(w) + _lengths_disagree(w) \
+        + _layers_never(w)
+
+
+def _whole_bounds(rng: Range, least: float) -> tuple[float, float]:
+    """The smallest and largest whole numbers ``rng``'s bounds admit, from ``least``."""
+    lo, hi = least, math.inf
+    if rng.ge is not None:
+        lo = max(lo, math.ceil(rng.ge))
+    if rng.gt is not None:
+        lo = max(lo, math.floor(rng.gt) + 1)
+    if rng.le is not None:
+        hi = min(hi, math.floor(rng.le))
+    if rng.lt is not None:
+        hi = min(hi, math.ceil(rng.lt) - 1)
+    return lo, hi
+
+
+def _no_whole_number(w: When) -> list[tuple[str, str]]:
+    """Bounds that admit reals but no count: ``head_dim: {gt: 64, lt: 65}``, ``{lt: 1}``."""
+    ranges = [(k, getattr(w, k), RANGE_MINIMUM[k]) for k in _WHOLE]
+    if w.layer is not None:
+        ranges.append(("layer", w.layer.index, 0))
+    out = []
+    for key, rng, least in ranges:
+        if rng is not None and rng.in_ is None and not rng.empty():
+            lo, hi = _whole_bounds(rng, least)
+            if lo > hi:
+                out.append((key, f"{key} is a whole number >= {least:g} and "
+                                 f"{rng.model_dump(exclude_none=True, by_alias=True)} admits "
+                                 "none"))
     return out
+
+
+def _capability_misses(w: When) -> list[tuple[str, str]]:
+    """``capability`` is major.minor (9.0 on sm90): a range the named archs never reach, or
+    one written as ``90``."""
+    rng = w.capability
+    if rng is None:
+        return []
+    sm = [h for h in (w.hardware or ()) if h.startswith("sm") and h[2:].isdigit()]
+    if sm and len(sm) == len(w.hardware or ()):
+        caps = [int(h[2:-1]) + int(h[-1]) / 10 for h in sm]
+        if not any(rng.contains(c) for c in caps):
+            return [("capability", f"`hardware` {', '.join(sm)} has compute capability "
+                                   f"{', '.join(f'{c:.1f}' for c in caps)}, which "
+                                   f"{rng.model_dump(exclude_none=True, by_alias=True)} "
+                                   "leaves out")]
+    elif _misses(rng, 1.0, 15.0):
+        return [("capability", "compute capabilities are major.minor numbers (9.0 on sm90, "
+                               "8.0 on sm80), and the condition admits none of them")]
+    return []
+
+
+def _lengths_disagree(w: When) -> list[tuple[str, str]]:
+    """``seqlen`` is the longer of seqlen_q and seqlen_k: it is never below either."""
+    if w.seqlen is None or w.seqlen.in_ is not None:
+        return []
+    top = _whole_bounds(w.seqlen, 0)[1]
+    for key in ("seqlen_q", "seqlen_k"):
+        rng = getattr(w, key)
+        if rng is not None and rng.in_ is None and _whole_bounds(rng, 0)[0] > top:
+            return [(key, f"seqlen (the longer of seqlen_q and seqlen_k) is at most {top:g}, "
+                          f"and {key} is above it")]
+    return []
+
+
+def _layers_never(w: When) -> list[tuple[str, str]]:
+    """Listed layer indices none of which ``every``/``offset`` selects."""
+    layer = w.layer
+    if (layer is None or layer.index is None or layer.index.in_ is None
+            or layer.every is None):
+        return []
+    offsets = layer.offset if layer.offset is not None else [0]
+    if not any(int(i) % layer.every in offsets for i in layer.index.in_ if i == int(i)):
+        return [("layer", f"none of the layers {[f'{i:g}' for i in layer.index.in_]} is at an offset "
+                          f"{list(offsets)} of every {layer.every}")]
+    return []
 
 
 def _misses(rng: Range, lo: float, hi: float) -> bool:

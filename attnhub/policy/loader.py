@@ -166,6 +166,22 @@ class TooBig(Exception):
     """A file past the size limit, or not a regular file (a FIFO, ``/dev/zero``)."""
 
 
+class DuplicateKey(ValueError):
+    """A JSON object with one key twice (``json`` keeps the last silently)."""
+
+
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for hand-editable JSON (locks, profile stores): a key given
+    twice is an error, not the last one winning (``"passed": false, ..., "passed": true``
+    read as a passing accuracy record)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def read_limited(path: Path, limit: int) -> bytes:
     """The bytes of regular file ``path``; :class:`TooBig` past ``limit`` bytes or for
     anything else (reading ``/dev/zero`` or a FIFO would never end)."""

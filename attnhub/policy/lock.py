@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from ..core.decision import BindContext, Decision
 from ..core.device import DeviceInfo, library_versions, probe, simulate
@@ -105,29 +106,39 @@ def write_lock(path: str | Path, lock: dict[str, Any]) -> None:
                              "folder"]) from None
 
 
-class _DuplicateKey(Exception):
-    pass
+def _unprintable(data: Any) -> Iterator[tuple[str, str, str]]:
+    """(path, what, text) of each string (key or value) holding a control character, a lone
+    surrogate (JSON's ``"\\ud800"``: printing it raised UnicodeEncodeError) or a bidi
+    override: a hand-edited or hostile lock, refused before anything prints it."""
+    stack: list[tuple[str, Any]] = [("$", data)]
+    while stack:
+        where, x = stack.pop()
+        if isinstance(x, dict):
+            for k, v in x.items():
+                stack += [(f"{where} key", k), (f"{where}.{k}", v)]
+        elif isinstance(x, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(x)]
+        elif isinstance(x, str):
+            bad = next((c for c in x if unicodedata.category(c) in ("Cc", "Cs")
+                        or c in _BIDI), None)
+            if bad is not None:
+                what = ("a lone surrogate" if unicodedata.category(bad) == "Cs"
+                        else "a control character")
+                yield ascii(where)[1:-1], what, ascii(x)[:60]
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json`` keeps the last of two equal keys silently; a hand-edited lock must not."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
 def read_lock(path: str | Path) -> dict[str, Any]:
     """The lock document, checked against the schema; :class:`LockfileError` otherwise."""
-    from .loader import TooBig, read_limited
+    from .loader import DuplicateKey, TooBig, no_duplicate_keys, read_limited
     from .lock_schema import validate_lock
 
     regen = f"regenerate it with `attnhub lock -o {path}`"
     try:
         text = read_limited(Path(path), MAX_LOCK_BYTES).decode("utf-8")
-        data = json.loads(text, object_pairs_hook=_no_duplicates)
+        data = json.loads(text, object_pairs_hook=no_duplicate_keys)
     except OSError as exc:
         raise LockfileError([f"{path}: cannot read the lockfile ({exc.strerror}); expected a "
                              "file written by `attnhub lock -o FILE`"]) from None
@@ -140,7 +151,7 @@ def read_lock(path: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise LockfileError([f"{path}:{exc.lineno}:{exc.colno} (json): {exc.msg}; expected "
                              f"the JSON `attnhub lock` writes; {regen}"]) from None
-    except _DuplicateKey as exc:
+    except DuplicateKey as exc:
         from .located import read_yaml
 
         found = [p for p in read_yaml(text, str(path))[1] if "duplicate key" in p]
@@ -149,7 +160,10 @@ def read_lock(path: str | Path) -> dict[str, Any]:
     except (RecursionError, ValueError) as exc:  # nesting, or an int of thousands of digits
         raise LockfileError([f"{path}: not a lockfile ({_first_line(exc)}); expected the JSON "
                              f"`attnhub lock` writes; {regen}"]) from None
-    problems = validate_lock(data, text, str(path))
+    problems = [f"{path}: {where}: holds {what} ({text_}), which `attnhub lock` never "
+                f"writes and a terminal would print raw; {regen}"
+                for where, what, text_ in _unprintable(data)][:20]
+    problems = problems or validate_lock(data, text, str(path))
     if problems:
         raise LockfileError(problems)
     return data

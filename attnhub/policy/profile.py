@@ -49,7 +49,7 @@ from typing import Any, Callable
 from ..core.device import DeviceInfo
 from ..core.spec import AttentionSpec
 from ..errors import PolicyError
-from .loader import TooBig, read_limited
+from .loader import DuplicateKey, TooBig, no_duplicate_keys, read_limited
 
 SCHEMA = "attnhub.profile/1"
 #: Versions that do not change kernel speed or accuracy (left out of the device key).
@@ -313,7 +313,11 @@ def _load(path: Path, env: str = "ATTNHUB_PROFILE") -> dict[str, Any]:
                            f"JSON file of at most {MAX_STORE_BYTES // 2**20} MiB: move it "
                            f"away, or point {env} elsewhere"]) from None
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+    except DuplicateKey as exc:
+        raise PolicyError([f"{path}: duplicate key {exc.args[0]!r} (JSON keeps the last one "
+                           f"silently); keep one, or delete the file or point {env} "
+                           "elsewhere"]) from None
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise PolicyError([f"{path}: the profile store cannot be read ({_first_line(exc)}); "
                            f"fix or delete it, or point {env} elsewhere"]) from None
@@ -359,6 +363,7 @@ def _type_problems(devices: dict[str, Any]) -> Iterator[tuple[str, str]]:
         if not isinstance(entry, dict):
             yield at, f"expected a mapping, got {type(entry).__name__}"
             continue
+        yield from _device_problems(at, entry.get("device", {}))
         for section, fields_ in _FIELDS.items():
             sec = entry.get(section, {})
             if not isinstance(sec, dict):
@@ -381,6 +386,26 @@ def _type_problems(devices: dict[str, Any]) -> Iterator[tuple[str, str]]:
                     for name, (ok, what) in fields_.items():
                         if name in rec and not ok(rec[name]):
                             yield f"{where}.{name}", f"expected {what}, got {rec[name]!r}"
+
+
+def _device_problems(at: str, dev: Any) -> Iterator[tuple[str, str]]:
+    """The ``device`` entry a shipped pack is matched by: name and arch strings, versions a
+    mapping of library to version string."""
+    if not isinstance(dev, dict):
+        yield f"{at}.device", f"expected a mapping (name, arch, versions), got {_kind(dev)}"
+        return
+    for key in ("name", "arch"):
+        if key in dev and not isinstance(dev[key], str):
+            yield f"{at}.device.{key}", f"expected a string, got {_kind(dev[key])}"
+    vers = dev.get("versions", {})
+    if not isinstance(vers, dict) or not all(
+            isinstance(a, str) and isinstance(b, str) for a, b in vers.items()):
+        yield f"{at}.device.versions", ("expected a mapping of library name to version "
+                                        f"string, got {_kind(vers)}")
+
+
+def _kind(x: Any) -> str:
+    return type(x).__name__
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..core.backend import Backend, safe_check
+from ..core.backend import Backend, safe_capabilities, safe_check
 from ..core.decision import BindContext, Decision, Rejection
 from ..core.device import DeviceInfo
 from ..core.registry import Registry
@@ -233,8 +233,10 @@ class Policy:
         if backend is None:
             out.missing.append(name)
             return [registry.missing_reason(name)]
+        caps = safe_capabilities(backend)
+        if isinstance(caps, str):
+            return [caps]
         reasons = safe_check(backend, spec, device)
-        caps = backend.capabilities
         gated = accuracy_gated(lr, name)
         if not caps.exact and not (m.has_layer_selector or gated):
             reasons.append(f"approximate backend (error budget {caps.error_budget}) is bound "

@@ -256,6 +256,10 @@ class LayerSelector(Strict):
 
     @model_validator(mode="after")
     def _offset_needs_every(self) -> "LayerSelector":
+        if self.index is None and self.every is None and self.kind is None:
+            raise ValueError("got an empty layer selector, expected at least one of index, "
+                             "every, kind (an empty one selects every layer, and would let "
+                             "an approximate backend bind on all of them)")
         if self.offset is not None and self.every is None:
             raise ValueError("got offset without every, expected `every: N` with `offset`")
         return self
@@ -265,6 +269,12 @@ class ProfileCondition(Strict):
     """Conditions on measurements in the profile store (see attnhub.policy.profile)."""
 
     attention_share: Range | None = None
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "ProfileCondition":
+        if self.attention_share is None:
+            raise ValueError("got an empty profile condition, expected attention_share")
+        return self
 
 
 #: Smallest meaningful value of each numeric ``when`` key (a count or a length).

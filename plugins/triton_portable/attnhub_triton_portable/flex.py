@@ -470,6 +470,12 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
     out, lse = (res[0], res[1].lse) if with_lse else (res, None)
     if lse is not None:
         out = _zero_dead_rows(out, lse)
+        if want_lse and lse.dtype != torch.float32:
+            # eager flex rounds it to q's dtype once a score_mod (softcap, ALiBi) runs: bf16
+            # LSEs were 2x the same-precision reference's error; again in fp32 (rare: half
+            # precision, a score_mod and the LSE asked for)
+            up = {**kwargs, "return_aux": _fa.AuxRequest(lse=True)}
+            lse = _eager(qt.float(), kt.float(), vt.float(), up)[1].lse
         lse = lse if want_lse else None
     elif torch.isnan(out).any():  # compiled CPU flex: a host check is cheap there
         dead = _eager(qt, kt, vt, {**kwargs, "return_aux": _fa.AuxRequest(lse=True)})[1].lse
