@@ -72,6 +72,27 @@ def _set_warn_all(old: list[tuple[Any, ...]]) -> None:
     warnings._filters_mutated()  # type: ignore[attr-defined]  # the caches read the list
 
 
+def _set_root_handlers(old: list[logging.Handler]) -> None:
+    logging.root.handlers[:] = old  # logging.basicConfig() added one: every record doubled
+
+
+class _State(bytes):
+    """A generator state: compared by value, shown by its size (not 5 KB of bytes)."""
+
+    def __repr__(self) -> str:
+        return f"<state {hash(bytes(self)) & 0xffff:04x}>"
+
+
+def _rng_state() -> bytes:
+    """torch's CPU generator as bytes (comparable): a plugin that seeds or draws at import
+    moves every later draw of a seeded run."""
+    return _State(torch.random.get_rng_state().numpy().tobytes())
+
+
+def _set_rng_state(state: bytes) -> None:
+    torch.random.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
 def _handler(sig: signal.Signals) -> tuple[Callable[[], Any], Callable[[Any], None]]:
     def put(old: Any) -> None:
         if old is not None and threading.current_thread() is threading.main_thread():
@@ -114,6 +135,9 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("sys.excepthook", *_attr(sys, "excepthook")),
     ("threading.excepthook", *_attr(threading, "excepthook")),
     ("recursion limit", sys.getrecursionlimit, sys.setrecursionlimit),
+    ("root logger level", lambda: logging.root.level, logging.root.setLevel),
+    ("root logger handlers", lambda: list(logging.root.handlers), _set_root_handlers),
+    ("random generator state (torch, CPU)", _rng_state, _set_rng_state),
     ("warnings filter for every warning", _warn_all, _set_warn_all),
     *((f"{sig.name} handler", *_handler(sig)) for sig in (signal.SIGINT, signal.SIGTERM)),
 )
@@ -199,14 +223,42 @@ def _shown(v: Any) -> str:
     except Exception:
         text = f"<{type(v).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."
-State = tuple[list[Any], dict[str, str], dict[str, Any], dict[str, Any], set[int]]
+State = tuple[list[Any], dict[str, str], dict[str, Any], dict[str, Any], set[int],
+              dict[str, tuple[Any, dict[str, Any]]]]
 
 
 def snapshot() -> State:
     """The current values of :data:`SETTINGS`, the host's ``ATTNHUB_*`` variables, attnhub's
-    functions and classes, ``sys.modules`` and the running threads."""
+    functions and classes, ``sys.modules``, the running threads and torch's functions."""
     return ([get() for _, get, _ in SETTINGS], _own_env(), _attnhub_attrs(),
-            dict(sys.modules), {t.ident or 0 for t in threading.enumerate()})
+            dict(sys.modules), {t.ident or 0 for t in threading.enumerate()}, _torch_attrs())
+
+
+#: torch namespaces whose functions the core calls: a plugin that replaced
+#: ``F.scaled_dot_product_attention`` at import made ``torch_sdpa`` return zeros.
+_TORCH_NAMESPACES = {"torch": torch, "torch.nn.functional": torch.nn.functional,
+                     "torch.Tensor": torch.Tensor}
+
+
+def _torch_attrs() -> dict[str, tuple[Any, dict[str, Any]]]:
+    return {label: (obj, {k: v for k, v in list(vars(obj).items()) if callable(v)})
+            for label, obj in _TORCH_NAMESPACES.items()}
+
+
+def _restore_torch(before: dict[str, tuple[Any, dict[str, Any]]]) -> list[str]:
+    """Put torch's functions back: those replaced, and on ``torch.Tensor`` those added (they
+    shadow the methods it inherits); a module's new names are torch's own lazy imports."""
+    changed = []
+    for label, (obj, old) in before.items():
+        now = vars(obj)
+        for key in [k for k, v in old.items() if now.get(k, _GONE) is not v]:
+            setattr(obj, key, old[key])
+            changed.append(f"{label}.{key}")
+        if isinstance(obj, type):
+            for key in [k for k, v in list(now.items()) if k not in old and callable(v)]:
+                delattr(obj, key)
+                changed.append(f"{label}.{key}")
+    return changed
 
 
 #: Non-daemon threads plugins left running while loading (``stray_threads``): the
@@ -258,7 +310,7 @@ def call_restore(values: list[Any]) -> list[str]:
 def restore(before: State) -> list[str]:
     """Put back what changed since ``before``; one line per change (environment values are
     not shown: they may be secrets)."""
-    values, env, attrs, modules, _ = before
+    values, env, attrs, modules, _, torch_attrs = before
     changed = _put_back(SETTINGS, values)
     now = _own_env()
     keys = sorted(k for k in env.keys() | now.keys() if env.get(k) != now.get(k))
@@ -273,9 +325,9 @@ def restore(before: State) -> list[str]:
     if gone:
         changed.append(f"module(s) removed from sys.modules: {', '.join(gone[:5])}"
                        + (f" and {len(gone) - 5} more" if len(gone) > 5 else ""))
-    patched = _restore_attnhub(attrs)
+    patched = _restore_attnhub(attrs) + _restore_torch(torch_attrs)
     if patched:
-        changed.append(f"attnhub itself (monkeypatched): {', '.join(patched[:5])}"
+        changed.append(f"attnhub or torch replaced (monkeypatched): {', '.join(patched[:5])}"
                        + (f" and {len(patched) - 5} more" if len(patched) > 5 else ""))
     return changed
 

@@ -142,6 +142,9 @@ class Strict(BaseModel):
 class Range(Strict):
     """A numeric condition: ``in`` (one of these values) and/or bounds ge, gt, le, lt."""
 
+    #: ``in`` only: the Python name ``in_`` is no key of the policy language
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=False)
+
     in_: list[Number] | None = Field(None, alias="in")
     ge: Number | None = None
     gt: Number | None = None
