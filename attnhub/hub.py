@@ -93,7 +93,8 @@ class Runner:
     a failure to :meth:`recover`; everything else goes through ``__call__``.
     """
 
-    __slots__ = ("decision", "chain", "hub", "local", "first", "empty", "distrusted")
+    __slots__ = ("decision", "chain", "hub", "local", "first", "empty", "distrusted",
+                 "summed")
 
     def __init__(self, decision: Decision, chain: list[Backend], hub: "Hub"):
         self.decision = decision
@@ -116,6 +117,9 @@ class Runner:
         #: backends caught breaking what only the slow lane checks: never ``first`` again
         #: ``id()`` of each (a backend need not be hashable: a ``@dataclass`` is not)
         self.distrusted: frozenset[int] = frozenset()
+        #: a result passed with the inputs' bits summed (``watched_forward(vet=True)``):
+        #: later slow-lane calls (a distributed backend's, every call) skip the sums
+        self.summed = False
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
@@ -165,7 +169,7 @@ class Runner:
         inputs = call_inputs(q, k, v, params)
         while True:
             backend = chain[i]
-            vet = self.hub.debug or (self.first is None and backend is self.chain[0])
+            vet = self.hub.debug or not self.summed or id(backend) in self.distrusted
             res, failure, written = watched_forward(backend, q, k, v, spec, params, inputs,
                                                     vet)
             if written is not None:
@@ -183,6 +187,7 @@ class Runner:
                     elif self.hub.debug:
                         bad = nan_violation(backend.name, out, q, k, v)
                     if bad is None:
+                        self.summed = self.summed or vet
                         if (self.first is None and backend is self.chain[0]
                                 and self.local is None and not self.empty
                                 and id(backend) not in self.distrusted):

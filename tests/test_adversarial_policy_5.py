@@ -184,3 +184,25 @@ def test_flex_returns_an_fp32_lse_within_the_rule_with_a_score_mod() -> None:
     assert lse.dtype == torch.float32
     err = float((lse - l64).abs().max())
     assert err <= 2 * float((same.float() - l64).abs().max()) + 1e-3, err
+
+
+def test_a_write_sweeps_temporary_files_a_killed_writer_left(tmp_path: Path) -> None:
+    """Each SIGKILL between a store write's create and rename left a truncated
+    ``.store.json.*.tmp`` behind, forever; the next write removes those older than a live
+    write could be, and leaves a fresh one (another process's write in progress) alone."""
+    import os
+    import time
+
+    from attnhub.policy.profile import STALE_TMP_S, write_json_atomic
+
+    store = tmp_path / "store.json"
+    dead, live = tmp_path / ".store.json.dead1.tmp", tmp_path / ".store.json.live1.tmp"
+    other = tmp_path / ".other.json.dead2.tmp"
+    for p in (dead, live, other):
+        p.write_text('{"schema": "attnh')
+    old = time.time() - 2 * STALE_TMP_S
+    os.utime(dead, (old, old))
+    os.utime(other, (old, old))
+    write_json_atomic(store, {"ok": True})
+    assert json.loads(store.read_text()) == {"ok": True}
+    assert not dead.exists() and live.exists() and other.exists()

@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import json
 import math
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
@@ -567,6 +569,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     symlink is followed: the rename replaces the file it points to, not the link."""
     path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:  # owns fd from here: always closed
@@ -579,6 +582,24 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+#: A temporary file of a write older than this was left by a writer that died mid-write
+#: (killed, power loss): a live write takes milliseconds.
+STALE_TMP_S = 600.0
+
+
+def _sweep_stale(path: Path) -> None:
+    """Remove the temporary files of earlier writes to ``path`` that never finished (a
+    SIGKILL between create and rename leaves one, truncated, each time)."""
+    cutoff = time.time() - STALE_TMP_S
+    try:
+        for p in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+                if p.is_file() and p.stat().st_mtime < cutoff:
+                    p.unlink()
+    except OSError:
+        pass
 
 
 def _read_umask() -> int:

@@ -259,12 +259,12 @@ class LayerSelector(Strict):
 
     @model_validator(mode="after")
     def _offset_needs_every(self) -> "LayerSelector":
+        if self.offset is not None and self.every is None:
+            raise ValueError("got offset without every, expected `every: N` with `offset`")
         if self.index is None and self.every is None and self.kind is None:
             raise ValueError("got an empty layer selector, expected at least one of index, "
                              "every, kind (an empty one selects every layer, and would let "
                              "an approximate backend bind on all of them)")
-        if self.offset is not None and self.every is None:
-            raise ValueError("got offset without every, expected `every: N` with `offset`")
         return self
 
 
