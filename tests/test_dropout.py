@@ -146,15 +146,20 @@ def test_backends_without_dropout_are_rejected_with_the_reason(cpu_hub: Hub) -> 
     assert {r.backend for r in sim.rejected} >= {"fa3", "triton"}
     q, k, v = _qkv(1, 8, 8, 2, 2, 8)
     with pytest.raises(attnhub.BackendUnavailableError, match="no attention dropout"):
-        cpu_hub.attention(q, k, v, dropout_p=0.1, backend="reference")
+        cpu_hub.attention(q, k, v, dropout_p=0.1, backend="torch_flash_cpu")
 
 
-def test_dropout_outside_dense_tensors_is_refused_with_the_reason(cpu_hub: Hub) -> None:
+def test_dropout_on_packed_documents_binds_the_reference(cpu_hub: Hub) -> None:
+    """SDPA draws dropout for dense tensors only (one call); packed documents go to the
+    reference, which draws per document."""
     q, k, v = _qkv(1, 6, 6, 2, 2, 8)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    kw = dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu)
     with pytest.raises(attnhub.errors.AttnhubError, match="dropout only for dense bshd"):
-        cpu_hub.attention(q[0], k[0], v[0], layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu,
-                          dropout_p=0.1)
+        cpu_hub.attention(q[0], k[0], v[0], dropout_p=0.1, backend="torch_sdpa", **kw)
+    exact = cpu_hub.attention(q[0], k[0], v[0], **kw)
+    dropped = cpu_hub.attention(q[0], k[0], v[0], dropout_p=0.5, **kw)
+    assert dropped.shape == exact.shape and not torch.allclose(dropped, exact)
 
 
 def test_the_layer_drops_in_training_only() -> None:
@@ -225,3 +230,31 @@ def test_the_kit_judges_declared_dropout_by_its_law(cls: type, verdict: str) -> 
     assert verdict in res.detail, res.detail
     assert not [r for r in run_kit(cls(), hub.device, quick=True).results
                 if r.status == "fail" and not r.case.dropout_p]
+
+
+def test_softcap_and_dropout_train_as_eager_through_the_reference() -> None:
+    """Gemma 2 trains with a logit softcap, which SDPA has not: with attention dropout no
+    backend served it (a bare "no backend"); the reference now draws its dropout as eager
+    does, so one seed gives eager's loss and gradients."""
+    pytest.importorskip("transformers")
+    from attnhub.integrations.transformers import register
+    from attnhub.integrations.transformers.testing import tiny_config, twin_models
+
+    register()
+    cfg = tiny_config("gemma2")
+    cfg.attention_dropout = 0.2
+    ours, eager = (m.train() for m in twin_models(cfg))
+    ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(1))
+    losses, grads = [], []
+    for model in (ours, eager):
+        torch.manual_seed(4)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
+    top = max(g.abs().max().item() for g in grads[1].values())
+    for n, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][n], rtol=1e-4, atol=1e-5 * top, msg=n)
+    torch.manual_seed(5)
+    assert not torch.allclose(ours(input_ids=ids, labels=ids).loss.detach(), losses[0])

@@ -55,7 +55,7 @@ class ReferenceBackend(Backend):
         dtypes=frozenset({"fp32", "fp16", "bf16"}), max_head_dim=1024, different_v_dim=True,
         masks=ALL_MASKS, layouts=_ANY_LAYOUT, backward=True, deterministic_backward=True,
         deterministic_forward=True, gqa=True, returns_lse=True, top_left_causal=True,
-        lse_second_pass=True,
+        lse_second_pass=True, dropout=True,
     )
 
     def forward(self, q, k, v, spec, params):  # type: ignore[override]

@@ -15,7 +15,9 @@ recurrent state) keep their per-sequence state beside the pages (``attach_state`
 
 from __future__ import annotations
 
+import functools
 import operator
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -145,10 +147,24 @@ class CacheStep:
         return start + torch.arange(self.new_tokens, device=self.slots.device).view(1, -1)
 
 
+def _locked(fn: Any) -> Any:
+    """Run a method under the cache's lock: threads serving different sequences of one
+    cache (a server's request threads) allocate, reserve and free without handing one id
+    or page to two of them."""
+    @functools.wraps(fn)
+    def run(self: PagedKVCache, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return fn(self, *args, **kwargs)
+    return run
+
+
 class PagedKVCache:
     """Paged K/V storage for ``num_layers`` layers, shared by many sequences.
 
     Sequence ids are small integers handed out by ``allocate``/``fork`` and never reused.
+    Thread-safe for threads that each serve their own sequences: the bookkeeping (ids,
+    pages, lengths, tables) changes under one lock; the k/v writes of a step go to the
+    slots it reserved, which no other sequence holds.
     """
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -187,6 +203,7 @@ class PagedKVCache:
             #: FP8 (e4m3) cache: per (layer, page, KV head) descales (``core.kvquant``).
             self.scales = (PageScales(num_layers, num_pages, num_kv_heads, dtype, self.device)
                            if is_fp8(dtype) else None)
+        self._lock = threading.RLock()
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives page 0 first
         #: pages ever handed out: only those can hold stale data (the rest are still zeros)
         self._dirty = bytearray(num_pages)
@@ -222,16 +239,22 @@ class PagedKVCache:
     def seq_ids(self) -> list[int]:
         return list(self._seqs)
 
+    @_locked
     def length(self, seq_id: int) -> int:
         return self._seq(seq_id).length
 
+    @_locked
     def pages(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._seq(seq_id).pages)
 
     def refcount(self, page: int) -> int:
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise InputError(f"refcount: page={page!r}; pass a page index in "
+                             f"0..{self.num_pages - 1}")
         return self._refs[page]
 
     # -- sequences --------------------------------------------------------------------------
+    @_locked
     def attach_state(self, layers: Iterable[int], store: SequenceStore) -> None:
         """Keep ``store`` (the per-sequence state of ``layers``, see ``core.seqstate``) beside
         the pages: allocate, fork and free then do the same to it. Only on an empty cache,
@@ -241,6 +264,7 @@ class PagedKVCache:
                              f"{sorted(self._seqs)}; attach state stores before allocating")
         self.states.attach(layers, store)
 
+    @_locked
     def allocate(self) -> int:
         """A new, empty sequence; pages are taken only when tokens are appended."""
         sid = self._next_id
@@ -250,6 +274,7 @@ class PagedKVCache:
         self._version += 1
         return sid
 
+    @_locked
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing ``seq_id``'s tokens (no copy; pages are reference-counted)
         and starting from a copy of its state (never shared)."""
@@ -263,6 +288,7 @@ class PagedKVCache:
         self._version += 1
         return sid
 
+    @_locked
     def free(self, seq_id: int) -> None:
         """Release a finished sequence; pages no other sequence holds return to the free list."""
         seq_id = self._check_id(seq_id)
@@ -295,13 +321,17 @@ class PagedKVCache:
         self._tables = live
 
     # -- appending --------------------------------------------------------------------------
+    @_locked
     def reserve(self, seq_ids: Sequence[int], num_tokens: int | Sequence[int]) -> torch.Tensor:
         """Make room for ``num_tokens`` more tokens in each sequence; returns their slots.
 
         All or nothing: the pages needed (new pages plus copies of shared, partially filled
-        last pages) are counted first, and ``CacheFullError`` is raised before any change.
+        last pages) are counted first, and ``CacheFullError`` is raised before any change;
+        anything raised after that (Ctrl-C in a copy, out of memory) puts the sequences, the
+        free list and the refcounts back before it propagates.
         Slots are flat indices into ``(num_pages * page_size)``, sequence-major.
         """
+        seq_ids = self._check_ids("reserve", seq_ids)
         if isinstance(num_tokens, int):
             counts = [num_tokens] * len(seq_ids)
         elif isinstance(num_tokens, Sequence):
@@ -328,20 +358,27 @@ class PagedKVCache:
                 f"{list(seq_ids)} needs {need} free pages, {len(self._free)} of "
                 f"{self.num_pages} are free (page_size {self.page_size}); free finished "
                 "sequences or build the cache with more num_pages. No sequence was changed.")
-        for i in copies:
-            self._copy_on_write(seqs[i])
-        fresh = []
-        for seq, n in zip(seqs, new_pages):
-            for _ in range(n):
-                p = self._free.pop()
-                self._refs[p] = 1
-                if self.scales is not None:
-                    self.scales.reset_page(p)
-                seq.pages.append(p)
-                fresh.append(p)
-        self._clear(fresh)
+        undo = ([(seq, list(seq.pages), seq.length) for seq in seqs], list(self._free),
+                list(self._refs), [])
+        try:
+            for i in copies:
+                self._copy_on_write(seqs[i])
+            fresh = []
+            for seq, n in zip(seqs, new_pages):
+                for _ in range(n):
+                    p = self._free.pop()
+                    self._refs[p] = 1
+                    if self.scales is not None:
+                        self.scales.reset_page(p)
+                    seq.pages.append(p)
+                    fresh.append(p)
+            self._clear(fresh)
+            slots = self._slots(seqs, counts)
+        except BaseException:
+            self._rollback(undo)
+            raise
         self._version += 1
-        return self._slots(seqs, counts)
+        return slots
 
     def _clear(self, pages: list[int]) -> None:
         """Zero pages taken from the free list: they may hold a freed sequence's keys, which
@@ -455,6 +492,7 @@ class PagedKVCache:
                              "after reserve): writing it would change the fork too; write "
                              "before forking")
 
+    @_locked
     def append(self, seq_id: int, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
         """Append tokens to one sequence for every layer: ks[l]/vs[l] are (n, Hkv, D).
 
@@ -470,8 +508,8 @@ class PagedKVCache:
         for layer in range(1, self.num_layers):
             self._check_kv(f"append layer {layer}", ks[layer], vs[layer], n)
         undo = self._undo_point([seq_id])
-        slots = self.reserve([seq_id], n)
         try:
+            slots = self.reserve([seq_id], n)
             for layer, (k, v) in enumerate(zip(ks, vs)):
                 self._write(layer, slots, k, v, check_slots=False)
         except BaseException:  # a write the checks could not foresee (out of memory, ...)
@@ -500,6 +538,7 @@ class PagedKVCache:
                     tails.append((p, length % self.page_size))
         return seqs, list(self._free), list(self._refs), tails
 
+    @_locked
     def _rollback(self, undo: tuple[Any, ...]) -> None:
         seqs, free, refs, tails = undo
         for seq, pages, length in seqs:
@@ -571,12 +610,18 @@ class PagedKVCache:
             raise InputError(f"layer={layer!r}; pass an index in 0..{self.num_layers - 1} "
                              "(negative indices are refused, not counted from the end)")
 
+    @_locked
     def step(self, seq_ids: Sequence[int], new_tokens: int) -> CacheStep:
         """Reserve ``new_tokens`` per sequence and build the tables every layer of a step uses."""
+        seq_ids = self._check_ids("step", seq_ids)
+        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
+            raise InputError(f"step: new_tokens={new_tokens!r}; pass one int >= 0, the tokens "
+                             "each sequence appends in this step (per-sequence counts: "
+                             "reserve)")
         context = tuple(self.length(s) for s in seq_ids)
-        undo = self._undo_point([self._check_id(s) for s in seq_ids])
-        slots = self.reserve(seq_ids, new_tokens)
+        undo = self._undo_point(seq_ids)
         try:
+            slots = self.reserve(seq_ids, new_tokens)
             owned = tuple((s, tuple(self._seqs[s].pages[c // self.page_size:]))
                           for s, c in zip(seq_ids, context) if new_tokens)
             return CacheStep(self, tuple(seq_ids), new_tokens, slots, self.block_table(seq_ids),
@@ -586,9 +631,10 @@ class PagedKVCache:
             raise
 
     # -- reading ----------------------------------------------------------------------------
+    @_locked
     def block_table(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """(B, P) int32 page indices, P the most pages any of them holds; padded with 0."""
-        seqs = [self._seq(s) for s in seq_ids]
+        seqs = [self._seq(s) for s in self._check_ids("block_table", seq_ids)]
         width = max((len(s.pages) for s in seqs), default=0) or 1
         rows = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
         host = torch.tensor(rows, dtype=torch.int32).view(len(seqs), width)
@@ -597,9 +643,10 @@ class PagedKVCache:
         self._tables.append((weakref.ref(t), frozenset(p for s in seqs for p in s.pages)))
         return t
 
+    @_locked
     def seqlens(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """(B,) int32 token counts."""
-        lens = [self.length(s) for s in seq_ids]
+        lens = [self.length(s) for s in self._check_ids("seqlens", seq_ids)]
         return self._vouched(torch.tensor(lens, dtype=torch.int32), max(lens, default=0))
 
     def _vouched(self, host: torch.Tensor, fact: int) -> torch.Tensor:
@@ -612,6 +659,7 @@ class PagedKVCache:
             PAGED.vouch(t, t.clone(), fact)
         return t
 
+    @_locked
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A contiguous copy of one sequence's k/v for ``layer``: (length, Hkv, D) each
         (an FP8 cache gives the dequantized values, fp32)."""
@@ -623,9 +671,13 @@ class PagedKVCache:
             k, v = self.scales.dequantize(layer, idx, k, v)
         return k.flatten(0, 1)[: seq.length], v.flatten(0, 1)[: seq.length]
 
+    @_locked
     def gather(self, layer: int, seq_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """k/v of equal-length sequences as contiguous (B, S, Hkv, D), for backends that do
         not read block tables."""
+        seq_ids = self._check_ids("gather", seq_ids)
+        if not seq_ids:
+            raise InputError("gather: no sequence ids; pass the ids of the sequences to read")
         lens = {self.length(s) for s in seq_ids}
         if len(lens) > 1:
             raise InputError(f"gather: sequences {list(seq_ids)} have different lengths "
@@ -634,6 +686,7 @@ class PagedKVCache:
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     # -- invariants -------------------------------------------------------------------------
+    @_locked
     def check_invariants(self) -> None:
         """Raise AssertionError unless page ownership is consistent (tests call this).
 
@@ -667,6 +720,13 @@ class PagedKVCache:
             raise InputError(f"unknown sequence id {sid} (live: {sorted(self._seqs)}); "
                              "it was never allocated or was already freed")
         return sid
+
+    def _check_ids(self, where: str, seq_ids: Any) -> list[int]:
+        """``seq_ids`` as a list of live ids (ints); a tensor, a string or None is refused."""
+        if isinstance(seq_ids, (str, bytes, torch.Tensor)) or not isinstance(seq_ids, Sequence):
+            raise InputError(f"{where}: seq_ids={seq_ids!r}; pass a list of the ints "
+                             "allocate() or fork() returned (a tensor: .tolist())")
+        return [self._check_id(s) for s in seq_ids]
 
     def _seq(self, seq_id: int) -> _Seq:
         return self._seqs[self._check_id(seq_id)]

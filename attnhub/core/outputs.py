@@ -158,7 +158,8 @@ def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     its ``failure``. With ``vet`` (the call that admits a backend to the hot path, or debug
     mode) the inputs' bits are summed too: a write through ``.data`` or a raw pointer moves
     no version counter (one reduction per input; on a GPU, one host sync)."""
-    before, sums, settings = versions(inputs), bit_sums(inputs) if vet else None, \
+    watched = written_watch(inputs)
+    before, sums, settings = versions(watched), bit_sums(watched) if vet else None, \
         process_state.call_snapshot()
     res = failure = None
     try:
@@ -174,7 +175,37 @@ def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             f"{getattr(backend, 'plugin', '?')!r}) changed process-wide settings in forward(): "
             f"{'; '.join(changed)}; put back (a backend must leave torch's settings as it "
             "found them: use a context manager inside forward())")
-    return res, failure, written_inputs(backend, before, inputs, sums)
+    return res, failure, written_inputs(backend, before, watched, sums)
+
+
+class _Pages:
+    """The pages of a paged k/v cache that one call reads (those its sequences hold): the
+    only part of the cache whose bits are summed for it."""
+
+    def __init__(self, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> None:
+        page = cache.shape[1]
+        used = torch.arange(table.shape[1], device=table.device)[None, :] < (
+            (lens.to(table.device, torch.int64) + page - 1) // page)[:, None]
+        self.cache, self.idx = cache, table[used].long().unique()
+
+    def bits(self) -> torch.Tensor:
+        return self.cache.index_select(0, self.idx.to(self.cache.device))
+
+
+def written_watch(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs whose writes are watched. A paged call's k/v cache is shared state that
+    another thread's step writes (its own slots) while this call runs: its version counter
+    then moves, and a correct backend was blamed and distrusted (serving threads failed).
+    So only the pages this call reads are watched, by their bits (``bit_sums``); the output
+    must still not live in the cache (``shared_memory``)."""
+    table, lens = inputs.get("block_table"), inputs.get("seqlens_k")
+    if table is None or lens is None:
+        return inputs
+    out = {n: t for n, t in inputs.items() if n not in ("k", "v")}
+    for n in ("k", "v"):
+        if isinstance(inputs[n], torch.Tensor) and inputs[n].dim() == 4:
+            out[n] = _Pages(inputs[n], table, lens)
+    return out
 
 
 def versions(inputs: dict[str, Any]) -> dict[str, int]:
@@ -197,6 +228,8 @@ def bit_sums(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
     if torch.compiler.is_compiling():  # traced, not run: nothing to sum
         return out
     for name, t in inputs.items():
+        if isinstance(t, _Pages):
+            t = t.bits()
         if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
             ints = _INT_OF_WIDTH.get(t.element_size())
             if ints is not None and not t.is_complex():

@@ -8,6 +8,7 @@ own dtype gives the same-precision reference of the FlashAttention rule.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .masking import allowed_mask, alibi_bias, doc_ranges
 from .spec import AttnParams
@@ -39,18 +40,24 @@ def _bshd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: A
         allowed = kept if allowed is None else allowed & kept
     if allowed is None:
         lse = torch.logsumexp(s, dim=-1)
-        p = torch.softmax(s, dim=-1)
+        p = _dropped(torch.softmax(s, dim=-1), params)
         return torch.matmul(p, vt).transpose(1, 2), lse.float()
     allowed = torch.broadcast_to(allowed, s.shape)
     row_ok = allowed.any(dim=-1, keepdim=True)
     s = s.masked_fill(~allowed, float("-inf"))
     s = torch.where(row_ok, s, torch.zeros_like(s))  # fully masked rows: finite, then zeroed
-    p = torch.softmax(s, dim=-1) * row_ok
+    p = _dropped(torch.softmax(s, dim=-1) * row_ok, params)
     lse = torch.where(row_ok.squeeze(-1), torch.logsumexp(s, dim=-1),
                       s.new_full(s.shape[:-1], float("-inf")))  # Sk may be 0
     # a fully masked row is 0 even where v holds NaN (its weights 0 times NaN are NaN)
     out = torch.matmul(p, vt).masked_fill(~row_ok, 0.0)
     return out.transpose(1, 2), lse.float()
+
+
+def _dropped(p: torch.Tensor, params: AttnParams) -> torch.Tensor:
+    """Attention dropout on the probabilities (B, H, Sq, Sk), as eager attention applies it:
+    one Bernoulli draw per probability from torch's generator; the LSE stays undropped."""
+    return F.dropout(p, params.dropout_p) if params.dropout_p else p
 
 
 def reference_attention(

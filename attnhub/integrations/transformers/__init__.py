@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...core.decision import BindContext
-from ...errors import InputError
+from ...errors import InputError, NoBackendError
 from ...hub import Hub, HubRef, default_hub
 from .guards import HARMLESS, check_documents, refuse_unsupported, weights_requested, where
 from .masks import DenseMask, mask_args
@@ -203,9 +203,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 def _attend(hub: Hub, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, sinks: torch.Tensor | None, **kw: Any) -> torch.Tensor:
     """``hub.attention``, with attention sinks when the model passes them."""
-    if sinks is None:
-        return hub.attention(q, k, v, **kw)
-    out, lse = hub.attention(q, k, v, return_lse=True, **kw)
+    try:
+        if sinks is None:
+            return hub.attention(q, k, v, **kw)
+        out, lse = hub.attention(q, k, v, return_lse=True, **kw)
+    except NoBackendError as e:
+        if not kw.get("dropout_p"):
+            raise
+        raise InputError(  # Gemma 2 training: softcap and dropout, which no CPU backend has
+            f"{where(module)}: no backend here serves attention dropout "
+            f"({kw['dropout_p']}) together with the rest of this call; train with the "
+            "config's attention dropout at 0, use attn_implementation='eager', or bind a "
+            f"backend that declares dropout for this model in the policy. {e}") from None
     try:
         return with_sinks(out, lse, sinks)
     except InputError as e:  # name the layer (built only on error: this is the hot path)

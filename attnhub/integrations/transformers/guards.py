@@ -104,7 +104,9 @@ def check_documents(module: torch.nn.Module, cu_seqlens: Any, dense: Any, sq: in
     docs, at = cu_seqlens.numel() - 1, where(module)
     fix = ("pass position_ids restarting at 0 per document and use_cache=False (transformers "
            "builds the packed mask only without a cache), or run the documents as a padded "
-           "batch")
+           "batch; if you did, this model's forward does not hand position_ids to its mask "
+           "builder (GPT-OSS in transformers 5.25: eager then attends across the documents "
+           "too), so run them as a padded batch")
     if not isinstance(dense, DenseMask):
         raise InputError(f"{at}: cu_seq_lens_q holds {docs} packed documents but the mask "
                          f"transformers built does not separate them (attnhub, like eager "

@@ -138,10 +138,12 @@ def _check_shape(mask: torch.Tensor, batch: int, sq: int, sk: int, heads: int | 
         # built for another layer's cache (MiniMax's decode masks come from its linear
         # layers'): broadcast, it masks a whole row or nothing, never the padding
         raise InputError(f"attention_mask of shape {tuple(mask.shape)} has one key column for "
-                         f"a call with {sk} keys: transformers built it for another layer's "
-                         "cache (a hybrid model's linear layers), and broadcast it would mask "
-                         "a whole row or nothing, not the padding; generate without padding "
-                         "(batch 1, or equal lengths), or use attn_implementation='eager'")
+                         f"a call with {sk} keys: transformers built it for another cache "
+                         "than this layer's (a hybrid model's linear layers, or a sliding "
+                         "window of 1 key), and broadcast it would mask a whole row or "
+                         "nothing, not the padding; generate without padding (batch 1, or "
+                         "equal lengths) with a window of at least 2, or use "
+                         "attn_implementation='eager'")
     raise InputError(f"attention_mask of shape {tuple(mask.shape)} does not fit this call "
                      f"(batch {batch}, {heads or 'H'} heads, {sq} queries, {sk} keys): "
                      f"pass a 4-D (B|1, 1|H, Sq|1, {sk}) mask, or a 2-D (B, Sk) padding "
