@@ -206,3 +206,27 @@ def test_a_write_sweeps_temporary_files_a_killed_writer_left(tmp_path: Path) -> 
     write_json_atomic(store, {"ok": True})
     assert json.loads(store.read_text()) == {"ok": True}
     assert not dead.exists() and live.exists() and other.exists()
+
+
+@pytest.mark.parametrize("kinds", ["[softmax]", "[softmax, gla]"])
+def test_a_softmax_kind_selector_does_not_open_approximate_backends(
+        tmp_path: Path, kinds: str) -> None:
+    """Every call made without a layer context has kind softmax: a rule selecting that kind
+    bound ``lsh`` (relative error 0.92) to plain ``attnhub.attention`` calls."""
+    p = tmp_path / "p.yaml"
+    p.write_text(f"name: p\nextends: default\nrules:\n  - name: by-kind\n"
+                 f"    when: {{layer: {{kind: {kinds}}}}}\n    use: [lsh, torch_sdpa]\n")
+    hub = attnhub.Hub(policy=str(p), hardware="cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 32, generator=g) for _ in range(3))
+    out = hub.attention(q, k, v, causal=True)
+    ref, _ = reference_attention(q, k, v, AttnParams(scale=32 ** -0.5, causal=True))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    d = hub.decide(AttentionSpec(dtype="fp32", head_dim=32, num_q_heads=2, num_kv_heads=2,
+                                 mask=attnhub.MaskSpec(causal=True), max_seqlen_q=64,
+                                 max_seqlen_k=64))
+    (why,) = [r.reasons for r in d.rejected if r.backend == "lsh"]
+    assert "kinds other than softmax" in " ".join(why)
+    errors = [f for f in lint_policy(load_policy(p), Registry.load(), ("cpu",))
+              if f.level == "error" and "lsh is approximate" in f.message]
+    assert errors, "lint must flag the rule"

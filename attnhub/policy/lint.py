@@ -24,6 +24,7 @@ from ..core.registry import Registry, did_you_mean
 from .cells import Cell, cells
 from .loader import LoadedRule
 from .profile import ProfileStore
+from .match import selects_layers
 from .resolver import Policy, accuracy_gated
 from .schema import RANGE_MINIMUM, Range, When
 
@@ -111,7 +112,7 @@ def _backend_names(lr: LoadedRule, registry: Registry) -> list[Finding]:
                 + did_you_mean(name, known))))
         elif isinstance(caps := safe_capabilities(b), str):
             out.append(Finding("warning", where, label, f"{caps}; resolution rejects it"))
-        elif not caps.exact and not (lr.rule.when.layer or accuracy_gated(lr, name)):
+        elif not caps.exact and not (selects_layers(lr.rule.when) or accuracy_gated(lr, name)):
             out.append(Finding("error", where, label, (
                 f"{name} is approximate (error budget {caps.error_budget}), expected "
                 "it only in a rule with a layer selector (when.layer) or with `requires: "

@@ -53,6 +53,19 @@ def capability_value(device: DeviceInfo) -> float | None:
     return None if cap is None else cap[0] + cap[1] / 10
 
 
+def selects_layers(when: When) -> bool:
+    """Whether ``when`` opts particular layers in (what lets an approximate backend bind): an
+    index or every-n-th selector, or layer kinds other than ``softmax``. A kind selector that
+    holds ``softmax`` matches every call made without a layer context (its kind is softmax),
+    so it opts in everything, as a rule without a selector would."""
+    layer = when.layer
+    if layer is None:
+        return False
+    if layer.index is not None or layer.every is not None:
+        return True
+    return layer.kind is not None and "softmax" not in layer.kind
+
+
 class Matcher:
     """A compiled ``when``: ``failed(...)`` returns the first key that does not hold."""
 
@@ -61,7 +74,7 @@ class Matcher:
     def __init__(self, when: When):
         self.preds: list[tuple[str, Pred]] = _compile(when)
         self.profile = when.profile
-        self.has_layer_selector = when.layer is not None
+        self.has_layer_selector = selects_layers(when)
 
     def failed(self, spec: AttentionSpec, device: DeviceInfo, ctx: BindContext,
                store: "ProfileStore | None") -> tuple[str | None, str | None]:

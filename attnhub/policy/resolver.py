@@ -240,8 +240,10 @@ class Policy:
         gated = accuracy_gated(lr, name)
         if not caps.exact and not (m.has_layer_selector or gated):
             reasons.append(f"approximate backend (error budget {caps.error_budget}) is bound "
-                           "only by a rule with a layer selector (when.layer) or one that "
-                           f"requires an accuracy record for it; {lr.rule.name!r} has neither")
+                           "only by a rule with a layer selector (when.layer: an index, "
+                           "every-n-th, or kinds other than softmax, which every call "
+                           "without a layer context has) or one that requires an accuracy "
+                           f"record for it; {lr.rule.name!r} has neither")
         if gated:
             # the opt-in note only for a backend nothing else rejects (never a misleading one)
             reasons += self._accuracy_reasons(name, lr, spec, device, backend,

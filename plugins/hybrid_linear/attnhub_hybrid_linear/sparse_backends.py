@@ -46,12 +46,15 @@ from .lsh import lsh_attention
 LONGFORMER_BUDGET = 0.05
 #: LSH's budget vs dense, non-causal, for clustered queries/keys (each within ~6 degrees of
 #: one of 2-8 centres, attention concentrated on the query's cluster), with the defaults
-#: (8 buckets, 4 rounds). Measured up to 0.064 over 120 draws (head dims 16-128, 32-300
-#: tokens, GQA/MQA) at 6 degrees, 0.083 at 7; at 10 degrees it reaches 0.18 and at 15 (what
-#: this comment said before) 0.28: the budget holds only for tight clusters.
-#: tests/test_adversarial_hybrid_4.py checks it on random draws at 7 degrees.
+#: (8 buckets, 4 rounds). Random hashing has a tail: about 1 draw in 100-200 splits a
+#: query's cluster across buckets in every round. Measured (2026-12-05, CPU; head dims
+#: 16-128, 32-300 tokens, GQA/MQA): 400 draws at 6 degrees, median 0.001, p99 0.08, max
+#: 0.127; 200 at 7 degrees, p99 0.099, max 0.134; 200 draws of 64 tokens, d=16, 2 centres,
+#: max 0.165. (0.1, the budget before, was broken by 0.5-1% of draws.) At 10 degrees it
+#: reaches 0.18 and at 15 0.28: the budget holds only for tight clusters.
+#: tests/test_adversarial_hybrid_4.py checks it on random draws at 6 and 7 degrees.
 #: Causal LSH drops more: an early query may have no earlier key in its buckets.
-LSH_BUDGET = 0.1
+LSH_BUDGET = 0.2
 
 _ALL_LAYOUTS = frozenset({"bshd", "thd", "paged"})
 

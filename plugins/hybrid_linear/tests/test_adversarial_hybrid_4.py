@@ -128,19 +128,21 @@ def test_chunked_and_recurrent_forms_agree_on_a_random_gate() -> None:
     assert rel_rmse(got, want) < 1e-5 and rel_rmse(got_h, want_h) < 1e-5
 
 
-def test_lsh_meets_its_declared_budget_on_random_clustered_draws() -> None:
+@pytest.mark.parametrize("degrees, draws", [(6, 48), (7, 16)])
+def test_lsh_meets_its_declared_budget_on_random_clustered_draws(degrees: int,
+                                                                 draws: int) -> None:
     """The budget's stated input class, drawn at random (head dims, lengths, GQA/MQA, 2-8
-    centres) at 7 degrees, past the stated ~6: the 0.1 budget was stated for ~15 degrees,
-    where random draws reach 0.28."""
-    hub, rng = attnhub.Hub(), random.Random(7)
+    centres) at ~6 degrees and past it: the 0.1 budget was stated for ~15 degrees, where
+    random draws reach 0.28, and 0.5-1% of draws at 6 degrees broke it (hashing's tail)."""
+    hub, rng = attnhub.Hub(), random.Random(7 + degrees)
     errs = []
-    for seed in range(16):
+    for seed in range(draws):
         gen = torch.Generator().manual_seed(seed)
         d, s, hkv, nc = rng.choice([16, 32, 64, 128]), rng.randint(32, 300), rng.choice([1, 2]), \
             rng.randint(2, 8)
         hq = hkv * rng.choice([1, 2])
         centres = F.normalize(torch.randn(nc, d, generator=gen), dim=-1)
-        noise = 8 * math.tan(math.radians(7)) / math.sqrt(d)
+        noise = 8 * math.tan(math.radians(degrees)) / math.sqrt(d)
 
         def draw(h: int) -> torch.Tensor:
             at = centres[torch.randint(0, nc, (1, s, h), generator=gen)]
