@@ -26,6 +26,7 @@ from .core.masking import attends_nothing
 from .core.modsig import arity_error, shape_key
 from .core.lse_guard import guard_lse
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
+from .core.env import env_flag
 from .core.contract import (
     SCALAR_MAX,
     SCALAR_MIN,
@@ -249,12 +250,11 @@ class Hub:
         #: Debug mode (``Hub(debug=True)`` or ``ATTNHUB_DEBUG=1``; ``attnhub bench`` can set
         #: it): a backend output with NaN from inputs without NaN is that backend failing.
         #: Costs a host sync per call, so it is off on the hot path.
-        self.debug = (os.environ.get("ATTNHUB_DEBUG", "") not in ("", "0")
-                      if debug is None else debug)
+        self.debug = env_flag("ATTNHUB_DEBUG", False) if debug is None else debug
         #: Time a pack's near-tied candidates on the first call of a bucket and bind the
         #: fastest (``attnhub.settle``; ``ATTNHUB_SETTLE_TIES=0``: the pack's order binds).
-        self.settle_ties = (os.environ.get("ATTNHUB_SETTLE_TIES", "1") not in ("", "0")
-                            if settle_ties is None else settle_ties)
+        self.settle_ties = (env_flag("ATTNHUB_SETTLE_TIES", True) if settle_ties is None
+                            else settle_ties)
 
     @property
     def forced_backend(self) -> str | None:

@@ -10,6 +10,7 @@ from .core.backend import TIERS, AttentionOutput, Backend, module_available, uni
 from .core.capabilities import ALL_MASKS, FLOAT_DTYPES, HALF_DTYPES, Capabilities
 from .core.device import DeviceInfo
 from .core.contract import check_call
+from .core.env import env_flag
 from .core.flash_conventions import (
     causal_alibi_lse,
     flash_causal,
@@ -44,6 +45,7 @@ from .errors import AttnhubError, BackendUnavailableError, CacheFullError, Input
 from .hookspecs import hookimpl
 
 __all__ = [
+    "env_flag",
     "ALL_MASKS",
     "FLOAT_DTYPES",
     "HALF_DTYPES",

@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Sequence
 
+import torch
+
 from ..core.process_state import STRAY
 from ..errors import AttnhubError
 
@@ -41,6 +43,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: what was written is whole (atomic writers)
+        print(f"attnhub {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except MemoryError as exc:  # a size the machine cannot hold (--vocab 10**12)
+        print(f"attnhub {args.command}: error: out of memory ({exc or 'MemoryError'}); "
+              "pass smaller sizes", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        if not _out_of_memory(exc):
+            raise
+        print(f"attnhub {args.command}: error: out of memory "
+              f"({str(exc).splitlines()[0][:160]}); pass smaller sizes", file=sys.stderr)
+        return 1
+
+
+#: Exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    text = str(exc)
+    oom = getattr(torch, "OutOfMemoryError", ())
+    return isinstance(exc, oom) or "can't allocate memory" in text or (
+        "not enough memory" in text)
 
 
 def run() -> None:
@@ -48,6 +74,10 @@ def run() -> None:
     left running (they are reported when it loads; the interpreter would wait for them at
     exit forever). Given 2 s to end, then the process exits with main's status."""
     rc = main()
+    if rc == INTERRUPTED:  # a worker thread (a kit case) may still run: no teardown with it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     stray = [t for t in list(STRAY) if t.is_alive()]
     deadline = time.monotonic() + 2.0
     for t in stray:

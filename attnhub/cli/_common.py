@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from ..errors import InputError
+
 
 def at_least(low: float, kind: type = int, *, strict: bool = False) -> Callable[[str], Any]:
     """An argparse ``type``: an int (or, with ``kind=float``, a finite number) >= ``low``
@@ -95,6 +97,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     it still do) that replaces ``path`` only when the block succeeds: a failed or interrupted
     write leaves the old file, or none, never a truncated one."""
     target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():  # a device or FIFO would be replaced
+        raise InputError(f"{path} is not a regular file (a device, FIFO, socket or folder); "
+                         "pass the path of a file to write")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix,
                                dir=target.parent)
     os.close(fd)

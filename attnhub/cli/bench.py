@@ -112,18 +112,35 @@ def _check_outputs(args: argparse.Namespace) -> None:
     import os
 
     _phases(args.phases)
+    seen: dict[str, str] = {}
+    store = getattr(args, "store", None) or os.environ.get("ATTNHUB_PROFILE")
+    if store:
+        seen[os.path.realpath(store)] = "--store"
     for flag in ("md", "plot", "out_json", "pack"):
         given = getattr(args, flag)
         if not given:
             continue
         path = Path(given)
-        folder = path.parent
+        folder, name = path.parent, f"--{flag.replace('_', '-')}"
         why = ("is a folder" if path.is_dir() else f"folder {folder} does not exist"
                if not folder.is_dir() else f"folder {folder} is not writable"
-               if not os.access(folder, os.W_OK) else "")
+               if not os.access(folder, os.W_OK) else "is not a regular file (a device, "
+               "FIFO or socket: it would be replaced by the report)"
+               if path.exists() and not path.is_file() else "")
+        other = seen.get(os.path.realpath(path))
+        if not why and other:
+            why = f"is also {other}: one would replace the other"
+        if not why and flag == "plot" and path.suffix.lower() not in _PLOT_SUFFIXES:
+            why = (f"has suffix {path.suffix or '(none)'!r}, which names no image format; "
+                   f"use one of {', '.join(_PLOT_SUFFIXES)}")
         if why:
-            raise SystemExit(f"attnhub bench: --{flag.replace('_', '-')} {given}: {why}; "
-                             "pass a file in a writable folder")
+            raise SystemExit(f"attnhub bench: {name} {given}: {why}; pass a file in a "
+                             "writable folder")
+        seen[os.path.realpath(path)] = name
+
+
+#: Image formats ``--plot`` writes (matplotlib's, by the file's suffix).
+_PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 
 
 def run(args: argparse.Namespace) -> int:

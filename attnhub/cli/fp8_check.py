@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,25 +141,37 @@ def synthetic_cases(shape: tuple[int, ...], causal: bool, magnitudes: list[float
 
 
 def captured_cases(path: str, device: torch.device) -> list[Case]:
+    if not Path(path).is_file():  # a FIFO would block the load forever
+        raise SystemExit(f"attnhub fp8-check: --inputs {path}: not a regular file; pass a "
+                         "file saved with torch.save")
     try:
         data = torch.load(path, map_location=device, weights_only=True)
     except Exception as exc:  # noqa: BLE001  missing, unreadable, not a tensor file
         raise SystemExit(f"attnhub fp8-check: --inputs {path}: cannot load it ({exc})") from None
     items = data if isinstance(data, list) else [data]
+    if not items:
+        raise SystemExit(f"attnhub fp8-check: --inputs {path}: an empty list checks nothing; "
+                         "save a dict (or a list of dicts) with q, k, v")
     cases = []
     for i, item in enumerate(items):
         try:
-            q, k, v = (item[n].to(torch.bfloat16) for n in ("q", "k", "v"))
+            raw = [item[n] for n in ("q", "k", "v")]
+            if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in raw):
+                raise TypeError
+            q, k, v = (t.to(torch.bfloat16) for t in raw)
         except (KeyError, TypeError, AttributeError, IndexError):
             raise SystemExit(f"attnhub fp8-check: {path}[{i}] needs keys q, k, v "
-                             "(B, S, H, D tensors)") from None
+                             "(B, S, H, D floating tensors)") from None
+        causal = item.get("causal", False)
+        if not isinstance(causal, bool):
+            raise SystemExit(f"attnhub fp8-check: --inputs {path}[{i}]: causal={causal!r}; "
+                             "save true or false")
         why = _captured_shapes(q, k, v)
         if why:
             raise SystemExit(f"attnhub fp8-check: --inputs {path}[{i}]: {why}; save q, k, v "
                              "as (B, S, H, D) with k, v alike and query heads a multiple of "
                              "KV heads")
-        cases.append(Case(f"{path}[{i}] {tuple(q.shape)}", "captured", 1.0, q, k, v,
-                          bool(item.get("causal", False))))
+        cases.append(Case(f"{path}[{i}] {tuple(q.shape)}", "captured", 1.0, q, k, v, causal))
     return cases
 
 
@@ -287,6 +300,10 @@ def run(args: argparse.Namespace) -> int:
                          "numerics here")
     args.backend = args.backend or ("triton_decode_fp8" if args.kv else "fa3_fp8")
     fp8 = hub.registry.get(args.backend)
+    if not fp8.capabilities.fp8:  # its budget (None: exact) and record would mean nothing
+        fp8s = sorted(n for n, b in hub.registry.backends.items() if b.capabilities.fp8)
+        raise SystemExit(f"attnhub fp8-check: --backend {args.backend} computes in no FP8 "
+                         f"dtype; name an FP8 backend ({', '.join(fp8s) or 'none installed'})")
     device = torch.device("cpu" if hub.device.simulated else hub.device.torch_device)
     shapes = args.shape or [(1, 4096, 16, 16, 128)]
     mags = args.magnitudes

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 from typing import Any, NamedTuple
 
 import torch
 
 from .spec import DTYPES, torch_dtype
+from .env import env_flag
 from .tables import PAGED, THD
 from ..errors import (
     ArgumentError,
@@ -320,7 +320,7 @@ def _check_descale(name: str, d: Any) -> None:
         if not d.is_floating_point():
             raise ArgumentError(f"extra[{name!r}] has dtype {d.dtype}; descales are float32 "
                                 f"(use {name}.float())")
-        if not d.is_cpu and os.environ.get("ATTNHUB_DEBUG", "") in ("", "0"):
+        if not d.is_cpu and not env_flag("ATTNHUB_DEBUG", False):
             return
         bad = int((~(d > 0) | ~torch.isfinite(d)).sum())
     else:

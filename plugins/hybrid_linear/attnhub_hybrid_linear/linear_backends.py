@@ -21,7 +21,6 @@ cache that makes decode O(1) per token, and :mod:`.linear_ops` for which kernels
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from attnhub.plugin import (
+    env_flag,
     FLOAT_DTYPES,
     AttentionOutput,
     AttentionSpec,
@@ -102,7 +102,7 @@ def _check_gate(g: Any, k: torch.Tensor, layout: str) -> None:
     if layout == "thd" and g.shape[:1] != k.shape[:1]:
         raise InputError(f"{where} has {g.shape[0] if g.dim() else 0} rows but k packs "
                          f"{k.shape[0]} tokens; a thd gate is packed like k (total_k, H, K|-)")
-    if not g.is_cpu and os.environ.get("ATTNHUB_DEBUG", "") in ("", "0"):
+    if not g.is_cpu and not env_flag("ATTNHUB_DEBUG", False):
         return
     with torch.no_grad():
         bad = int((~(g <= 0)).sum())  # NaN included

@@ -15,13 +15,14 @@ passed over for the next fastest.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from attnhub.plugin import env_flag
 
 Config = dict[str, Any]
 
@@ -32,7 +33,7 @@ TUNING_LOG: list[tuple[tuple[Any, ...], Config, float | None, str | None]] = []
 
 
 def tuning_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("ATTNHUB_TRITON_AUTOTUNE", "1") != "0"
+    return device.type == "cuda" and env_flag("ATTNHUB_TRITON_AUTOTUNE", True)
 
 
 def bucket(n: int) -> int:
