@@ -106,3 +106,13 @@ def test_fp8_check_names_what_it_cannot_check(tmp_path: Path,
         code, _ = _exits(["fp8-check", "--inputs", str(path), "--emulate", "--no-record",
                           "--shape", "1,12,2,1,8", "--magnitudes", "5"], capsys)
         assert words in str(code), (words, code)
+
+
+def test_run_check_fails_a_backend_far_from_the_reference(monkeypatch) -> None:
+    """Forced onto linear attention, the run's logits were 5.1 off the reference with tokens
+    differing, and the check said "ok": its near-tie allowance grew with the error itself."""
+    tiny = ["run", "--layers", "1", "--heads", "4:2", "--head-dim", "8", "--vocab", "32",
+            "--batch", "1", "--prompt-len", "6", "--new-tokens", "3", "--page-size", "4"]
+    assert main(tiny) == 0
+    monkeypatch.setenv("ATTNHUB_BACKEND", "linear")
+    assert main(tiny) != 0

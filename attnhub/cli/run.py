@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         ok = chk.ok
         same = "yes" if all(chk.agree) else "no" + (" (near ties only)" if chk.ok else "")
         lines.append(f"check vs reference ({rows} prompts, first {k} steps): max |logit diff| "
-                     f"{chk.max_abs_diff:.3g}, same greedy tokens: {same} -> "
-                     f"{'ok' if chk.ok else 'FAILED'}")
+                     f"{chk.max_abs_diff:.3g} (tolerance {chk.tolerance:.3g}), same greedy "
+                     f"tokens: {same} -> {'ok' if chk.ok else 'FAILED'}")
     if args.compare_decode:
         rows_ = compare_decode(s.model, s.hub, s.table, cache, seqs, first, n,
                                warmup=args.warmup, rounds=args.compare_rounds,
