@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     lines = [table([(ph, r["tokens"], f"{r['seconds']:.3f}", _rate(r["tokens_per_s"]))
                     for ph, r in report["phases"].items()],
                    ("phase", "tokens", "seconds", "tokens/s"))]
+    if s.hub.forced_backend:  # the binding table shows the policy's choice, not this
+        report["forced_backend"] = s.hub.forced_backend
+        lines.append(f"note: ATTNHUB_BACKEND={s.hub.forced_backend} forced every call onto "
+                     "that backend; the binding table above is what the policy would bind")
     ok = True
     if k:
         rows = min(args.check_batch, b)
