@@ -13,8 +13,10 @@ def format_report(report: KitReport, verbose: bool = False) -> str:
         allowed = "" if f["allowed"] is None else f"{f['allowed']:.2e}"
         rows.append((f["feature"], f["status"].upper() if f["status"] in ("fail", "crash")
                      else f["status"], err, allowed, f["detail"][:110]))
-    head = (f"{report.backend} (plugin {report.plugin}) on {report.device}: "
-            f"{'PASS' if report.ok else 'FAIL'}")
+    ran = any(r.status != "skip" for r in report.results)
+    verdict = ("FAIL" if not report.ok else "PASS" if ran
+               else "NOTHING RAN (every case skipped or deselected)")
+    head = f"{report.backend} (plugin {report.plugin}) on {report.device}: {verdict}"
     lines = [head, table(rows, ("feature", "result", "worst error", "allowed", "detail"))]
     if verbose:
         for r in report.results:
