@@ -97,9 +97,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     it still do) that replaces ``path`` only when the block succeeds: a failed or interrupted
     write leaves the old file, or none, never a truncated one."""
     target = Path(os.path.realpath(path))
-    if target.exists() and not target.is_file():  # a device or FIFO would be replaced
-        raise InputError(f"{path} is not a regular file (a device, FIFO, socket or folder); "
-                         "pass the path of a file to write")
+    if target.exists() and not target.is_file() and not target.is_dir():
+        raise InputError(f"{path} is not a regular file (a device, FIFO or socket, which the "
+                         "write would replace); pass the path of a file to write")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix,
                                dir=target.parent)
     os.close(fd)

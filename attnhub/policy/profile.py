@@ -568,9 +568,9 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     ``path`` (without the flush a crash after the rename can leave an empty file there). A
     symlink is followed: the rename replaces the file it points to, not the link."""
     path = Path(os.path.realpath(path))
-    if path.exists() and not path.is_file():  # a device or FIFO would be replaced
-        raise PolicyError([f"{path} is not a regular file (a device, FIFO, socket or "
-                           "folder); pass the path of a file to write"])
+    if path.exists() and not path.is_file() and not path.is_dir():  # a device or FIFO
+        raise PolicyError([f"{path} is not a regular file (a device, FIFO or socket, which "
+                           "the write would replace); pass the path of a file to write"])
     path.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
