@@ -116,3 +116,12 @@ def test_run_check_fails_a_backend_far_from_the_reference(monkeypatch) -> None:
     assert main(tiny) == 0
     monkeypatch.setenv("ATTNHUB_BACKEND", "linear")
     assert main(tiny) != 0
+
+
+@pytest.mark.parametrize("flags", [["--out-json", "r.json"], ["--pack", "p.json"],
+                                   ["--cells", "decode"], ["--rounds", "3"]])
+def test_regret_flags_without_regret_are_named(flags: list[str], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --regret, bench ignored them: --out-json and --pack wrote nothing, exit 0."""
+    code, _ = _exits(["bench", "--seqlens", "16", *flags], capsys)
+    assert f"{flags[0]} belong to the regret report" in str(code), code

@@ -112,6 +112,12 @@ def _check_outputs(args: argparse.Namespace) -> None:
     import os
 
     _phases(args.phases)
+    if not args.regret and not args.from_json:  # else they would do nothing, silently
+        stray = [f"--{n.replace('_', '-')}" for n, unset in _REGRET_ONLY
+                 if getattr(args, n) != unset]
+        if stray:
+            raise SystemExit(f"attnhub bench: {', '.join(stray)} belong to the regret report "
+                             "and do nothing without it; add --regret, or drop them")
     seen: dict[str, str] = {}
     store = getattr(args, "store", None) or os.environ.get("ATTNHUB_PROFILE")
     if store:
@@ -139,6 +145,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
         seen[os.path.realpath(path)] = name
 
 
+#: Flags of the regret report, with their defaults (``--regret``).
+_REGRET_ONLY = (("cells", None), ("exclude", None), ("scale", None), ("rounds", 2),
+                ("out_json", None), ("pack", None), ("header", ""))
 #: Image formats ``--plot`` writes (matplotlib's, by the file's suffix).
 _PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 
