@@ -46,7 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--repeats", type=at_least(1), default=10,
                    help="timed runs, median (default 10)")
     g.add_argument("--store", default=None, metavar="PATH",
-                   help="profile store (default ATTNHUB_PROFILE or ~/.cache/attnhub)")
+                   help="profile store file (default ATTNHUB_PROFILE or "
+                        "~/.cache/attnhub/profile.json)")
     g.add_argument("--no-store", action="store_true", help="do not record the results")
     g.add_argument("--md", default=None, metavar="FILE", help="also write the markdown table")
     g.add_argument("--plot", default=None, metavar="PNG", help="bar chart of the timings")

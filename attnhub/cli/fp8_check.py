@@ -78,7 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model the FP8 kernel's numerics where it cannot run (CPU)")
     p.add_argument("--time", action="store_true", help="also time each path (GPU)")
     p.add_argument("--store", default=None, metavar="PATH",
-                   help="profile store (default ATTNHUB_PROFILE or ~/.cache/attnhub)")
+                   help="profile store file (default ATTNHUB_PROFILE or "
+                        "~/.cache/attnhub/profile.json)")
     p.add_argument("--no-record", action="store_true", help="do not write accuracy records")
     p.add_argument("--seed", type=seed, default=0, help="inputs seed (default 0)")
     add_hardware(p, help="a simulated device (sm90, ...): only with --emulate --no-record, "

@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="steps measured per phase, median (default 5)")
     p.add_argument("--warmup", type=at_least(0), default=1, help="untimed steps first (default 1)")
     p.add_argument("--store", default=None, metavar="PATH",
-                   help="profile store (default ATTNHUB_PROFILE or ~/.cache/attnhub)")
+                   help="profile store file (default ATTNHUB_PROFILE or "
+                        "~/.cache/attnhub/profile.json)")
     p.add_argument("--no-store", action="store_true", help="do not record the results")
     add_json(p)
     p.set_defaults(func=run)

@@ -183,13 +183,18 @@ class _Pages:
     only part of the cache whose bits are summed for it."""
 
     def __init__(self, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> None:
-        page = cache.shape[1]
-        used = torch.arange(table.shape[1], device=table.device)[None, :] < (
-            (lens.to(table.device, torch.int64) + page - 1) // page)[:, None]
-        self.cache, self.idx = cache, table[used].long().unique()
+        self.cache, self.table, self.lens = cache, table, lens
+        self.idx: torch.Tensor | None = None
 
     def bits(self) -> torch.Tensor:
-        return self.cache.index_select(0, self.idx.to(self.cache.device))
+        """The pages' contents; their indices found on first use only (a boolean index and
+        ``unique`` wait on the device: the vetting call pays it, the others never)."""
+        if self.idx is None:
+            page = self.cache.shape[1]
+            used = torch.arange(self.table.shape[1], device=self.table.device)[None, :] < (
+                (self.lens.to(self.table.device, torch.int64) + page - 1) // page)[:, None]
+            self.idx = self.table[used].long().unique().to(self.cache.device)
+        return self.cache.index_select(0, self.idx)
 
 
 def written_watch(inputs: dict[str, Any]) -> dict[str, Any]:
