@@ -54,11 +54,12 @@ def assert_lse(lse: torch.Tensor, ref_lse: torch.Tensor, atol: float = 1e-3) -> 
 def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                    **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+                    dropout_p: float = 0.0, **_: object) -> tuple[torch.Tensor, torch.Tensor]:
     """What a FlashAttention-convention kernel returns for bshd inputs, for recording fakes in
     plugin tests: bottom-right masks, output in q's dtype, LSE (B, H, Sq) with +inf on fully
     masked rows (FA's marker, which backends must turn into -inf). Like the real kernels, a
-    window edge >= Sk counts as unbounded (FlashAttention's ``mha_fwd`` clamps it)."""
+    window edge >= Sk counts as unbounded (FlashAttention's ``mha_fwd`` clamps it). Dropout
+    draws as eager does, from torch's generator; the LSE stays the undropped one."""
     from .core.reference import reference_attention
     from .core.spec import AttnParams
 
@@ -66,7 +67,7 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
     window_size = tuple(-1 if w >= sk else w for w in window_size)
     window = None if window_size == (-1, -1) else window_size
     params = AttnParams(scale=softmax_scale, causal=causal, window=window,  # type: ignore[arg-type]
-                        softcap=softcap or None, alibi_slopes=alibi_slopes)
+                        softcap=softcap or None, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     out, lse = reference_attention(q, k, v, params, compute_dtype=torch.float32)
     return out.to(q.dtype), lse.masked_fill(lse == float("-inf"), float("inf"))
 

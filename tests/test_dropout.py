@@ -1,8 +1,8 @@
 """Attention dropout (``dropout_p``): what it does to the probabilities, its expectation,
 its repeatability under a seed, who may serve it, and the refusals.
 
-The one backend that declares it here is ``torch_sdpa``; the others are rejected with "no
-attention dropout", by the policy and when forced."""
+On the CPU ``torch_sdpa`` (dense) and ``reference`` declare it; on CUDA ``fa2`` too. The
+others are rejected with "no attention dropout", by the policy and when forced."""
 
 from __future__ import annotations
 
@@ -141,12 +141,31 @@ def test_backends_without_dropout_are_rejected_with_the_reason(cpu_hub: Hub) -> 
     assert d.rejected and all("no attention dropout" in " ".join(r.reasons)
                               for r in d.rejected)
     assert "dropout" in spec.describe()
-    sim = Hub(hardware="h100").decide(spec.with_(dtype="bf16", kv_dtype="bf16"))
-    assert sim.backend == "torch_sdpa", sim.explain()
-    assert {r.backend for r in sim.rejected} >= {"fa3", "triton"}
     q, k, v = _qkv(1, 8, 8, 2, 2, 8)
     with pytest.raises(attnhub.BackendUnavailableError, match="no attention dropout"):
         cpu_hub.attention(q, k, v, dropout_p=0.1, backend="torch_flash_cpu")
+
+
+@pytest.mark.parametrize("hardware", ["h100", "a100"])
+@pytest.mark.parametrize("policy", ["policies/default.yaml", "policies/h100-training.yaml",
+                                    "policies/a100-training.yaml"])
+def test_gpu_dropout_training_binds_flash_attention_2_then_sdpa(hardware: str,
+                                                                 policy: str) -> None:
+    """On CUDA only FA2 and SDPA draw dropout: FA2 first (every mask it has, packed
+    documents too), SDPA as the dense fallback; FA3, cuDNN and Triton are never tried one
+    by one, and the training overlays do not shadow the rule."""
+    hub = Hub(hardware=hardware, policy=policy)
+    spec = AttentionSpec(phase="train", dtype="bf16", head_dim=128, num_q_heads=8,
+                         num_kv_heads=2, mask=MaskSpec(causal=True), max_seqlen_q=1024,
+                         max_seqlen_k=1024, needs_grad=True, dropout=True)
+    dense = hub.decide(spec)
+    assert (dense.backend, dense.rule) == ("fa2", "cuda-dropout"), dense.explain()
+    assert "torch_sdpa" in dense.explain()
+    packed = hub.decide(spec.with_(layout="thd", mask=MaskSpec(causal=True, document=True)))
+    assert packed.backend == "fa2", packed.explain()
+    assert "dropout only for dense bshd" in packed.explain()
+    capped = hub.decide(spec.with_(mask=MaskSpec(causal=True, softcap=True)))
+    assert capped.backend is None and "softcap with dropout" in capped.explain()
 
 
 def test_dropout_on_packed_documents_binds_the_reference(cpu_hub: Hub) -> None:

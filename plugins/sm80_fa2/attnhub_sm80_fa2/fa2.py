@@ -60,8 +60,24 @@ def fa2_capabilities(build: FlashAttnBuild) -> Capabilities:
         max_head_dim=256, head_dim_multiple=8, masks=frozenset(masks),
         layouts=frozenset(layouts), backward=True, deterministic_backward=build.deterministic,
         page_size_multiple=FA2_PAGE_MULTIPLE, deterministic_forward=True, gqa=True,
-        returns_lse=True, top_left_causal=True,
+        returns_lse=True, top_left_causal=True, dropout=build.dropout,
     )
+
+
+def dropout_reasons(spec: AttentionSpec) -> list[str]:
+    """Dropout calls flash_attn cannot serve as asked (``flash_api.cpp``, ``flash_attn_func``)."""
+    if not spec.dropout:
+        return []
+    r = []
+    if spec.layout == "paged":
+        r.append("the paged path (flash_attn_with_kvcache) has no dropout")
+    if spec.mask.softcap:
+        r.append("flash_attn refuses softcap with dropout ('Softcapping does not support "
+                 "dropout')")
+    if spec.return_lse:
+        r.append("with dropout flash_attn returns the LSE only beside the whole dropped "
+                 "Sq x Sk probability matrix (return_attn_probs); call without return_lse")
+    return r
 
 
 class FlashAttn2Backend(Backend):
@@ -70,7 +86,7 @@ class FlashAttn2Backend(Backend):
     name = "fa2"
     tier = "vendor"
     description = ("FlashAttention-2 (flash_attn): dense, varlen, paged KV cache (page % 256), "
-                   "window, softcap, ALiBi, deterministic backward")
+                   "window, softcap, ALiBi, dropout, deterministic backward")
     requires = {"flash_attn": INSTALL_FLASH_ATTN}
 
     @functools.cached_property
@@ -85,7 +101,7 @@ class FlashAttn2Backend(Backend):
         r = top_left_reason(spec) + top_left_alibi_reason(spec)
         if spec.layout == "paged" and spec.needs_grad:
             r.append("the paged path (flash_attn_with_kvcache) has no backward")
-        return r
+        return r + dropout_reasons(spec)
 
     def _load(self) -> None:
         from flash_attn import flash_attn_interface
@@ -97,6 +113,8 @@ class FlashAttn2Backend(Backend):
         if spec.layout == "paged":
             return self._paged(q, k, v, params)
         out_kw = flash_output_kwargs(params)
+        if params.dropout_p:  # drawn from the CUDA generator's Philox state, saved for backward
+            out_kw["dropout_p"] = params.dropout_p
         if spec.layout == "thd":
             form, seqlen_k = flash_varlen_form(self.name, params), params.max_seqlen_k or 0
             res = flash_varlen(self._fa.flash_attn_varlen_func, self.name, q, k, v, params,

@@ -129,6 +129,10 @@ class FlashAttnBuild:
         return "deterministic" in self.dense
 
     @property
+    def dropout(self) -> bool:
+        return "dropout_p" in self.dense
+
+    @property
     def varlen_ok(self) -> bool:
         return bool(self.varlen)
 
@@ -139,8 +143,8 @@ class FlashAttnBuild:
 
 _FA2_UPSTREAM = FlashAttnBuild(
     installed=False,
-    dense=frozenset({"q", "k", "v", "softmax_scale", "causal", "window_size", "softcap",
-                     "alibi_slopes", "deterministic", "return_attn_probs"}),
+    dense=frozenset({"q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size",
+                     "softcap", "alibi_slopes", "deterministic", "return_attn_probs"}),
     varlen=frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}),
     kvcache=frozenset({"cache_seqlens", "block_table", "return_softmax_lse"}),
 )

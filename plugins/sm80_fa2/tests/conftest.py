@@ -41,16 +41,16 @@ def make_flash_attn(rec: Recorder) -> types.ModuleType:
     """``flash_attn.flash_attn_interface`` with the three entry points."""
     mod = types.ModuleType("flash_attn.flash_attn_interface")
 
-    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, deterministic=False,
-                        return_attn_probs=False):
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                        deterministic=False, return_attn_probs=False):
         rec.calls.append(("flash_attn_func", dict(
             sk=k.shape[1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-            return_attn_probs=return_attn_probs)))
+            return_attn_probs=return_attn_probs, dropout_p=dropout_p)))
         out, lse = flash_reference(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=window_size, softcap=softcap,
-                                   alibi_slopes=alibi_slopes)
+                                   alibi_slopes=alibi_slopes, dropout_p=dropout_p)
         return (out, lse, None) if return_attn_probs else out
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -6,12 +6,15 @@ alignment, window, softcap, ALiBi or LSE shows up as a mismatch with attnhub's r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from attnhub_sm80_fa2 import fa2_torch
 from attnhub_sm80_fa2.fa2 import FlashAttn2Backend
 from attnhub_sm80_fa2.fa2_torch import TorchFlashBackend
 
+import attnhub
 from attnhub.plugin import AttnParams, BackendUnavailableError, paged_to_varlen
 from attnhub.plugin import reference_attention as ref_attn
 from attnhub.testing import assert_lse, flash_reference
@@ -190,3 +193,53 @@ def test_fa2_torch_lse_and_varlen_use_the_op(monkeypatch, helpers):
     out, lse = run(TorchFlashBackend(), q, k, v, helpers.spec(q, k, causal=True), p)
     assert rec.calls[-1][0] == "op" and lse.shape == (1, 4, 5)
     assert_lse(lse, ref_attn(q, k, v, p, compute_dtype=torch.float32)[1], atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_fa2_dropout_is_passed_and_drawn_from_torch(fake_flash_attn, helpers, layout):
+    """dropout_p reaches flash_attn only when above 0 (an eval call never names it), and the
+    draw follows torch's generator, as flash_attn's Philox state does on the GPU."""
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    if layout == "thd":
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(12, h, 16, generator=g) for h in (4, 2, 2))
+        extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7)
+        fn = "flash_attn_varlen_func"
+    else:
+        q, k, v = qkv(2, 6, 9, seed=3)
+        extra, fn = {}, "flash_attn_func"
+    spec = replace(helpers.spec(q, k, layout, causal=True), dropout=True, needs_grad=True)
+    p = AttnParams(scale=0.25, causal=True, dropout_p=0.3, **extra)
+    backend = FlashAttn2Backend()
+    outs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        outs.append(run(backend, q, k, v, spec, p).out)
+    assert fake_flash_attn.last(fn)["dropout_p"] == 0.3
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    assert not torch.equal(outs[0], outs[2])
+    exact = run(backend, q, k, v, replace(spec, dropout=False), replace(p, dropout_p=0.0)).out
+    assert "dropout_p" not in fake_flash_attn.last(fn) or not fake_flash_attn.last(fn)[
+        "dropout_p"]
+    assert not torch.allclose(outs[0], exact, atol=1e-3)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(softcap=True), "softcap with dropout"),
+    (dict(return_lse=True), "call without return_lse"),
+])
+def test_fa2_dropout_calls_it_cannot_serve_are_refused(helpers, change, needle):
+    q, k, _ = qkv(1, 4, 4)
+    spec = helpers.spec(q, k, causal=True, **change)
+    reasons = FlashAttn2Backend().check(replace(spec, dropout=True, needs_grad=True),
+                                        attnhub.simulate("sm80"))
+    assert any(needle in r for r in reasons), reasons
+    assert not FlashAttn2Backend().check(spec, attnhub.simulate("sm80"))
+
+
+def test_fa2_paged_dropout_is_refused(helpers):
+    kc, _, _, _ = helpers.paged(1, [300], 256, 2, 8)
+    q = torch.randn(1, 1, 4, 8)
+    spec = replace(helpers.spec(q, kc, "paged", phase="decode", causal=True), dropout=True)
+    reasons = FlashAttn2Backend().check(spec, attnhub.simulate("sm80"))
+    assert any("paged path (flash_attn_with_kvcache) has no dropout" in r for r in reasons)
