@@ -17,6 +17,7 @@ import torch
 
 from .core.backend import safe_check
 from .core.kvcache import PagedKVCache
+from .core.memory import check_memory
 from .core.reference import reference_attention
 from .core.spec import AttentionSpec, AttnParams, torch_dtype
 from .errors import AttnhubError
@@ -75,6 +76,13 @@ def make_inputs(spec: AttentionSpec, device: torch.device, *, seed: int = 0,
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dt)
 
+    sizes = [b * sq * spec.num_q_heads * spec.head_dim,
+             b * sk * spec.num_kv_heads * spec.head_dim,
+             b * sk * spec.num_kv_heads * spec.head_dim_v]  # q, k, v (twice when paged)
+    paged = 2 if spec.layout == "paged" else 1
+    check_memory((sizes[0] + paged * sum(sizes[1:])) * dt.itemsize + max(sizes) * 4, device,
+                 f"the inputs of {spec.describe()}", "pass smaller sizes (--seqlens, "
+                 "--batch, --heads, --head-dim, --prompt-len; with --regret a larger --scale)")
     q = rnd(b, sq, spec.num_q_heads, spec.head_dim)
     k = rnd(b, sk, spec.num_kv_heads, spec.head_dim)
     v = rnd(b, sk, spec.num_kv_heads, spec.head_dim_v)

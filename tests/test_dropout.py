@@ -210,7 +210,8 @@ class _Dropping(attnhub.plugin.Backend):
 
     def _out(self, q, k, v, spec, params):  # type: ignore[no-untyped-def]
         return F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=params.scale, dropout_p=self._p(params), enable_gqa=True).transpose(1, 2)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=params.scale,
+            dropout_p=self._p(params), enable_gqa=True).transpose(1, 2)
 
     def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
         return attnhub.plugin.AttentionOutput(self._out(q, k, v, spec, params).contiguous())

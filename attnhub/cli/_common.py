@@ -15,10 +15,11 @@ from typing import Any, Callable, Iterator, Sequence
 from ..errors import InputError
 
 
-def at_least(low: float, kind: type = int, *, strict: bool = False) -> Callable[[str], Any]:
+def at_least(low: float, kind: type = int, *, strict: bool = False,
+             high: float | None = None) -> Callable[[str], Any]:
     """An argparse ``type``: an int (or, with ``kind=float``, a finite number) >= ``low``
-    (``strict``: > ``low``); anything else is a usage error naming the flag and the bound
-    (exit 2, no traceback)."""
+    (``strict``: > ``low``) and at most ``high`` if given; anything else is a usage error
+    naming the flag and the bound (exit 2, no traceback)."""
 
     def parse(text: str) -> Any:
         try:
@@ -29,6 +30,8 @@ def at_least(low: float, kind: type = int, *, strict: bool = False) -> Callable[
         if not (math.isfinite(value) and (value > low if strict else value >= low)):
             raise argparse.ArgumentTypeError(
                 f"{text!r}: must be a number {'>' if strict else '>='} {low:g}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be at most {high:g}")
         return value
 
     parse.__name__ = kind.__name__
@@ -163,3 +166,4 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([fmt(cells[0]), sep] + [fmt(r) for r in cells[1:]])
+

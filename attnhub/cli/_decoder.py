@@ -10,7 +10,12 @@ from typing import Any
 
 import torch
 
+from ..core.memory import check_memory
 from ._common import add_hardware, at_least, progress, seed, wants_progress
+
+#: The deepest model ``--layers`` builds: well past any published decoder (under 200 layers);
+#: each layer is a Python module, so 10**8 of them would run for hours before any check.
+MAX_LAYERS = 4096
 
 
 def parse_heads(text: str) -> tuple[int, int]:
@@ -74,7 +79,8 @@ def add_decoder_args(p: argparse.ArgumentParser, *, batch: int = 4, prompt_len: 
                    help="policy YAML (default: ATTNHUB_POLICY, else the packaged default)")
     add_hardware(p, hardware_help)
     g = p.add_argument_group("model (built-in decoder, random weights)")
-    g.add_argument("--layers", type=at_least(1), default=4, help="decoder layers (default 4)")
+    g.add_argument("--layers", type=at_least(1, high=MAX_LAYERS), default=4,
+                   help=f"decoder layers (default 4, at most {MAX_LAYERS})")
     g.add_argument("--heads", type=parse_heads, default=(8, 2), metavar="Q:KV",
                    help="query:KV heads (default 8:2)")
     g.add_argument("--head-dim", type=even_head_dim, default=64,
@@ -140,6 +146,13 @@ def build(args: argparse.Namespace) -> Setup:
                             window=args.window, seed=args.seed)
     except ValueError as exc:  # sizes the flags' own checks let through
         raise AttnhubError(f"the decoder flags: {exc}") from None
+    if not simulated:
+        pages = -(-(args.prompt_len + args.new_tokens) // args.page_size)
+        kv = 2 * cfg.num_layers * args.batch * pages * args.page_size * hkv * args.head_dim
+        check_memory((cfg.parameter_count() + kv) * dtype.itemsize, device,
+                     "the decoder's weights and KV cache", "pass smaller --layers, --heads, "
+                     "--head-dim, --vocab, --intermediate, --batch, --prompt-len or "
+                     "--new-tokens")
     model = Decoder(cfg, dtype=dtype, device=device)
     table = hub.bind(model, batch=args.batch, prompt_len=args.prompt_len,
                      max_len=args.prompt_len + args.new_tokens, dtype=dtype,

@@ -33,7 +33,12 @@ def devices(text: str | None, policy: Policy | None = None) -> list[DeviceInfo]:
     names = hardware_list(text)
     if not names and policy is not None:
         names = list(policy.targets)
-    return [simulate(h) for h in names] if names else [probe()]
+    if not names:
+        return [probe()]
+    unique: dict[str, DeviceInfo] = {}  # aliases of one device (h100, sm90): one column
+    for d in map(simulate, names):
+        unique.setdefault(d.describe(), d)
+    return list(unique.values())
 
 
 def load(args: argparse.Namespace) -> tuple[Policy, Registry]:

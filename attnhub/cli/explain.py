@@ -18,6 +18,7 @@ from ..core.spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES, AttentionSpec, torc
 from ..errors import AttnhubError
 from ..hub import Hub
 from ..policy.cells import mask_from_kinds
+from ..core.memory import check_memory
 from ._common import add_hardware, add_json, at_least, print_json
 from ._decoder import parse_heads
 from ._policy_common import add_policy, devices, load
@@ -163,6 +164,14 @@ def _run_once(policy: Any, registry: Any, spec: AttentionSpec, ctx: BindContext,
     hub = Hub(policy=policy, registry=registry)
     dev = hub.device.torch_device
     dt = torch_dtype(spec.dtype)
+    sq, dv = _seqlen_q(args), spec.head_dim_v or spec.head_dim
+    sizes = [args.batch * sq * spec.num_q_heads * spec.head_dim,
+             args.batch * args.seqlen * spec.num_kv_heads * spec.head_dim,
+             args.batch * args.seqlen * spec.num_kv_heads * dv,
+             args.batch * sq * spec.num_q_heads * dv]  # q, k, v, out (and grads when trained)
+    check_memory(sum(sizes) * dt.itemsize * (2 if spec.needs_grad else 1) + max(sizes) * 4,
+                 torch.device(dev), "--run's inputs and output",
+                 "pass a smaller --seqlen, --seqlen-q, --batch or --heads")
     # drawn in fp32 and cast: torch has no random kernels for FP8 (a KV cache may be FP8)
     q = torch.randn(args.batch, _seqlen_q(args), spec.num_q_heads, spec.head_dim,
                     device=dev).to(dt)

@@ -13,6 +13,7 @@ from ..core.registry import Registry
 from ..errors import AttnhubError
 from ..policy import load_policy
 from ..policy.cells import cells
+from ..policy.loader import PolicyData, policies_dir
 from ..policy.lock import (EXIT_BAD_LOCK, LockfileError, build_lock, check_lock, read_lock,
                            write_lock)
 from ._common import add_json, hardware_names, print_json, progress
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if bar is not None:
         bar.close()
     lock = build_lock(policy, registry, pairs)
+    lock["policy"]["files"] = _recorded_files(Path(args.output), policy.data)
     write_lock(args.output, lock)
     unserved = sum(d.backend is None for _, d in pairs)
     summary = {"lockfile": args.output, "bindings": len(pairs), "unserved": unserved,
@@ -103,10 +105,29 @@ def _check(args: argparse.Namespace) -> int:
     return int(drift.drifted)
 
 
+def _recorded_files(lock_path: Path, data: PolicyData) -> list[str]:
+    """The policy's files as a lock records them: a packaged policy by its name, any other
+    file relative to the lockfile's folder, so ``lock --check`` finds it from any working
+    directory (and after the project moves, lock and policies together)."""
+    if len(data.paths) != len(data.files):
+        return list(data.files)
+    packaged = Path(os.path.realpath(policies_dir()))
+    base = os.path.realpath(lock_path.parent)
+    out = []
+    for path in data.paths:
+        real = Path(os.path.realpath(path))
+        out.append(real.stem if real.parent == packaged and real.suffix == ".yaml"
+                   else os.path.relpath(real, base))
+    return out
+
+
 def _locked_policy(lock: dict, lock_path: Path) -> str:
-    """The top policy file recorded in the lock (relative to cwd, else to the lockfile)."""
+    """The top policy file recorded in the lock: beside the lockfile (relative paths are
+    written so), else as written (a packaged name, or a lock from before that, relative to
+    the working directory it was written in)."""
     files = lock.get("policy", {}).get("files") or []
     if not files:
         raise AttnhubError(f"{lock_path} records no policy file; pass --policy")
     top = Path(files[-1])
-    return str(top if top.exists() else lock_path.parent / top)
+    beside = lock_path.parent / top
+    return str(beside if not top.is_absolute() and beside.is_file() else top)

@@ -19,7 +19,8 @@ from ._decoder import add_decoder_args
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure the attention share of a model step (prefill "
                                        "and decode) and store it for the policy")
-    add_decoder_args(p)
+    add_decoder_args(p, hardware_help="refused: measurements need the real machine (plan with "
+                                      "`attnhub explain` / `plan --hardware`)")
     p.add_argument("--repeats", type=at_least(1), default=5,
                    help="steps measured per phase, median (default 5)")
     p.add_argument("--warmup", type=at_least(0), default=1, help="untimed steps first (default 1)")

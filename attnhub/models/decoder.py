@@ -59,6 +59,14 @@ class DecoderConfig:
     def kind(self, layer: int) -> str:
         return self.layer_kinds[layer % len(self.layer_kinds)]
 
+    def parameter_count(self) -> int:
+        """Weights the model of these sizes has (every layer kind has the same), known before
+        anything is allocated, so a size the machine cannot hold is refused up front."""
+        h, d, f = self.hidden, self.head_dim, self.ffn
+        layer = 2 * h + h * (self.num_q_heads + 2 * self.num_kv_heads) * d \
+            + self.num_q_heads * d * h + 3 * h * f
+        return 2 * self.vocab_size * h + h + self.num_layers * layer
+
     def to_json(self) -> dict:
         return asdict(self)
 
