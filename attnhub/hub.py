@@ -39,6 +39,7 @@ from .core.contract import (
     fit_positions,
 )
 from .core.outputs import (
+    CONTROL_FLOW,
     autocast_on,
     call_inputs,
     check_output,
@@ -481,7 +482,7 @@ class Hub:
                         score_mod if score_mod is None else _mod_kind(score_mod),
                         mask_mod if mask_mod is None else _mod_kind(mask_mod),
                         phase, return_lse, backend, context, deterministic, needs_grad,
-                        dropout_p.__class__ is float and dropout_p > 0.0,
+                        dropout_p > 0.0,  # as the spec's flag, whatever number type
                         dtype, k.dtype, v.dtype, device, k.device, v.device,
                         q_shape, k_shape, v_shape)
             # the layers of a step repeat one key: comparing it with the last one costs
@@ -625,7 +626,7 @@ class Hub:
                             and out.shape == want and (out.requires_grad or not needs_grad)):
                         res = Runner._checked(first, res, q, v, spec, params, want, device,
                                               dtype, needs_grad)
-                except InputError:
+                except (InputError, *CONTROL_FLOW):
                     raise
                 except Exception as exc:
                     res = run.recover(exc, first, q, k, v, spec, params, want, device, dtype)

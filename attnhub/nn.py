@@ -69,7 +69,7 @@ class Attention(nn.Module):
         try:
             self.dropout = check_dropout(dropout)
         except ArgumentError as e:
-            raise ValueError(f"Attention: {e}") from None
+            raise ValueError(f"Attention: {str(e).replace('dropout_p=', 'dropout=')}") from None
         if num_kv_heads <= 0 or num_q_heads <= 0 or num_q_heads % num_kv_heads:
             raise ValueError(f"Attention: {num_q_heads} query heads are not a positive "
                              f"multiple of {num_kv_heads} KV heads")

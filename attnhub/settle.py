@@ -40,6 +40,9 @@ def blocker(q: torch.Tensor, spec: AttentionSpec,
     """Why this call cannot time its candidates (None: it can)."""
     if spec.needs_grad:
         return "a training call (its backward is part of its cost; a forward timing misses it)"
+    if spec.dropout:  # each timed run would draw from the caller's generator
+        return ("a dropout call (timing would draw from torch's generator many times, so one "
+                "seed would no longer repeat the call's draw)")
     if params is not None and STATE_KEY in (params.extra or {}):
         # every timed forward would advance the sequences' recurrent state once more
         return "a call that updates per-sequence state (timing would run it many times)"

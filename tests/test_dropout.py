@@ -159,13 +159,13 @@ def test_gpu_dropout_training_binds_flash_attention_2_then_sdpa(hardware: str,
                          num_kv_heads=2, mask=MaskSpec(causal=True), max_seqlen_q=1024,
                          max_seqlen_k=1024, needs_grad=True, dropout=True)
     dense = hub.decide(spec)
-    assert (dense.backend, dense.rule) == ("fa2", "cuda-dropout"), dense.explain()
+    assert (dense.backend, dense.rule) == ("fa2", "gpu-dropout"), dense.explain()
     assert "torch_sdpa" in dense.explain()
     packed = hub.decide(spec.with_(layout="thd", mask=MaskSpec(causal=True, document=True)))
     assert packed.backend == "fa2", packed.explain()
     assert "dropout only for dense bshd" in packed.explain()
     capped = hub.decide(spec.with_(mask=MaskSpec(causal=True, softcap=True)))
-    assert capped.backend is None and "softcap with dropout" in capped.explain()
+    assert capped.backend == "reference" and "softcap with dropout" in capped.explain()
 
 
 def test_dropout_on_packed_documents_binds_the_reference(cpu_hub: Hub) -> None:
@@ -195,7 +195,7 @@ def test_the_layer_drops_in_training_only() -> None:
                       dtype=torch.float32).dropout
     assert not layer.eval().spec("train", batch=1, seqlen_q=12, seqlen_k=12,
                                  dtype=torch.float32).dropout
-    with pytest.raises(ValueError, match=r"Attention: dropout_p=1.5"):
+    with pytest.raises(ValueError, match=r"Attention: dropout=1.5; it must be in"):
         Attention(2, 2, 8, dropout=1.5)
 
 
@@ -237,10 +237,58 @@ class _OwnGenerator(_Dropping):
             return super().forward(q, k, v, spec, params)
 
 
+class _OnOutput(_Dropping):
+    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
+        exact = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=params.scale,
+            enable_gqa=True).transpose(1, 2)
+        return attnhub.plugin.AttentionOutput(F.dropout(exact, params.dropout_p).contiguous())
+
+
+class _WrongRate(_Dropping):
+    def _p(self, params: AttnParams) -> float:
+        return params.dropout_p / 5
+
+
+class _NoneInTraining(_Dropping):
+    capabilities = attnhub.plugin.Capabilities(gqa=True, dropout=True, backward=True)
+
+    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
+        if q.requires_grad:
+            params = AttnParams(scale=params.scale)
+        return super().forward(q, k, v, spec, params)
+
+
+class _RedrawsInBackward(_Dropping):
+    capabilities = attnhub.plugin.Capabilities(gqa=True, dropout=True, backward=True)
+
+    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
+        outer = self
+        with torch.no_grad():
+            out = self._out(q, k, v, spec, params)
+
+        class Redraw(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v):  # type: ignore[no-untyped-def, override]
+                ctx.save_for_backward(q, k, v)
+                return out.clone()
+
+            @staticmethod
+            def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+                xs = [x.detach().requires_grad_(True) for x in ctx.saved_tensors]
+                with torch.enable_grad():  # a second draw: not the forward's mask
+                    o = outer._out(*xs, spec, params)
+                return torch.autograd.grad(o, xs, g)
+
+        return attnhub.plugin.AttentionOutput(Redraw.apply(q, k, v).contiguous())
+
+
 @pytest.mark.parametrize("cls, verdict", [
     (_Dropping, "mean of 200 draws"), (_Ignores, "no dropout applied"),
     (_Unscaled, "scale kept probabilities by 1/"),
-    (_OwnGenerator, "under one torch.manual_seed differ")])
+    (_OwnGenerator, "under one torch.manual_seed differ"),
+    (_OnOutput, "not to the output"), (_WrongRate, "dropped (0) or scaled by 1/(1 - 0.25)"),
+    (_NoneInTraining, "in training"), (_RedrawsInBackward, "replay the forward's")])
 def test_the_kit_judges_declared_dropout_by_its_law(cls: type, verdict: str) -> None:
     from attnhub.conformance.kit import run_kit
 

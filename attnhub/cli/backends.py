@@ -25,6 +25,7 @@ def backend_rows(reg: Registry, hardware: str | None) -> list[dict]:
         c = b.capabilities
         out.append({"name": name, "plugin": b.plugin, "tier": b.tier, "available": not reasons,
                     "reasons": reasons, "exact": c.exact, "backward": c.backward,
+                    "dropout": c.dropout,
                     "phases": sorted(c.phases), "dtypes": sorted(c.dtypes),
                     "masks": sorted(c.masks), "description": b.description})
     return out

@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="bitwise-reproducible forward (and backward with --grad)")
     p.add_argument("--return-lse", action="store_true", help="the call asks for the LSE")
+    p.add_argument("--dropout", type=at_least(0, float), default=0.0, metavar="P",
+                   help="attention dropout probability in [0, 1) (training with "
+                        "attention_dropout > 0; default 0)")
     g = p.add_argument_group("bind context")
     g.add_argument("--model", help="model name, for `when: {model: ...}` rules")
     g.add_argument("--layer", type=at_least(0), help="layer index, for `when: {layer: ...}`")
@@ -91,6 +94,9 @@ def _check_dtypes(args: argparse.Namespace) -> None:
 
 def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
     _check_dtypes(args)
+    if args.dropout >= 1:
+        raise AttnhubError(f"--dropout {args.dropout:g}: a probability below 1 (1 would zero "
+                           "every output); e.g. --dropout 0.1")
     kinds = [k.strip() for k in args.mask.split(",") if k.strip()]
     if args.window is not None and "sliding_window" not in kinds:
         raise AttnhubError(f"--window {args.window} is read only with --mask sliding_window "
@@ -116,7 +122,7 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
         head_dim_v=args.head_dim_v, num_q_heads=args.heads[0], num_kv_heads=args.heads[1],
         layout=layout, mask=mask, max_seqlen_q=sq, max_seqlen_k=args.seqlen, batch=args.batch,
         needs_grad=args.grad or args.phase == "train", deterministic=args.deterministic,
-        return_lse=args.return_lse, **extra).bucketed()
+        return_lse=args.return_lse, dropout=args.dropout > 0, **extra).bucketed()
 
 
 def _seqlen_q(args: argparse.Namespace) -> int:
@@ -185,7 +191,8 @@ def _run_once(policy: Any, registry: Any, spec: AttentionSpec, ctx: BindContext,
             q.requires_grad_(True)
         hub.attention(q, k, v, causal=m.causal, window=m.window, alibi_slopes=slopes,
                       softcap=30.0 if m.softcap else None, phase=spec.phase, context=ctx,
-                      deterministic=spec.deterministic, causal_alignment=m.alignment)
+                      deterministic=spec.deterministic, causal_alignment=m.alignment,
+                      dropout_p=args.dropout)
     bound = hub.bound()[-1].decision
     ran = ran_backend(bound.backend, hub.fallback_counts)
     why = []

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     for cell in grid:
         spec = cell.spec()
         rows.append({"phase": cell.phase, "dtype": cell.dtype, "mask": cell.mask,
+                     "dropout": cell.dropout, "label": cell.phase_label,
                      "spec": spec.describe(),
                      "bindings": {d.arch: entry(policy.resolve(spec, d, registry))
                                   for d in devs}})
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"policy {policy.name} ({' <- '.join(policy.data.files)}); shape of each cell: "
           f"{grid[0].spec().describe().split(' mask=')[0].split(' ', 2)[2]}")
-    print(table([(r["phase"], r["dtype"], r["mask"],
+    print(table([(r["label"], r["dtype"], r["mask"],
                   *(r["bindings"][d.arch]["backend"] or "-" for d in devs)) for r in rows],
                 ("phase", "dtype", "mask", *(d.arch for d in devs))))
     unserved = sum(b["backend"] is None for r in rows for b in r["bindings"].values())

@@ -318,4 +318,9 @@ def _results(base: Case, caps: Capabilities) -> list[Case]:
                            repeat=True, causal=causal))
     if caps.dropout:
         out.append(replace(base, feature="dropout", dropout_p=0.25, causal=causal))
+        for layout in sorted(set(caps.layouts) - {base.layout, "bhsd"}):
+            # each layout draws in its own code (packed documents, pages)
+            c = _fit(replace(base, layout=layout, page_size=0, seqlens_q=(9, 9),
+                             seqlens_k=(9, 9)), caps)
+            out.append(replace(c, feature=f"dropout {layout}", dropout_p=0.25, causal=causal))
     return out

@@ -29,6 +29,7 @@ from ..core.device import DeviceInfo
 from ..core.reference import reference_attention
 from ..errors import InputError
 from ..testing import fa_rule_error
+from . import dropout
 from .cases import Case, base_masks, grid
 from .guards import (Hung, InputsWritten, check_fields, check_untouched, fields_of, named_inputs,
                      snapshot, within)
@@ -281,9 +282,67 @@ def _judge_dropout(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
                         f"{float((mean - ref64).abs().max()):.3g} (6 standard errors plus "
                         f"rounding allow {float((6 * se + rounding).min()):.3g} at least): "
                         "scale kept probabilities by 1/(1 - dropout_p)")
+        if backend.capabilities.backward:  # training calls draw too (a model in train())
+            x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+            with torch.enable_grad():
+                trained = _call(backend, inp, *x)[0]
+            if torch.allclose(trained.detach().double(), ref64, rtol=0, atol=1e-3):
+                raise _Fail(f"dropout_p={case.dropout_p} requested and declared, but a call "
+                            "with gradients gives the exact output: no dropout in training")
+        read = inp.ref_layout == "bshd"  # dense: every probability of a draw can be read
+        if read:
+            with torch.random.fork_rng(devices=devices):
+                _judge_draws(backend, case, inp)
     except _Fail as exc:
         return CaseResult(case, "fail", str(exc))
-    return CaseResult(case, "pass", f"mean of {DROPOUT_DRAWS} draws within 6 standard errors")
+    return CaseResult(case, "pass", f"mean of {DROPOUT_DRAWS} draws within 6 standard errors"
+                      + ("; every probability of 4 draws dropped or scaled, at rate p"
+                         + (", gradients of the same draw" if backend.capabilities.backward
+                            else "") if read else ""))
+
+
+def _judge_draws(backend: Backend, case: Case, inp: Inputs) -> None:
+    """Every probability of a few draws (``conformance.dropout``), in training mode where
+    the backend declares backward, whose gradients must then be those of the draw."""
+    grad, p, dtype = backend.capabilities.backward, case.dropout_p, inp.q.dtype
+    q, k, v = (x.detach().clone().requires_grad_(grad) for x in (inp.q, inp.k, inp.v))
+    exact = dropout.exact_probabilities(inp, inp.q, inp.k)
+    zeros = counted = 0
+    with torch.set_grad_enabled(grad):
+        for seed in dropout.SEEDS:
+            dropped = dropout.read_draw(lambda x: _call(backend, inp, q, k, x)[0], v, seed)
+            why, z, n = dropout.entry_problem(dropped, exact, p, dtype)
+            zeros, counted = zeros + z, counted + n
+            torch.manual_seed(seed)
+            out = _call(backend, inp, q, k, v)[0]
+            why = why or dropout.output_problem(out, dropped, v, dtype)
+            if why:
+                raise _Fail(why + (" (in training mode)" if grad else ""))
+    why = dropout.rate_problem(zeros, counted, p)
+    if why:
+        raise _Fail(why)
+    if grad:
+        _dropout_grads(out, dropped, (q, k, v), inp, p)
+
+
+def _dropout_grads(out: torch.Tensor, dropped: torch.Tensor, qkv: tuple[torch.Tensor, ...],
+                   inp: Inputs, p: float) -> None:
+    """dq, dk, dv of one draw against fp64 ones of the same zeros (read from its output)."""
+    x64 = [x.detach().double().requires_grad_(True) for x in qkv]
+    kept = (dropped != 0).double() / (1 - p)
+    probs = dropout.exact_probabilities(inp, x64[0], x64[1]) * kept
+    v64 = x64[2].repeat_interleave(probs.shape[1] // x64[2].shape[2], dim=2)
+    ref = torch.einsum("bhqk,bkhd->bqhd", probs, v64)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(98)).to(out)
+    grads = torch.autograd.grad(out, qkv, dout)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref, x64,
+                                                                          dout.double())):
+        err = float((g.double() - r).abs().max())
+        allowed = 4 * dropout.tolerance(out.dtype) * float(r.abs().max()) + 1e-4
+        if not err <= allowed:
+            raise _Fail(f"gradient {name} of a dropout draw is off by {err:.3g} (allowed "
+                        f"{allowed:.3g}) from that of the same draw's zeros: the backward "
+                        "must replay the forward's dropout mask, not draw another")
 
 
 def _contract(out: torch.Tensor, lse: torch.Tensor | None, case: Case, inp: Inputs) -> None:

@@ -146,6 +146,21 @@ def grad_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
+def _control_flow() -> tuple[type[BaseException], ...]:
+    """What torch raises through a backend's forward() to steer its own machinery, never a
+    backend failure (no fallback, no count): non-reentrant activation checkpointing ends a
+    recomputation early with ``_StopRecomputationError`` once it holds the tensors it needs,
+    which is inside attention when the checkpointed region ends with it."""
+    import torch.utils.checkpoint as checkpoint
+
+    stop = getattr(checkpoint, "_StopRecomputationError", None)
+    return (stop,) if isinstance(stop, type) and issubclass(stop, BaseException) else ()
+
+
+#: Exceptions passed through the hub untouched (``except CONTROL_FLOW: raise``).
+CONTROL_FLOW = _control_flow()
+
+
 def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     spec: Any, params: Any, inputs: dict[str, Any], vet: bool = False
                     ) -> tuple[Any, Exception | None, OutputContractError | None]:
@@ -166,6 +181,9 @@ def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         if not backend._loaded:
             backend.load()
         res = backend.forward(q, k, v, spec, params)
+    except CONTROL_FLOW:
+        process_state.call_restore(settings)
+        raise
     except Exception as exc:  # noqa: BLE001 - handed to the caller, which decides
         failure = exc
     changed = process_state.call_restore(settings)

@@ -1,4 +1,5 @@
-"""The planning grid: (phase x dtype x mask kind) cells, each a representative spec.
+"""The planning grid: (phase x dtype x mask kind) cells, each a representative spec, and the
+training cells once more with attention dropout.
 
 The linter checks that every cell has a backend on each target hardware, ``attnhub plan``
 prints the grid per hardware, and ``attnhub lock`` freezes its bindings. FP8 is not in the
@@ -21,13 +22,19 @@ class Cell:
     phase: str
     dtype: str
     mask: str
+    #: Training with attention dropout: only backends that draw it may serve.
+    dropout: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.phase} {self.dtype} {self.mask}"
+        return f"{self.phase_label} {self.dtype} {self.mask}"
+
+    @property
+    def phase_label(self) -> str:
+        return f"{self.phase}+dropout" if self.dropout else self.phase
 
     def spec(self) -> AttentionSpec:
-        return cell_spec(self.phase, self.dtype, self.mask)
+        return cell_spec(self.phase, self.dtype, self.mask, self.dropout)
 
 
 def mask_from_kinds(kinds: list[str] | tuple[str, ...], window: int = 1024) -> MaskSpec:
@@ -43,7 +50,7 @@ def mask_from_kinds(kinds: list[str] | tuple[str, ...], window: int = 1024) -> M
                     mask_mod="mask_mod" if "mask_mod" in k else None)
 
 
-def cell_spec(phase: str, dtype: str, mask: str) -> AttentionSpec:
+def cell_spec(phase: str, dtype: str, mask: str, dropout: bool = False) -> AttentionSpec:
     """The representative spec of a cell (documents use the ``thd`` layout; prefix-LM is
     causal after the prefix, so that cell is ``prefix_lm`` + ``causal``)."""
     m = mask_from_kinds([mask, "causal"] if mask == "prefix_lm" else [mask])
@@ -51,10 +58,13 @@ def cell_spec(phase: str, dtype: str, mask: str) -> AttentionSpec:
         phase=phase, dtype=dtype, head_dim=HEAD_DIM, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS,
         layout="thd" if m.document else "bshd", mask=m,
         max_seqlen_q=1 if phase == "decode" else SEQLEN, max_seqlen_k=SEQLEN, batch=BATCH,
-        needs_grad=phase == "train",
+        needs_grad=phase == "train", dropout=dropout,
     ).bucketed()
 
 
 def cells(phases: tuple[str, ...] = PHASES, dtypes: tuple[str, ...] = CELL_DTYPES,
           masks: tuple[str, ...] = MASK_KINDS) -> list[Cell]:
-    return [Cell(p, d, m) for p in phases for d in dtypes for m in masks]
+    """Every (phase, dtype, mask) cell, then the training cells again with attention dropout
+    (a model trained with ``attention_dropout > 0`` asks for these)."""
+    grid = [Cell(p, d, m) for p in phases for d in dtypes for m in masks]
+    return grid + [Cell(c.phase, c.dtype, c.mask, True) for c in grid if c.phase == "train"]

@@ -190,6 +190,11 @@ def _contradictions(lr: LoadedRule, registry: Registry) -> list[Finding]:
             out.append(Finding("error", where, label, (
                 f"rule routes deterministic requests to {name}, whose {part} is not "
                 "deterministic; expected a deterministic backend")))
+        if w.dropout and not c.dropout:
+            out.append(Finding("error", where, label, (
+                f"rule routes dropout requests (dropout_p > 0) to {name}, which declares no "
+                "attention dropout; expected a backend that draws it (Capabilities.dropout: "
+                "torch_sdpa, reference, fa2)")))
     return out
 
 

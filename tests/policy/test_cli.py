@@ -7,6 +7,7 @@ import json
 
 from attnhub.cli import main
 from attnhub.policy import policies_dir
+from attnhub.policy.cells import cells
 
 DECISION_KEYS = {"spec", "device", "backend", "rule", "rule_location", "policy", "candidates",
                  "rejected", "fallbacks", "on_failure", "context", "notes", "inner", "missing",
@@ -104,9 +105,11 @@ def test_explain_run_reports_what_ran_not_the_policy_choice(write, capsys, monke
 
 def test_plan_covers_every_cell_and_hardware(capsys):
     rc, doc = run_json(capsys, "plan", "--hardware", "cpu,gfx942")
-    assert rc == 0 and doc["hardware"] == ["cpu", "gfx942"] and len(doc["cells"]) == 90
+    assert rc == 0 and doc["hardware"] == ["cpu", "gfx942"] and len(doc["cells"]) == len(cells())
     row = doc["cells"][0]
-    assert set(row) == {"phase", "dtype", "mask", "spec", "bindings"}
+    assert set(row) == {"phase", "dtype", "mask", "dropout", "label", "spec", "bindings"}
+    assert [r["label"] for r in doc["cells"]].count("train+dropout") == len(
+        [c for c in cells() if c.phase == "train"]) // 2
     assert set(row["bindings"]["cpu"]) == {"backend", "rule", "fallbacks", "inner", "rejected",
                                              "notes"}
     assert all(c["bindings"]["cpu"]["backend"] in ("torch_sdpa", "reference")

@@ -8,6 +8,7 @@ import pytest
 
 from attnhub.core.capabilities import Capabilities
 from attnhub.policy import load_policy
+from attnhub.policy.cells import cells
 from attnhub.policy.lint import covers, lint_policy
 from attnhub.policy.schema import When
 
@@ -93,10 +94,11 @@ def test_unserved_cells_and_missing_plugins(write, make_registry):
     # fa3 is first-party but not installed in this registry: a warning, not an error
     assert ("warning", "rules[0].use[0] (gpu-only)") in by_level
     (cells_missing,) = [f for f in got if "have no installed backend" in f.message]
-    assert cells_missing.message.startswith("on sm90, 90 cell(s)")
-    # torch_sdpa cannot do softcap/score_mod: those cpu cells are unserved -> error
+    assert cells_missing.message.startswith(f"on sm90, {len(cells())} cell(s)")
+    # torch_sdpa cannot do softcap/score_mod (18 cells), nor dropout on packed documents
+    # (3 more with dropout, beside their softcap/score_mod): unserved on cpu -> error
     (unserved,) = [f for f in got if f.level == "error"]
-    assert unserved.path == "rules[1] (sdpa)" and unserved.message.startswith("on cpu, 18 cell(s)")
+    assert unserved.path == "rules[1] (sdpa)" and unserved.message.startswith("on cpu, 27 cell(s)")
     assert "torch_sdpa: mask softcap not supported" in unserved.message
 
 
