@@ -36,3 +36,50 @@ def test_gemma4_text_matches_eager(extra: dict) -> None:
     with one_intraop_thread():
         ours, twin = sharpened(cfg, transformers.AutoModelForCausalLM, 4.0)
         matches_eager(ours, twin, 99, f"gemma4 {extra}")
+
+
+def _kv_shared() -> tuple:
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        sliding_window=6, vocab_size_per_layer_input=99, hidden_size_per_layer_input=8,
+        tie_word_embeddings=False, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    hf.register(attnhub.Hub(hardware="cpu"))
+    return sharpened(cfg, transformers.AutoModelForCausalLM, 4.0)
+
+
+def test_kv_shared_layers_keep_their_queries_placed_without_a_mask() -> None:
+    """Gemma 4 cuts the KV-shared layers' queries to the last ``logits_to_keep`` after the
+    masks are built; with no padding the mask was skipped, so the cut queries came with
+    none: attnhub kept the first keys (0.71 off eager at logits_to_keep=2) or, in a static
+    cache, read its unwritten slots (0.22 off, other greedy tokens). Now it keeps the whole
+    sequence there, as transformers does for sdpa."""
+    ids = torch.tensor([[47, 18, 56, 3, 70]])
+    with one_intraop_thread(), torch.no_grad():
+        ours, twin = _kv_shared()
+        for keep in (1, 2, 3):
+            torch.testing.assert_close(ours(input_ids=ids, logits_to_keep=keep).logits,
+                                       twin(input_ids=ids, logits_to_keep=keep).logits,
+                                       rtol=1e-4, atol=1e-4)
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True, cache_implementation="static")
+        a, b = (m.generate(input_ids=ids, **kw) for m in (ours, twin))
+        assert torch.equal(a.sequences, b.sequences)
+        torch.testing.assert_close(a.logits[0], b.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_outputs_and_loss_options_that_layers_receive_are_not_refused() -> None:
+    """``return_shared_kv_states`` (an assistant model's input) and the loss's
+    ``shift_labels``/``ignore_index`` reach every layer's kwargs and change no attention."""
+    ids = torch.tensor([[47, 18, 56, 3, 70]])
+    with one_intraop_thread(), torch.no_grad():
+        ours, twin = _kv_shared()
+        got, want = (m(input_ids=ids, return_shared_kv_states=True) for m in (ours, twin))
+        assert got.shared_kv_states is not None
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+        labels = torch.tensor([[18, 56, 3, 70, -100]])
+        losses = [m(input_ids=ids, labels=ids, shift_labels=labels, ignore_index=-100).loss
+                  for m in (ours, twin)]
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)

@@ -136,3 +136,31 @@ def test_bind_resolves_a_transformers_model_up_front(hub: Hub) -> None:
     kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
     assert len(calls) == len(table), "generate() resolved the policy on the call path"
+
+
+def test_a_query_cutting_hook_attnhub_cannot_read_is_refused(monkeypatch) -> None:
+    """A model whose ``_maybe_slice_kv_shared_inputs`` takes other parameters than attnhub
+    reads (a future transformers) is refused under attnhub, not run with unplaced queries;
+    other implementations call it untouched."""
+    import sys
+    import types
+
+    from attnhub.errors import InputError
+    from attnhub.integrations.transformers.kv_sharing import keep_whole_sequences
+
+    class Model:
+        def __init__(self, impl: str) -> None:
+            self.config = types.SimpleNamespace(_attn_implementation=impl)
+
+        def _maybe_slice_kv_shared_inputs(self, hidden, masks):  # type: ignore[no-untyped-def]
+            return hidden[:, -1:], masks
+
+    mod = types.ModuleType("transformers.models.attnhub_fake")
+    mod.Model = Model  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    keep_whole_sequences({"attnhub"})
+    keep_whole_sequences({"attnhub"})  # wrapped once
+    hidden = torch.zeros(1, 4, 2)
+    assert Model("eager")._maybe_slice_kv_shared_inputs(hidden, {})[0].shape == (1, 1, 2)
+    with pytest.raises(InputError, match="keep the whole sequence"):
+        Model("attnhub")._maybe_slice_kv_shared_inputs(hidden, {})

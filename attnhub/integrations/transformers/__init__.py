@@ -32,6 +32,7 @@ from ...core.decision import BindContext
 from ...errors import InputError, NoBackendError
 from ...hub import Hub, HubRef, default_hub
 from .guards import HARMLESS, check_documents, refuse_unsupported, weights_requested, where
+from .kv_sharing import keep_whole_sequences
 from .masks import DenseMask, mask_args
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ def register(hub: Hub | None = None, name: str = NAME) -> str:
     AttentionMaskInterface.register(name, sdpa_mask)
     _names.add(name)
     _guard_model_classes()
+    keep_whole_sequences(_names)
     return name
 
 
@@ -126,6 +128,7 @@ def _guard_model_classes() -> None:
     def guarded(self: Any, requested: Any = None, *args: Any, **kwargs: Any) -> Any:
         if isinstance(requested, str) and requested in _names:
             check_model_class(type(self), requested)
+            keep_whole_sequences(_names)  # its module is loaded now
         return original(self, requested, *args, **kwargs)
 
     guarded._attnhub_guard = True  # type: ignore[attr-defined]

@@ -29,7 +29,10 @@ def where(module: torch.nn.Module) -> str:
 HARMLESS = frozenset({
     "position_ids", "use_cache", "output_hidden_states", "output_router_logits",
     "num_items_in_batch", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-    "seq_idx", "deterministic", "return_dict", "cache_position", "logits_to_keep"})
+    "seq_idx", "deterministic", "return_dict", "cache_position", "logits_to_keep",
+    # the causal-LM loss's options and an extra output (Gemma 4's shared K/V for an
+    # assistant model): carried down to every layer in **kwargs, read by none of them
+    "ignore_index", "shift_labels", "return_shared_kv_states"})
 
 #: What the refused keywords known to models mean, for the error.
 _MEANING = {"position_bias": "a learned position bias",
