@@ -12,13 +12,14 @@ import logging
 import math
 import os
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from .core.backend import AttentionOutput, Backend, safe_check
+from .core.backend import AttentionOutput, Backend, plugin_fault, safe_check
 from .core.decision import BindContext, Decision, report_missing
 from .core.device import DeviceInfo, probe
 from .core.registry import Registry
@@ -46,6 +47,7 @@ from .core.outputs import (
     check_result,
     grad_needed,
     nan_violation,
+    reused_output,
     shared_memory,
     watched_forward,
 )
@@ -96,7 +98,7 @@ class Runner:
     """
 
     __slots__ = ("decision", "chain", "hub", "local", "first", "empty", "distrusted",
-                 "summed")
+                 "summed", "previous")
 
     def __init__(self, decision: Decision, chain: list[Backend], hub: "Hub"):
         self.decision = decision
@@ -122,6 +124,8 @@ class Runner:
         #: a result passed with the inputs' bits summed (``watched_forward(vet=True)``):
         #: later slow-lane calls (a distributed backend's, every call) skip the sums
         self.summed = False
+        #: the first good slow-lane output, while the caller holds it (``_admit``)
+        self.previous: weakref.ref[torch.Tensor] | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
@@ -137,6 +141,22 @@ class Runner:
             want = (*q.shape[:-1], v.shape[-1])
         return self._fallback(self.chain, 0, q, k, v, spec, params, want, device or q.device,
                               dtype or q.dtype)
+
+    def _admit(self, backend: Backend, out: torch.Tensor) -> OutputContractError | None:
+        """The hot path takes the first candidate after its second good slow-lane call,
+        whose output must not lie in the first's (held by the caller: a static buffer
+        would rewrite every result it handed out); a reuse is distrusted and returned."""
+        if self.local is not None or self.empty or id(backend) in self.distrusted:
+            return None
+        if self.previous is None:
+            self.previous = weakref.ref(out)  # the first good call
+            return None
+        bad = reused_output(backend.name, out, self.previous())  # None: dropped, no harm
+        if bad is not None:
+            self.hub._distrust(self, backend, _failure_reason(bad))
+            return bad
+        self.first, self.previous = backend, None  # vetted: the hot path may call it now
+        return None
 
     def recover(self, exc: Exception, failed: Backend, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, spec: AttentionSpec, params: AttnParams,
@@ -172,8 +192,8 @@ class Runner:
         while True:
             backend = chain[i]
             vet = self.hub.debug or not self.summed or id(backend) in self.distrusted
-            res, failure, written = watched_forward(backend, q, k, v, spec, params, inputs,
-                                                    vet)
+            res, failure, written = watched_forward(backend, q, k, v, spec, params.fresh(),
+                                                    inputs, vet)
             if written is not None:
                 self.hub._distrust(self, backend, _failure_reason(written))
                 raise written from failure
@@ -188,12 +208,10 @@ class Runner:
                         self.hub._distrust(self, backend, _failure_reason(bad))
                     elif self.hub.debug:
                         bad = nan_violation(backend.name, out, q, k, v)
+                    if bad is None and self.first is None and backend is self.chain[0]:
+                        bad = self._admit(backend, out)
                     if bad is None:
                         self.summed = self.summed or vet
-                        if (self.first is None and backend is self.chain[0]
-                                and self.local is None and not self.empty
-                                and id(backend) not in self.distrusted):
-                            self.first = backend  # vetted: the hot path may call it now
                         return AttentionOutput(out, lse)
                     failure = bad
                 except OutputContractError as exc:
@@ -212,7 +230,7 @@ class Runner:
         else:
             out, lse = check_result(backend.name, res)
         if (out.__class__ is not _TENSOR or out.dtype is not dtype or out.shape != want
-                or out.device != device or (needs_grad and not out.requires_grad)
+                or out.device != device or (needs_grad and out.grad_fn is None)
                 or params.return_lse):
             check_output(backend.name, out, lse, q, v, spec.layout, params.return_lse,
                          needs_grad)
@@ -603,12 +621,12 @@ class Hub:
                 colmask_start = fit_positions(colmask_start, max_q)
                 colmask_end = fit_positions(colmask_end, max_q)
             # positional: field order checked at import (_PARAM_FIELDS), ~1 us cheaper
-            params = AttnParams(
-                default_scale if scale is None else scale, causal, causal_alignment, window,
-                softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end, cu_q, cu_k,
-                max_q, max_k, bt, sl, score_mod, mask_mod,
-                deterministic, return_lse, check_extra(extra, k.dtype) if extra else {},
-                dropout_p)
+            fields = (default_scale if scale is None else scale, causal, causal_alignment,
+                      window, softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end,
+                      cu_q, cu_k, max_q, max_k, bt, sl, score_mod, mask_mod, deterministic,
+                      return_lse)
+            extra_given = check_extra(extra, k.dtype) if extra else {}
+            params = AttnParams(*fields, dict(extra_given) if extra_given else {}, dropout_p)
             first = run.first
             if first is not None and first._loaded and not self.debug:
                 try:  # Runner.__call__ inlined for the first candidate: a frame less
@@ -623,12 +641,17 @@ class Hub:
                     if not (res.__class__ is AttentionOutput
                             and (out := res[0]).__class__ is _TENSOR and out.dtype is dtype
                             and out.device == device and not return_lse
-                            and out.shape == want and (out.requires_grad or not needs_grad)):
+                            and out.shape == want
+                            and (not needs_grad or out.grad_fn is not None)):
                         res = Runner._checked(first, res, q, v, spec, params, want, device,
                                               dtype, needs_grad)
                 except (InputError, *CONTROL_FLOW):
                     raise
-                except Exception as exc:
+                except BaseException as exc:  # SystemExit from a kernel library included
+                    if not plugin_fault(exc):  # Ctrl-C
+                        raise
+                    # what the failed backend may have changed in params stays with it
+                    params = AttnParams(*fields, dict(extra_given), dropout_p)
                     res = run.recover(exc, first, q, k, v, spec, params, want, device, dtype)
             else:
                 res = run(q, k, v, spec, params, want, device, dtype)

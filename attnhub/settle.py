@@ -73,7 +73,8 @@ def settle(d: Decision, backends: dict[str, Backend], q: torch.Tensor, k: torch.
         b = backends[name]
         # the first call: a compile or a refusal shows, and its result is held to the
         # output contract (a candidate that breaks it is never timed, nor bound)
-        res, failure, written = watched_forward(b, q, k, v, spec, params, inputs, vet=True)
+        res, failure, written = watched_forward(b, q, k, v, spec, params.fresh(), inputs,
+                                                vet=True)
         if written is not None:  # the caller's tensors changed: timing would repeat it
             raise written from failure
         if failure is None:
@@ -87,7 +88,7 @@ def settle(d: Decision, backends: dict[str, Backend], q: torch.Tensor, k: torch.
         if failure is not None:  # reported in the notes, never bound
             failed.append(f"{name} raised {type(failure).__name__}: {str(failure)[:120]}")
             continue
-        fns[name] = (lambda b=b: b.forward(q, k, v, spec, params))
+        fns[name] = (lambda b=b, p=params.fresh(): b.forward(q, k, v, spec, p))
     if not fns:
         return replace(d, tied=(), notes=(*d.notes, "near-tie not timed: " + "; ".join(failed)))
     try:

@@ -14,6 +14,7 @@ from ..errors import AttnhubError
 from ..policy import load_policy
 from ..policy.cells import cells
 from ..policy.loader import PolicyData, policies_dir
+from ..policy.profile import default_profile_path
 from ..policy.lock import (EXIT_BAD_LOCK, LockfileError, build_lock, check_lock, read_lock,
                            write_lock)
 from ._common import add_json, hardware_names, print_json, progress
@@ -74,6 +75,10 @@ def _not_a_policy_file(out: Path, policy_files: tuple[Path, ...]) -> None:
         raise AttnhubError(f"-o {out} is a file of the policy being locked; expected a new "
                            "path for the lockfile (e.g. attnhub.lock.json), the policy is "
                            "unchanged")
+    if real == Path(os.path.realpath(default_profile_path())):  # every measurement lost
+        raise AttnhubError(f"-o {out} is the profile store (ATTNHUB_PROFILE or the default); "
+                           "expected a new path for the lockfile (e.g. attnhub.lock.json), "
+                           "the store is unchanged")
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -112,12 +117,14 @@ def _recorded_files(lock_path: Path, data: PolicyData) -> list[str]:
     if len(data.paths) != len(data.files):
         return list(data.files)
     packaged = Path(os.path.realpath(policies_dir()))
-    base = os.path.realpath(lock_path.parent)
+    base = os.path.abspath(lock_path.parent)
     out = []
-    for path in data.paths:
+    for shown, path in zip(data.files, data.paths):
         real = Path(os.path.realpath(path))
+        # the path as read, not its realpath: a symlinked policy's relative ``extends`` is
+        # resolved from the link's folder, so --check must load it through the link too
         out.append(real.stem if real.parent == packaged and real.suffix == ".yaml"
-                   else os.path.relpath(real, base))
+                   else os.path.relpath(os.path.abspath(shown), base))
     return out
 
 

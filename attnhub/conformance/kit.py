@@ -208,6 +208,7 @@ def _judge(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
     try:
         with torch.set_grad_enabled(grad):
             out, lse = _call(backend, inp, q, k, v)
+        held = out.detach().clone()  # what the caller holds: a later call must not rewrite it
         _contract(out, lse, case, inp)
         ref64, ref_lse, ref_same, ref_lse_same = _references(inp, q, k, v, grad)
         err, allowed = _compare(backend, out, ref64, ref_same)
@@ -233,9 +234,13 @@ def _judge(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
             err, allowed = g_err, g_allowed  # the row shows what backward adds
         if case.repeat and not grad:
             again, _ = _call(backend, inp, q, k, v)
-            if not torch.equal(again, out):
+            if not torch.equal(out, held):
+                return CaseResult(case, "fail", "a second call rewrote the first call's "
+                                                "output (one buffer returned for both): "
+                                                "return a new tensor per call")
+            if not torch.equal(again, held):
                 return CaseResult(case, "fail", "declared deterministic, but two runs differ "
-                                                f"(max {float((again - out).abs().max()):.3g})")
+                                                f"(max {float((again - held).abs().max()):.3g})")
     except _Fail as exc:
         return CaseResult(case, "fail", str(exc))
     return CaseResult(case, "pass", note if approx else "", err, allowed)
@@ -258,6 +263,7 @@ def _judge_dropout(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
             torch.manual_seed(5)
             first, _ = _call(backend, inp, q, k, v)
             _contract(first, None, case, inp)
+            first = first.clone()  # a backend reusing one buffer would make the two equal
             torch.manual_seed(5)
             if not torch.equal(_call(backend, inp, q, k, v)[0], first):
                 raise _Fail("two calls under one torch.manual_seed differ: draw the dropout "

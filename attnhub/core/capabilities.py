@@ -198,6 +198,8 @@ def _check_types(c: Capabilities) -> None:
                                   and all(_count(x, 0) for x in v)):
             bad.append(f"{name} must be a (major, minor) tuple of non-negative ints or None "
                        f"(got {v!r})")
+    if not bad:
+        bad += _contradictions(c)
     b = c.error_budget
     if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
                           or math.isnan(b) or b < 0):
@@ -205,6 +207,27 @@ def _check_types(c: Capabilities) -> None:
                    f"(got {b!r})")
     if bad:
         raise TypeError("invalid Capabilities: " + "; ".join(bad))
+
+
+def _contradictions(c: Capabilities) -> list[str]:
+    """Well-typed declarations that still serve nothing: no call could pass them all."""
+    bad = []
+    lo, hi = c.min_capability, c.max_capability
+    if lo is not None and hi is not None and lo > hi:
+        bad.append(f"min_capability {_cc(lo)} is above max_capability {_cc(hi)}: no device "
+                   "has both")
+    if c.head_dims is None and c.head_dim_multiple > c.max_head_dim:
+        bad.append(f"head_dim_multiple {c.head_dim_multiple} is above max_head_dim "
+                   f"{c.max_head_dim}: no head dim is both")
+    if c.archs:
+        vendor = {a: "cpu" if a == "cpu" else "cuda" if a.startswith("sm") else "rocm"
+                  for a in c.archs}
+        if not set(vendor.values()) & c.vendors:
+            bad.append(f"archs {_fmt(c.archs)} are of no vendor in {_fmt(c.vendors)}")
+    if c.phases == {"train"} and not c.backward:
+        bad.append("phases is only train but backward is False: a training call needs "
+                   "gradients (declare backward=True, or add prefill/decode)")
+    return bad
 
 
 def _count(v: object, least: int = 1) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import process_state
+from .backend import plugin_fault
 from .tables import _forget_tables
 from ..errors import OutputContractError
 
@@ -54,10 +55,10 @@ def check_output(backend: str, out: Any, lse: Any, q: torch.Tensor, v: torch.Ten
         raise OutputContractError(
             f"backend {backend!r} returned out as a {type(out).__name__} (a torch.Tensor "
             f"subclass); the contract is a plain tensor like q ({type(q).__name__})")
-    if needs_grad and not out.requires_grad:
-        raise OutputContractError(
+    if needs_grad and out.grad_fn is None:  # a leaf (requires_grad_() on a detached result)
+        raise OutputContractError(  # is no more in the graph than a tensor without grad
             f"backend {backend!r} returned an output cut from the autograd graph for a call "
-            "that needs gradients: no gradient would reach q, k or v through it")
+            "that needs gradients (no grad_fn): no gradient would reach q, k or v through it")
     if return_lse:
         lwant = (q.shape[1], q.shape[0]) if layout == "thd" else (
             q.shape[0], q.shape[2], q.shape[1])
@@ -97,6 +98,21 @@ def shared_memory(backend: str, out: torch.Tensor, lse: Any,
     return None
 
 
+def reused_output(backend: str, out: torch.Tensor, previous: torch.Tensor | None
+                  ) -> OutputContractError | None:
+    """A second call's output in the memory of the first call's, which the caller still
+    holds (a static buffer, CUDA-graph style): the second call rewrote the first result."""
+    if previous is None or not previous.numel() or previous.device != out.device:
+        return None
+    ptr = _storage_ptr(out)
+    if ptr and (_storage_ptr(previous) == ptr or _overlap(_extent(out), _extent(previous))):
+        return OutputContractError(
+            f"backend {backend!r} returned its output in the memory of its previous call's "
+            "output, which the caller still holds: that result was overwritten; the contract "
+            "is a new tensor per call (clone a static buffer before returning it)")
+    return None
+
+
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[first, past the last)`` a tensor's elements lie in. A fresh allocation
     never reaches into a live input's: overlap means the output is in the input's memory,
@@ -125,11 +141,15 @@ def call_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 params: Any) -> dict[str, Any]:
     """What a backend is handed and must leave as it is (the caller's tensors, the hub's
     checked copies of tables and offsets), by the names errors use."""
-    return {"q": q, "k": k, "v": v, "alibi_slopes": params.alibi_slopes,
-            "prefix_lens": params.prefix_lens, "colmask_start": params.colmask_start,
-            "colmask_end": params.colmask_end, "cu_seqlens_q": params.cu_seqlens_q,
-            "cu_seqlens_k": params.cu_seqlens_k, "block_table": params.block_table,
-            "seqlens_k": params.seqlens_k}
+    named = {"q": q, "k": k, "v": v, "alibi_slopes": params.alibi_slopes,
+             "prefix_lens": params.prefix_lens, "colmask_start": params.colmask_start,
+             "colmask_end": params.colmask_end, "cu_seqlens_q": params.cu_seqlens_q,
+             "cu_seqlens_k": params.cu_seqlens_k, "block_table": params.block_table,
+             "seqlens_k": params.seqlens_k}
+    for key, value in (params.extra or {}).items():  # FP8 descales: the cache's own scales
+        if isinstance(value, torch.Tensor):
+            named[f"extra[{key!r}]"] = value
+    return named
 
 
 def autocast_on(device_type: str) -> bool:
@@ -186,6 +206,11 @@ def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise
     except Exception as exc:  # noqa: BLE001 - handed to the caller, which decides
         failure = exc
+    except BaseException as exc:  # SystemExit from a plugin's kernel library is its fault,
+        if not plugin_fault(exc):  # as in check() and imports; Ctrl-C is the user's
+            process_state.call_restore(settings)
+            raise
+        failure = RuntimeError(f"{type(exc).__name__}: {exc}")
     changed = process_state.call_restore(settings)
     if changed and failure is None:
         failure = OutputContractError(

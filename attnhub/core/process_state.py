@@ -17,9 +17,12 @@ from exiting.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import os
+import pickle
+import random
 import signal
 import sys
 import threading
@@ -93,6 +96,55 @@ def _set_rng_state(state: bytes) -> None:
     torch.random.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
+def _py_rng() -> bytes:
+    return _State(pickle.dumps(random.getstate()))
+
+
+def _np_rng() -> bytes | None:
+    np = sys.modules.get("numpy")  # imported by torch's users, not loaded for this check
+    return _State(pickle.dumps(np.random.get_state())) if np is not None else None
+
+
+def _set_np_rng(state: bytes | None) -> None:
+    if state is not None:
+        sys.modules["numpy"].random.set_state(pickle.loads(state))
+
+
+def _umask() -> int:
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _gc(enabled: bool) -> None:
+    (gc.enable if enabled else gc.disable)()
+
+
+def _autocast(device: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    def get() -> bool:
+        try:
+            return torch.is_autocast_enabled(device)
+        except RuntimeError:
+            return False
+    return get, lambda on: torch.set_autocast_enabled(device, on)
+
+
+def _mode_stack(length: Callable[[], int],
+                pop: Callable[[], Any]) -> tuple[Callable[[], int], Callable[[int], None]]:
+    """A torch mode stack (``TorchFunctionMode``/``TorchDispatchMode``): modes entered and
+    left on it intercept every later op; put back by popping them."""
+    def put(old: int) -> None:
+        while length() > old:
+            pop()
+        if length() < old:
+            raise RuntimeError("modes the host had entered were popped")
+    return length, put
+
+
+def _no_inference_exit(old: bool) -> None:
+    raise RuntimeError("an inference_mode guard is held; it ends only where it was entered")
+
+
 def _handler(sig: signal.Signals) -> tuple[Callable[[], Any], Callable[[Any], None]]:
     def put(old: Any) -> None:
         if old is not None and threading.current_thread() is threading.main_thread():
@@ -109,6 +161,13 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("torch default dtype", torch.get_default_dtype, torch.set_default_dtype),
     ("torch default device", torch.get_default_device, _set_device),
     ("torch grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
+    ("torch inference mode", torch.is_inference_mode_enabled, _no_inference_exit),
+    ("torch autocast (cpu)", *_autocast("cpu")),
+    ("torch autocast (cuda)", *_autocast("cuda")),
+    ("torch function mode stack depth", *_mode_stack(torch._C._len_torch_function_stack,
+                                                     torch._C._pop_torch_function_stack)),
+    ("torch dispatch mode stack depth", *_mode_stack(torch._C._len_torch_dispatch_stack,
+                                                     torch._C._pop_torch_dispatch_stack)),
     ("torch deterministic algorithms",
      lambda: (torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled()), _set_determinism),
@@ -128,6 +187,11 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("logging.disable level", lambda: logging.root.manager.disable, logging.disable),
     ("'attnhub' logger level", lambda: _log.level, _log.setLevel),
     ("'attnhub' logger disabled", *_attr(_log, "disabled")),
+    ("'attnhub' logger propagation", *_attr(_log, "propagate")),
+    ("'attnhub' logger filters", lambda: list(_log.filters),
+     lambda old: setattr(_log, "filters", list(old))),
+    ("'attnhub' logger handlers", lambda: list(_log.handlers),
+     lambda old: setattr(_log, "handlers", list(old))),
     ("working directory", _cwd, _chdir),
     ("sys.stdout", *_attr(sys, "stdout")),
     ("sys.stderr", *_attr(sys, "stderr")),
@@ -138,6 +202,12 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("root logger level", lambda: logging.root.level, logging.root.setLevel),
     ("root logger handlers", lambda: list(logging.root.handlers), _set_root_handlers),
     ("random generator state (torch, CPU)", _rng_state, _set_rng_state),
+    ("random generator state (Python)", _py_rng,
+     lambda old: random.setstate(pickle.loads(old))),
+    ("random generator state (numpy)", _np_rng, _set_np_rng),
+    ("file mode creation mask (umask)", _umask, os.umask),
+    ("garbage collector enabled", gc.isenabled, _gc),
+    ("thread switch interval", sys.getswitchinterval, sys.setswitchinterval),
     ("warnings filter for every warning", _warn_all, _set_warn_all),
     *((f"{sig.name} handler", *_handler(sig)) for sig in (signal.SIGINT, signal.SIGTERM)),
 )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import math
 import os
@@ -653,8 +654,13 @@ def _invalid_backend(obj: Any) -> str | None:
         return f"registered {type(obj).__name__!r}, which is not an attnhub Backend subclass"
     try:
         name = getattr(obj, "name", None)
+        static = inspect.getattr_static(obj, "name", None)
     except Exception as exc:
         return f"backend {type(obj).__name__}: reading its name raised {_exc_text(exc)}"
+    if name is not static:  # a property: another value each read (the policy's name, later)
+        return (f"backend {type(obj).__name__} computes its name ({type(static).__name__}); "
+                "a backend is known by one name: set name = '...' as a class or instance "
+                "attribute")
     if not _nameable(name):
         return (f"backend {type(obj).__name__} has an invalid name {_short(name)} (use an ASCII "
                 f"identifier of at most {MAX_NAME} characters: a policy names it)")

@@ -217,3 +217,8 @@ class AttnParams:
     return_lse: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     dropout_p: float = 0.0
+
+    def fresh(self) -> AttnParams:
+        """A copy for one backend call: what a backend changes in it (a field, an ``extra``
+        entry) stays with that call and never reaches a fallback or another candidate."""
+        return replace(self, extra=dict(self.extra) if self.extra else {})

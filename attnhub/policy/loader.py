@@ -97,7 +97,7 @@ def default_policy_path() -> Path:
 def resolve_policy_path(ref: str | os.PathLike[str], base_dir: Path | None = None) -> Path:
     """A file path, or a packaged policy name such as ``default`` or ``portable``."""
     s = os.fspath(ref)
-    if _PACKAGED_NAME.match(s) and not _exists((base_dir or Path(".")) / s):
+    if _PACKAGED_NAME.match(s) and not _exists((base_dir or Path(".")) / s, file=True):
         return policies_dir() / f"{s}.yaml"
     try:
         p = Path(s).expanduser()
@@ -106,12 +106,13 @@ def resolve_policy_path(ref: str | os.PathLike[str], base_dir: Path | None = Non
     return p if p.is_absolute() or base_dir is None else base_dir / p
 
 
-def _exists(p: Path) -> bool:
-    """``p.exists()`` that cannot raise: a name too long for the file system (ENAMETOOLONG)
-    or a folder without search permission escaped the loader as a traceback; the read that
-    follows reports it, located."""
+def _exists(p: Path, file: bool = False) -> bool:
+    """``p.exists()`` (``file``: ``p.is_file()``: a folder named ``default`` beside a policy
+    does not hide the packaged one) that cannot raise: a name too long for the file system
+    (ENAMETOOLONG) or a folder without search permission escaped the loader as a traceback;
+    the read that follows reports it, located."""
     try:
-        return p.exists()
+        return p.is_file() if file else p.exists()
     except OSError:
         return False
 
@@ -354,30 +355,48 @@ def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
             drop(name)
         removed.setdefault(name, i)
     top: list[LoadedRule] = []
-    placed: dict[int, tuple[list[LoadedRule], list[LoadedRule]]] = {}
+    moved: list[tuple[int, LoadedRule, str]] = []
     for i, r in enumerate(pf.rules):
         lr = LoadedRule(r, doc, ("rules", i))
         target = r.before or r.after
         if target is not None:
             if r.name in index:
                 drop(r.name)
-            if target not in index:
-                problems.append(_unknown_ref(doc, ("rules", i, "before" if r.before else "after"),
-                                             target, alive()))
-                continue
-            before, after = placed.setdefault(index[target], ([], []))
-            (after if r.after is not None else before).append(lr)
+            moved.append((i, lr, target))
         elif r.name in index:
             rules[index[r.name]] = lr
         else:
             top.append(lr)
+    # a placement follows its target wherever it ends up, a rule this file moves too
+    names = set(index) | {lr.rule.name for _, lr, _ in moved}
+    attached: dict[str, tuple[list[LoadedRule], list[LoadedRule]]] = {}
+    for i, lr, target in moved:
+        key = ("rules", i, "before" if lr.rule.before else "after")
+        if target == lr.rule.name:
+            problems.append(f"{doc.where(key)} {dotted(key)}: rule {target!r} is placed "
+                            "relative to itself; expected another rule's name")
+        elif target not in names:
+            problems.append(_unknown_ref(doc, key, target, alive()))
+        else:
+            before, after = attached.setdefault(target, ([], []))
+            (after if lr.rule.after is not None else before).append(lr)
     out = list(top)
-    for j, r in enumerate(rules):
-        before, after = placed.get(j, ([], []))
-        out += before
-        if r is not None:
-            out.append(r)
-        out += reversed(after)
+    stack: list[tuple[bool, LoadedRule]] = [(False, r) for r in reversed(rules)
+                                            if r is not None]
+    while stack:  # iterative: a chain of thousands of placements is no recursion
+        done, lr = stack.pop()
+        if done:
+            out.append(lr)
+            continue
+        before, after = attached.pop(lr.rule.name, ([], []))
+        stack += [(False, x) for x in after] + [(True, lr)] + [
+            (False, x) for x in reversed(before)]
+    for name, (before, after) in attached.items():  # never reached: placed in a cycle
+        for lr in before + after:
+            key = ("rules", lr.path[1], "before" if lr.rule.before else "after")
+            problems.append(f"{doc.where(key)} {dotted(key)}: rule {lr.rule.name!r} is "
+                            f"placed relative to {name!r}, which is placed relative to it "
+                            "(a cycle); expected one of them placed by a rule outside it")
     return out
 
 
