@@ -33,6 +33,7 @@ from .core.masking import (
     attends_nothing,
     bottom_right_form,
     doc_ranges,
+    learned_slopes,
     query_offset,
 )
 from .core.first_order import first_order_only
@@ -83,6 +84,7 @@ __all__ = [
     "flash_paged_form",
     "flash_varlen",
     "flash_varlen_form",
+    "learned_slopes",
     "dtype_name",
     "hookimpl",
     "module_available",

@@ -391,12 +391,13 @@ def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> tor
     Where cuDNN is the only kernel SDPA may run for the call (the caller's
     ``sdpa_kernel([CUDNN_ATTENTION])``, or cuDNN beside a kernel that cannot take it), SDPA
     answers "No available kernel" without it: the call is then made with cuDNN on."""
-    if (qt.device.type == "cpu" and qt.dtype in _HALF and torch.is_grad_enabled()
+    if (qt.device.type == "cpu" and torch.is_grad_enabled()
             and (qt.requires_grad or kt.requires_grad or vt.requires_grad)
             and not torch.compiler.is_compiling()):
-        # torch's CPU flash backward in fp16/bf16 broke the FlashAttention rule on peaked
-        # softmaxes (scale 1, D=64, a few keys: dq/dk up to 9.7x the bound in bf16, 6 of 40
-        # seeds); its math kernel, which autograd differentiates, stays within it
+        # torch's CPU flash backward broke the FlashAttention rule on peaked softmaxes: in
+        # fp16/bf16 (scale 1, D=64, a few keys: dq/dk up to 9.7x the bound, 6 of 40 seeds)
+        # and in fp32 with a large scale (3: every seed, up to 4.9x; 10: 9.4x); its math
+        # kernel, which autograd differentiates, stays within it
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(qt, kt, vt, **kw)
     if (qt.device.type != "cuda" or torch.compiler.is_compiling()
@@ -461,7 +462,7 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParam
     """SDPA on (B, S, H, D) with an explicit boolean mask of visible pairs and/or an additive
     bias; rows that see no key come back 0 with LSE -inf."""
     hq, hkv = q.shape[2], k.shape[2]
-    k, nan_seen = _hide_masked_nan_keys(q, k, allowed)
+    k, allowed, nan_seen = _hide_masked_nan_keys(q, k, allowed, p.scale)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     row_ok = None
     mask = bias
@@ -496,22 +497,31 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParam
     return AttentionOutput(out.transpose(1, 2), lse)
 
 
-def _hide_masked_nan_keys(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _hide_masked_nan_keys(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                 torch.Tensor | None]:
     """NaN in means NaN out, and only there (docs/contract.md). SDPA applies a boolean mask
-    as an additive -inf, and NaN + -inf is NaN: a NaN key would reach every row of its head,
-    those that cannot see it too. On the CPU (a host check costs nothing there) keys holding
-    NaN are zeroed and ``(k, poison)`` returned, poison (B, Hq, Sq, 1) fp32 NaN on the rows
-    that see such a key, else 0; otherwise ``(k, None)``."""
+    as an additive -inf, and NaN + -inf is NaN: a key holding NaN or inf (an fp16 cache
+    entry that overflowed) would reach every row of its head, those that cannot see it too.
+    On the CPU (a host check costs nothing there) such keys are zeroed and their scores
+    taken as the maths takes them: a visible score of NaN or +inf makes its row NaN, one of
+    -inf gives the key no weight (it leaves ``allowed``). Returns ``(k, allowed, poison)``,
+    poison (B, Hq, Sq, 1) fp32 NaN on the rows made NaN, else 0; or ``(k, allowed, None)``."""
     if allowed is None or q.device.type != "cpu":
-        return k, None
-    bad = torch.isnan(k).any(-1)  # (B, Sk, Hkv)
+        return k, allowed, None
+    bad = ~torch.isfinite(k).all(-1)  # (B, Sk, Hkv)
     if not bool(bad.any()):
-        return k, None
+        return k, allowed, None
+    g = q.shape[2] // k.shape[2]
+    kb = k.masked_fill(~bad.unsqueeze(-1), 0.0).repeat_interleave(g, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), kb.double()) * scale
+    bad_h = bad.transpose(1, 2).repeat_interleave(g, dim=1).unsqueeze(2)  # (B, Hq, 1, Sk)
+    at_bad = allowed & bad_h
+    seen = (at_bad & (torch.isnan(scores) | (scores == float("inf")))).any(-1, keepdim=True)
+    allowed = allowed & ~(at_bad & (scores == float("-inf")))
     k = k.masked_fill(bad.unsqueeze(-1), 0.0)
-    bad_h = bad.transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
-    seen = (allowed & bad_h.unsqueeze(2)).any(-1, keepdim=True)
-    return k, torch.zeros(seen.shape, device=q.device).masked_fill(seen, float("nan"))
+    poison = torch.zeros(seen.shape, device=q.device).masked_fill(seen, float("nan"))
+    return k, allowed, poison
 
 
 def _keep_nan(out: torch.Tensor, lse: torch.Tensor | None, qt: torch.Tensor,
@@ -566,11 +576,11 @@ def _cpu_needs_explicit_mask(native: tuple[bool, object], p: AttnParams,
                              k: torch.Tensor) -> bool:
     """On the CPU, the calls whose native causal form takes the explicit-mask path: those
     that want the LSE (the one-pass LSE kernel takes a materialised mask), and a
-    ``causal_lower_right`` call whose k holds NaN (SDPA adds that bias as -inf, and
+    ``causal_lower_right`` call whose k holds NaN or inf (SDPA adds that bias as -inf, and
     NaN + -inf = NaN would reach rows that cannot see the key; ``_hide_masked_nan_keys``)."""
     if k.device.type != "cpu":
         return False
-    return p.return_lse or (native[1] is not None and bool(torch.isnan(k).any()))
+    return p.return_lse or (native[1] is not None and not bool(torch.isfinite(k).all()))
 
 
 def _causal_allowed(p: AttnParams, sq: int, sk: int,

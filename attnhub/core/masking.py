@@ -145,3 +145,16 @@ def attends_nothing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     even where an input holds NaN or inf."""
     zero = q[..., :0].sum(-1, keepdim=True) + k[..., :0].sum() + v[..., :0].sum()
     return zero.expand(*q.shape[:-1], v.shape[-1]).contiguous()
+
+
+def learned_slopes(params: AttnParams) -> str | None:
+    """Why a kernel whose backward gives ALiBi slopes no gradient cannot serve this call
+    (None: it can): the slopes require one (learned per head) and grad mode is on. Without
+    the refusal the slopes would silently stay untrained; the caller raises it as a
+    ``BackendUnavailableError`` so the rule's next candidate serves (torch_sdpa and the
+    reference differentiate them)."""
+    s = params.alibi_slopes
+    if s is None or not s.requires_grad or not torch.is_grad_enabled():
+        return None
+    return ("learned ALiBi slopes (alibi_slopes.requires_grad): this kernel's backward gives "
+            "the slopes no gradient; torch_sdpa and reference differentiate them")

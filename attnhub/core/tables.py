@@ -26,8 +26,10 @@ log = logging.getLogger("attnhub")
 def check_cu_seqlens_meta(name: str, cu: Any, device: torch.device) -> None:
     """Type, rank, dtype and device of cumulative lengths (no contents read)."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
-        raise SeqlensError(f"{name} must be a 1-D tensor of B+1 offsets starting at 0, got "
-                           f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu)}")
+        raise SeqlensError(f"{name} must be a 1-D tensor of B+1 offsets starting at 0 for "
+                           f"B >= 1 documents (e.g. [0, 5, 12]), got "
+                           f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu)}"
+                           "; for no documents at all, skip the call")
     if cu.dtype != torch.int32:
         raise SeqlensError(f"{name} is {cu.dtype}; it must be torch.int32 "
                            f"(use {name}.to(torch.int32))")

@@ -19,6 +19,7 @@ from attnhub.plugin import (
     causal_alibi_lse,
     flash_causal,
     flash_form,
+    learned_slopes,
 )
 
 from .ck_libraries import AITER_QK_V_PAIRS, CKCall, CKLibrary, select_library
@@ -87,6 +88,8 @@ class CKFlashBackend(Backend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        if params.alibi_slopes is not None and (why := learned_slopes(params)):
+            raise BackendUnavailableError(self.name, [why])  # its backward gives them none
         if params.softcap:
             raise BackendUnavailableError(self.name, [self.library.softcap_reason])
         call = ck_call(params)

@@ -20,9 +20,11 @@ from attnhub.plugin import (
     AttentionSpec,
     AttnParams,
     Backend,
+    BackendUnavailableError,
     DeviceInfo,
     InputError,
     dtype_name,
+    learned_slopes,
 )
 from attnhub_triton_portable.backend_decode import TritonDecodeBackend
 from attnhub_triton_portable.backend_dense import CPU_REASON, TritonDenseBackend, interpreter_on
@@ -99,6 +101,8 @@ class TritonRocmBackend(Backend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        if params.alibi_slopes is not None and (why := learned_slopes(params)):
+            raise BackendUnavailableError(self.name, [why])  # its backward gives them none
         if q.device.type == "cpu" and not interpreter_on():
             raise InputError(f"triton_rocm: {CPU_REASON}")
         target = self.target_for(q.device)

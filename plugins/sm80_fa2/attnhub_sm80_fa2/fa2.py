@@ -12,7 +12,6 @@ import functools
 import torch
 
 from attnhub.plugin import (
-    HALF_DTYPES,
     AttentionOutput,
     AttentionSpec,
     AttnParams,
@@ -20,6 +19,7 @@ from attnhub.plugin import (
     BackendUnavailableError,
     Capabilities,
     DeviceInfo,
+    HALF_DTYPES,
     causal_alibi_lse,
     flash_causal,
     flash_dense_form,
@@ -28,6 +28,7 @@ from attnhub.plugin import (
     flash_paged_form,
     flash_varlen,
     flash_varlen_form,
+    learned_slopes,
     moved_alibi,
     natural_lse,
     top_left_alibi_reason,
@@ -110,6 +111,8 @@ class FlashAttn2Backend(Backend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        if params.alibi_slopes is not None and (why := learned_slopes(params)):
+            raise BackendUnavailableError(self.name, [why])  # its backward gives them none
         if spec.layout == "paged":
             return self._paged(q, k, v, params)
         out_kw = flash_output_kwargs(params)

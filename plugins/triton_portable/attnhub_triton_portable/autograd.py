@@ -19,6 +19,7 @@ from . import autotune
 from .bwd import flash_bwd, gluon_bwd_unsupported
 from .configs import bwd_candidates, fwd_candidates
 from .fwd import flash_fwd, gluon_unsupported
+from .interpreted import serialized
 from .launch import DenseArgs, device_arch
 
 Config = dict[str, Any]
@@ -106,7 +107,7 @@ class _DenseAttention(torch.autograd.Function):
         if dout is None:  # only the LSE reached the loss
             dout = torch.zeros_like(out)
         args = replace(ctx.args, q=q, k=k, v=v)
-        with torch.no_grad():  # create_graph=True: the fused kernels have no derivative
+        with torch.no_grad(), serialized(q):  # create_graph=True: no derivative
             cfg = ctx.bwd_cfg or bwd_config_for(args, out, lse, dout, ctx.deterministic)
             dq, dk, dv = flash_bwd(args, out, lse, dout, cfg, dlse)
         # the gradients are right; differentiating them (create_graph=True) raises

@@ -19,6 +19,7 @@ from attnhub.plugin import (
 )
 
 from .backend_dense import CPU_REASON, interpreter_on
+from .interpreted import serialized
 
 _MASKS = frozenset({"none", "causal", "sliding_window", "softcap", "alibi"})
 
@@ -67,7 +68,8 @@ class TritonDecodeBackend(Backend):
         kernels then write it to scratch: one allocation less per call)."""
         if params.extra:
             refuse_stray_descales(self.name, k.dtype, params.extra)
-        return self._run(q, k, v, spec, params, None, None)
+        with serialized(q):
+            return self._run(q, k, v, spec, params, None, None)
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
              params: AttnParams, k_descale: torch.Tensor | None,
@@ -128,7 +130,8 @@ class TritonDecodeFp8Backend(TritonDecodeBackend):
                              "..., 'v_descale': ...} float32 tensors ((num_pages, Hkv) for a "
                              "paged cache, e.g. PagedKVCache.scales.descales(layer))")
         try:
-            return self._run(q, k, v, spec, params, kd, vd)
+            with serialized(q):
+                return self._run(q, k, v, spec, params, kd, vd)
         except ValueError as exc:  # the descales' shape/device: the caller's input
             raise InputError(f"triton_decode_fp8: {exc}") from None
 

@@ -18,10 +18,14 @@ from attnhub.plugin import (
     AttentionSpec,
     AttnParams,
     Backend,
+    BackendUnavailableError,
     Capabilities,
     DeviceInfo,
     InputError,
+    learned_slopes,
 )
+
+from .interpreted import serialized
 
 _MASKS = frozenset({"none", "causal", "sliding_window", "alibi", "softcap", "prefix_lm",
                     "document", "column_sparse"})
@@ -87,9 +91,12 @@ class TritonDenseBackend(Backend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
+        if params.alibi_slopes is not None and (why := learned_slopes(params)):
+            raise BackendUnavailableError(self.name, [why])  # its backward gives them none
         if q.device.type == "cpu":
             _require_interpreter()
-        out, lse = self._attention(q, k, v, params, spec.layout)
+        with serialized(q):
+            out, lse = self._attention(q, k, v, params, spec.layout)
         return AttentionOutput(out, lse if params.return_lse else None)
 
 
