@@ -34,7 +34,9 @@ from attnhub.timing import median_ms
 
 
 class NullBackend(Backend):
-    """Serves anything, computes nothing: returns a preallocated output of the right shape."""
+    """Serves anything, computes nothing: returns a new view of a preallocated output of the
+    right shape (a view per call: the hub refuses to admit a backend that hands back the very
+    tensor the caller still holds from its previous call)."""
 
     name = "null"
     tier = "portable"
@@ -51,7 +53,7 @@ class NullBackend(Backend):
         out = self.outs.get(shape)
         if out is None:
             out = self.outs[shape] = q.new_zeros(shape)
-        return AttentionOutput(out, None)
+        return AttentionOutput(out.view(shape), None)
 
 
 def _grow_call(hub: attnhub.Hub, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
