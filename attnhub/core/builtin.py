@@ -392,7 +392,8 @@ def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> tor
     ``sdpa_kernel([CUDNN_ATTENTION])``, or cuDNN beside a kernel that cannot take it), SDPA
     answers "No available kernel" without it: the call is then made with cuDNN on."""
     if (qt.device.type == "cpu" and torch.is_grad_enabled()
-            and (qt.requires_grad or kt.requires_grad or vt.requires_grad)
+            and (qt.requires_grad or getattr(kt, "requires_grad", False)
+                 or getattr(vt, "requires_grad", False))
             and not torch.compiler.is_compiling()):
         # torch's CPU flash backward broke the FlashAttention rule on peaked softmaxes: in
         # fp16/bf16 (scale 1, D=64, a few keys: dq/dk up to 9.7x the bound, 6 of 40 seeds)
