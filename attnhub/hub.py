@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .core.backend import AttentionOutput, Backend, plugin_fault, safe_check
+from .core.backend import AttentionOutput, Backend, safe_check
 from .core.decision import BindContext, Decision, report_missing
 from .core.device import DeviceInfo, probe
 from .core.registry import Registry
@@ -124,8 +124,9 @@ class Runner:
         #: a result passed with the inputs' bits summed (``watched_forward(vet=True)``):
         #: later slow-lane calls (a distributed backend's, every call) skip the sums
         self.summed = False
-        #: the first good slow-lane output, while the caller holds it (``_admit``)
-        self.previous: weakref.ref[torch.Tensor] | None = None
+        #: (id of the backend, weak reference to its output) of the last good slow-lane
+        #: call of the first candidate (``_admit``)
+        self.previous: tuple[int, weakref.ref[torch.Tensor]] | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
@@ -143,19 +144,22 @@ class Runner:
                               dtype or q.dtype)
 
     def _admit(self, backend: Backend, out: torch.Tensor) -> OutputContractError | None:
-        """The hot path takes the first candidate after its second good slow-lane call,
-        whose output must not lie in the first's (held by the caller: a static buffer
-        would rewrite every result it handed out); a reuse is distrusted and returned."""
-        if self.local is not None or self.empty or id(backend) in self.distrusted:
+        """The hot path takes the first candidate after its second good slow-lane call;
+        until then (and for a distrusted one, on every call) an output must not be the
+        tensor the previous call returned while the caller still holds it (a static buffer
+        would rewrite every result it handed out); a reuse is distrusted and returned. A
+        view of such a buffer, made anew per call, escapes this check."""
+        if self.local is not None or self.empty:
             return None
-        if self.previous is None:
-            self.previous = weakref.ref(out)  # the first good call
-            return None
-        bad = reused_output(backend.name, out, self.previous())  # None: dropped, no harm
+        prev, self.previous = self.previous, (id(backend), weakref.ref(out))
+        held = prev[1]() if prev is not None and prev[0] == id(backend) else None
+        bad = reused_output(backend.name, out, held)
         if bad is not None:
-            self.hub._distrust(self, backend, _failure_reason(bad))
+            if id(backend) not in self.distrusted:
+                self.hub._distrust(self, backend, _failure_reason(bad))
             return bad
-        self.first, self.previous = backend, None  # vetted: the hot path may call it now
+        if prev is not None and prev[0] == id(backend) and id(backend) not in self.distrusted:
+            self.first, self.previous = backend, None  # vetted: the hot path may call it now
         return None
 
     def recover(self, exc: Exception, failed: Backend, q: torch.Tensor, k: torch.Tensor,
@@ -647,9 +651,7 @@ class Hub:
                                               dtype, needs_grad)
                 except (InputError, *CONTROL_FLOW):
                     raise
-                except BaseException as exc:  # SystemExit from a kernel library included
-                    if not plugin_fault(exc):  # Ctrl-C
-                        raise
+                except (Exception, SystemExit) as exc:  # a kernel library's exit() too
                     # what the failed backend may have changed in params stays with it
                     params = AttnParams(*fields, dict(extra_given), dropout_p)
                     res = run.recover(exc, first, q, k, v, spec, params, want, device, dtype)

@@ -83,3 +83,23 @@ def test_outputs_and_loss_options_that_layers_receive_are_not_refused() -> None:
         losses = [m(input_ids=ids, labels=ids, shift_labels=labels, ignore_index=-100).loss
                   for m in (ours, twin)]
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(transformers, "Gemma4UnifiedTextConfig"),
+                    reason="no Gemma 4 unified in this transformers")
+@pytest.mark.parametrize("keep", [0, 2])
+def test_gemma4_unified_kv_shared_layers_match_eager(keep: int) -> None:
+    """Gemma 4 unified's cutting hook takes other parameters than Gemma 4's (no per-layer
+    inputs) and returns three values: it is read by the parameters attnhub needs only."""
+    cfg = transformers.Gemma4UnifiedTextConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        sliding_window=6, num_kv_shared_layers=2, global_head_dim=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0)
+    hf.register(attnhub.Hub(hardware="cpu"))
+    ids = torch.tensor([[47, 18, 56, 3, 70]])
+    with one_intraop_thread(), torch.no_grad():
+        ours, twin = sharpened(cfg, transformers.AutoModelForCausalLM, 4.0)
+        torch.testing.assert_close(ours(input_ids=ids, logits_to_keep=keep).logits,
+                                   twin(input_ids=ids, logits_to_keep=keep).logits,
+                                   rtol=1e-4, atol=1e-4)

@@ -117,7 +117,7 @@ def _recorded_files(lock_path: Path, data: PolicyData) -> list[str]:
     if len(data.paths) != len(data.files):
         return list(data.files)
     packaged = Path(os.path.realpath(policies_dir()))
-    base = os.path.abspath(lock_path.parent)
+    base = os.path.realpath(lock_path.parent)  # ``..`` from it is resolved physically
     out = []
     for shown, path in zip(data.files, data.paths):
         real = Path(os.path.realpath(path))

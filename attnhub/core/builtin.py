@@ -514,12 +514,18 @@ def _hide_masked_nan_keys(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tenso
     if not bool(bad.any()):
         return k, allowed, None
     g = q.shape[2] // k.shape[2]
-    kb = k.masked_fill(~bad.unsqueeze(-1), 0.0).repeat_interleave(g, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), kb.double()) * scale
-    bad_h = bad.transpose(1, 2).repeat_interleave(g, dim=1).unsqueeze(2)  # (B, Hq, 1, Sk)
-    at_bad = allowed & bad_h
+    cols = bad.any(0).any(-1).nonzero().squeeze(-1)  # the key positions holding one
+    kb = k[:, cols].masked_fill(~bad[:, cols].unsqueeze(-1), 0.0).repeat_interleave(g, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), kb.double()) * scale  # those only
+    bad_h = bad[:, cols].transpose(1, 2).repeat_interleave(g, dim=1).unsqueeze(2)
+    at_bad = allowed[..., cols] & bad_h
     seen = (at_bad & (torch.isnan(scores) | (scores == float("inf")))).any(-1, keepdim=True)
-    allowed = allowed & ~(at_bad & (scores == float("-inf")))
+    drop = at_bad & (scores == float("-inf"))  # (B, Hq, Sq, bad columns)
+    if bool(drop.any()):
+        weightless = torch.zeros((*drop.shape[:3], k.shape[1]), dtype=torch.bool,
+                                 device=q.device)
+        weightless[..., cols] = drop
+        allowed = allowed & ~weightless
     k = k.masked_fill(bad.unsqueeze(-1), 0.0)
     poison = torch.zeros(seen.shape, device=q.device).masked_fill(seen, float("nan"))
     return k, allowed, poison

@@ -12,8 +12,9 @@ from ..errors import InputError
 def available_memory(device: torch.device) -> int | None:
     """Bytes free for new tensors on ``device``: the kernel's ``MemAvailable`` on the CPU,
     the driver's free memory on CUDA; None where unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cuda":  # free on the card plus what torch's cache holds unused
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + cached
     if device.type != "cpu":
         return None
     try:

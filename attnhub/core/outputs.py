@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from . import process_state
-from .backend import plugin_fault
 from .tables import _forget_tables
 from ..errors import OutputContractError
 
@@ -206,11 +205,8 @@ def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise
     except Exception as exc:  # noqa: BLE001 - handed to the caller, which decides
         failure = exc
-    except BaseException as exc:  # SystemExit from a plugin's kernel library is its fault,
-        if not plugin_fault(exc):  # as in check() and imports; Ctrl-C is the user's
-            process_state.call_restore(settings)
-            raise
-        failure = RuntimeError(f"{type(exc).__name__}: {exc}")
+    except SystemExit as exc:  # a plugin's kernel library calling exit(): its fault, as in
+        failure = RuntimeError(f"SystemExit: {exc}")  # check() and imports, not the host's end
     changed = process_state.call_restore(settings)
     if changed and failure is None:
         failure = OutputContractError(

@@ -17,12 +17,9 @@ from exiting.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 import os
-import pickle
-import random
 import signal
 import sys
 import threading
@@ -94,30 +91,6 @@ def _rng_state() -> bytes:
 
 def _set_rng_state(state: bytes) -> None:
     torch.random.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-
-
-def _py_rng() -> bytes:
-    return _State(pickle.dumps(random.getstate()))
-
-
-def _np_rng() -> bytes | None:
-    np = sys.modules.get("numpy")  # imported by torch's users, not loaded for this check
-    return _State(pickle.dumps(np.random.get_state())) if np is not None else None
-
-
-def _set_np_rng(state: bytes | None) -> None:
-    if state is not None:
-        sys.modules["numpy"].random.set_state(pickle.loads(state))
-
-
-def _umask() -> int:
-    old = os.umask(0o022)
-    os.umask(old)
-    return old
-
-
-def _gc(enabled: bool) -> None:
-    (gc.enable if enabled else gc.disable)()
 
 
 def _autocast(device: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
@@ -202,12 +175,6 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("root logger level", lambda: logging.root.level, logging.root.setLevel),
     ("root logger handlers", lambda: list(logging.root.handlers), _set_root_handlers),
     ("random generator state (torch, CPU)", _rng_state, _set_rng_state),
-    ("random generator state (Python)", _py_rng,
-     lambda old: random.setstate(pickle.loads(old))),
-    ("random generator state (numpy)", _np_rng, _set_np_rng),
-    ("file mode creation mask (umask)", _umask, os.umask),
-    ("garbage collector enabled", gc.isenabled, _gc),
-    ("thread switch interval", sys.getswitchinterval, sys.setswitchinterval),
     ("warnings filter for every warning", _warn_all, _set_warn_all),
     *((f"{sig.name} handler", *_handler(sig)) for sig in (signal.SIGINT, signal.SIGTERM)),
 )
@@ -346,10 +313,19 @@ def stray_threads(before: State) -> list[str]:
     return [t.name for t in stray]
 
 
+#: Settings torch keeps per thread: read in another thread than the snapshot's (a plugin's
+#: import runs in a worker, ``bounded``) they show that thread's values, not the host's.
+THREAD_LOCAL = frozenset({"torch grad mode", "torch inference mode", "torch autocast (cpu)",
+                          "torch autocast (cuda)", "torch function mode stack depth",
+                          "torch dispatch mode stack depth"})
+
+
 def _put_back(settings: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...],
-              values: list[Any]) -> list[str]:
+              values: list[Any], skip: frozenset[str] = frozenset()) -> list[str]:
     changed: list[str] = []
     for (what, get, put), old in zip(settings, values):
+        if what in skip:
+            continue
         new = get()
         if new is not old and new != old and not _KEPT.get(what, _never)(old, new):
             try:
@@ -377,11 +353,12 @@ def call_restore(values: list[Any]) -> list[str]:
     return _put_back(CALL_SETTINGS, values)
 
 
-def restore(before: State) -> list[str]:
+def restore(before: State, other_thread: bool = False) -> list[str]:
     """Put back what changed since ``before``; one line per change (environment values are
-    not shown: they may be secrets)."""
+    not shown: they may be secrets). ``other_thread``: ``before`` was taken in another
+    thread, whose thread-local settings (:data:`THREAD_LOCAL`) are not this one's."""
     values, env, attrs, modules, _, torch_attrs = before
-    changed = _put_back(SETTINGS, values)
+    changed = _put_back(SETTINGS, values, THREAD_LOCAL if other_thread else frozenset())
     now = _own_env()
     keys = sorted(k for k in env.keys() | now.keys() if env.get(k) != now.get(k))
     for k in keys:
@@ -408,6 +385,7 @@ class Watch:
 
     def __init__(self) -> None:
         self.before = snapshot()
+        self.thread = threading.get_ident()
         self.limit = self.before[0][_RECURSION]
         self.changed: list[str] = []
 
@@ -417,7 +395,7 @@ class Watch:
         low = sys.getrecursionlimit()
         if low < self.limit:
             sys.setrecursionlimit(self.limit)
-        lines = restore(self.before)
+        lines = restore(self.before, threading.get_ident() != self.thread)
         if low < self.limit:
             lines.insert(0, f"recursion limit {self.limit} -> {low}")
         self.changed += [line for line in lines if line not in self.changed]

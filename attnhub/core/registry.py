@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import traceback
+import types
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
@@ -657,7 +658,8 @@ def _invalid_backend(obj: Any) -> str | None:
         static = inspect.getattr_static(obj, "name", None)
     except Exception as exc:
         return f"backend {type(obj).__name__}: reading its name raised {_exc_text(exc)}"
-    if name is not static:  # a property: another value each read (the policy's name, later)
+    if name is not static and not isinstance(static, types.MemberDescriptorType):
+        # a property: another value each read (the policy's name, later); a slot holds one
         return (f"backend {type(obj).__name__} computes its name ({type(static).__name__}); "
                 "a backend is known by one name: set name = '...' as a class or instance "
                 "attribute")

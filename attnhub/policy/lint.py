@@ -497,16 +497,16 @@ def _cells(policy: Policy, registry: Registry, hardware: tuple[str, ...]) -> lis
     so that the verdict does not depend on this machine's profile store."""
     with tempfile.TemporaryDirectory() as tmp:
         iso = Policy(policy.data, profile=ProfileStore(Path(tmp) / "profile.json"))
-        groups: dict[tuple[str, str | None], list[tuple[Cell, Any]]] = defaultdict(list)
+        groups: dict[tuple[str, str | None, bool], list[tuple[Cell, Any]]] = defaultdict(list)
         for hw in hardware:
             dev = simulate(hw)
             for cell in cells():
                 d = iso.resolve(cell.spec(), dev, registry)
                 if d.backend is None:
-                    groups[(hw, d.rule)].append((cell, d))
+                    groups[(hw, d.rule, cell.dropout)].append((cell, d))
     rules = {lr.rule.name: lr for lr in policy.rules}
     out = []
-    for (hw, rule), items in groups.items():
+    for (hw, rule, dropout), items in groups.items():
         lr = rules.get(rule) if rule else None
         missing = sorted({r.backend for _, d in items for r in d.rejected
                           if r.backend in FIRST_PARTY and r.backend not in registry.backends})
@@ -518,6 +518,14 @@ def _cells(policy: Policy, registry: Registry, hardware: tuple[str, ...]) -> lis
             out.append(Finding("warning", where, label, (
                 f"on {hw}, {len(items)} cell(s) have no installed backend ({listed}); not "
                 f"installed here: {', '.join(missing)}")))
+        elif dropout:  # a policy for models trained without attention dropout may leave
+            first = items[0][1]  # these to an error at run time: said, not failed
+            why = "; ".join(f"{r.backend}: {r.reasons[0]}" for r in first.rejected)
+            out.append(Finding("warning", where, label, (
+                f"on {hw}, {len(items)} training cell(s) with attention dropout are served "
+                f"by no backend ({listed}); first: {why}; a model trained with "
+                "attention_dropout > 0 would fail there: route `when: {dropout: true}` to a "
+                "backend that declares dropout (torch_sdpa, reference, fa2)")))
         else:
             first = items[0][1]
             why = "; ".join(f"{r.backend}: {r.reasons[0]}" for r in first.rejected)

@@ -369,6 +369,7 @@ def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
             top.append(lr)
     # a placement follows its target wherever it ends up, a rule this file moves too
     names = set(index) | {lr.rule.name for _, lr, _ in moved}
+    before_placing = len(problems)
     attached: dict[str, tuple[list[LoadedRule], list[LoadedRule]]] = {}
     for i, lr, target in moved:
         key = ("rules", i, "before" if lr.rule.before else "after")
@@ -391,7 +392,10 @@ def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
         before, after = attached.pop(lr.rule.name, ([], []))
         stack += [(False, x) for x in after] + [(True, lr)] + [
             (False, x) for x in reversed(before)]
+    placement_problems = len(problems) - before_placing
     for name, (before, after) in attached.items():  # never reached: placed in a cycle
+        if placement_problems:  # or hanging from a placement refused above: said there
+            break
         for lr in before + after:
             key = ("rules", lr.path[1], "before" if lr.rule.before else "after")
             problems.append(f"{doc.where(key)} {dotted(key)}: rule {lr.rule.name!r} is "

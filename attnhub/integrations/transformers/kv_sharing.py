@@ -21,10 +21,9 @@ from typing import Any
 from ...errors import InputError
 
 HOOK = "_maybe_slice_kv_shared_inputs"
-#: The hook's parameters, as transformers 5 names them; the first four are what it returns
-#: when it does not cut.
-PARAMS = ("hidden_states", "per_layer_inputs", "position_embeddings", "causal_mask_mapping",
-          "logits_to_keep", "cache")
+#: The hook's parameters attnhub reads, as transformers 5 names them (Gemma 4 and Gemma 4
+#: unified; the other parameters and the returned tuple differ between them).
+PARAMS = ("causal_mask_mapping", "logits_to_keep", "cache")
 
 
 def keep_whole_sequences(names: Collection[str]) -> None:
@@ -48,16 +47,17 @@ def _as_for_sdpa(original: Callable[..., Any], names: Collection[str]) -> Callab
             return original(self, *args, **kwargs)
         if not readable:
             raise InputError(
-                f"{type(self).__name__}.{HOOK} has parameters {list(sig.parameters)}, not the "
-                f"{list(PARAMS)} attnhub reads to keep the whole sequence where a skipped "
+                f"{type(self).__name__}.{HOOK} has parameters {list(sig.parameters)}, without "
+                f"the {list(PARAMS)} attnhub reads to keep the whole sequence where a skipped "
                 "mask would leave the cut queries unplaced; use attn_implementation='sdpa' "
                 "or a transformers release attnhub supports")
-        a = sig.bind(self, *args, **kwargs).arguments
+        bound = sig.bind(self, *args, **kwargs)
+        a = bound.arguments
         keep, masks = a["logits_to_keep"], a["causal_mask_mapping"]
         if (isinstance(keep, int) and (keep > 1 or getattr(a["cache"], "is_compileable", False))
                 and isinstance(masks, dict) and any(m is None for m in masks.values())):
-            return tuple(a[p] for p in PARAMS[:4])
-        return original(self, *args, **kwargs)
+            a["logits_to_keep"] = 0  # the hook's own "keep all": slice(-0, None)
+        return original(*bound.args, **bound.kwargs)
 
     hook._attnhub = True  # type: ignore[attr-defined]
     return hook
