@@ -171,7 +171,8 @@ def test_a_condition_no_call_can_meet_is_warned(extra: str, warning: str) -> Non
 
     reg = Registry.load(modules=[], entry_points=False)
     found = lint_policy(load_policy(_write(RULE + f"    {extra}\n")), reg, ("cpu",))
-    warnings = [str(f) for f in found if f.level == "warning"]
+    warnings = [str(f) for f in found if f.level == "warning"
+                and "with attention dropout" not in f.message]  # the rule serves no dropout
     assert [w.split(";")[0] for w in warnings] == [f"ok.yaml:{warning}"], warnings
 
 
