@@ -629,8 +629,8 @@ class Hub:
                       window, softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end,
                       cu_q, cu_k, max_q, max_k, bt, sl, score_mod, mask_mod, deterministic,
                       return_lse)
-            extra_given = check_extra(extra, k.dtype) if extra else {}
-            params = AttnParams(*fields, dict(extra_given) if extra_given else {}, dropout_p)
+            params = AttnParams(*fields, check_extra(extra, k.dtype) if extra else {},
+                                dropout_p)  # check_extra: a private copy of the caller's
             first = run.first
             if first is not None and first._loaded and not self.debug:
                 try:  # Runner.__call__ inlined for the first candidate: a frame less
@@ -653,7 +653,8 @@ class Hub:
                     raise
                 except (Exception, SystemExit) as exc:  # a kernel library's exit() too
                     # what the failed backend may have changed in params stays with it
-                    params = AttnParams(*fields, dict(extra_given), dropout_p)
+                    params = AttnParams(*fields, check_extra(extra, k.dtype) if extra else {},
+                                        dropout_p)
                     res = run.recover(exc, first, q, k, v, spec, params, want, device, dtype)
             else:
                 res = run(q, k, v, spec, params, want, device, dtype)

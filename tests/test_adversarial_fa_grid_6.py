@@ -118,3 +118,34 @@ def test_packed_call_without_documents_says_so() -> None:
     cu = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(AttnhubError, match="B >= 1 documents"):
         attnhub.attention(empty, empty, empty, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@pytest.mark.parametrize("layout", ["thd", "paged"])
+def test_an_inf_key_in_packed_and_paged_calls_reaches_its_row_only(layout: str) -> None:
+    """The siblings: a document's last key, and the newest key of a paged cache (an fp16
+    cache entry that overflowed), are seen by the last query only."""
+    g = torch.Generator().manual_seed(1)
+    if layout == "thd":
+        q, k, v = (torch.randn(8, 2, 8, generator=g) for _ in range(3))
+        k[7, 0, 0] = float("inf")
+        q[..., 0] = q[..., 0].abs()
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        for lse in (False, True):
+            out = attnhub.attention(q, k, v, causal=True, layout="thd", cu_seqlens_q=cu,
+                                    cu_seqlens_k=cu, return_lse=lse)
+            rows = torch.isnan(out[0] if lse else out).any(-1)[:, 0]
+            assert rows.tolist() == [False] * 7 + [True]
+        return
+    from attnhub.core.kvcache import PagedKVCache
+
+    cache = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8,
+                         dtype=torch.float32)
+    seq = cache.allocate()
+    keys, values = torch.randn(6, 1, 8, generator=g), torch.randn(6, 1, 8, generator=g)
+    keys[5, 0, 0] = float("inf")
+    cache.write(0, cache.reserve([seq], 6), keys, values)
+    q = torch.randn(1, 3, 1, 8, generator=g)
+    q[..., 0] = q[..., 0].abs()
+    out = attnhub.attention(q, cache.k_cache(0), cache.v_cache(0), causal=True, layout="paged",
+                            block_table=cache.block_table([seq]), seqlens_k=cache.seqlens([seq]))
+    assert torch.isnan(out).any(-1)[0, :, 0].tolist() == [False, False, True]
