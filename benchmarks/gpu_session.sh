@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session on the H200, one command, every step bounded in time. Timing steps run
 # alone on the card first; the correctness steps (GPU tests, conformance kit) then run side
-# by side. Results under $OUT (at most 8 files come back: the work happens in $work and
-# the files worth reading are copied to $OUT, with everything in results.tar.gz):
+# by side. Results under $OUT (at most 8 files come back: the work happens in $work; after
+# each step everything is packed into $OUT/results.tar.gz, so a run cut short still returns
+# its finished steps; at the end up to 6 files worth reading are copied beside it):
 #   session.log        what ran, when, with exit codes; env (date, commit, GPU, versions)
 #   overhead.json      host cost of attnhub over the bound backend called directly
 #   regret/            `attnhub bench --regret` over the standard grid (benchmarks/regret_session.sh:
@@ -22,11 +23,17 @@ mkdir -p "$out" "$final"
 log="$out/session.log"
 start=$(date +%s)
 say() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$log"; }
+collect() {  # everything so far into $final/results.tar.gz, so a run cut by the device's
+  # time limit still brings back what its finished steps measured
+  (cd "$out" && tar czf "$final/results.tar.gz.tmp" ./* 2>/dev/null \
+    && mv "$final/results.tar.gz.tmp" "$final/results.tar.gz"); cp "$log" "$final/" 2>/dev/null
+}
 step() {  # step NAME SECONDS CMD...: run bounded, log its exit code
   local name=$1 secs=$2; shift 2
   say "start $name (<= ${secs}s)"
   timeout "$secs" "$@" >> "$out/$name.out" 2>&1
   say "end $name rc=$?"
+  collect
 }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -91,6 +98,8 @@ want fagrid && step fagrid "${FAGRID_S:-480}" python3 -m pytest -m gpu tests/tes
 
 # -- correctness, side by side ------------------------------------------------------------
 say "start gpu_tests and kit in parallel"
+( while sleep 30; do collect; done ) &  # pack their partial logs too, in case the run is cut
+collector=$!
 # the GPU tests are mostly JIT compiles (Triton, Gluon, FlashInfer): spread over processes
 # when pytest-xdist was carried (pip download --no-deps -d .whl pytest-xdist execnet)
 xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${TESTS_N:-4}")
@@ -101,7 +110,8 @@ want tests && ( timeout "${TESTS_S:-230}" python3 -m pytest -m gpu ${TESTS_PATHS
 want kit && ( timeout "${KIT_S:-200}" python3 -m attnhub check-plugin ${KIT_BACKENDS:---all-available} \
     --quick --budget "${KIT_BUDGET:-25}" --total "$(( ${KIT_S:-200} - 15 ))" > "$out/kit.txt" 2> "$out/kit.err"
   echo "kit rc=$?" >> "$out/kit.err" ) &
-wait
+wait $(jobs -p | grep -vx "$collector")
+kill "$collector" 2>/dev/null
 want tests && say "end gpu_tests: $(tail -2 "$out/gpu_tests.txt" | tr '\n' ' ')"
 want kit && say "end kit: $(tail -1 "$out/kit.err")"
 tail -25 "$out/gpu_tests.txt" "$out/hf_generate.out" "$out/overhead.out" 2>/dev/null
@@ -109,8 +119,10 @@ grep -E "PASS|FAIL|CRASH" "$out/kit.txt" 2>/dev/null | grep -v "^|.*pass " | hea
 grep -B2 -A8 "attnhub adds" "$out/profile.out" 2>/dev/null
 tail -25 "$out/regret/regret.md" 2>/dev/null
 say "done"
-(cd "$out" && tar czf "$final/results.tar.gz" ./* 2>/dev/null)
+collect
+# beside results.tar.gz and session.log, at most 6 files come back (the device's limit is 8)
+n=0
 for f in session.log overhead.json peaked.out peaked.json null.out probe.out fp8api.out fp8api.json gap.out gap.json fagrid.out bwd.out bwd.json bwd.png fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
     regret/regret.md regret/regret.png; do
-  [[ -f "$out/$f" ]] && cp "$out/$f" "$final/"
+  [[ -f "$out/$f" && $f != session.log && $n -lt 6 ]] && cp "$out/$f" "$final/" && n=$((n + 1))
 done
