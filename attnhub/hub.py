@@ -98,7 +98,7 @@ class Runner:
     """
 
     __slots__ = ("decision", "chain", "hub", "local", "first", "empty", "distrusted",
-                 "summed", "previous")
+                 "summed", "previous", "generation")
 
     def __init__(self, decision: Decision, chain: list[Backend], hub: "Hub"):
         self.decision = decision
@@ -127,6 +127,9 @@ class Runner:
         #: (id of the backend, weak reference to its output) of the last good slow-lane
         #: call of the first candidate (``_admit``)
         self.previous: tuple[int, weakref.ref[torch.Tensor]] | None = None
+        #: the hub's settings generation this binding was resolved under: a binding of an
+        #: older one (a rebind ran while it resolved) never enters the hub's tables
+        self.generation = hub._generation
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  spec: AttentionSpec, params: AttnParams,
@@ -267,6 +270,9 @@ class Hub:
         #: near-ties of the pack timed on a first call, per (bucket, rule, tied candidates)
         self._settled: dict[tuple, Decision] = {}
         self._lock = threading.Lock()
+        #: bumped by every rebind: what a call resolved under older settings (a thread that
+        #: was resolving while the settings changed) is not stored
+        self._generation = 0
         self._forced: str | None = os.environ.get("ATTNHUB_BACKEND") or None
         self.fallback_counts: Counter[tuple[str, str]] = Counter()
         self._warned: set[tuple[str, str]] = set()
@@ -312,6 +318,7 @@ class Hub:
         with self._lock:
             for name, value in settings.items():
                 setattr(self, name, value)
+            self._generation += 1
             self._runners.clear()
             self._exact.clear()
             self._last_exact = ((), None)
@@ -335,8 +342,11 @@ class Hub:
         key = (spec.bucketed(), ctx)
         d = self._decisions.get(key)
         if d is None:
+            gen = self._generation
             d = self.resolver.resolve(key[0], self.device, self.registry, ctx)
-            self._decisions[key] = d
+            with self._lock:
+                if self._generation == gen:
+                    self._decisions[key] = d
         return d
 
     def runner_for(self, spec: AttentionSpec, ctx: BindContext = BindContext(),
@@ -401,7 +411,8 @@ class Hub:
                                     notes=(note, *d.notes))
             runner.decision, runner.chain = d, new
             runner.first = None  # the next candidate is vetted by its next slow-lane call
-            self._decisions[(d.spec, d.context)] = d
+            if runner.generation == self._generation:
+                self._decisions[(d.spec, d.context)] = d
         log.warning("attnhub: %s", note)
 
     def _distrust(self, runner: Runner, failed: Backend, why: str) -> None:
@@ -425,7 +436,8 @@ class Hub:
                     f"after breaking the output contract: {why}")
             d = dataclasses.replace(runner.decision, notes=(note, *runner.decision.notes))
             runner.decision = d
-            self._decisions[(d.spec, d.context)] = d
+            if runner.generation == self._generation:
+                self._decisions[(d.spec, d.context)] = d
         log.warning("attnhub: %s", note)
 
     # -- the call path ----------------------------------------------------------------------
@@ -715,6 +727,7 @@ class Hub:
             extra=check_extra(extra, k.dtype) if extra else {}, dropout_p=dropout_p)
         with self._lock:
             hit = self._runners.get(key)
+            gen = self._generation  # what this call resolves under (see ``_rebind``)
             if hit is not None:
                 self._runners.move_to_end(key)
         if hit is None:
@@ -733,33 +746,42 @@ class Hub:
             ).bucketed()
             ctx = context or BindContext()
             run = self.runner_for(spec, ctx, backend)
+            run.generation = gen
             if run.decision.tied and self.settle_ties:
                 run = self._settle(run, spec, ctx, q, k, v, params)
             hit = (spec, run)
             with self._lock:
-                self._runners[key] = hit
+                if self._generation == gen:
+                    self._runners[key] = hit
                 while len(self._runners) > RUNNER_LIMIT:
                     self._runners.popitem(last=False)
         spec, run = hit
         if fast_key is not None:
-            with self._lock:
-                if len(self._exact) >= _EXACT_CACHE_LIMIT:
-                    self._exact.clear()  # bounded: many shapes (growing KV) just re-check
-                # only a variant's callables are kept: a caller's closure (and the tensors
-                # it holds) is never retained by the table; bshd lengths are fixed by the
-                # key (paged/thd: memos)
-                entry = (spec, run, window, named,
-                         score_mod if score_named else None,
-                         mask_mod if mask_named else None, default_scale,
-                         (*q.shape[:-1], v.shape[-1]), max_seqlen_q, max_seqlen_k)
-                self._exact[fast_key] = entry
-                self._last_exact = (fast_key, entry)
-                if grow_key is not None:
-                    self._exact[grow_key] = entry
+            # only a variant's callables are kept: a caller's closure (and the tensors it
+            # holds) is never retained by the table; bshd lengths are fixed by the key
+            # (paged/thd: memos)
+            self._remember(run, fast_key, grow_key, (
+                spec, run, window, named, score_mod if score_named else None,
+                mask_mod if mask_named else None, default_scale,
+                (*q.shape[:-1], v.shape[-1]), max_seqlen_q, max_seqlen_k))
         out, lse = run(q, k, v, spec, params)
         if transposed:
             out = out.transpose(1, 2)
         return (out, lse) if return_lse else out
+
+    def _remember(self, run: Runner, fast_key: tuple, grow_key: tuple | None,
+                  entry: tuple) -> None:
+        """Put a binding in the exact table the hot path looks up, unless a rebind ran
+        while it resolved (``_rebind``): that one was made under the old settings."""
+        with self._lock:
+            if run.generation != self._generation:
+                return
+            if len(self._exact) >= _EXACT_CACHE_LIMIT:
+                self._exact.clear()  # bounded: many shapes (growing KV) just re-check
+            self._exact[fast_key] = entry
+            self._last_exact = (fast_key, entry)
+            if grow_key is not None:
+                self._exact[grow_key] = entry
 
     def _settle(self, run: Runner, spec: AttentionSpec, ctx: BindContext, q: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, params: AttnParams) -> Runner:
@@ -772,13 +794,17 @@ class Hub:
         if done is None:
             done = settle(d, {n: self.registry.get(n) for n in d.tied}, q, k, v, spec, params)
             with self._lock:
-                self._settled[key] = done
+                if self._generation == run.generation:
+                    self._settled[key] = done
         if done.context != ctx:
             done = dataclasses.replace(done, context=ctx)
         with self._lock:
-            self._decisions[(spec, ctx)] = done
-        return Runner(done, [self.registry.get(n) for n in (done.backend, *done.fallbacks)],
-                      self)
+            if self._generation == run.generation:
+                self._decisions[(spec, ctx)] = done
+        settled = Runner(done, [self.registry.get(n) for n in (done.backend, *done.fallbacks)],
+                         self)
+        settled.generation = run.generation
+        return settled
 
     def _variant(self, score_mod: Any, mask_mod: Any) -> tuple[Any, Any]:
         """Named variants from plugins (``score_mod="softcap30"``) turned into callables."""

@@ -37,6 +37,7 @@ from .core.masking import (
     query_offset,
 )
 from .core.first_order import first_order_only
+from .core.process_state import flipping_sdpa_switches
 from .core.kvquant import refuse_stray_descales
 from .core.paged import paged_to_varlen
 from .core.reference import reference_attention
@@ -74,6 +75,7 @@ __all__ = [
     "bottom_right_form",
     "doc_ranges",
     "first_order_only",
+    "flipping_sdpa_switches",
     "flash_dense_form",
     "causal_alibi_lse",
     "check_call",

@@ -60,7 +60,7 @@ def test_paged_memo_sees_in_place_edits_between_layers(spy_hub, mode):  # noqa: 
     with ctx:
         bt, sl = cache.block_table(seqs).clone(), cache.seqlens(seqs).clone()
         assert bt.is_inference() == (mode == "inference")
-        for edit in (None, lambda: sl.sub_(1), lambda: bt[0].copy_(bt[0].flip(0))):
+        for edit in (None, lambda: sl.sub_(1), lambda: bt[1, :2].copy_(bt[1, :2].flip(0))):
             if edit is not None:
                 edit()
             for _ in range(2):  # two layers of a step

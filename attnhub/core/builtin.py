@@ -9,8 +9,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ..hookspecs import hookimpl
 from .backend import AttentionOutput, Backend
@@ -379,6 +378,21 @@ _NO_SDPA_KERNEL = ("No available kernel", "No viable backend")
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def math_sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, *,
+              attn_mask: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+    """SDPA's math kernel, called as the op it is: ``sdpa_kernel(SDPBackend.MATH)`` would
+    set SDPA's process-wide switches, which another thread's call then sees (and its
+    settings check blames on its backend). A boolean mask becomes the additive one SDPA
+    makes of it (the op itself takes additive masks); equal to SDPA under that context
+    manager, dropout draws included. A ``CausalBias`` is made dense."""
+    if isinstance(attn_mask, CausalBias):  # a tensor subclass SDPA alone understands
+        attn_mask = attn_mask._materialize(qt.device)  # (bool, Sq x Sk)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=qt.dtype, device=qt.device
+                                ).masked_fill(~attn_mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_attention_math(qt, kt, vt, attn_mask, **kw)[0]
+
+
 def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with SDPA's cuDNN kernel left out on CUDA.
 
@@ -399,8 +413,7 @@ def sdpa(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, **kw: Any) -> tor
         # fp16/bf16 (scale 1, D=64, a few keys: dq/dk up to 9.7x the bound, 6 of 40 seeds)
         # and in fp32 with a large scale (3: every seed, up to 4.9x; 10: 9.4x); its math
         # kernel, which autograd differentiates, stays within it
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(qt, kt, vt, **kw)
+        return math_sdpa(qt, kt, vt, **kw)
     if (qt.device.type != "cuda" or torch.compiler.is_compiling()
             or not torch.backends.cuda.cudnn_sdp_enabled()):
         # (under torch.compile SDPA as is: Dynamo cannot trace the flag's bool, and a
@@ -434,9 +447,9 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    enable_gqa=hq != hkv, dropout_p=p.dropout_p)
         lse = _lse(qt, kt, p, _causal_allowed(p, sq, sk, q.device), None, None) \
             if p.return_lse else None
-        out, lse = _keep_nan(out, lse, qt, None if p.dropout_p else lambda: (
-            F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal,
-                                           scale=p.scale, enable_gqa=hq != hkv)))
+        out, lse = _keep_nan(out, lse, qt, None if p.dropout_p else lambda: math_sdpa(
+            qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal, scale=p.scale,
+            enable_gqa=hq != hkv))
         return AttentionOutput(out.transpose(1, 2), lse)
     allowed = allowed_mask(p, b, hq, sq, sk, q.device, kv_heads=mask_kv_heads)
     bias = alibi_bias(p.alibi_slopes, sq, sk, p.alignment, q.device) \
@@ -486,10 +499,9 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParam
         out = sdpa(qt, kt, vt, attn_mask=mask, scale=p.scale, enable_gqa=hq != hkv,
                    dropout_p=p.dropout_p)
         lse = _lse(qt, kt, p, allowed, row_ok, bias) if p.return_lse else None
-    out, lse = _keep_nan(out, lse, qt, None if p.dropout_p else lambda: (
-        F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=mask if mask is None or mask.dtype == torch.bool
-            else mask.to(q.dtype), scale=p.scale, enable_gqa=hq != hkv)))
+    out, lse = _keep_nan(out, lse, qt, None if p.dropout_p else lambda: math_sdpa(
+        qt, kt, vt, attn_mask=mask if mask is None or mask.dtype == torch.bool
+        else mask.to(q.dtype), scale=p.scale, enable_gqa=hq != hkv))
     if nan_seen is not None:  # rows that see a NaN key: NaN, as the maths gives
         out = out + nan_seen.to(out.dtype)
         lse = lse + nan_seen.squeeze(-1) if lse is not None else None
@@ -547,8 +559,7 @@ def _keep_nan(out: torch.Tensor, lse: torch.Tensor | None, qt: torch.Tensor,
     poison = _nan_rows(qt)
     out = out + poison.to(out.dtype)
     if math_sdpa is not None and bool((out == 0).all(-1).any()):
-        with sdpa_kernel(SDPBackend.MATH):
-            out = math_sdpa() + poison.to(out.dtype)
+        out = math_sdpa() + poison.to(out.dtype)
     if lse is not None:  # a fully masked row keeps its -inf
         lse = torch.where(torch.isneginf(lse), lse, lse + poison.squeeze(-1))
     return out, lse

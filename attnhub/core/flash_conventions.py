@@ -56,7 +56,10 @@ def flash_kwargs(params: AttnParams, form: BottomRightForm) -> dict[str, Any]:
         kw["softcap"] = float(params.softcap)
     if params.alibi_slopes is not None:
         # fp32 with a unit last stride, as flash_attn checks (a strided view is refused)
-        kw["alibi_slopes"] = params.alibi_slopes.to(torch.float32).contiguous()
+        # a copy where a backward may follow: flash_attn keeps the slopes on its autograd
+        # context (not as a saved tensor), and a caller may refill them before backward()
+        kw["alibi_slopes"] = params.alibi_slopes.to(torch.float32, copy=torch.is_grad_enabled()
+                                                    ).contiguous()
     return kw
 
 

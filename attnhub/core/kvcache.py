@@ -31,6 +31,10 @@ from .kvquant import FP8_MAX, PageScales, is_fp8
 from .seqstate import SequenceStates, SequenceStore
 from .tables import PAGED
 
+#: A block table's entry past a sequence's pages: no page (the paged check refuses it within
+#: a length, and no backend reads a table past a sequence's length).
+PAD_PAGE = -1
+
 
 @dataclass
 class _Seq:
@@ -214,8 +218,9 @@ class PagedKVCache:
         self._version = 0
         #: Per-sequence state of layers bound to stateful backends (``attach_state``).
         self.states = SequenceStates()
-        #: block tables handed out and the pages they name, revoked when one is freed
-        self._tables: list[tuple[weakref.ref, frozenset[int]]] = []
+        #: block tables handed out and the (sequence id, page) pairs they name, revoked when
+        #: one of those pages is freed or its sequence moves off it
+        self._tables: list[tuple[weakref.ref, frozenset[tuple[int, int]]]] = []
 
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -303,9 +308,11 @@ class PagedKVCache:
         self._version += 1
         self._revoke_tables(released, f"sequence {seq_id} was freed")
 
-    def _revoke_tables(self, pages: Iterable[int], why: str) -> None:
+    def _revoke_tables(self, pages: Iterable[int], why: str, seq_id: int | None = None
+                       ) -> None:
         """Revoke the block tables handed out that name any of ``pages`` (back on the free
-        list): a call that passes one would read whatever the page's next owner writes."""
+        list): a call that passes one would read whatever the page's next owner writes.
+        With ``seq_id``, only those that name one of them for that sequence."""
         gone = set(pages)
         if not gone:
             return
@@ -314,7 +321,7 @@ class PagedKVCache:
             t = ref()
             if t is None:
                 continue
-            if named & gone:
+            if any(p in gone and seq_id in (None, s) for s, p in named):
                 PAGED.revoke(t, why)
             else:
                 live.append((ref, named))
@@ -362,7 +369,7 @@ class PagedKVCache:
                 list(self._refs), [])
         try:
             for i in copies:
-                self._copy_on_write(seqs[i])
+                self._copy_on_write(seq_ids[i], seqs[i])
             fresh = []
             for seq, n in zip(seqs, new_pages):
                 for _ in range(n):
@@ -408,7 +415,10 @@ class PagedKVCache:
             new_pages.append(total - len(seq.pages))
         return copies, new_pages
 
-    def _copy_on_write(self, seq: _Seq) -> None:
+    def _copy_on_write(self, seq_id: int, seq: _Seq) -> None:
+        """Move ``seq`` off the last page it shares with a fork, before writing into it. The
+        tables built for ``seq`` still name the old page, which the fork goes on writing:
+        they are revoked (the fork's own tables stay valid)."""
         old = seq.pages[-1]
         new = self._free.pop()
         self._dirty[new] = 1  # the copy fills it; stale once freed
@@ -419,6 +429,8 @@ class PagedKVCache:
         self._refs[old] -= 1
         self._refs[new] = 1
         seq.pages[-1] = new
+        self._revoke_tables([old], f"sequence {seq_id} moved off page {old}, which a fork "
+                            "shares and writes, on copy-on-write", seq_id)
 
     def _slots(self, seqs: list[_Seq], counts: list[int]) -> torch.Tensor:
         out = []
@@ -633,23 +645,29 @@ class PagedKVCache:
     # -- reading ----------------------------------------------------------------------------
     @_locked
     def block_table(self, seq_ids: Sequence[int]) -> torch.Tensor:
-        """(B, P) int32 page indices, P the most pages any of them holds; padded with 0."""
-        seqs = [self._seq(s) for s in self._check_ids("block_table", seq_ids)]
+        """(B, P) int32 page indices, P the most pages any of them holds; padded with -1
+        (no page: a length that grew past a row's pages without a new table is refused,
+        never read from page 0, which another sequence owns)."""
+        ids = self._check_ids("block_table", seq_ids)
+        seqs = [self._seq(s) for s in ids]
         width = max((len(s.pages) for s in seqs), default=0) or 1
-        rows = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
+        rows = [s.pages + [PAD_PAGE] * (width - len(s.pages)) for s in seqs]
         host = torch.tensor(rows, dtype=torch.int32).view(len(seqs), width)
-        t = self._vouched(host, self.num_pages)  # every entry is a page id of this cache
+        # every entry a sequence uses is a page id of this cache, row i holds len(pages) pages
+        t = self._vouched(host, (self.num_pages, tuple(len(s.pages) for s in seqs)))
         self._tables = [e for e in self._tables if e[0]() is not None]
-        self._tables.append((weakref.ref(t), frozenset(p for s in seqs for p in s.pages)))
+        self._tables.append((weakref.ref(t), frozenset(
+            (i, p) for i, s in zip(ids, seqs) for p in s.pages)))
         return t
 
     @_locked
     def seqlens(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """(B,) int32 token counts."""
         lens = [self.length(s) for s in self._check_ids("seqlens", seq_ids)]
-        return self._vouched(torch.tensor(lens, dtype=torch.int32), max(lens, default=0))
+        return self._vouched(torch.tensor(lens, dtype=torch.int32), (max(lens, default=0),
+                                                                      tuple(lens)))
 
-    def _vouched(self, host: torch.Tensor, fact: int) -> torch.Tensor:
+    def _vouched(self, host: torch.Tensor, fact: tuple[int, tuple[int, ...]]) -> torch.Tensor:
         """``host`` on the cache's device, with a proof for the hub's paged check (see
         ``PagedTables.vouch``): the tables a step hands every layer are checked from these
         host values, so the hub reads nothing back (no host sync on an accelerator). The

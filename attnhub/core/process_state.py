@@ -17,6 +17,7 @@ from exiting.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -26,6 +27,7 @@ import threading
 import weakref
 import warnings
 from types import ModuleType
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -342,15 +344,49 @@ def _put_back(settings: tuple[tuple[str, Callable[[], Any], Callable[[Any], None
 CALL_SETTINGS = tuple(s for s in SETTINGS if s[0].startswith(("torch", "SDPA")))
 
 
-def call_snapshot() -> list[Any]:
-    """The values of :data:`CALL_SETTINGS` (for :func:`call_restore`)."""
-    return [get() for _, get, _ in CALL_SETTINGS]
+class _Flips:
+    """attnhub's own flips of SDPA's kernel switches (process-wide, not per thread) around
+    one call (:func:`flipping_sdpa_switches`): how many run now, and a count of starts and
+    ends. A vetted call in another thread that saw one cannot tell its backend's changes
+    from these, so its switches are neither compared nor put back (putting back would undo
+    the flip while that other call runs)."""
+
+    lock = threading.Lock()
+    active = 0
+    events = 0
 
 
-def call_restore(values: list[Any]) -> list[str]:
+@contextlib.contextmanager
+def flipping_sdpa_switches() -> Iterator[None]:
+    """Mark code that sets SDPA's kernel switches and puts them back (``sdpa_kernel``, or
+    the switches set by hand) for the slow lane's settings check in other threads."""
+    with _Flips.lock:
+        _Flips.active += 1
+        _Flips.events += 1
+    try:
+        yield
+    finally:
+        with _Flips.lock:
+            _Flips.active -= 1
+            _Flips.events += 1
+
+
+_SDPA_SWITCHES = frozenset(s[0] for s in CALL_SETTINGS if s[0].startswith("SDPA"))
+
+
+def call_snapshot() -> tuple[list[Any], tuple[int, int]]:
+    """The values of :data:`CALL_SETTINGS` (for :func:`call_restore`), and where
+    attnhub's own switch flips stood."""
+    return [get() for _, get, _ in CALL_SETTINGS], (_Flips.active, _Flips.events)
+
+
+def call_restore(snap: tuple[list[Any], tuple[int, int]]) -> list[str]:
     """Put back what of :data:`CALL_SETTINGS` changed since :func:`call_snapshot`; a line
-    per change."""
-    return _put_back(CALL_SETTINGS, values)
+    per change. SDPA's switches are skipped when attnhub flipped them meanwhile (another
+    thread's call: see :class:`_Flips`); this thread's own flips end before it returns."""
+    values, (active, events) = snap
+    flipped = active > 0 or _Flips.active > 0 or _Flips.events != events
+    return _put_back(CALL_SETTINGS, values, _SDPA_SWITCHES if flipped else frozenset())
 
 
 def restore(before: State, other_thread: bool = False) -> list[str]:

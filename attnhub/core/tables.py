@@ -257,10 +257,14 @@ class PagedTables(_Memo):
         self._store(block_table, seqlens_k, geometry, snap_bt, snap_sl, max_len)
         return snap_bt, snap_sl, max_len
 
-    def vouch(self, t: torch.Tensor, snapshot: torch.Tensor, fact: int) -> None:
+    def vouch(self, t: torch.Tensor, snapshot: torch.Tensor,
+              fact: tuple[int, tuple[int, ...]]) -> None:
         """Record a proof for a table the caller built from host data it checked:
-        ``fact`` is, for a block table, the number of pages every entry is below, for
-        lengths the longest length (all >= 0). ``snapshot`` is a private copy of ``t``
+        ``fact`` is, for a block table, (the number of pages every used entry is below, the
+        pages each row holds), for lengths (the longest length, each row's length; all
+        >= 0). A table and lengths vouched apart (a table kept from an earlier step, the
+        lengths of this one) prove a call only if each row's length fits its row's pages.
+        ``snapshot`` is a private copy of ``t``
         (same values) that backends will read. The proof holds while ``t`` is unchanged
         (stamp as in :class:`_Memo`); only the last few proofs are kept."""
         if t.is_inference():  # no version counter to hold the proof: checked by reading
@@ -289,8 +293,8 @@ class PagedTables(_Memo):
         # refreshed in place since (a static buffer, CUDA graphs): checked as any table
         if entry is not None and entry[0]() is bt and entry[2] in (None, _version(bt)):
             raise SeqlensError(
-                f"block_table was built by a PagedKVCache whose pages it names were freed "
-                f"since ({entry[1]}): it may point at another sequence's tokens. Build the "
+                f"block_table was built by a PagedKVCache that has since taken back a page "
+                f"it names ({entry[1]}): it may point at another sequence's tokens. Build the "
                 "tables again from the cache (cache.step(...) or cache.block_table(...))")
 
     def _proof(self, bt: torch.Tensor, sl: torch.Tensor, num_pages: int,
@@ -304,11 +308,13 @@ class PagedTables(_Memo):
             if ref() is not t or t._version != version or t.data_ptr() != ptr or (
                     tuple(t.shape) != shape):
                 return None
-        if pa[5] > num_pages or pb[5] > bt.shape[1] * page:
+        (below, pages), (longest, lens) = pa[5], pb[5]
+        if below > num_pages or longest > bt.shape[1] * page or len(pages) != len(lens) or any(
+                n > p * page for n, p in zip(lens, pages)):
             return None
         if bt.is_cpu and not (torch.equal(pa[4], bt) and torch.equal(pb[4], sl)):
             return None  # edited through .data since it was vouched: check it the long way
-        return pa[4], pb[4], pb[5]
+        return pa[4], pb[4], longest
 
 
 def _check_paged_contents(bt: torch.Tensor, sl: torch.Tensor, num_pages: int,
@@ -327,8 +333,11 @@ def _check_paged_contents(bt: torch.Tensor, sl: torch.Tensor, num_pages: int,
     used = torch.arange(bt.shape[1]).view(1, -1) < ((lens + page - 1) // page).view(-1, 1)
     ids = bt.cpu()[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+        hint = (" (-1 is a PagedKVCache table's padding past a sequence's pages: a table "
+                "built before the sequence grew; build the tables again from the cache)"
+                if int(ids.min()) == -1 else "")
         raise SeqlensError(f"block_table refers to a page outside 0..{num_pages - 1} (the k/v "
-                           "caches hold that many pages) for a token within seqlens_k")
+                           f"caches hold that many pages) for a token within seqlens_k{hint}")
     return longest
 
 

@@ -36,7 +36,8 @@ def ck_call(params: AttnParams) -> CKCall:
         right = 0
     slopes = params.alibi_slopes
     if slopes is not None:
-        slopes = slopes.to(torch.float32).contiguous()
+        # a copy where a backward may follow (flash_attn keeps them on its autograd context)
+        slopes = slopes.to(torch.float32, copy=torch.is_grad_enabled()).contiguous()
     return CKCall(softmax_scale=float(params.scale), causal=bool(params.causal),
                   window_size=(int(left), int(right)), alibi_slopes=slopes,
                   deterministic=bool(params.deterministic), return_lse=bool(params.return_lse))

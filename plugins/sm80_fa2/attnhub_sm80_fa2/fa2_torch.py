@@ -25,6 +25,7 @@ from attnhub.plugin import (
     Capabilities,
     DeviceInfo,
     flash_dense_form,
+    flipping_sdpa_switches,
     flash_varlen_form,
     natural_lse,
     top_left_reason,
@@ -110,7 +111,7 @@ def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """SDPA restricted to its flash backend (top-left causal equals bottom-right here)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    with flipping_sdpa_switches(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
             scale=scale, enable_gqa=q.shape[2] != k.shape[2])

@@ -71,6 +71,8 @@ class Plan:
     tensor_cores: bool = False
     reason: str = ""
     hnd: bool = False  # the cache is a (pages, page, H, D) view of HND storage
+    #: the slot whose wrapper holds this plan (its lock spans a plan's run)
+    slot: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -163,7 +165,7 @@ class FlashInferPagedBackend(Backend):
                 kw["logits_soft_cap"] = float(params.softcap)
             self._plan_wrapper(slot.wrapper, csr, q, hkv, page, causal, kw)
             slot.plan = Plan(key, slot.wrapper, csr, (params.block_table, params.seqlens_k),
-                             use_tc, why, layout == "HND")
+                             use_tc, why, layout == "HND", slot)
             if len(self._fast) > 64:
                 self._fast.clear()
             self._fast[fast] = (slot, slot.plan)
@@ -209,11 +211,15 @@ class FlashInferPagedBackend(Backend):
                 f"the paged cache's head dim has stride {k.stride(-1)}/{v.stride(-1)}: "
                 "FlashInfer reads it as dense; pass caches whose last dim is contiguous"])
         (q,) = unit_head_stride(q)
-        plan = self.plan(q, k, params)
         b, sq, hq, d = q.shape
-        if plan.hnd:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-        res = plan.wrapper.run(q.reshape(b * sq, hq, d), (k, v), return_lse=params.return_lse)
+        while True:  # a wrapper holds one plan: another thread may plan it between our
+            plan = self.plan(q, k, params)  # plan and run, so the run checks under its lock
+            with plan.slot.lock:
+                if plan.slot.plan is plan:
+                    kv = (k.transpose(1, 2), v.transpose(1, 2)) if plan.hnd else (k, v)
+                    res = plan.wrapper.run(q.reshape(b * sq, hq, d), kv,
+                                           return_lse=params.return_lse)
+                    break
         out, lse = res if params.return_lse else (res, None)
         out = out.view(b, sq, hq, out.shape[-1])
         if lse is not None:

@@ -46,6 +46,7 @@ from attnhub.plugin import (
     BackendUnavailableError,
     Capabilities,
     DeviceInfo,
+    flipping_sdpa_switches,
     unit_head_stride,
 )
 
@@ -186,15 +187,16 @@ def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                                   enable_gqa=gqa)
-    saved = [enabled() for _, enabled, _ in _CUDNN_ONLY]
-    try:
-        for enable, _, on in _CUDNN_ONLY:
-            enable(on)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                              enable_gqa=gqa)
-    finally:
-        for (enable, _, _), was in zip(_CUDNN_ONLY, saved):
-            enable(was)
+    with flipping_sdpa_switches():  # other threads' settings checks are told
+        saved = [enabled() for _, enabled, _ in _CUDNN_ONLY]
+        try:
+            for enable, _, on in _CUDNN_ONLY:
+                enable(on)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                  enable_gqa=gqa)
+        finally:
+            for (enable, _, _), was in zip(_CUDNN_ONLY, saved):
+                enable(was)
 
 
 def cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

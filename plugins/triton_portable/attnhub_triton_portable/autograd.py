@@ -85,6 +85,15 @@ def bwd_config_for(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor,
                          lambda cfg: flash_bwd(args, out, lse, dout, cfg))
 
 
+#: DenseArgs' tensors besides q, k, v (which may be the caller's own, when already int32 /
+#: fp32 and contiguous)
+_SIDE = ("cu_q", "cu_k", "slopes", "prefix", "colmask_start", "colmask_end")
+
+
+def _own(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
 class _DenseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -93,8 +102,11 @@ class _DenseAttention(torch.autograd.Function):
         args = DenseArgs.from_params(q, k, v, params, layout)
         out, lse = flash_fwd(args, fwd_cfg or fwd_config_for(args))
         ctx.save_for_backward(args.q, args.k, args.v, out, lse)
-        # The tensors travel as saved tensors (version-checked), not on the args copy.
-        ctx.args = replace(args, q=None, k=None, v=None)  # type: ignore[arg-type]
+        # q, k, v travel as saved tensors (version-checked), not on the args copy; the side
+        # tensors as copies: a caller may refill its slopes, prefix or offsets buffer for
+        # the next call before this one's backward, which must read this call's values
+        ctx.args = replace(args, q=None, k=None, v=None,  # type: ignore[arg-type]
+                           **{n: _own(getattr(args, n)) for n in _SIDE})
         ctx.bwd_cfg = bwd_cfg
         ctx.deterministic = bool(params.deterministic)
         ctx.set_materialize_grads(False)  # dlse stays None unless the loss uses the LSE
