@@ -237,13 +237,34 @@ _STATIC = (types.ModuleType, types.BuiltinFunctionType, types.CodeType, type)
 class _Captured:
     """Proof of what a callable reads besides its arguments, walked recursively: a key part
     whose equality means the same values (tensors by ``_token``, kept in ``tensors`` for the
-    entry's identity check; code, modules and types by ``id``, kept alive in ``held``)."""
+    entry's identity check; code, modules and types by ``id``, kept alive in ``held``).
+
+    A module or class is a namespace the code may read attributes of (``cfg.LIMIT``,
+    ``type(self).limit``): :meth:`proof` adds the value of each attribute of theirs that
+    the walked code names."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.held: list[Any] = []
         self.budget = _CAPTURE_BUDGET
         self._walking: set[int] = set()
+        #: names the walked code reads (globals and attributes alike: ``co_names``)
+        self.names: set[str] = set()
+        #: modules and user classes reached, whose attributes those names may be
+        self.spaces: dict[int, Any] = {}
+
+    def proof(self, fn: Any) -> Any:
+        """``fn``'s key part, with the named attributes of the namespaces it reaches (walking
+        one may name or reach more: until nothing new, within the budget)."""
+        key = self.of(fn)
+        seen: tuple[int, int] = (-1, -1)
+        attrs: tuple = ()
+        while seen != (len(self.names), len(self.spaces)):
+            seen = (len(self.names), len(self.spaces))
+            attrs = tuple((sid, tuple((n, self.of(ns[n])) for n in sorted(self.names & ns.keys())))
+                          for sid, ns in ((sid, _attributes(x)) for sid, x in
+                                          list(self.spaces.items())))
+        return key, attrs
 
     def of(self, x: Any) -> Any:
         self.budget -= 1
@@ -269,6 +290,9 @@ class _Captured:
             return tok
         if isinstance(x, _STATIC):
             self.held.append(x)
+            if isinstance(x, types.ModuleType) or (isinstance(x, type)
+                                                   and x.__module__ != "builtins"):
+                self.spaces.setdefault(id(x), x)
             return ("id", id(x))
         if isinstance(x, (tuple, list)):
             return (type(x).__name__, *(self.of(i) for i in x))
@@ -288,10 +312,22 @@ class _Captured:
         raise _Unproven
 
     def _function(self, fn: types.FunctionType) -> tuple:
+        code_names = _global_names(fn.__code__)
+        self.names |= code_names
         cells = tuple(self.of(c.cell_contents) for c in fn.__closure__ or ())
-        names = sorted(n for n in _global_names(fn.__code__) if n in fn.__globals__)
+        names = sorted(n for n in code_names if n in fn.__globals__)
         return ("fn", self.of(fn.__code__), cells, self.of(fn.__defaults__),
                 self.of(fn.__kwdefaults__), tuple((n, self.of(fn.__globals__[n])) for n in names))
+
+
+def _attributes(space: Any) -> dict[str, Any]:
+    """A module's or class's own attributes (a class's along its MRO, nearest first)."""
+    if isinstance(space, type):
+        merged: dict[str, Any] = {}
+        for c in reversed(space.__mro__):
+            merged.update(vars(c))
+        return merged
+    return vars(space)
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -309,7 +345,7 @@ def _captured_state(fn: Mod | None) -> tuple[Any, list[torch.Tensor], list[Any]]
         return None, [], []
     walk = _Captured()
     try:
-        return walk.of(fn), walk.tensors, walk.held
+        return walk.proof(fn), walk.tensors, walk.held
     except (_Unproven, ValueError):  # ValueError: an empty closure cell
         return _UNPROVEN, [], []
 
