@@ -250,8 +250,12 @@ def _state_backend(hub: Hub, rows: list[Binding]) -> str | None:
 
 
 def _is_transformers_attnhub(model: nn.Module) -> bool:
-    cfg = getattr(model, "config", None)
-    return getattr(cfg, "_attn_implementation", None) == "attnhub"
+    """A transformers model with a (sub-)model built under a registered attnhub name."""
+    if getattr(model, "config", None) is None:
+        return False
+    from .integrations.transformers import attention_modules
+
+    return bool(attention_modules(model))
 
 
 def _bind_phase(hub: Hub, layer: Attention, ctx: BindContext, path: str, phase: str,

@@ -20,7 +20,7 @@ from attnhub.integrations.transformers.testing import one_intraop_thread, twin_m
 
 
 def test_bound_model_deep_copies_and_saves() -> None:
-    before = hf._hub
+    before = hf.registered_hub()
     hub = Hub()
     hf.register(hub)
     try:

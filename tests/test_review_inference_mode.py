@@ -100,7 +100,7 @@ def test_transformers_under_inference_mode() -> None:
     from attnhub.integrations import transformers as hf
     from attnhub.integrations.transformers.testing import one_intraop_thread, twin_models
 
-    before = hf._hub
+    before = hf.registered_hub()
     hf.register(Hub())
     try:
         _generate_under_inference_mode(transformers, twin_models, one_intraop_thread)

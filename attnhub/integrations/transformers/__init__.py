@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...core.decision import BindContext
-from ...errors import InputError, NoBackendError
+from ...errors import DTypeMismatchError, InputError, NoBackendError
 from ...hub import Hub, HubRef, default_hub
 from .guards import HARMLESS, check_documents, refuse_unsupported, weights_requested, where
 from .kv_sharing import keep_whole_sequences
@@ -42,27 +42,39 @@ __all__ = ["NAME", "DenseMask", "attention_forward", "attention_modules", "bind_
            "check_model_class", "mask_args", "register", "with_sinks"]
 
 NAME = "attnhub"
-_hub: Hub | None = None
-_names: set[str] = set()
+#: registered name -> the hub serving models built with it (None: the process-wide hub)
+_hubs: dict[str, Hub | None] = {}
 
 
 def register(hub: Hub | None = None, name: str = NAME) -> str:
     """Register ``name`` with transformers' attention and mask interfaces; returns the name.
 
-    ``hub`` (default: the process-wide hub) is the policy + registry that serves the calls.
-    Calling again replaces the hub.
+    ``hub`` (default: the process-wide hub) is the policy + registry that serves the calls
+    of models built with ``attn_implementation=name``. Calling again with the same name
+    replaces its hub; each name keeps its own.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    global _hub
-    _hub = hub
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
-    _names.add(name)
+    _hubs[name] = hub
     _guard_model_classes()
-    keep_whole_sequences(_names)
+    keep_whole_sequences(_hubs)
     return name
+
+
+def registered_hub(name: str = NAME) -> Hub | None:
+    """The hub ``register`` gave ``name`` (None: the process-wide hub, or not registered)."""
+    return _hubs.get(name)
+
+
+def _hub_of(module: torch.nn.Module) -> Hub | None:
+    """The registered hub of the name the module's model was built with."""
+    if len(_hubs) <= 1:
+        return next(iter(_hubs.values()), None)
+    cfg = module.__dict__.get("config")
+    return _hubs.get(getattr(cfg, "_attn_implementation", NAME))
 
 
 #: transformers model packages whose classes leave ``_supports_attention_backend`` False yet
@@ -126,9 +138,9 @@ def _guard_model_classes() -> None:
 
     @functools.wraps(original)
     def guarded(self: Any, requested: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(requested, str) and requested in _names:
+        if isinstance(requested, str) and requested in _hubs:
             check_model_class(type(self), requested)
-            keep_whole_sequences(_names)  # its module is loaded now
+            keep_whole_sequences(_hubs)  # its module is loaded now
         return original(self, requested, *args, **kwargs)
 
     guarded._attnhub_guard = True  # type: ignore[attr-defined]
@@ -174,7 +186,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     bound = module.__dict__.get("_attnhub_hub")
     if bound.__class__ is HubRef:
         bound = bound.hub
-    hub = bound or _hub or default_hub()
+    hub = bound or _hub_of(module) or default_hub()
     # phase left to the hub: one query over a longer cache is decode, else prefill or train
     if attention_mask is None:  # decode without padding: no mask to translate
         if sq > 1 and kwargs.get("cu_seq_lens_q") is not None:
@@ -210,6 +222,10 @@ def _attend(hub: Hub, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
         if sinks is None:
             return hub.attention(q, k, v, **kw)
         out, lse = hub.attention(q, k, v, return_lse=True, **kw)
+    except DTypeMismatchError as e:  # name the layer; a float64 model (model.double()): the fix
+        fix = ("; run the model in fp32 (model.float()), or use attn_implementation='eager' "
+               "for float64") if q.dtype == torch.float64 else ""
+        raise type(e)(f"{where(module)}: {e}{fix}") from None
     except NoBackendError as e:
         if not kw.get("dropout_p"):
             raise
@@ -280,11 +296,14 @@ def _layer_window(module: torch.nn.Module) -> int | None:
 
 
 def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The attention modules of a transformers model built with ``attn_implementation=
-    "attnhub"`` (those with a layer index and a causal flag), in module order."""
+    """The attention modules of a transformers model whose (sub-)config names a registered
+    attnhub implementation (modules with a causal flag, not whole models), in module order:
+    decoder layers with a layer index, and encoders' (ViT, CLIP) without one."""
+    from transformers import PreTrainedModel
+
     return [(name, m) for name, m in model.named_modules()
-            if hasattr(m, "layer_idx") and hasattr(m, "is_causal")
-            and getattr(getattr(m, "config", None), "_attn_implementation", None) == NAME]
+            if hasattr(m, "is_causal") and not isinstance(m, PreTrainedModel)
+            and getattr(getattr(m, "config", None), "_attn_implementation", None) in _hubs]
 
 
 def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
@@ -297,7 +316,7 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
     from ...nn import call_spec
 
     rows = []
-    for path, m in attention_modules(model):
+    for position, (path, m) in enumerate(attention_modules(model)):
         cfg = m.config
         hq = cfg.num_attention_heads
         hkv = getattr(cfg, "num_key_value_heads", None) or hq
@@ -308,7 +327,8 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
         sw = _layer_window(m)
         m._attnhub_hub = HubRef(hub)  # type: ignore[assignment]
         ctx = _context(m, sw)
-        for phase in phases:
+        layer = getattr(m, "layer_idx", None)
+        for phase in phases if m.is_causal else [p for p in phases if p != "decode"]:
             for sq, sk, window in _call_shapes(phase, prompt_len, max_len, sw):
                 spec = call_spec(phase, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                                  head_dim_v=dv, causal=bool(m.is_causal) and sq > 1,
@@ -316,7 +336,8 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
                                  softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
                                  batch=batch, seqlen_q=sq, seqlen_k=sk, dtype=dtype,
                                  layout="bshd")
-                rows.append(Binding(m.layer_idx, path, phase, hub.decide(spec, ctx)))
+                rows.append(Binding(position if layer is None else layer, path, phase,
+                                    hub.decide(spec, ctx)))
     return BindingTable(model_name(model), getattr(hub.resolver, "name", "?"),
                         hub.device.describe(), rows)
 

@@ -32,7 +32,12 @@ HARMLESS = frozenset({
     "seq_idx", "deterministic", "return_dict", "cache_position", "logits_to_keep",
     # the causal-LM loss's options and an extra output (Gemma 4's shared K/V for an
     # assistant model): carried down to every layer in **kwargs, read by none of them
-    "ignore_index", "shift_labels", "return_shared_kv_states"})
+    "ignore_index", "shift_labels", "return_shared_kv_states",
+    # tokenizer outputs a caller may pass on to forward(); the decoder layers hand them to
+    # the attention function, which eager and sdpa ignore (masks are built from
+    # attention_mask, and token types, where a model uses them, before any layer)
+    "token_type_ids", "special_tokens_mask", "length", "offset_mapping",
+    "overflow_to_sample_mapping"})
 
 #: What the refused keywords known to models mean, for the error.
 _MEANING = {"position_bias": "a learned position bias",
