@@ -379,6 +379,8 @@ class Hub:
         d = runner.decision
         name = chain[i].name
         reason = _failure_reason(exc)
+        if d.rule == "forced" and isinstance(exc, BackendUnavailableError):
+            raise exc  # the forced backend's own refusal, as its check gives one
         if d.on_failure == "error" or i + 1 >= len(chain):
             raise NoBackendError(
                 f"backend {name!r} raised {reason}\n(rule on_failure={d.on_failure}; "

@@ -248,6 +248,12 @@ def check_scalars(scale: Any, softcap: Any) -> None:
             raise ArgumentError(f"{name}={x!r}; it must be a number in [{SCALAR_MIN:.4g}, "
                                 f"{SCALAR_MAX:.4g}], float32's normal range (kernels compute "
                                 f"scores in float32, where it would be 0 or inf) ({off})")
+    if scale is not None and softcap is not None and scale / softcap > SCALAR_MAX:
+        raise ArgumentError(f"scale={scale!r} with softcap={softcap!r}: kernels cap scores as "
+                            "tanh(score * scale / softcap) * softcap, and scale / softcap "
+                            "overflows float32 (a score of 0 would give NaN); a softcap this "
+                            "small caps every score at about 0: use a larger softcap, or "
+                            "softcap=None")
 
 
 #: Keys of ``extra`` that every backend ignores, and why: what attention here never does,
@@ -352,6 +358,8 @@ def check_window(window: Any, causal: bool) -> tuple[int, int] | None:
     if min(left, right) < -1:
         raise ArgumentError(f"window={window!r}; use (left, right) with -1 for unbounded "
                             "(each side >= -1)")
+    if left == -1 and (right == -1 or (causal and right >= 0)):
+        return None  # unbounded, or bounded only where causal masks anyway: no window
     return (left, right)
 
 

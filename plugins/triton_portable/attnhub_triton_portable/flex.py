@@ -179,8 +179,10 @@ def build_mask_mod(params: AttnParams, pos: _Positions, hq: int, hkv: int,
 
 
 def build_score_mod(params: AttnParams, pos: _Positions, device: torch.device) -> Mod | None:
-    """softcap, then ALiBi, then the user's score_mod, in the score's dtype (a floating
-    result of another dtype is cast, as compiled flex does); None when nothing changes."""
+    """softcap, then ALiBi, then the user's score_mod, in flex's working precision (fp32,
+    fp64 for fp64 scores); None when nothing changes. Flex traces a score_mod with a score
+    of q's dtype: a cast back to that dtype would round fp16 scores past 65504 to inf (NaN
+    out of finite inputs), so the result is cast to the precision flex computes in."""
     cap = params.softcap
     slopes = params.alibi_slopes.to(device=device, dtype=torch.float32) \
         if params.alibi_slopes is not None else None
@@ -190,7 +192,8 @@ def build_score_mod(params: AttnParams, pos: _Positions, device: torch.device) -
 
     def score_mod(score, b, h, q_idx, kv_idx):
         seq, qi, kj, qpos, _ = pos(b, q_idx, kv_idx)
-        dtype = score.dtype  # kept: a user's fp64 result made eager flex's LSE fp64
+        # not the user's dtype: a user's fp64 result made eager flex's LSE fp64
+        dtype = torch.float64 if score.dtype == torch.float64 else torch.float32
         if cap:
             score = torch.tanh(score / cap) * cap
         if slopes is not None:
