@@ -11,10 +11,11 @@ import importlib.util
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from . import process_state
 from .bounded import Stalled, bounded, safe_str
 from .capabilities import Capabilities
 from .device import DeviceInfo
@@ -82,27 +83,60 @@ def reasons_of(backend: object, what: str, value: object) -> list[str]:
                  "reason sentences (empty: it can)")]
 
 
+def _fields(objs: tuple) -> list[tuple]:
+    return [tuple(getattr(o, f) for f in type(o).__slots__) for o in objs]
+
+
+def _side_effects(backend: "Backend", what: str, objs: tuple, before: list[tuple],
+                  settings: Any) -> str | None:
+    """What a plugin method did besides answering, undone: torch settings it changed (put
+    back) and frozen arguments it edited with ``object.__setattr__`` (their fields put back:
+    the host's cached ``DeviceInfo`` is shared by every later decision); a reason that
+    rejects the backend, or None."""
+    changed = process_state.call_restore(settings)
+    for o, vals in zip(objs, before):
+        for f, v in zip(type(o).__slots__, vals):
+            if getattr(o, f) is not v:
+                object.__setattr__(o, f, v)
+                changed.append(f"its argument's {type(o).__name__}.{f}")
+    if not changed:
+        return None
+    return _bug(backend, what, f"changed {'; '.join(changed)} (put back; a {what}() must "
+                               "only answer)")
+
+
 def safe_check(backend: "Backend", spec: AttentionSpec, device: DeviceInfo) -> list[str]:
     """``backend.check`` for hosts: a subclass that overrides ``check`` and raises (or
-    returns something other than a list of reasons) gives a reason instead."""
+    returns something other than a list of reasons, or changes torch's settings or its
+    arguments) gives a reason instead."""
+    objs = (spec, spec.mask, device)
+    before, settings = _fields(objs), process_state.call_snapshot()
     try:
-        return reasons_of(backend, "check", backend.check(spec, device))
+        got = reasons_of(backend, "check", backend.check(spec, device))
     except BaseException as exc:
         if not plugin_fault(exc):
+            process_state.call_restore(settings)
             raise
-        return [raised_reason(backend, "check", exc)]
+        got = [raised_reason(backend, "check", exc)]
+    bad = _side_effects(backend, "check", objs, before, settings)
+    return got if bad is None else [bad, *got]
 
 
 def safe_capabilities(backend: "Backend") -> Capabilities | str:
     """``backend.capabilities`` for hosts, read once: a property that raises (a driver probe
     that failed after registration) or returns something other than ``Capabilities`` is a
     reason (the ``str``) that rejects the backend, not a crash of the resolver."""
+    settings = process_state.call_snapshot()
     try:
         caps = backend.capabilities
     except BaseException as exc:
         if not plugin_fault(exc):
+            process_state.call_restore(settings)
             raise
-        return raised_reason(backend, "capabilities", exc)
+        caps = raised_reason(backend, "capabilities", exc)
+    bad = _side_effects(backend, "capabilities", (), [], settings)
+    if bad is not None or isinstance(caps, str):
+        return bad or caps  # type: ignore[return-value]
     if not isinstance(caps, Capabilities):
         return _bug(backend, "capabilities", f"returned a {type(caps).__name__}, not "
                                               "attnhub.plugin.Capabilities")
@@ -114,16 +148,21 @@ def safe_available(backend: "Backend", device: DeviceInfo,
     """``backend.available`` for hosts, as :func:`safe_check`; with ``timeout`` (seconds) a
     call that has not returned by then is a reason too (listing commands: ``attnhub
     backends``, ``doctor``, ``check-plugin`` hung on one plugin's probe)."""
+    objs = (device,)
+    before, settings = _fields(objs), process_state.call_snapshot()
     try:
         got = bounded(lambda: backend.available(device), timeout,
                       name=f"attnhub-available-{getattr(backend, 'name', '?')}")
-        return reasons_of(backend, "available", got)
+        got = reasons_of(backend, "available", got)
     except Stalled:
         return [_bug(backend, "available", f"did not return within {timeout:g} s")]
     except BaseException as exc:
         if not plugin_fault(exc):
+            process_state.call_restore(settings)
             raise
-        return [raised_reason(backend, "available", exc)]
+        got = [raised_reason(backend, "available", exc)]
+    bad = _side_effects(backend, "available", objs, before, settings)
+    return got if bad is None else [bad, *got]
 
 
 #: The load lock of backends whose ``__init__`` did not call ``Backend.__init__``.

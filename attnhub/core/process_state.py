@@ -128,6 +128,20 @@ def _handler(sig: signal.Signals) -> tuple[Callable[[], Any], Callable[[Any], No
     return (lambda: signal.getsignal(sig)), put
 
 
+#: interval timers a plugin could arm (``signal.alarm`` at import killed the host later)
+_TIMERS = tuple((n, getattr(signal, f"ITIMER_{n}")) for n in ("REAL", "VIRTUAL", "PROF")
+                if hasattr(signal, f"ITIMER_{n}"))
+
+
+def _timer(which: int) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """Whether a timer is armed (its remaining time moves, so the state is compared, not
+    the value); put back means disarmed, as it was."""
+    def put(was: bool) -> None:
+        if not was:
+            signal.setitimer(which, 0)
+    return (lambda: signal.getitimer(which)[0] > 0), put
+
+
 _B = torch.backends
 #: (what, getter, setter): torch's numerics and kernel switches, the host's logging, and the
 #: interpreter state every later call (and the CLI's output) depends on.
@@ -158,6 +172,14 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("SDPA memory-efficient kernel switch", _B.cuda.mem_efficient_sdp_enabled,
      _B.cuda.enable_mem_efficient_sdp),
     ("SDPA math kernel switch", _B.cuda.math_sdp_enabled, _B.cuda.enable_math_sdp),
+    *((("SDPA math kernel's fp16/bf16 reductions", _B.cuda.fp16_bf16_reduction_math_sdp_allowed,
+        _B.cuda.allow_fp16_bf16_reduction_math_sdp),)
+      if hasattr(_B.cuda, "fp16_bf16_reduction_math_sdp_allowed") else ()),
+    ("torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+     *_attr(_B.cuda.matmul, "allow_fp16_reduced_precision_reduction")),
+    ("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+     *_attr(_B.cuda.matmul, "allow_bf16_reduced_precision_reduction")),
+    ("torch.backends.mkldnn.enabled", *_attr(_B.mkldnn, "enabled")),
     ("torch threads", torch.get_num_threads, torch.set_num_threads),
     ("logging.disable level", lambda: logging.root.manager.disable, logging.disable),
     ("'attnhub' logger level", lambda: _log.level, _log.setLevel),
@@ -178,7 +200,9 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("root logger handlers", lambda: list(logging.root.handlers), _set_root_handlers),
     ("random generator state (torch, CPU)", _rng_state, _set_rng_state),
     ("warnings filter for every warning", _warn_all, _set_warn_all),
-    *((f"{sig.name} handler", *_handler(sig)) for sig in (signal.SIGINT, signal.SIGTERM)),
+    *((f"{sig.name} handler", *_handler(sig))
+      for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGALRM", None)) if sig),
+    *((f"{name} interval timer armed", *_timer(which)) for name, which in _TIMERS),
 )
 #: Changes that stay, neither put back nor blamed: a raised recursion limit (torch.compile
 #: raises it to 2000 while compiling; a library that raised it at import needs it later).
