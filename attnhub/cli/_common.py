@@ -125,13 +125,41 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def hardware_names(text: str) -> str:
-    """An argparse ``type`` for a ``--hardware`` list: at least one name (an empty value
-    planned for this machine, or for ATTNHUB_HARDWARE, as if the flag had not been given)."""
-    if not [h for h in text.split(",") if h.strip()]:
-        raise argparse.ArgumentTypeError(f"{text!r} names no hardware; pass e.g. sm90, or "
-                                         "leave the flag out")
-    return text
+def name_list(what: str, example: str, omitted: str = "") -> Callable[[str], str]:
+    """An argparse ``type`` for a comma list that selects or filters: at least one name. An
+    empty value (an unset shell variable: ``--cells "$CELLS"``) was read as no filter at all,
+    and the whole default ran. ``omitted``: what leaving the flag out does."""
+
+    def parse(text: str) -> str:
+        if not [x for x in text.split(",") if x.strip()]:
+            raise _nothing(text, what, example, omitted)
+        return text
+
+    parse.__name__ = "list"
+    return parse
+
+
+def nonblank(what: str, example: str, omitted: str = "") -> Callable[[str], str]:
+    """An argparse ``type`` for one name or filter text: not blank (see :func:`name_list`)."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise _nothing(text, what, example, omitted)
+        return text
+
+    parse.__name__ = "text"
+    return parse
+
+
+def _nothing(text: str, what: str, example: str, omitted: str) -> argparse.ArgumentTypeError:
+    tail = f" ({omitted})" if omitted else ""
+    return argparse.ArgumentTypeError(f"{text!r} names no {what}; pass e.g. {example}, or "
+                                      f"leave the flag out{tail}")
+
+
+#: ``--hardware A,B``: at least one name (an empty value planned for this machine, or for
+#: ATTNHUB_HARDWARE, as if the flag had not been given).
+hardware_names = name_list("hardware", "sm90")
 
 
 def hardware_name(text: str) -> str:

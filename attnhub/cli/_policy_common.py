@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..core.device import DeviceInfo, probe, simulate
 from ..core.registry import Registry
-from ..errors import AttnhubError
+from ..errors import AttnhubError, HardwareError
 from ..policy import Policy, load_policy
 
 
@@ -27,12 +28,26 @@ def hardware_list(text: str | None) -> list[str]:
     return names
 
 
+def env_hardware(unset: str) -> list[str]:
+    """``ATTNHUB_HARDWARE`` as a list of its one name (empty when unset), refused as
+    ``probe`` refuses it (``explain``, ``lock``); ``unset``: what leaving it out does."""
+    named = os.environ.get("ATTNHUB_HARDWARE") or None
+    if named is None:
+        return []
+    try:
+        simulate(named)
+    except HardwareError as exc:
+        raise HardwareError(f"ATTNHUB_HARDWARE: {exc}; or unset it to {unset}") from None
+    return [named]
+
+
 def devices(text: str | None, policy: Policy | None = None) -> list[DeviceInfo]:
-    """Simulated devices for ``--hardware a,b``; this machine when not given (or the policy's
-    ``targets`` when ``policy`` is passed and no hardware is given)."""
+    """Simulated devices for ``--hardware a,b``, else for ``ATTNHUB_HARDWARE``; else this
+    machine, or the policy's ``targets`` when ``policy`` is passed (``plan``: the README says
+    planning commands honour the variable, and plan ignored it for the targets)."""
     names = hardware_list(text)
     if not names and policy is not None:
-        names = list(policy.targets)
+        names = env_hardware("plan for the policy's targets") or list(policy.targets)
     if not names:
         return [probe()]
     unique: dict[str, DeviceInfo] = {}  # aliases of one device (h100, sm90): one column

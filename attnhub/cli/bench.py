@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.backend import safe_available
-from ._common import (STORE_FAILED, add_json, at_least, atomic_path, list_of, print_json,
-                      progress, table, write_text_atomic)
+from ._common import (STORE_FAILED, add_json, at_least, atomic_path, list_of, name_list,
+                      print_json, progress, table, write_text_atomic)
 from ._decoder import add_decoder_args
 
 
@@ -41,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--from-model", action="store_true",
                    help="bench the spec buckets the decoder binds instead of the grid")
     g.add_argument("--backends", default=None,
+                   type=name_list("backend", "torch_sdpa", "every exact backend here"),
                    help="comma list (default: every exact backend except reference)")
     g.add_argument("--warmup", type=at_least(0), default=3, help="untimed runs first (default 3)")
     g.add_argument("--repeats", type=at_least(1), default=10,
@@ -56,8 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="time the policy's binding and every backend on the standard grid; "
                         "print policy vs best with the regret per cell")
     g.add_argument("--cells", default=None, metavar="TEXT,..",
+                   type=name_list("cell", "decode", "every cell of the grid"),
                    help="only cells whose name contains one of these (comma list)")
     g.add_argument("--exclude", default=None, metavar="NAME,..",
+                   type=name_list("backend", "fa2", "none left out"),
                    help="backends not to time (comma list; say why in the report)")
     g.add_argument("--scale", type=at_least(1), default=None,
                    help="divide the grid's lengths (default 1 on a GPU, 64 on the CPU)")
@@ -70,6 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--header", default="", help="extra text for the report header "
                                                 "(e.g. the commit)")
     g.add_argument("--from-json", default=None, metavar="FILE,..",
+                   type=name_list("report", "regret.json", "bench then measures"),
                    help="measure nothing: render --md/--plot from saved --out-json reports "
                         "(later files replace cells of the same name)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -15,7 +15,7 @@ from ..core.backend import safe_available
 from ..core.device import probe
 from ..core.registry import Registry, plugin_timeout
 from ..errors import AttnhubError
-from ._common import add_json, at_least, print_json
+from ._common import add_json, at_least, nonblank, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stop waiting for one call after this long (default 300): the case is "
                         "a crash and the backend's remaining cases are not run")
     p.add_argument("-k", "--feature", metavar="TEXT", action="append",
+                   type=nonblank("feature", "causal", "every feature"),
                    help="only features whose name contains TEXT (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="list every case")
     add_json(p)

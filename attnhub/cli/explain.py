@@ -19,7 +19,7 @@ from ..errors import AttnhubError
 from ..hub import Hub
 from ..policy.cells import mask_from_kinds
 from ..core.memory import check_memory
-from ._common import add_hardware, add_json, at_least, print_json
+from ._common import add_hardware, add_json, at_least, name_list, nonblank, print_json
 from ._decoder import parse_heads
 from ._policy_common import add_policy, devices, load
 
@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seqlen-q", type=at_least(1), help="query length (default: 1 for decode, else "
                                                 "--seqlen)")
     p.add_argument("--batch", type=at_least(1), default=1, help="default 1")
-    p.add_argument("--mask", default="none", help=f"comma-separated kinds: {', '.join(MASK_KINDS)}")
+    p.add_argument("--mask", default="none", type=name_list("mask kind", "causal", "no mask"),
+                   help=f"comma-separated kinds: {', '.join(MASK_KINDS)}")
     p.add_argument("--window", type=at_least(0), help="left window for sliding_window "
                                                         "(default 1024)")
     p.add_argument("--top-left", action="store_true", help="top-left causal alignment")
@@ -60,9 +61,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="attention dropout probability in [0, 1) (training with "
                         "attention_dropout > 0; default 0)")
     g = p.add_argument_group("bind context")
-    g.add_argument("--model", help="model name, for `when: {model: ...}` rules")
+    g.add_argument("--model", type=nonblank("model", "llama-3-8b", "no model"),
+                   help="model name, for `when: {model: ...}` rules")
     g.add_argument("--layer", type=at_least(0), help="layer index, for `when: {layer: ...}`")
     g.add_argument("--layer-kind", default="softmax",
+                   type=nonblank("layer kind", "sliding", "softmax"),
                    help="softmax (default), sliding, linear, gla, ... for `layer: {kind: ...}`")
     g.add_argument("--world-size", type=at_least(1), default=1,
                    help="context-parallel ranks (default 1; >= 2 for ring rules)")

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from ..core.backend import safe_check
-from ._common import (STORE_FAILED, add_hardware, add_json, at_least, list_of, print_json,
-                      progress, recorded, seed, table)
+from ._common import (STORE_FAILED, add_hardware, add_json, at_least, list_of, nonblank,
+                      print_json, progress, recorded, seed, table)
 
 OUTLIER_KINDS = ("q_channel", "k_bias")
 
@@ -55,8 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a shape to check (repeatable; default 1,4096,16,16,128)")
     p.add_argument("--causal", action="store_true", help="causal (bottom-right) mask")
     p.add_argument("--inputs", default=None, metavar="FILE.pt",
+                   type=nonblank("file", "captured.pt", "random inputs only"),
                    help="captured inputs: a dict (or list of dicts) with q, k, v (B,S,H,D)")
     p.add_argument("--backend", default=None,
+                   type=nonblank("backend", "fa3_fp8", "the default FP8 backend"),
                    help="the FP8 backend (default fa3_fp8; with --kv triton_decode_fp8)")
     p.add_argument("--kv", action="store_true",
                    help="check decode over an e4m3 paged KV cache (bf16 queries)")
@@ -64,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--kv: the cache's page size, as the server pages it (default 16); "
                         "records are per page size")
     p.add_argument("--recipe", default=None,
+                   type=nonblank("recipe", "smooth_k", "the backend's own"),
                    help="the recipe to gate (default: the backend's configured one)")
     p.add_argument("--magnitudes", type=list_of(at_least(0, float, strict=True)),
                    default=[1.0, 5.0, 20.0, 50.0],

@@ -17,7 +17,7 @@ from ..policy.loader import PolicyData, policies_dir
 from ..policy.profile import default_profile_path
 from ..policy.lock import (EXIT_BAD_LOCK, LockfileError, build_lock, check_lock, read_lock,
                            write_lock)
-from ._common import add_json, hardware_names, print_json, progress
+from ._common import add_json, hardware_names, nonblank, print_json, progress
 from ._policy_common import add_policy, devices, load
 
 
@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_policy(p)
     p.add_argument("--hardware", metavar="A,B", type=hardware_names,
                    help="lock simulated hardware (default: this machine)")
-    p.add_argument("--model", help="model name of the bind context (rules may match on it)")
+    p.add_argument("--model", type=nonblank("model", "llama-3-8b", "no model"),
+                   help="model name of the bind context (rules may match on it)")
     p.add_argument("-o", "--output", metavar="FILE", help="lockfile to write")
     p.add_argument("--check", metavar="FILE", help="resolve a lockfile's bindings again and "
                                                    "print what changed (exit 1 on drift, 3 "

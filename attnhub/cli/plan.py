@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="support matrix: cells x hardware -> backend (offline)")
     add_policy(p)
     p.add_argument("--hardware", metavar="A,B", type=hardware_names,
-                   help="comma-separated hardware to plan for (default: the policy's targets)")
+                   help="comma-separated hardware to plan for (default: ATTNHUB_HARDWARE, "
+                        "else the policy's targets)")
     add_json(p)
     p.set_defaults(func=run)
 

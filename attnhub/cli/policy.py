@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from ..core.registry import Registry
-from ..errors import PolicyError
+from ..errors import AttnhubError, PolicyError
 from ..policy import load_policy
 from ..policy.lint import lint_policy
 from ._common import add_json, hardware_names, print_json, table
-from ._policy_common import hardware_list
+from ._policy_common import env_hardware, hardware_list
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "contradictions, unserved cells (exit 1 on errors)")
     c.add_argument("files", nargs="+", metavar="FILE")
     c.add_argument("--hardware", metavar="A,B", type=hardware_names,
-                   help="hardware whose cells must be served (default: the policy's targets)")
+                   help="hardware whose cells must be served (default: ATTNHUB_HARDWARE, else "
+                        "the policy's targets)")
     add_json(c)
     c.set_defaults(func=run_check)
     s = psub.add_parser("show", help="the merged rules of a policy (after extends), in order")
@@ -31,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     registry = Registry.load()
-    hardware = tuple(hardware_list(args.hardware)) or None
+    hardware = tuple(hardware_list(args.hardware)
+                     or env_hardware("check each policy's targets")) or None
     report, failed = [], False
     for f in args.files:
         try:
@@ -39,6 +41,8 @@ def run_check(args: argparse.Namespace) -> int:
         except PolicyError as exc:
             findings = [{"level": "error", "location": "", "path": "", "message": m}
                         for m in exc.problems]
+        except AttnhubError as exc:  # one file's failure: the others are still checked
+            findings = [{"level": "error", "location": "", "path": "", "message": f"{f}: {exc}"}]
         errors = sum(x["level"] == "error" for x in findings)
         failed |= errors > 0
         report.append({"file": f, "ok": errors == 0, "errors": errors,

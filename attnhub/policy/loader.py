@@ -29,7 +29,7 @@ from typing import Iterator
 from pydantic import ValidationError
 
 from ..errors import PolicyError
-from .located import Located, dotted, pydantic_problems, read_yaml
+from .located import Located, clip, dotted, pydantic_problems, read_yaml, show
 from .schema import Defaults, PolicyFile, Rule
 
 _PACKAGED_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -40,6 +40,10 @@ MAX_CHAIN = 32
 #: Problems listed per file; a generated file can have one per value, and a listing of half a
 #: million lines helps nobody: the first ones are shown with a count of the rest.
 MAX_PROBLEMS = 100
+#: Rule names listed in "expected one of" (a base of thousands of rules made one line of
+#: hundreds of kilobytes); the rest are counted. Paths in messages are cut to ``MAX_SHOWN``.
+MAX_LISTED = 20
+MAX_SHOWN = 200
 
 
 @dataclass(frozen=True)
@@ -239,13 +243,15 @@ def _read_chain(path: Path, problems: list[str], seen: list[Path],
         raw = read_limited(path, MAX_BYTES)
         text = raw.decode("utf-8")
     except OSError as exc:
-        problems.append(f"{where}cannot read policy {file} ({exc.strerror}), expected a "
+        shown = clip(file, MAX_SHOWN, middle=True)  # an ``extends:`` of megabytes
+        problems.append(f"{where}cannot read policy {shown} ({exc.strerror}), expected a "
                         f"readable YAML file (or a packaged name such as `default`)"
                         f"{_packaged_hint(path)}")
         return []
     except TooBig as exc:
-        problems.append(f"{where}policy {file} is {exc}, expected a regular YAML file of at "
-                        f"most {MAX_BYTES // 2**20} MiB (split it with `extends:`)")
+        problems.append(f"{where}policy {clip(file, MAX_SHOWN, middle=True)} is {exc}, "
+                        f"expected a regular YAML file of at most {MAX_BYTES // 2**20} MiB "
+                        "(split it with `extends:`)")
         return []
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
@@ -347,8 +353,8 @@ def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
     removed: dict[str, int] = {}
     for i, name in enumerate(pf.remove):
         if name in removed:  # not "no rule named": it was there, and is gone already
-            problems.append(f"{doc.where(('remove', i))} remove[{i}]: {name!r} is listed twice "
-                            f"(first at remove[{removed[name]}]), expected each name once")
+            problems.append(f"{doc.where(('remove', i))} remove[{i}]: {show(name)} is listed "
+                            f"twice (first at remove[{removed[name]}]), expected each name once")
         elif name not in index:
             problems.append(_unknown_ref(doc, ("remove", i), name, alive()))
         else:
@@ -405,5 +411,10 @@ def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
 
 
 def _unknown_ref(doc: Located, path: tuple[str | int, ...], name: str, known: list[str]) -> str:
-    return (f"{doc.where(path)} {dotted(path)}: no rule named {name!r} in the policy it extends, "
-            f"expected one of: {', '.join(known) or '(none)'}")
+    """``remove:``/``before:``/``after:`` naming no base rule; the name and the list cut to
+    one readable line (both were echoed whole: megabytes for a generated value)."""
+    shown = ", ".join(known[:MAX_LISTED]) or "(none)"
+    if len(known) > MAX_LISTED:
+        shown += f" and {len(known) - MAX_LISTED} more (`attnhub policy show` lists them)"
+    return (f"{doc.where(path)} {dotted(path)}: no rule named {show(name)} in the policy it "
+            f"extends, expected one of: {shown}")

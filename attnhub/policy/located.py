@@ -73,6 +73,34 @@ _UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff"
                           "\u202a-\u202e\u2066-\u2069]")
 
 
+#: Characters YAML reads as a line break that editors do not show as one (often pasted from a
+#: web page or a word processor): one in a comment ends the comment, so the rest of that line
+#: is parsed as YAML and the error points at a line that looks fine.
+_HIDDEN_BREAKS = {"\u2028": "LINE SEPARATOR", "\u2029": "PARAGRAPH SEPARATOR",
+                  "\x85": "NEXT LINE (NEL)"}
+_HIDDEN_BREAK = re.compile("[\u2028\u2029\x85]")
+
+
+def _hidden_breaks(text: str, file: str) -> list[str]:
+    """A problem for the first character of ``_HIDDEN_BREAKS`` in ``text`` (with how many
+    more there are), at the line and column an editor shows; empty when there is none."""
+    first = _HIDDEN_BREAK.search(text)
+    if first is None:
+        return []
+    pos = first.start()
+    # lines end at \n, \r\n or a lone \r (as editors and YAML count them); a BOM is no column
+    line = text.count("\n", 0, pos) + text.count("\r", 0, pos) - text.count("\r\n", 0, pos) + 1
+    start = max(text.rfind("\n", 0, pos), text.rfind("\r", 0, pos)) + 1
+    col = pos - (start or int(text.startswith("\ufeff"))) + 1
+    char = first.group()
+    more = len(_HIDDEN_BREAK.findall(text, pos + 1))
+    tail = f" ({more} more in this file: replace each)" if more else ""
+    return [f"{file}:{line}:{col} (yaml): character U+{ord(char):04X} {_HIDDEN_BREAKS[char]} "
+            "is a line break to YAML but not to an editor (the rest of the line would be read "
+            f"as YAML, and errors would point elsewhere), expected a space or a newline "
+            f"(replace it){tail}"]
+
+
 class _Refused(Exception):
     """A construct policy files do not allow (alias, tag, merge key, depth): stop reading."""
 
@@ -98,7 +126,9 @@ def read_yaml(text: str, file: str) -> tuple[Located, list[str]]:
 def read_yaml_with(text: str, file: str, parser: Any) -> tuple[Located, list[str]]:
     """:func:`read_yaml` with the given PyYAML loader class as the event source."""
     doc = Located(file)
-    problems: list[str] = []
+    problems = _hidden_breaks(text, file)
+    if problems:
+        return doc, problems
     loader = yaml.SafeLoader("")
     try:
         doc.data = _Builder(doc, problems, loader).run(yaml.parse(text, Loader=parser))
@@ -290,7 +320,7 @@ class _Builder:
             return ev.value
         if tag in _NUMBER_TAGS and _LEGACY_NUMBER.match(ev.value.strip()):
             kind = "a base-60" if ":" in ev.value else "an octal"
-            raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: {_show(ev.value)} is "
+            raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: {show(ev.value)} is "
                            f"{kind} number in YAML 1.1 (it reads as "
                            f"{self.loader.construct_object(_node(tag, ev))}), expected a decimal "
                            "number without a leading 0 or colons (quote it for a string)")
@@ -299,7 +329,7 @@ class _Builder:
             return self.loader.construct_object(node, deep=True)
         except (yaml.YAMLError, ValueError, OverflowError):  # ValueError: an int of 5,000 digits
             raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: cannot read "
-                           f"{_show(ev.value)} as a plain value, expected a string, number, "
+                           f"{show(ev.value)} as a plain value, expected a string, number, "
                            "true/false or null (quote it to make it a string)") from None
 
 
@@ -332,9 +362,9 @@ def _one(err: dict[str, Any], doc: Located, model: type[BaseModel], prefix: Path
         return f"{doc.where(path)} {dotted(path)}: got an empty list, expected at least {n} item(s)"
     msg = str(err["msg"]).removeprefix("Value error, ")
     if msg.startswith("Input should be"):
-        msg = f"got {_show(err.get('input'))}, expected{msg[len('Input should be'):]}"
+        msg = f"got {show(err.get('input'))}, expected{msg[len('Input should be'):]}"
     elif not msg.startswith("got "):
-        msg = f"got {_show(err.get('input'))}, {msg[0].lower()}{msg[1:]}"
+        msg = f"got {show(err.get('input'))}, {msg[0].lower()}{msg[1:]}"
     return f"{doc.where(path)} {dotted(path)}: {msg}"
 
 
@@ -390,6 +420,18 @@ def _unwrap(t: Any) -> Any:
             return t
 
 
-def _show(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
+def clip(text: str, limit: int = 60, middle: bool = False) -> str:
+    """``text`` cut to ``limit`` characters with ``...`` (``middle``: the start and the end
+    kept, for paths whose file name is at the end): a value of megabytes is a typo or
+    generated garbage, and echoed whole it made one error line of megabytes."""
+    if len(text) <= limit:
+        return text
+    if not middle:
+        return text[:limit - 3] + "..."
+    head = (limit - 3) // 2
+    return text[:head] + "..." + text[len(text) - (limit - 3 - head):]
+
+
+def show(v: Any) -> str:
+    """``repr(v)`` for a message, cut to one short line (see :func:`clip`)."""
+    return clip(repr(v))

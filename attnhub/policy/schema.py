@@ -9,17 +9,20 @@ docs/policy.md documents every key.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import unicodedata
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
                       field_validator, model_validator)
 
-from ..core.device import known_hardware
+from ..core.device import known_hardware, simulate
 from ..core.registry import MAX_NAME as REGISTRY_MAX_NAME
 from ..core.spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES
+from ..errors import HardwareError
+from .located import show
 
 PhaseName = Literal[PHASES]  # type: ignore[valid-type]
 DtypeName = Literal[DTYPES]  # type: ignore[valid-type]
@@ -41,13 +44,52 @@ def _listify(v: Any) -> Any:
 def _hardware(v: Any) -> Any:
     if isinstance(v, str) and _HARDWARE_RE.match(v):
         return v
-    raise ValueError(f"got {v!r}, expected an arch ({', '.join(known_hardware())}, any smNN "
-                     f"or gfxNNN) or a vendor ({', '.join(VENDORS)})")
+    raise ValueError(f"got {show(v)}, expected an arch ({', '.join(known_hardware())}, any "
+                     f"smNN or gfxNNN) or a vendor ({', '.join(VENDORS)})")
+
+
+def _target(v: Any) -> Any:
+    """A ``targets`` entry: a device that ``plan`` and ``policy check`` can simulate. A vendor
+    (``cuda``) or an arch without a preset (``sm999``) holds in ``when.hardware`` but names no
+    device to plan for: loaded, it failed later in every command, unlocated."""
+    if isinstance(v, str) and len(v) <= MAX_NAME and _unsimulable(v) is None:
+        return v
+    vendor = (" (a vendor names no one device: list its archs, e.g. sm80, sm90)"
+              if isinstance(v, str) and v.strip().lower() in VENDORS else "")
+    names = str(_unsimulable("")).split("; use ", 1)[-1]  # "one of ... (or an alias: ...)"
+    raise ValueError(f"got {show(v)}, expected a device to plan for{vendor}: {names}")
+
+
+@functools.lru_cache(maxsize=256)
+def _unsimulable(name: str) -> str | None:
+    """Why ``simulate(name)`` refuses ``name`` (its message lists the names it takes), or
+    None: the one source of the known devices and their aliases."""
+    try:
+        simulate(name)
+    except HardwareError as exc:
+        return str(exc)
+    return None
 
 
 #: Longer names are typos or generated garbage: refused before they fill every message (the
 #: registry refuses longer backend names too).
 MAX_NAME = REGISTRY_MAX_NAME
+#: Longest ``device_name``/``model`` glob: no device or model name comes near it, and matching
+#: grows with the pattern's square (24,000 ``[`` took tens of seconds per call).
+MAX_GLOB = 256
+
+
+def _at_most(limit: int, what: str, why: str) -> Callable[[Any], Any]:
+    """A validator refusing text longer than ``limit`` (``what``: the expected value), said
+    with its length and start, not echoed whole: every message would carry megabytes."""
+
+    def check(v: Any) -> Any:
+        if isinstance(v, str) and len(v) > limit:
+            raise ValueError(f"got {len(v)} characters ({v[:20]!r}...), expected {what} of at "
+                             f"most {limit} characters ({why})")
+        return v
+
+    return check
 
 
 def _name(v: Any, pattern: re.Pattern[str], what: str) -> Any:
@@ -105,11 +147,13 @@ def _text_not_number(v: str) -> str:
     said."""
     x = float(v)
     if not math.isfinite(x):
-        return f"got the text {v!r}, expected a finite number"
+        return f"got the text {show(v)}, expected a finite number"
+    if len(v) > 60:  # thousands of digits: no rewrite of it is worth showing
+        return f"got the text {show(v)}, expected a number (unquoted)"
     m, plain = _EXPONENT_TEXT.match(v), str(int(x)) if x.is_integer() else repr(x)
     hint = (f"YAML 1.1 reads an exponent without a dot and a sign as text: write {plain} or "
             f"{m[1]}{m[2] or '.0'}e{m[3] or '+'}{m[4]}" if m else f"write it unquoted as {plain}")
-    return f"got the text {v!r}, expected a number ({hint})"
+    return f"got the text {show(v)}, expected a number ({hint})"
 
 
 #: What pydantic's lax mode would read as a boolean besides true/false (``1``, ``"no"``...).
@@ -119,11 +163,17 @@ _BOOLISH = frozenset({"0", "1", "y", "n", "t", "f", "on", "off", "yes", "no", "t
 def _flag(v: Any) -> Any:
     if (isinstance(v, (int, float)) and not isinstance(v, bool)) or (
             isinstance(v, str) and v.lower() in _BOOLISH):
-        raise ValueError(f"got {v!r}, expected true or false (unquoted)")
+        raise ValueError(f"got {show(v)}, expected true or false (unquoted)")
     return v
 
 
 Hardware = Annotated[str, BeforeValidator(_hardware)]
+Target = Annotated[str, BeforeValidator(_target)]
+Glob = Annotated[str, BeforeValidator(_at_most(MAX_GLOB, "a glob", "`*` matches any run"))]
+VariantName = Annotated[str, BeforeValidator(_at_most(
+    MAX_NAME, "a variant name", "plugins register identifiers of at most that"))]
+PolicyName = Annotated[str, BeforeValidator(_at_most(
+    MAX_NAME, "a policy name", "every decision record and message shows it"))]
 Identifier = Annotated[str, BeforeValidator(_identifier)]
 RuleName = Annotated[str, BeforeValidator(_rule_name)]
 #: Flags, counts and numbers are never coerced: pydantic's lax mode reads ``needs_grad: "no"``
@@ -292,13 +342,13 @@ class When(Strict):
 
     hardware: _many(Hardware) | None = None  # type: ignore[valid-type]
     capability: Range | None = None
-    device_name: _many(str) | None = None  # type: ignore[valid-type]
+    device_name: _many(Glob) | None = None  # type: ignore[valid-type]
     phase: _many(PhaseName) | None = None  # type: ignore[valid-type]
     dtype: _many(DtypeName) | None = None  # type: ignore[valid-type]
     kv_dtype: _many(DtypeName) | None = None  # type: ignore[valid-type]
     mask: _many(MaskKind) | None = None  # type: ignore[valid-type]
     mask_any: _many(MaskKind) | None = None  # type: ignore[valid-type]
-    variant: _many(str) | None = None  # type: ignore[valid-type]
+    variant: _many(VariantName) | None = None  # type: ignore[valid-type]
     layout: _many(LayoutName) | None = None  # type: ignore[valid-type]
     head_dim: Range | None = None
     head_dim_v: Range | None = None
@@ -314,7 +364,7 @@ class When(Strict):
     return_lse: Flag | None = None
     dropout: Flag | None = None
     world_size: Range | None = None
-    model: _many(str) | None = None  # type: ignore[valid-type]
+    model: _many(Glob) | None = None  # type: ignore[valid-type]
     layer: LayerSelector | None = None
     profile: ProfileCondition | None = None
 
@@ -402,11 +452,11 @@ class Defaults(Strict):
 class PolicyFile(Strict):
     """One YAML file. ``extends`` overlays it on another file (see docs/policy.md)."""
 
-    name: str = Field(min_length=1)
+    name: PolicyName = Field(min_length=1)
     version: Count = 1
     description: str = ""
     extends: str | None = None
-    targets: _many(Hardware) | None = None  # type: ignore[valid-type]
+    targets: _many(Target) | None = None  # type: ignore[valid-type]
     defaults: Defaults = Field(default_factory=Defaults)
     remove: list[str] = Field(default_factory=list)
     rules: list[Rule] = Field(default_factory=list)
