@@ -12,6 +12,7 @@ the KV cache (see ``attnhub.core.seqstate``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -251,8 +252,8 @@ def _state_backend(hub: Hub, rows: list[Binding]) -> str | None:
 
 def _is_transformers_attnhub(model: nn.Module) -> bool:
     """A transformers model with a (sub-)model built under a registered attnhub name."""
-    if getattr(model, "config", None) is None:
-        return False
+    if getattr(model, "config", None) is None or sys.modules.get("transformers") is None:
+        return False  # a transformers model means transformers is imported
     from .integrations.transformers import attention_modules
 
     return bool(attention_modules(model))

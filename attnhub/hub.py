@@ -578,7 +578,8 @@ class Hub:
                     (scale is None or (scale.__class__ is float
                                        and SCALAR_MIN <= scale <= SCALAR_MAX))
                     and (softcap is None or (softcap.__class__ is float
-                                             and SCALAR_MIN <= softcap <= SCALAR_MAX))):
+                                             and SCALAR_MIN <= softcap <= SCALAR_MAX))
+                    and (scale is None or softcap is None or scale / softcap <= SCALAR_MAX)):
                 check_scalars(scale, softcap)  # raises; an int or odd value is checked
             (spec, run, window, named, named_score, named_mask, default_scale, want,
              max_q, max_k) = hit

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core.contract import check_dropout
+from .core.contract import check_dropout, check_window
 from .core.decision import BindContext
 from .core.kvcache import CacheStep, PagedKVCache
 from .core.seqstate import StateGeometry
@@ -210,7 +210,8 @@ def call_spec(phase: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
         phase=phase, dtype=dtype_name(dtype), kv_dtype=dtype_name(dtype),  # type: ignore[arg-type]
         head_dim=head_dim, head_dim_v=head_dim_v, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, layout=layout,  # type: ignore[arg-type]
-        mask=MaskSpec(causal=causal, window=window, softcap=softcap),
+        # the window as the call's check normalises it (an unbounded one is none)
+        mask=MaskSpec(causal=causal, window=check_window(window, causal), softcap=softcap),
         max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, batch=batch,
         needs_grad=phase == "train", page_size=page_size, dropout=dropout,
     ).bucketed()

@@ -149,3 +149,21 @@ def test_a_binding_resolved_across_a_rebind_stays_out_of_the_tables() -> None:
         b.forward = (lambda f=f, n=name: lambda *a, **kw: (ran.append(n), f(*a, **kw))[1])()
     hub.attention(q, q, q)
     assert ran == ["reference"]
+
+
+def test_an_aborted_step_takes_back_its_copy_on_write_revocations() -> None:
+    """The step copied-on-write, then aborted: the sequence is back on the page its earlier
+    table names, so that table serves again (it was refused before the fix)."""
+    cache = PagedKVCache(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1, head_dim=8)
+    p = cache.allocate()
+    step = cache.step([p], 5)
+    step.write(0, torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8))
+    cache.fork(p)
+    bt, sl = cache.block_table([p]), cache.seqlens([p])
+    pages = cache.pages(p)
+    cache.step([p], 1).abort()  # p's last page is shared with the fork: copy-on-write
+    assert cache.pages(p) == pages
+    q = torch.randn(1, 1, 1, 8)
+    got = attnhub.Hub(hardware="cpu").attention(q, cache.k_cache(0), cache.v_cache(0),
+                                                layout="paged", block_table=bt, seqlens_k=sl)
+    assert got.shape == (1, 1, 1, 8)

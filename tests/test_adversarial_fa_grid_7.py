@@ -60,3 +60,25 @@ def test_a_forced_backend_refusing_at_run_time_raises_its_refusal() -> None:
     q, k = torch.randn(1, 7, 4, 32), torch.randn(1, 8, 2, 32)
     with pytest.raises(BackendUnavailableError):
         attnhub.Hub(hardware="cpu").attention(q, k, k, backend="torch_flash_cpu", causal=True)
+
+
+def test_a_window_with_a_prefix_keeps_its_right_bound() -> None:
+    """(-1, 1) under causal bounds nothing only without a prefix: prefix rows see keys right
+    of the diagonal, which the window's right edge still bounds (self-review of the fix)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 2, 16)
+    hub = attnhub.Hub(hardware="cpu")
+    kw = {"causal": True, "prefix_lens": torch.tensor([6])}
+    for backend in ("reference", "torch_sdpa"):
+        unbounded_left = hub.attention(q, q, q, window=(-1, 1), backend=backend, **kw)
+        torch.testing.assert_close(unbounded_left, hub.attention(q, q, q, window=(7, 1),
+                                                                 backend=backend, **kw))
+        assert not torch.allclose(unbounded_left, hub.attention(q, q, q, backend=backend, **kw))
+
+
+def test_the_hot_path_refuses_a_scale_over_softcap_past_float32_too() -> None:
+    hub = attnhub.Hub(hardware="cpu")
+    q = torch.randn(1, 4, 2, 8)
+    hub.attention(q, q, q, scale=0.5, softcap=5.0)  # the binding's exact entry
+    with pytest.raises(ArgumentError, match="overflows float32"):
+        hub.attention(q, q, q, scale=1e30, softcap=1e-10)

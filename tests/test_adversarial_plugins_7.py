@@ -98,3 +98,44 @@ def test_an_interval_timer_armed_by_a_plugin_is_disarmed() -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
     assert any("REAL interval timer" in c for c in changed), changed
     assert not armed
+
+
+def test_another_threads_settings_are_neither_blamed_nor_undone(tmp_path: Path) -> None:
+    """Another thread toggling a process-wide switch (``mkldnn.flags``) while this one
+    resolved got a backend blamed and the switch left changed (self-review of the fix)."""
+    import threading
+
+    stop = threading.Event()
+
+    def toggle() -> None:
+        while not stop.is_set():
+            with torch.backends.mkldnn.flags(enabled=False):
+                pass
+
+    t = threading.Thread(target=toggle, daemon=True)
+    t.start()
+    try:
+        hub = attnhub.Hub(hardware="cpu")
+        for n in range(64):
+            spec = attnhub.AttentionSpec(phase="prefill", dtype="fp32", num_q_heads=4,
+                                         num_kv_heads=2, head_dim=8, max_seqlen_q=2 ** (n % 12),
+                                         max_seqlen_k=2 ** (n % 12), batch=1 + n // 12)
+            assert "changed" not in hub.decide(spec).explain()
+    finally:
+        stop.set()
+        t.join(5)
+    assert torch.backends.mkldnn.enabled
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no interval timers here")
+def test_a_host_timer_that_runs_out_is_not_a_plugins_doing() -> None:
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    old = signal.signal(signal.SIGALRM, lambda *a: None)
+    try:
+        before = process_state.snapshot()
+        import time
+        time.sleep(0.1)  # the host's own timer runs out meanwhile
+        assert not any("interval timer" in c for c in process_state.restore(before))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

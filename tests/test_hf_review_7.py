@@ -113,3 +113,18 @@ def test_a_float64_model_is_refused_naming_the_layer_and_the_fix() -> None:
     with pytest.raises(DTypeMismatchError, match=r"LlamaAttention \(layer 0\).*model\.float\(\)"):
         with torch.no_grad():
             m(torch.randint(3, 90, (1, 4)))
+
+
+def test_bind_of_a_model_with_a_config_needs_no_transformers(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    import sys
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = {"hidden": 8}
+            self.lin = torch.nn.Linear(8, 8)
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(ValueError, match="no attnhub.nn.Attention layers"):
+        attnhub.bind(Net())

@@ -98,7 +98,7 @@ def check_call(q: Any, k: Any, v: Any, *, layout: Any, causal: Any, causal_align
     if layout == "bhsd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         layout = "bshd"
-    window = check_window(window, causal)
+    window = check_window(window, causal, prefix_lens is not None)
     tables: list[Any] = [None, None, None, None]
     if layout == "thd":
         *tables[2:], mq, mk = THD.check(q, k, cu_seqlens_q, cu_seqlens_k)
@@ -337,9 +337,11 @@ def _check_descale(name: str, d: Any) -> None:
                             "448 per page and KV head, as PagedKVCache.scales keeps them)")
 
 
-def check_window(window: Any, causal: bool) -> tuple[int, int] | None:
+def check_window(window: Any, causal: bool, prefix: bool = False) -> tuple[int, int] | None:
     """``window``: an int ``w`` (``(w, 0)`` if causal, else ``(w, w)``) or ``(left, right)``
-    of ints >= -1, -1 meaning unbounded on that side."""
+    of ints >= -1, -1 meaning unbounded on that side. None where it bounds nothing: (-1, -1),
+    or (-1, r >= 0) under causal without a prefix (prefix rows see keys right of the
+    diagonal, which r still bounds)."""
     if window is None:
         return None
     try:
@@ -358,7 +360,7 @@ def check_window(window: Any, causal: bool) -> tuple[int, int] | None:
     if min(left, right) < -1:
         raise ArgumentError(f"window={window!r}; use (left, right) with -1 for unbounded "
                             "(each side >= -1)")
-    if left == -1 and (right == -1 or (causal and right >= 0)):
+    if left == -1 and (right == -1 or (causal and not prefix and right >= 0)):
         return None  # unbounded, or bounded only where causal masks anyway: no window
     return (left, right)
 

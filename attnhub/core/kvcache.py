@@ -218,9 +218,13 @@ class PagedKVCache:
         self._version = 0
         #: Per-sequence state of layers bound to stateful backends (``attach_state``).
         self.states = SequenceStates()
-        #: block tables handed out and the (sequence id, page) pairs they name, revoked when
-        #: one of those pages is freed or its sequence moves off it
-        self._tables: list[tuple[weakref.ref, frozenset[tuple[int, int]]]] = []
+        #: block tables handed out, the pages and the sequences they name: revoked when one
+        #: of those pages is freed, or one of those sequences moves off it (copy-on-write)
+        self._tables: list[tuple[weakref.ref, frozenset[int], frozenset[int]]] = []
+        #: tables revoked by copy-on-write, numbered in order (dead ones dropped as tables
+        #: are built): a rolled-back step takes back those after its undo point's number
+        self._moved: dict[int, tuple[weakref.ref, frozenset[int], frozenset[int]]] = {}
+        self._moves = 0
 
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -309,23 +313,25 @@ class PagedKVCache:
         self._revoke_tables(released, f"sequence {seq_id} was freed")
 
     def _revoke_tables(self, pages: Iterable[int], why: str, seq_id: int | None = None
-                       ) -> None:
+                       ) -> list[tuple[weakref.ref, frozenset[int], frozenset[int]]]:
         """Revoke the block tables handed out that name any of ``pages`` (back on the free
         list): a call that passes one would read whatever the page's next owner writes.
-        With ``seq_id``, only those that name one of them for that sequence."""
+        With ``seq_id``, only those built for that sequence too. Returns the revoked."""
         gone = set(pages)
         if not gone:
-            return
-        live = []
-        for ref, named in self._tables:
-            t = ref()
+            return []
+        live, revoked = [], []
+        for entry in self._tables:
+            t = entry[0]()
             if t is None:
                 continue
-            if any(p in gone and seq_id in (None, s) for s, p in named):
+            if entry[1] & gone and (seq_id is None or seq_id in entry[2]):
                 PAGED.revoke(t, why)
+                revoked.append(entry)
             else:
-                live.append((ref, named))
+                live.append(entry)
         self._tables = live
+        return revoked
 
     # -- appending --------------------------------------------------------------------------
     @_locked
@@ -366,7 +372,7 @@ class PagedKVCache:
                 f"{self.num_pages} are free (page_size {self.page_size}); free finished "
                 "sequences or build the cache with more num_pages. No sequence was changed.")
         undo = ([(seq, list(seq.pages), seq.length) for seq in seqs], list(self._free),
-                list(self._refs), [])
+                list(self._refs), [], self._moves)
         try:
             for i in copies:
                 self._copy_on_write(seq_ids[i], seqs[i])
@@ -429,8 +435,11 @@ class PagedKVCache:
         self._refs[old] -= 1
         self._refs[new] = 1
         seq.pages[-1] = new
-        self._revoke_tables([old], f"sequence {seq_id} moved off page {old}, which a fork "
-                            "shares and writes, on copy-on-write", seq_id)
+        for entry in self._revoke_tables(
+                [old], f"sequence {seq_id} moved off page {old}, which a fork shares and "
+                "writes, on copy-on-write", seq_id):
+            self._moves += 1
+            self._moved[self._moves] = entry
 
     def _slots(self, seqs: list[_Seq], counts: list[int]) -> torch.Tensor:
         out = []
@@ -548,13 +557,19 @@ class PagedKVCache:
                                   self.scales.v[:, p].clone()))
                 else:
                     tails.append((p, length % self.page_size))
-        return seqs, list(self._free), list(self._refs), tails
+        return seqs, list(self._free), list(self._refs), tails, self._moves
 
     @_locked
     def _rollback(self, undo: tuple[Any, ...]) -> None:
-        seqs, free, refs, tails = undo
+        seqs, free, refs, tails, moved = undo
         for seq, pages, length in seqs:
             seq.pages[:], seq.length = pages, length
+        for n in [n for n in self._moved if n > moved]:  # the step's copies-on-write are
+            entry = self._moved.pop(n)  # undone: its sequences are back on those pages
+            t = entry[0]()
+            if t is not None:
+                PAGED.unrevoke(t)
+                self._tables.append(entry)
         released = set(free) - set(self._free)
         self._free[:], self._refs[:] = free, refs
         self._revoke_tables(released, "the step that took them was aborted")
@@ -656,8 +671,9 @@ class PagedKVCache:
         # every entry a sequence uses is a page id of this cache, row i holds len(pages) pages
         t = self._vouched(host, (self.num_pages, tuple(len(s.pages) for s in seqs)))
         self._tables = [e for e in self._tables if e[0]() is not None]
-        self._tables.append((weakref.ref(t), frozenset(
-            (i, p) for i, s in zip(ids, seqs) for p in s.pages)))
+        self._moved = {n: e for n, e in self._moved.items() if e[0]() is not None}
+        self._tables.append((weakref.ref(t), frozenset(p for s in seqs for p in s.pages),
+                             frozenset(ids)))
         return t
 
     @_locked

@@ -27,7 +27,7 @@ import threading
 import weakref
 import warnings
 from types import ModuleType
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 import torch
@@ -207,6 +207,10 @@ SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
 #: Changes that stay, neither put back nor blamed: a raised recursion limit (torch.compile
 #: raises it to 2000 while compiling; a library that raised it at import needs it later).
 _KEPT: dict[str, Callable[[Any, Any], bool]] = {"recursion limit": lambda old, new: new > old}
+# a timer that ran out (or that another thread armed or disarmed meanwhile) is the host's:
+# only one armed where none was is a plugin's doing
+_KEPT.update({f"{name} interval timer armed": lambda old, new: old or not new
+              for name, _ in _TIMERS})
 #: Class attributes that Python or pydantic set lazily, on first use: not a plugin's doing
 #: (``isinstance`` against a Protocol creates ``__annotations__``, ``copy``/``pickle`` of an
 #: instance ``__slotnames__``).
@@ -398,27 +402,53 @@ def flipping_sdpa_switches() -> Iterator[None]:
 _SDPA_SWITCHES = frozenset(s[0] for s in CALL_SETTINGS if s[0].startswith("SDPA"))
 
 
-def call_snapshot() -> tuple[list[Any], tuple[int, int]]:
-    """The values of :data:`CALL_SETTINGS` (for :func:`call_restore`), and where
-    attnhub's own switch flips stood."""
-    return [get() for _, get, _ in CALL_SETTINGS], (_Flips.active, _Flips.events)
+#: torch's switches that it keeps per process, not per thread: what another thread's
+#: ``torch.backends.*.flags(...)`` or ``sdpa_kernel`` block changes for a while
+_PROCESS_WIDE = frozenset(s[0] for s in CALL_SETTINGS) - THREAD_LOCAL
 
 
-def call_restore(snap: tuple[list[Any], tuple[int, int]]) -> list[str]:
+def others_running(mine: Iterable[int]) -> bool:
+    """Whether a Python thread runs besides ``mine`` and attnhub's own workers (named
+    ``attnhub-*``). While one does, process-wide settings that changed may be its own
+    ``torch.backends.*.flags(...)`` or ``sdpa_kernel`` block, which no comparison can tell
+    from a plugin's doing: they are neither blamed nor put back (that would undo the other
+    thread's setting while it runs)."""
+    mine = set(mine)
+    return any(t.ident not in mine and not t.name.startswith("attnhub-")
+               for t in threading.enumerate())
+
+
+def call_snapshot() -> tuple[list[Any], tuple[int, int, bool]]:
+    """The values of :data:`CALL_SETTINGS` (for :func:`call_restore`), where attnhub's own
+    switch flips stood, and whether another thread ran (:func:`others_running`)."""
+    return ([get() for _, get, _ in CALL_SETTINGS],
+            (_Flips.active, _Flips.events, others_running((threading.get_ident(),))))
+
+
+def call_restore(snap: tuple[list[Any], tuple[int, int, bool]]) -> list[str]:
     """Put back what of :data:`CALL_SETTINGS` changed since :func:`call_snapshot`; a line
-    per change. SDPA's switches are skipped when attnhub flipped them meanwhile (another
-    thread's call: see :class:`_Flips`); this thread's own flips end before it returns."""
-    values, (active, events) = snap
+    per change. torch's process-wide switches are compared only while no other thread runs
+    (:func:`others_running`). SDPA's switches are skipped as well when attnhub flipped them
+    meanwhile (:class:`_Flips`); this thread's own flips end before it returns."""
+    values, (active, events, others) = snap
+    if others or others_running((threading.get_ident(),)):
+        return _put_back(CALL_SETTINGS, values, _PROCESS_WIDE)
     flipped = active > 0 or _Flips.active > 0 or _Flips.events != events
     return _put_back(CALL_SETTINGS, values, _SDPA_SWITCHES if flipped else frozenset())
 
 
-def restore(before: State, other_thread: bool = False) -> list[str]:
+def restore(before: State, other_thread: bool = False,
+            mine: Iterable[int] = ()) -> list[str]:
     """Put back what changed since ``before``; one line per change (environment values are
     not shown: they may be secrets). ``other_thread``: ``before`` was taken in another
-    thread, whose thread-local settings (:data:`THREAD_LOCAL`) are not this one's."""
+    thread, whose thread-local settings (:data:`THREAD_LOCAL`) are not this one's.
+    torch's process-wide switches are left to the host while a thread runs besides this
+    one, ``mine`` and attnhub's workers (:func:`others_running`)."""
     values, env, attrs, modules, _, torch_attrs = before
-    changed = _put_back(SETTINGS, values, THREAD_LOCAL if other_thread else frozenset())
+    skip = THREAD_LOCAL if other_thread else frozenset()
+    if others_running({threading.get_ident(), *mine}):
+        skip = skip | _PROCESS_WIDE
+    changed = _put_back(SETTINGS, values, skip)
     now = _own_env()
     keys = sorted(k for k in env.keys() | now.keys() if env.get(k) != now.get(k))
     for k in keys:
@@ -455,7 +485,7 @@ class Watch:
         low = sys.getrecursionlimit()
         if low < self.limit:
             sys.setrecursionlimit(self.limit)
-        lines = restore(self.before, threading.get_ident() != self.thread)
+        lines = restore(self.before, threading.get_ident() != self.thread, (self.thread,))
         if low < self.limit:
             lines.insert(0, f"recursion limit {self.limit} -> {low}")
         self.changed += [line for line in lines if line not in self.changed]

@@ -288,6 +288,11 @@ class PagedTables(_Memo):
             if len(self._revoked) > 64:  # the tables themselves are gone: forget them
                 self._revoked = {i: e for i, e in self._revoked.items() if e[0]() is not None}
 
+    def unrevoke(self, t: torch.Tensor) -> None:
+        """Take back a revocation whose cause was undone (a rolled-back step)."""
+        with self._lock:
+            self._revoked.pop(id(t), None)
+
     def _refuse_revoked(self, bt: torch.Tensor) -> None:
         entry = self._revoked.get(id(bt))
         # refreshed in place since (a static buffer, CUDA graphs): checked as any table

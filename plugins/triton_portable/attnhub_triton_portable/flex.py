@@ -234,7 +234,10 @@ class _Unproven(Exception):
 #: What a mask_mod's captured state may hold before its calls are not cached (walk cost).
 _CAPTURE_BUDGET = 256
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-_STATIC = (types.ModuleType, types.BuiltinFunctionType, types.CodeType, type)
+_STATIC = (types.ModuleType, types.BuiltinFunctionType, types.CodeType, type,
+           types.GetSetDescriptorType, types.MemberDescriptorType, types.WrapperDescriptorType,
+           types.MethodDescriptorType, types.ClassMethodDescriptorType,
+           types.MethodWrapperType)
 
 
 class _Captured:
@@ -294,9 +297,13 @@ class _Captured:
         if isinstance(x, _STATIC):
             self.held.append(x)
             if isinstance(x, types.ModuleType) or (isinstance(x, type)
-                                                   and x.__module__ != "builtins"):
+                                                   and _user_class(x)):
                 self.spaces.setdefault(id(x), x)
             return ("id", id(x))
+        if isinstance(x, property):
+            return ("property", self.of(x.fget))
+        if isinstance(x, (staticmethod, classmethod)):
+            return (type(x).__name__, self.of(x.__func__))
         if isinstance(x, (tuple, list)):
             return (type(x).__name__, *(self.of(i) for i in x))
         if isinstance(x, dict):
@@ -321,6 +328,12 @@ class _Captured:
         names = sorted(n for n in code_names if n in fn.__globals__)
         return ("fn", self.of(fn.__code__), cells, self.of(fn.__defaults__),
                 self.of(fn.__kwdefaults__), tuple((n, self.of(fn.__globals__[n])) for n in names))
+
+
+def _user_class(cls: type) -> bool:
+    """A class whose attributes a mask may read as settings: not Python's or torch's own
+    (their attributes are methods and descriptors, the same for every call)."""
+    return cls.__module__.partition(".")[0] not in ("builtins", "torch", "typing", "abc")
 
 
 def _attributes(space: Any) -> dict[str, Any]:
