@@ -137,8 +137,10 @@ class Runner:
                  dtype: torch.dtype | None = None) -> AttentionOutput:
         """Run the chain; ``want`` is the output shape (``q.shape[:-1] + (Dv,)``),
         ``device``/``dtype`` q's, when the caller knows them already."""
-        if self.local is not None:  # a distributed backend runs this local kernel per block
-            params.extra["local_backend"] = self.local
+        if self.local is not None:  # a distributed backend runs this local kernel per block,
+            params.extra["local_backend"] = self.local  # over the ranks the call names
+            if self.decision.context.world_size > 1:  # 1: the call named no world size
+                params.extra["world_size"] = self.decision.context.world_size
         if self.empty:
             return _attends_nothing(q, k, v, spec.layout, params.return_lse)
         if want is None:

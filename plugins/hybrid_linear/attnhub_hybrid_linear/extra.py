@@ -54,8 +54,10 @@ class StateRef:
         return StateRef(self.cache, (self.seq_ids[i],), self.layer)
 
 
-def state_ref(extra: dict[str, Any], batch: int, who: str) -> StateRef | None:
-    """The state cache reference in ``extra``, validated; None when absent."""
+def state_ref(extra: dict[str, Any], batch: int, who: str,
+              geometry: tuple[int, int, int] | None = None) -> StateRef | None:
+    """The state cache reference in ``extra``, validated; None when absent. ``geometry``:
+    the call's (query heads, key dim, value dim), which the cache's states must have."""
     cache = extra.get(STATE)
     if cache is None:
         return None
@@ -70,6 +72,12 @@ def state_ref(extra: dict[str, Any], batch: int, who: str) -> StateRef | None:
     ids = tuple(int(s) for s in (ids.tolist() if isinstance(ids, torch.Tensor) else ids))
     if len(ids) != batch:
         raise InputError(f"{who}: extra[{SEQ_IDS!r}] has {len(ids)} ids for a batch of {batch}")
+    held = tuple(cache._pool.shape[2:])
+    if geometry is not None and held != tuple(geometry):
+        raise InputError(f"{who}: extra[{STATE!r}] holds states of (heads, key dim, value "
+                         f"dim) {held}, but this call's are {tuple(geometry)}: build the "
+                         "RecurrentStateCache with num_heads = the query heads, key_dim and "
+                         "value_dim = this layer's head dims")
     return StateRef(cache, ids, int(layer))
 
 

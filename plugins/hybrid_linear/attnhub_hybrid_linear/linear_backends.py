@@ -87,6 +87,10 @@ def _to_heads(x: torch.Tensor, hq: int, what: str) -> torch.Tensor:
     return x.repeat_interleave(hq // h, dim=2)
 
 
+#: The lowest log decay a gate's token keeps (a full reset below it means the same)
+GATE_FLOOR = -60.0
+
+
 def _check_gate(g: Any, k: torch.Tensor, layout: str) -> None:
     """A given gate is a floating log-decay (every value <= 0; thd: one row per packed key).
     Checked once per call, before any state is read or written: a positive or NaN decay
@@ -160,7 +164,8 @@ class _LinearFamily(Backend):
         if X.GATE in params.extra:
             _check_gate(params.extra[X.GATE], k, spec.layout)
         batch = (params.cu_seqlens_q.numel() - 1 if spec.layout == "thd" else q.shape[0])
-        ref = X.state_ref(params.extra, batch, self.name)
+        ref = X.state_ref(params.extra, batch, self.name,
+                          (q.shape[-2], q.shape[-1], v.shape[-1]))
         if spec.layout == "paged" and ref is not None:
             return AttentionOutput(self._paged_step(q, k, v, params, ref, spec), None)
 
@@ -304,7 +309,10 @@ class GLABackend(_LinearFamily):
                 f"gla: extra[{X.GATE!r}] has shape {tuple(g.shape)}; expected (B={k.shape[0]}, "
                 f"S={context} (every key) or {s} (the new tokens), H, K={k.shape[3]}) or "
                 "(B, S, H) log-decays (<= 0); thd/paged take it packed like k (total_k, H, K|-)")
-        g = g[:, g.shape[1] - s:].float()
+        # a hard reset (-inf, -1e30) is a decay of 0: kept at GATE_FLOOR, whose exp (1e-26)
+        # is 0 to fp32 beside 1, so the forms' sums and differences of log decays stay
+        # finite and exact (-inf - -inf was NaN, -1e30 - -1e30 lost every digit)
+        g = g[:, g.shape[1] - s:].float().clamp_min(GATE_FLOOR)
         if g.dim() == 3:
             g = g.unsqueeze(-1).expand(*g.shape, k.shape[3])
         return _to_heads(g, hq, f"extra[{X.GATE!r}]")

@@ -113,7 +113,10 @@ class RecurrentStateCache:
         if len(steps) != len(slots):
             raise InputError(f"RecurrentStateCache.write: {len(slots)} sequences but "
                              f"{len(steps)} token counts")
-        self._pool[:, row].index_copy_(0, self._slot_index(slots), states.to(self._pool.dtype))
+        # values only: a state carrying a training call's graph would pull the pool into it
+        # (the next call's backward went through it twice; decode grew it a node per step)
+        self._pool[:, row].index_copy_(0, self._slot_index(slots),
+                                       states.detach().to(self._pool.dtype))
         for s, n in zip(slots, steps):
             self._pos[s][row] += int(n)
 
@@ -125,7 +128,7 @@ class RecurrentStateCache:
             raise InputError(f"RecurrentStateCache.restore: state {tuple(state.shape)} at "
                              f"position {position}; expected {tuple(self._pool.shape[2:])} "
                              "(H, K, V) at a position >= 0")
-        self._pool[slot, row].copy_(state)
+        self._pool[slot, row].copy_(state.detach())
         self._pos[slot][row] = int(position)
 
     def check_invariants(self) -> None:

@@ -78,6 +78,15 @@ class RingBackend(Backend):
         except RingError as exc:
             local, problem = None, str(exc)
         group = params.extra.get("process_group", self.process_group)
+        want = params.extra.get("world_size")
+        if problem is None and want is not None and dist.is_initialized() and (
+                want != dist.get_world_size(group)):
+            # a 2-D mesh whose context-parallel group was not given: the ring would run
+            # over another group's ranks and mix their sequences
+            problem = (f"ring: the call is bound for world_size={want} (its BindContext), but "
+                       f"the process group has {dist.get_world_size(group)} ranks: give the "
+                       "context-parallel group (RingBackend.process_group, or "
+                       "extra['process_group']) or bind for the group's size")
         out, lse = run_ring(q, k, v, local, spec, params, group,
                             params.extra.get("global_seqlens"),
                             block_backward=params.extra.get("block_backward", "auto"),
