@@ -16,10 +16,13 @@ still printed (and written wherever else asked), the command says so and exits w
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..core.backend import safe_available
+from ..errors import InputError
 from ._common import (STORE_FAILED, add_json, at_least, atomic_path, list_of, name_list,
                       print_json, progress, table, write_text_atomic)
 from ._decoder import add_decoder_args
@@ -183,7 +186,6 @@ def run(args: argparse.Namespace) -> int:
     if bar:
         bar.close()
     md = markdown(results)
-    _write_md_plot(args, md, lambda path: plot(results, path))
     if args.json:
         print_json({"device": s.hub.device.describe(), "results": [m.to_json() for m in results]})
     else:
@@ -194,8 +196,12 @@ def run(args: argparse.Namespace) -> int:
         if absent:
             print("\nnot available on this device: " + "; ".join(
                 f"{n} ({why})" for n, why in absent.items()))
-    if not args.no_store and not _store(args, s.hub.device, [
-            (m.spec, m.backend, m.ms) for m in results if m.ms is not None]):
+    # the table is printed and the store written first: a report that cannot be written
+    # (a full disk) loses no measurement
+    stored = args.no_store or _store(args, s.hub.device, [
+        (m.spec, m.backend, m.ms) for m in results if m.ms is not None])
+    _write_md_plot(args, md, lambda path: plot(results, path))
+    if not stored:
         return STORE_FAILED
     return 1 if any(m.failed for m in results) else 0
 
@@ -245,11 +251,13 @@ def run_regret(args: argparse.Namespace) -> int:
         """JSON report and pack, rewritten after every cell: a run cut short keeps its cells."""
         from ..policy.profile import write_json_atomic
 
-        if args.out_json:
-            write_json_atomic(Path(args.out_json), report(complete))
-        if args.pack:
-            write_json_atomic(Path(args.pack), rg.pack_data(
-                results, hub.device, {**meta, "complete": complete}, args.repeats))
+        with _report_write("--out-json", args.out_json):
+            if args.out_json:
+                write_json_atomic(Path(args.out_json), report(complete))
+        with _report_write("--pack", args.pack):
+            if args.pack:
+                write_json_atomic(Path(args.pack), rg.pack_data(
+                    results, hub.device, {**meta, "complete": complete}, args.repeats))
 
     for i, cell in enumerate(cells):
         rg.stderr_log(f"[{i + 1}/{len(cells)}] {cell.name}")
@@ -328,14 +336,28 @@ def _print_report(args: argparse.Namespace, md: str, data: dict[str, Any]) -> No
         print(md)
 
 
+@contextlib.contextmanager
+def _report_write(flag: str, path: Any) -> Iterator[None]:
+    """A report file that cannot be written (a full disk, a folder that is a file) is an
+    error naming its flag and path, not a traceback; what was measured is already out."""
+    try:
+        yield
+    except OSError as exc:
+        raise InputError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); free space "
+                         "or pass another path (the measurements above are printed and "
+                         "stored)") from None
+
+
 def _write_md_plot(args: argparse.Namespace, md: str, draw: Any) -> None:
     """``--md`` and ``--plot``, each written whole or not at all: ``draw(path)`` saves the
     figure to a temporary file beside ``--plot`` that replaces it once complete."""
-    if args.md:
-        write_text_atomic(args.md, md + "\n")
-    if args.plot:
-        with atomic_path(args.plot) as tmp:
-            draw(str(tmp))
+    with _report_write("--md", args.md):
+        if args.md:
+            write_text_atomic(args.md, md + "\n")
+    with _report_write("--plot", args.plot):
+        if args.plot:
+            with atomic_path(args.plot) as tmp:
+                draw(str(tmp))
 
 
 def _backends(args: argparse.Namespace, hub: Any) -> tuple[list[str], dict[str, str]]:

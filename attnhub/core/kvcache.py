@@ -80,7 +80,8 @@ class CacheStep:
             return
         try:
             self.abort()
-        except InputError as refused:  # the caller's exception (Ctrl-C, OOM) goes on, said
+        except BaseException as refused:  # noqa: BLE001 - the caller's exception (Ctrl-C,
+            # OOM) goes on, said; an undo cut short (a second Ctrl-C in it) is said too
             if hasattr(exc, "add_note"):
                 exc.add_note(f"attnhub: the KV cache step of sequences {list(self.seq_ids)} "
                              f"could not be undone ({refused}); its {self.new_tokens} tokens "
@@ -301,16 +302,17 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         """Release a finished sequence; pages no other sequence holds return to the free list."""
         seq_id = self._check_id(seq_id)
+        seq = self._seqs[seq_id]
+        released = [p for p in reversed(seq.pages) if self._refs[p] == 1]
+        # the tables naming the pages are revoked before any page is released: an interrupt
+        # (Ctrl-C) between the two left a freed page readable through them
+        self._revoke_tables(released, f"sequence {seq_id} was freed")
         self.states.free(seq_id)
-        seq = self._seqs.pop(seq_id)
-        released = []
+        del self._seqs[seq_id]
         for p in reversed(seq.pages):
             self._refs[p] -= 1
-            if self._refs[p] == 0:
-                self._free.append(p)
-                released.append(p)
+        self._free += released
         self._version += 1
-        self._revoke_tables(released, f"sequence {seq_id} was freed")
 
     def _revoke_tables(self, pages: Iterable[int], why: str, seq_id: int | None = None
                        ) -> list[tuple[weakref.ref, frozenset[int], frozenset[int]]]:
@@ -562,16 +564,20 @@ class PagedKVCache:
     @_locked
     def _rollback(self, undo: tuple[Any, ...]) -> None:
         seqs, free, refs, tails, moved = undo
+        # what the bookkeeping needs, computed first; then the pages, lengths, free list and
+        # refcounts put back in a row of plain assignments (no call between them for an
+        # interrupt to land in: one that did left a shared page counted once)
+        back = [n for n in self._moved if n > moved]
+        released = set(free) - set(self._free)
         for seq, pages, length in seqs:
             seq.pages[:], seq.length = pages, length
-        for n in [n for n in self._moved if n > moved]:  # the step's copies-on-write are
-            entry = self._moved.pop(n)  # undone: its sequences are back on those pages
+        self._free[:], self._refs[:] = free, refs
+        for n in back:  # the step's copies-on-write are undone: its sequences are back on
+            entry = self._moved.pop(n)  # the pages those tables name
             t = entry[0]()
             if t is not None:
                 PAGED.unrevoke(t)
                 self._tables.append(entry)
-        released = set(free) - set(self._free)
-        self._free[:], self._refs[:] = free, refs
         self._revoke_tables(released, "the step that took them was aborted")
         with torch.no_grad():
             for tail in tails:

@@ -59,9 +59,27 @@ _NOT_IN_KEY = frozenset({"transformers"})
 _ANY = "*"
 
 
+def _user_path(raw: str | os.PathLike[str], where: str) -> Path:
+    """``raw`` with ``~`` expanded; a home that cannot be found (``~nouser/p.json``, no HOME)
+    is a :class:`PolicyError` naming where the path came from."""
+    try:
+        return Path(raw).expanduser()
+    except RuntimeError as exc:
+        raise PolicyError([f"{where}={os.fspath(raw)!r}: {exc} (a '~user' that does not "
+                           "exist, or no HOME): give the path without '~', or an absolute "
+                           "one"]) from None
+
+
 def default_profile_path() -> Path:
     env = os.environ.get("ATTNHUB_PROFILE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "attnhub" / "profile.json"
+    if env:
+        return _user_path(env, "ATTNHUB_PROFILE")
+    try:
+        home = Path.home()
+    except RuntimeError as exc:
+        raise PolicyError([f"no ATTNHUB_PROFILE and no home folder for the profile store "
+                           f"({exc}): set ATTNHUB_PROFILE to a path"]) from None
+    return home / ".cache" / "attnhub" / "profile.json"
 
 
 def device_key(device: DeviceInfo) -> str:
@@ -142,7 +160,8 @@ class ProfileStore:
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *,
                  packs: str | os.PathLike[str] | None = None):
-        self.path = Path(path).expanduser() if path is not None else default_profile_path()
+        self.path = _user_path(path, "the store path") if path is not None \
+            else default_profile_path()
         self.packs = packs_dir(packs)
         self.revision = 0  # bumped on every change this process sees (policy cache key)
         self._data: dict[str, Any] | None = None
@@ -340,7 +359,13 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number that a float holds (a 400-digit integer in a store is not)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 #: Per section: field -> (check, what it must be). Entries are section[key][backend] except
@@ -447,7 +472,8 @@ def packs_dir(packs: str | os.PathLike[str] | None = None) -> Path | None:
     raw = os.fspath(packs) if packs is not None else os.environ.get(PACKS_ENV)
     if raw is None:
         return Path(__file__).resolve().parent.parent / "profiles"
-    return None if raw.strip().lower() in ("", "off", "none", "0") else Path(raw).expanduser()
+    return None if raw.strip().lower() in ("", "off", "none", "0") \
+        else _user_path(raw, PACKS_ENV)
 
 
 @dataclass(frozen=True)

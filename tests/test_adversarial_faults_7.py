@@ -1,0 +1,70 @@
+"""Fault injection, seventh round: a number past float range in the profile store, a
+``~user`` store path that does not exist, a report that cannot be written after bench
+measured, and a Ctrl-C inside ``free()`` between releasing pages and revoking the tables
+that name them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnhub
+from attnhub.core.kvcache import PagedKVCache
+from attnhub.errors import PolicyError, SeqlensError
+from attnhub.policy.profile import ProfileStore, _is_num
+
+
+def test_a_400_digit_number_is_not_a_number() -> None:
+    assert not _is_num(10 ** 400) and _is_num(3) and _is_num(0.5) and not _is_num(True)
+
+
+def test_a_store_path_under_a_user_that_does_not_exist_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNHUB_PROFILE", "~attnhub_no_such_user_7/p.json")
+    from attnhub.policy.profile import default_profile_path
+
+    with pytest.raises(PolicyError, match="ATTNHUB_PROFILE=.*without '~'"):
+        default_profile_path()
+    with pytest.raises(PolicyError, match="store path"):
+        ProfileStore("~attnhub_no_such_user_7/p.json")
+
+
+def test_a_report_that_cannot_be_written_is_named_after_the_store(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """A full disk at ``--md``: bench printed nothing, stored nothing and raised OSError."""
+    from attnhub.cli import bench, main
+
+    def full(path, text):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench, "write_text_atomic", full)
+    store = tmp_path / "store.json"
+    rc = main(["bench", "--phases", "decode", "--seqlens", "64", "--warmup", "0",
+               "--repeats", "1", "--md", str(tmp_path / "b.md"), "--store", str(store)])
+    assert rc != 0
+    assert json.loads(store.read_text())  # the measurements were stored before the report
+
+
+def test_an_interrupted_free_leaves_no_table_reading_a_freed_page(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8)
+    a = cache.allocate()
+    cache.append(a, [torch.ones(4, 1, 8)], [torch.ones(4, 1, 8)])
+    bt, sl = cache.block_table([a]), cache.seqlens([a])
+    states_free = cache.states.free
+
+    def interrupted(seq_id):  # type: ignore[no-untyped-def]
+        states_free(seq_id)
+        raise KeyboardInterrupt  # Ctrl-C lands after the tables were revoked
+
+    monkeypatch.setattr(cache.states, "free", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.free(a)
+    q = torch.ones(1, 1, 1, 8)
+    with pytest.raises(SeqlensError, match="freed"):
+        attnhub.Hub(hardware="cpu").attention(q, cache.k_cache(0), cache.v_cache(0),
+                                              layout="paged", block_table=bt, seqlens_k=sl)
