@@ -68,3 +68,37 @@ def test_an_interrupted_free_leaves_no_table_reading_a_freed_page(
     with pytest.raises(SeqlensError, match="freed"):
         attnhub.Hub(hardware="cpu").attention(q, cache.k_cache(0), cache.v_cache(0),
                                               layout="paged", block_table=bt, seqlens_k=sl)
+
+
+def test_several_records_are_written_together_or_not_at_all(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """fp8-check, bench and profile wrote one record per write: a disk that filled after the
+    first left it stored while the command said "not recorded"."""
+    from attnhub.policy import profile
+
+    store = ProfileStore(tmp_path / "s.json")
+    device = attnhub.probe()
+    spec = attnhub.AttentionSpec(phase="decode", dtype="bf16", num_q_heads=8, num_kv_heads=2,
+                                 head_dim=64, max_seqlen_q=1, max_seqlen_k=1024)
+    writes = []
+    real = profile.write_json_atomic
+
+    def once_then_full(path, data):  # type: ignore[no-untyped-def]
+        if writes:
+            raise OSError(28, "No space left on device")
+        writes.append(path)
+        real(path, data)
+
+    monkeypatch.setattr(profile, "write_json_atomic", once_then_full)
+    with store.batch():
+        store.record_speed(device, spec, "torch_sdpa", 1e-3)
+        store.record_speed(device, spec.with_(max_seqlen_k=4096), "torch_sdpa", 2e-3)
+    assert len(writes) == 1  # both in the one write
+    with pytest.raises(PolicyError, match="free space"), store.batch():
+        store.record_speed(device, spec, "reference", 5e-3)
+        store.record_speed(device, spec, "triton", 4e-3)
+    data = json.loads((tmp_path / "s.json").read_text())
+    backends = {b for dev in data["devices"].values() for entry in dev["speed"].values()
+                for b in entry}
+    assert backends == {"torch_sdpa"}, backends

@@ -395,8 +395,9 @@ def _store(args: argparse.Namespace, device: Any, timed: list[tuple[Any, str, fl
     store = ProfileStore(args.store)
 
     def record() -> None:
-        for spec, backend, ms in timed:
-            store.record_speed(device, spec, backend, ms / 1e3, samples=args.repeats)
+        with store.batch():  # every measurement, or none
+            for spec, backend, ms in timed:
+                store.record_speed(device, spec, backend, ms / 1e3, samples=args.repeats)
 
     return recorded("bench", store.path, record)
 

@@ -402,12 +402,14 @@ def _record(args: argparse.Namespace, device: Any, cases: list[Case],
 
     store = ProfileStore(args.store)
     ref = fp8_reference(args.emulate, recipe, provider)
-    for v in verdicts.values():
-        # the store holds finite numbers (a NaN error fails the case, and the report shows it)
-        metrics = {k: x for k, x in dict(v["metrics"], budget=budget).items()
-                   if math.isfinite(x)}
-        store.record_accuracy(device, _spec(v["case"]), backend, v["passed"], metrics,
-                              reference=ref)
+    with store.batch():  # every case, or none
+        for v in verdicts.values():
+            # the store holds finite numbers (a NaN error fails the case, and the report
+            # shows it)
+            metrics = {k: x for k, x in dict(v["metrics"], budget=budget).items()
+                       if math.isfinite(x)}
+            store.record_accuracy(device, _spec(v["case"]), backend, v["passed"], metrics,
+                                  reference=ref)
 
 
 def _report(args: argparse.Namespace, hub: Any, cases: list[Case],

@@ -103,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
     store = ProfileStore(args.store)
 
     def record() -> None:
-        for phase, r in shares.items():
-            store.record_attention_share(s.hub.device, name, r["share"], phase=phase)
+        with store.batch():  # every phase, or none
+            for phase, r in shares.items():
+                store.record_attention_share(s.hub.device, name, r["share"], phase=phase)
 
     if not recorded("profile", store.path, record):
         return STORE_FAILED

@@ -167,6 +167,8 @@ class ProfileStore:
         self._data: dict[str, Any] | None = None
         self._stamp: tuple[int, int] | None = None
         self._lock = threading.Lock()
+        #: the changes of an open :meth:`batch`, written together when it closes
+        self._pending: list[Callable[[dict[str, Any]], None]] | None = None
 
     # -- recording ----------------------------------------------------------------------
     def record_speed(self, device: DeviceInfo, spec: AttentionSpec, backend: str,
@@ -264,9 +266,26 @@ class ProfileStore:
             self._data, self._stamp = _load(self.path), stamp
         return self._data
 
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Records made inside are written together when it closes: all of them, or none (a
+        full disk after the first of several records left some and said "not recorded")."""
+        pending: list[Callable[[dict[str, Any]], None]] = []
+        self._pending = pending
+        try:
+            yield
+        finally:
+            self._pending = None
+        if pending:
+            self._update(lambda d: [change(d) for change in pending])
+
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
         """Read-modify-write under the cross-process lock, always from the file on disk (a
-        cached copy could miss a write made within the file clock's resolution)."""
+        cached copy could miss a write made within the file clock's resolution); inside a
+        :meth:`batch`, kept for its one write."""
+        if self._pending is not None:
+            self._pending.append(change)
+            return
         target = Path(os.path.realpath(self.path))  # a symlink's target: its lock, its file
         try:
             with self._lock, file_lock(target):
