@@ -102,3 +102,11 @@ def test_several_records_are_written_together_or_not_at_all(tmp_path: Path,
     backends = {b for dev in data["devices"].values() for entry in dev["speed"].values()
                 for b in entry}
     assert backends == {"torch_sdpa"}, backends
+
+
+def test_a_lockfile_under_a_file_names_the_file_in_the_way(tmp_path: Path) -> None:
+    from attnhub.policy.lock import LockfileError, write_lock
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(LockfileError, match=f"at {tmp_path / 'afile'}"):
+        write_lock(tmp_path / "afile" / "x.lock", {})

@@ -101,9 +101,12 @@ def write_lock(path: str | Path, lock: dict[str, Any]) -> None:
     try:
         write_json_atomic(Path(path), lock)
     except OSError as exc:
-        raise LockfileError([f"{path}: cannot write the lockfile ({exc.strerror or exc}); "
-                             "expected a writable file path (not a folder) in a writable "
-                             "folder"]) from None
+        # the failing path may be a parent in the way (a file where a folder should be)
+        parent = str(exc.filename or "").rstrip("/")
+        where = f" at {parent}" if parent and str(path).startswith(parent + "/") else ""
+        raise LockfileError([f"{path}: cannot write the lockfile ({exc.strerror or exc}"
+                             f"{where}); expected a writable file path (not a folder) in a "
+                             "writable folder"]) from None
 
 
 def _unprintable(data: Any) -> Iterator[tuple[str, str, str]]:
