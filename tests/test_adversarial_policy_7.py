@@ -39,6 +39,12 @@ def _write(tmp_path: Path, text: str, name: str = "p.yaml") -> Path:
     return p
 
 
+def _targets(tmp_path: Path, targets: str, name: str = "p.yaml") -> Path:
+    """A one-rule policy (torch_sdpa) with ``targets: [targets]``."""
+    return _write(tmp_path, f"name: p\ntargets: [{targets}]\nrules:\n"
+                            "  - name: r\n    use: [torch_sdpa]\n", name)
+
+
 def _problems(path: Path) -> list[str]:
     with pytest.raises(PolicyError) as exc:
         load_policy(path)
@@ -93,26 +99,14 @@ def test_a_glob_of_thousands_of_characters_is_refused_located(tmp_path: Path, ke
 def test_targets_name_devices_plan_can_simulate(tmp_path: Path, target: str) -> None:
     """``targets: [cuda]`` loaded; ``policy check`` then died with "unknown hardware 'cuda'"
     and no file, line or key."""
-    p = _write(tmp_path, f"""\
-        name: p
-        targets: [sm90, {target}]
-        rules:
-          - name: r
-            use: [torch_sdpa]
-        """)
+    p = _targets(tmp_path, f"sm90, {target}")
     (line,) = _problems(p)
     assert _at(line).startswith("2:") and f" targets[1]: got {target!r}, " in line, line
     assert "expected a device to plan for" in line and "h100" in line and "sm90" in line
 
 
 def test_targets_take_archs_and_aliases(tmp_path: Path) -> None:
-    p = _write(tmp_path, """\
-        name: p
-        targets: [sm90, h100, gfx942, cpu, H200]
-        rules:
-          - name: r
-            use: [torch_sdpa]
-        """)
+    p = _targets(tmp_path, "sm90, h100, gfx942, cpu, H200")
     assert load_policy(p).targets == ("sm90", "h100", "gfx942", "cpu", "H200")
 
 
@@ -120,13 +114,7 @@ def test_policy_check_reports_a_bad_file_and_checks_the_others(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """One file's error ended the command: the other files unchecked, no JSON printed."""
-    bad = _write(tmp_path, """\
-        name: p
-        targets: [cuda]
-        rules:
-          - name: r
-            use: [torch_sdpa]
-        """)
+    bad = _targets(tmp_path, "cuda")
     monkeypatch.chdir(tmp_path)
     assert main(["policy", "check", "portable", bad.name, "portable", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
