@@ -175,7 +175,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="also the e4m3 cache's variants")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--cells", nargs="+", default=None, metavar="BxCTX",
+                    help="only these cells, e.g. 1x131072 (default: all four)")
     args = ap.parse_args()
+    cells = [c for c in CELLS if args.cells is None or f"{c[0]}x{c[1]}" in args.cells]
+    if not cells:
+        ap.error(f"--cells {args.cells}: none of {[f'{b}x{n}' for b, n, _ in CELLS]}")
     t0 = time.time()
     out, gpu, sms, arch = sweep_setup(args.out)
     import triton
@@ -192,9 +197,9 @@ def main() -> None:
         "row_fp8": repr(base8), "cells": []}
     print(json.dumps({k: v for k, v in res.items() if k != "cells"}), flush=True)
     hub = Hub()
-    for i, (batch, ctx, share) in enumerate(CELLS):
+    for i, (batch, ctx, share) in enumerate(cells):
         # this cell's share of what is left of the budget
-        left = sum(sh for *_, sh in CELLS[i:])
+        left = sum(sh for *_, sh in cells[i:])
         deadline = time.time() + (t0 + args.budget - time.time()) * share / left
         c = PagedCase(batch, ctx, fp8=args.fp8)
         base = decode_config(arch, paged=True, programs=(batch * HKV, sms))

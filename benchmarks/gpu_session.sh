@@ -15,7 +15,7 @@
 # Usage (carry .whl, made by ../shared/gpu/wheels.sh all): COMMIT=abc1234 bash benchmarks/gpu_session.sh
 # (name COMMIT here: the device's copy of .git can be older than the working tree it runs)
 # STEPS picks steps (default: overhead hf ring tests kit; also: profile, a cProfile of
-# overhead.py's calls; null, benchmarks/hub_null_overhead.py on GPU tensors; dho, benchmarks/decode_host_overhead.py on the GPU; grow, benchmarks/decode_growing_gpu.py; pvf, benchmarks/policy_vs_forced.py on PVF_CELLS; regret, REGRET_S seconds; probe, benchmarks/triton_autotune_probe.py (which dense forward config the autotuner takes, beside the API time); gluon_ws, benchmarks/gluon_ws.py; fp8g, benchmarks/decode_fp8_gluon.py, the Gluon FP8 decode variants beside the bf16 and FP8 rows; fp8api, benchmarks/decode_fp8_api.py, e4m3 vs bf16 paged decode through attnhub.attention; gap, benchmarks/decode_api_gap.py, the same call as kernel, backend, API and CUDA graph, with the idle gaps between calls; bwd, benchmarks/bwd_probe.py, each backward kernel timed on its own; fagrid, tests/test_fa_grid_gpu.py, FlashAttention's test grid through the API, FAGRID_S seconds, default 480; peaked, benchmarks/peaked_grad_grid.py, half-precision gradients on nearly one-hot softmaxes for every GPU backend beside torch's raw SDPA kernels); KIT_BACKENDS names the kit's backends (default: --all-available).
+# overhead.py's calls; null, benchmarks/hub_null_overhead.py on GPU tensors; dho, benchmarks/decode_host_overhead.py on the GPU; grow, benchmarks/decode_growing_gpu.py; pvf, benchmarks/policy_vs_forced.py on PVF_CELLS; regret, REGRET_S seconds; probe, benchmarks/triton_autotune_probe.py (which dense forward config the autotuner takes, beside the API time); gluon_ws, benchmarks/gluon_ws.py; fp8g, benchmarks/decode_fp8_gluon.py, the Gluon FP8 decode variants beside the bf16 and FP8 rows; fp8api, benchmarks/decode_fp8_api.py, e4m3 vs bf16 paged decode through attnhub.attention; gap, benchmarks/decode_api_gap.py, the same call as kernel, backend, API and CUDA graph, with the idle gaps between calls; bwd, benchmarks/bwd_probe.py, each backward kernel timed on its own; fagrid, tests/test_fa_grid_gpu.py, FlashAttention's test grid through the API, FAGRID_S seconds, default 480; dsweep, benchmarks/decode_sweep.py (DSWEEP_ARGS, e.g. --cells 1x131072); peaked, benchmarks/peaked_grad_grid.py, half-precision gradients on nearly one-hot softmaxes for every GPU backend beside torch's raw SDPA kernels); KIT_BACKENDS names the kit's backends (default: --all-available).
 set -uo pipefail
 final=${OUT:-out/gpu_session}
 out=${WORK:-/tmp/gpu_session}
@@ -76,6 +76,8 @@ want fp8api && step fp8api "${FP8API_S:-120}" python3 benchmarks/decode_fp8_api.
 want gap && step gap "${GAP_S:-120}" python3 benchmarks/decode_api_gap.py --json "$out/gap.json"
 want bwd && step bwd "${BWD_S:-200}" python3 benchmarks/bwd_probe.py ${BWD_ARGS:-} --json "$out/bwd.json" \
   --png "$out/bwd.png"
+want dsweep && step dsweep "${DSWEEP_S:-150}" python3 benchmarks/decode_sweep.py --out "$out/dsweep" \
+  --budget "$(( ${DSWEEP_S:-150} - 25 ))" --commit "${COMMIT:-?}" ${DSWEEP_ARGS:-}
 want peaked && step peaked "${PEAKED_S:-150}" python3 benchmarks/peaked_grad_grid.py --json "$out/peaked.json"
 want fp8g && step fp8g "${FP8G_S:-200}" python3 benchmarks/decode_fp8_gluon.py --out "$out/fp8g"
 want grow && step grow "${GROW_S:-150}" python3 benchmarks/decode_growing_gpu.py ${GROW_ARGS:-} --json "$out/grow.json"
@@ -122,7 +124,7 @@ say "done"
 collect
 # beside results.tar.gz and session.log, at most 6 files come back (the device's limit is 8)
 n=0
-for f in session.log overhead.json peaked.out peaked.json null.out probe.out fp8api.out fp8api.json gap.out gap.json fagrid.out bwd.out bwd.json bwd.png fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
+for f in session.log overhead.json probe.out dsweep.out peaked.out peaked.json null.out fp8api.out fp8api.json gap.out gap.json fagrid.out bwd.out bwd.json bwd.png fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
     regret/regret.md regret/regret.png; do
   [[ -f "$out/$f" && $f != session.log && $n -lt 6 ]] && cp "$out/$f" "$final/" && n=$((n + 1))
 done

@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -29,6 +30,8 @@ KEYS = ("BLOCK_M", "BLOCK_N", "GLUON", "WS", "PINGPONG", "KV_STAGES", "P_SMEM", 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
+    ap.add_argument("--profile", action="store_true",
+                    help="also where the host time of a call goes (cProfile, 200 calls)")
     a = ap.parse_args()
     from attnhub_triton_portable import autotune
     from attnhub_triton_portable.fwd import flash_fwd
@@ -103,6 +106,27 @@ def main() -> None:
                 print(f"{name}: {what} do_bench(rep=300) x3 {[round(x, 3) for x in t]} ms, "
                       f"median {m:.3f} = {flops(hq, kw) / (m * 1e-3) / 1e12:.0f} TFLOP/s "
                       f"(picked {tag})", flush=True)
+        if a.profile:
+            host_profile(name, call)
+
+
+def host_profile(name: str, call: Any) -> None:
+    """The host's share of one call, by function (cProfile over 200 back-to-back calls,
+    top 25 by own time): what the launch path costs before the kernel can start."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    print(f"{name}: host profile of 200 calls\n{buf.getvalue()}", flush=True)
 
 
 if __name__ == "__main__":
