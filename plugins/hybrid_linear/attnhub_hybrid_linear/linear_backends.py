@@ -115,6 +115,21 @@ def _check_gate(g: Any, k: torch.Tensor, layout: str) -> None:
                          "decay (<= 0): pass e.g. F.logsigmoid(x) / 16, or clamp(max=0)")
 
 
+def _check_paged_gate(g: torch.Tensor, seqlens_k: torch.Tensor, sq: int, stateful: bool) -> None:
+    """A paged call's gate: packed like the context's keys, (sum(seqlens_k), H, K|-), as thd
+    packs it; with a state cache also (B, Sq, H, K), the new tokens' rows only."""
+    where = f"gla: extra[{X.GATE!r}]"
+    total = int(seqlens_k.sum())
+    if g.dim() == 4 and stateful:
+        return  # (B, Sq, H, K): checked against the new tokens by ``gate``
+    if g.dim() in (2, 3) and g.shape[0] == total:
+        return
+    also = f" or (B={seqlens_k.numel()}, Sq={sq}, H, K) for the new tokens" if stateful else ""
+    raise InputError(f"{where} has shape {tuple(g.shape)}; a paged call takes it packed like "
+                     f"its context's keys, (sum(seqlens_k)={total}, H, K) or ({total}, H), "
+                     f"sequence after sequence{also}")
+
+
 def _several_queries(q: torch.Tensor, spec: AttentionSpec, params: AttnParams) -> bool:
     """Does some sequence bring more than one query? (With one, causal changes nothing.)"""
     if spec.layout == "thd":
@@ -166,6 +181,9 @@ class _LinearFamily(Backend):
         batch = (params.cu_seqlens_q.numel() - 1 if spec.layout == "thd" else q.shape[0])
         ref = X.state_ref(params.extra, batch, self.name,
                           (q.shape[-2], q.shape[-1], v.shape[-1]))
+        if spec.layout == "paged" and X.GATE in params.extra:
+            _check_paged_gate(params.extra[X.GATE], params.seqlens_k, q.shape[1],
+                              ref is not None)
         if spec.layout == "paged" and ref is not None:
             return AttentionOutput(self._paged_step(q, k, v, params, ref, spec), None)
 
@@ -236,7 +254,8 @@ class _LinearFamily(Backend):
                     f"has consumed {have} tokens but this call's context puts its new tokens "
                     f"after {want}, and extra[{X.GATE!r}] covers only the new tokens, so the "
                     "state cannot be rebuilt from the context: pass the gate of every key "
-                    "(B, Sk, H, K|-), or keep every step of a sequence, in order, on this cache")
+                    "(B, Sk, H, K|-; thd and paged: packed like k), or keep every step of a "
+                    "sequence, in order, on this cache")
             h0[i] = linear_ops.state_after(*prefix)[0].to(h0.dtype)
             ref.cache.restore(s, ref.layer, h0[i], want)
         o, h1 = self._run(q, k, v, g, p, h0.to(q.device), spec)
@@ -255,20 +274,29 @@ class _LinearFamily(Backend):
                              f"{sq} new tokens; the cache must already hold the new tokens")
         pages = p.block_table.to(torch.long).gather(1, pos // page)
         k_new = k_cache[pages, pos % page]
-        g = self.gate(q, k_new, p.extra, None, sq)
+        given = p.extra.get(X.GATE)
+        packed = given is not None and given.dim() in (2, 3)  # every key's, as thd packs it
+        starts = (torch.cumsum(lens.view(-1), 0) - lens.view(-1)).tolist() if packed else []
+        if packed:
+            rows = (torch.tensor(starts, device=lens.device).view(-1, 1) + pos).to(given.device)
+            g = self.gate(q, k_new, {**p.extra, X.GATE: given[rows]}, None, sq)
+        else:
+            g = self.gate(q, k_new, p.extra, None, sq)
         k = _to_heads(k_new, hq, "k")
         v = _to_heads(v_cache[pages, pos % page], hq, "v")
         expected = (lens.view(-1) - sq).tolist()
 
         def context(i: int) -> tuple[torch.Tensor, ...] | None:
-            if X.GATE in p.extra:  # a paged gate covers the new tokens only
+            if given is not None and not packed:  # (B, Sq, H, K): the new tokens only
                 return None
             at = torch.arange(expected[i], device=lens.device)
             pg = p.block_table[i].to(torch.long)[at // page]
             kc = k_cache[pg, at % page].unsqueeze(0)
+            extra = p.extra if not packed else {
+                **p.extra, X.GATE: given[starts[i]:starts[i] + expected[i]].unsqueeze(0)}
             return (_to_heads(kc, hq, "k"),
                     _to_heads(v_cache[pg, at % page].unsqueeze(0), hq, "v"),
-                    self.gate(q[i:i + 1], kc, p.extra, None, expected[i]))
+                    self.gate(q[i:i + 1], kc, extra, None, expected[i]))
 
         return self._continue(q, k, v, g, p, ref, expected, spec, context)
 

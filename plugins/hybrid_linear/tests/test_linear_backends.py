@@ -185,3 +185,39 @@ def test_triton_path_through_the_backend(hub: attnhub.Hub, kernels: object,
 def _oracle_heads(q, k, v):  # type: ignore[no-untyped-def]
     return linear_torch.recurrent(q.double(), k.double(), v.double(),
                                   default_gate(k).double(), 1 / math.sqrt(q.shape[-1]))[0]
+
+
+@pytest.mark.usefixtures("torch_impl")
+def test_paged_gate_is_packed_like_k_with_and_without_states(hub: attnhub.Hub) -> None:
+    """A paged call takes the gate packed like its context's keys (as thd does), with a state
+    cache too; there also (B, Sq, H, K) for the new tokens. Wrong row counts are refused."""
+    q, k, v = _qkv()
+    g = F.logsigmoid(torch.randn(B, S, HKV, D)) / 4
+    want = _oracle(q, k, v, g)[:, -1:]
+    kc, vc, table, lens = _paged(k, v)
+    kw = dict(layout="paged", block_table=table, seqlens_k=lens, causal=True, backend="gla")
+    packed = g.reshape(B * S, HKV, D)
+    assert rel_rmse(hub.attention(q[:, -1:], kc, vc, extra={"gla_gate": packed}, **kw),
+                    want) < TOL
+    cache = RecurrentStateCache(layers=1, num_heads=HQ, key_dim=D, max_seqs=2)
+    for sid in (0, 1):
+        cache.allocate(sid)
+    state = {"recurrent_state": cache, "seq_ids": [0, 1], "layer": 0}
+    hub.attention(q[:, :-1], k[:, :-1], v[:, :-1], causal=True, backend="gla",
+                  extra={**state, "gla_gate": g[:, :-1]})
+    before = cache.read([0, 1], 0)[0].clone()
+    for gate in (packed, g[:, -1:]):  # packed context, or the new tokens only
+        got = hub.attention(q[:, -1:], kc, vc, extra={**state, "gla_gate": gate}, **kw)
+        assert rel_rmse(got, want) < TOL
+        for sid in (0, 1):  # rewind: the same step again
+            cache.restore(sid, 0, before[sid], S - 1)
+    # a state behind the context is rebuilt from the packed gate's prefix rows
+    fresh = RecurrentStateCache(layers=1, num_heads=HQ, key_dim=D, max_seqs=2)
+    for sid in (0, 1):
+        fresh.allocate(sid)
+    got = hub.attention(q[:, -1:], kc, vc, extra={"recurrent_state": fresh, "seq_ids": [0, 1],
+                                                   "layer": 0, "gla_gate": packed}, **kw)
+    assert rel_rmse(got, want) < TOL
+    for bad, extra in ((packed[1:], {}), (g[:, -1:], {})):
+        with pytest.raises(InputError, match=r"packed like its context's keys"):
+            hub.attention(q[:, -1:], kc, vc, extra={**extra, "gla_gate": bad}, **kw)
