@@ -402,17 +402,23 @@ def flipping_sdpa_switches() -> Iterator[None]:
 _SDPA_SWITCHES = frozenset(s[0] for s in CALL_SETTINGS if s[0].startswith("SDPA"))
 
 
-#: torch's switches that it keeps per process, not per thread: what another thread's
-#: ``torch.backends.*.flags(...)`` or ``sdpa_kernel`` block changes for a while
-_PROCESS_WIDE = frozenset(s[0] for s in CALL_SETTINGS) - THREAD_LOCAL
+#: torch's process-wide switches that torch itself sets for a block and puts back (its
+#: ``torch.backends.cudnn.flags(...)``, ``torch.backends.mkldnn.flags(...)``,
+#: ``sdpa_kernel``, ``detect_anomaly``): another thread may hold one of those blocks while a
+#: call runs. Every other setting (default dtype, matmul precision, thread count,
+#: deterministic algorithms, reduced-precision reductions) has no such block in torch and is
+#: put back and blamed whichever threads run: a Jupyter kernel always runs a few.
+_SCOPED = frozenset({"torch.backends.cudnn.allow_tf32", "torch.backends.cudnn.enabled",
+                     "torch.backends.cudnn.deterministic", "torch.backends.cudnn.benchmark",
+                     "torch.backends.mkldnn.enabled", "torch anomaly detection",
+                     *_SDPA_SWITCHES})
 
 
 def others_running(mine: Iterable[int]) -> bool:
     """Whether a Python thread runs besides ``mine`` and attnhub's own workers (named
-    ``attnhub-*``). While one does, process-wide settings that changed may be its own
-    ``torch.backends.*.flags(...)`` or ``sdpa_kernel`` block, which no comparison can tell
-    from a plugin's doing: they are neither blamed nor put back (that would undo the other
-    thread's setting while it runs)."""
+    ``attnhub-*``). While one does, a scoped switch (:data:`_SCOPED`) that changed may be
+    its own block's, which no comparison can tell from a plugin's doing: those are neither
+    blamed nor put back (that would undo the other thread's setting while it runs)."""
     mine = set(mine)
     return any(t.ident not in mine and not t.name.startswith("attnhub-")
                for t in threading.enumerate())
@@ -427,12 +433,12 @@ def call_snapshot() -> tuple[list[Any], tuple[int, int, bool]]:
 
 def call_restore(snap: tuple[list[Any], tuple[int, int, bool]]) -> list[str]:
     """Put back what of :data:`CALL_SETTINGS` changed since :func:`call_snapshot`; a line
-    per change. torch's process-wide switches are compared only while no other thread runs
-    (:func:`others_running`). SDPA's switches are skipped as well when attnhub flipped them
+    per change. torch's scoped switches (:data:`_SCOPED`) are compared only while no other
+    thread runs (:func:`others_running`). SDPA's switches are skipped as well when attnhub flipped them
     meanwhile (:class:`_Flips`); this thread's own flips end before it returns."""
     values, (active, events, others) = snap
     if others or others_running((threading.get_ident(),)):
-        return _put_back(CALL_SETTINGS, values, _PROCESS_WIDE)
+        return _put_back(CALL_SETTINGS, values, _SCOPED)
     flipped = active > 0 or _Flips.active > 0 or _Flips.events != events
     return _put_back(CALL_SETTINGS, values, _SDPA_SWITCHES if flipped else frozenset())
 
@@ -442,12 +448,12 @@ def restore(before: State, other_thread: bool = False,
     """Put back what changed since ``before``; one line per change (environment values are
     not shown: they may be secrets). ``other_thread``: ``before`` was taken in another
     thread, whose thread-local settings (:data:`THREAD_LOCAL`) are not this one's.
-    torch's process-wide switches are left to the host while a thread runs besides this
-    one, ``mine`` and attnhub's workers (:func:`others_running`)."""
+    torch's scoped switches (:data:`_SCOPED`) are left to the host while a thread runs
+    besides this one, ``mine`` and attnhub's workers (:func:`others_running`)."""
     values, env, attrs, modules, _, torch_attrs = before
     skip = THREAD_LOCAL if other_thread else frozenset()
     if others_running({threading.get_ident(), *mine}):
-        skip = skip | _PROCESS_WIDE
+        skip = skip | _SCOPED
     changed = _put_back(SETTINGS, values, skip)
     now = _own_env()
     keys = sorted(k for k in env.keys() | now.keys() if env.get(k) != now.get(k))
