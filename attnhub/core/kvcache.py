@@ -84,9 +84,9 @@ class CacheStep:
             # OOM) goes on, said; an undo cut short (a second Ctrl-C in it) is said too
             if hasattr(exc, "add_note"):
                 exc.add_note(f"attnhub: the KV cache step of sequences {list(self.seq_ids)} "
-                             f"could not be undone ({refused}); its {self.new_tokens} tokens "
-                             "per sequence stay reserved, some layers unwritten: free those "
-                             "sequences (cache.free) before reading them again")
+                             f"was not fully undone ({refused}); call step.abort() again to "
+                             "finish the undo, or free those sequences (cache.free) before "
+                             "reading them again")
 
     def abort(self) -> None:
         """Undo this step's reservation: every sequence back to its length and pages before
@@ -564,11 +564,15 @@ class PagedKVCache:
     @_locked
     def _rollback(self, undo: tuple[Any, ...]) -> None:
         seqs, free, refs, tails, moved = undo
-        # what the bookkeeping needs, computed first; then the pages, lengths, free list and
-        # refcounts put back in a row of plain assignments (no call between them for an
-        # interrupt to land in: one that did left a shared page counted once)
+        # what the bookkeeping needs, computed first; the tables naming the pages the step
+        # took are revoked before those pages go back on the free list (as in ``free``: an
+        # interrupt between the two left a table a retried abort no longer saw, reading the
+        # page's next owner); then the pages, lengths, free list and refcounts put back in a
+        # row of plain assignments (no call between them for an interrupt to land in: one
+        # that did left a shared page counted once)
         back = [n for n in self._moved if n > moved]
         released = set(free) - set(self._free)
+        self._revoke_tables(released, "the step that took them was aborted")
         for seq, pages, length in seqs:
             seq.pages[:], seq.length = pages, length
         self._free[:], self._refs[:] = free, refs
@@ -578,7 +582,6 @@ class PagedKVCache:
             if t is not None:
                 PAGED.unrevoke(t)
                 self._tables.append(entry)
-        self._revoke_tables(released, "the step that took them was aborted")
         with torch.no_grad():
             for tail in tails:
                 p, off = tail[:2]
