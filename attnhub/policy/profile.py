@@ -168,7 +168,8 @@ class ProfileStore:
         self._stamp: tuple[int, int] | None = None
         self._lock = threading.Lock()
         #: the changes of an open :meth:`batch`, written together when it closes
-        self._pending: list[Callable[[dict[str, Any]], None]] | None = None
+        #: per thread, the open :meth:`batch` blocks' pending changes, innermost last
+        self._batches = threading.local()
 
     # -- recording ----------------------------------------------------------------------
     def record_speed(self, device: DeviceInfo, spec: AttentionSpec, backend: str,
@@ -268,23 +269,37 @@ class ProfileStore:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Records made inside are written together when it closes: all of them, or none (a
-        full disk after the first of several records left some and said "not recorded")."""
+        """Records this thread makes inside are written together when it closes: all of them,
+        or none (a full disk after the first of several records left some and said "not
+        recorded"). Another thread's records are its own (written at once, or with its own
+        batch); a batch inside another joins it, written when the outer one closes."""
+        stack = self._open_batches()
         pending: list[Callable[[dict[str, Any]], None]] = []
-        self._pending = pending
+        stack.append(pending)
         try:
             yield
         finally:
-            self._pending = None
-        if pending:
-            self._update(lambda d: [change(d) for change in pending])
+            stack.pop()
+        if not pending:
+            return
+        if stack:  # nested: all or none with the outer batch
+            stack[-1].extend(pending)
+            return
+        self._update(lambda d: [change(d) for change in pending])
+
+    def _open_batches(self) -> list[list[Callable[[dict[str, Any]], None]]]:
+        stack = getattr(self._batches, "stack", None)
+        if stack is None:
+            stack = self._batches.stack = []
+        return stack
 
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
         """Read-modify-write under the cross-process lock, always from the file on disk (a
         cached copy could miss a write made within the file clock's resolution); inside a
-        :meth:`batch`, kept for its one write."""
-        if self._pending is not None:
-            self._pending.append(change)
+        :meth:`batch` of this thread, kept for its one write."""
+        stack = self._open_batches()
+        if stack:
+            stack[-1].append(change)
             return
         target = Path(os.path.realpath(self.path))  # a symlink's target: its lock, its file
         try:
