@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import attnhub
 from attnhub.cli import build_parser, main
 from attnhub.core.decision import BindContext
 from attnhub.core.device import simulate
@@ -100,7 +102,11 @@ def test_targets_name_devices_plan_can_simulate(tmp_path: Path, target: str) -> 
     """``targets: [cuda]`` loaded; ``policy check`` then died with "unknown hardware 'cuda'"
     and no file, line or key."""
     p = _targets(tmp_path, f"sm90, {target}")
-    (line,) = _problems(p)
+    q = torch.randn(1, 4, 2, 8)  # the call path never reads targets (review 8): served
+    assert attnhub.Hub(policy=p, hardware="cpu").attention(q, q, q).shape == q.shape
+    with pytest.raises(PolicyError) as exc:
+        load_policy(p).check_targets()  # what plan and policy check ask
+    (line,) = exc.value.problems
     assert _at(line).startswith("2:") and f" targets[1]: got {target!r}, " in line, line
     assert "expected a device to plan for" in line and "h100" in line and "sm90" in line
 

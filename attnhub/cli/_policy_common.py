@@ -47,7 +47,10 @@ def devices(text: str | None, policy: Policy | None = None) -> list[DeviceInfo]:
     planning commands honour the variable, and plan ignored it for the targets)."""
     names = hardware_list(text)
     if not names and policy is not None:
-        names = env_hardware("plan for the policy's targets") or list(policy.targets)
+        names = env_hardware("plan for the policy's targets")
+        if not names:
+            policy.check_targets()
+            names = list(policy.targets)
     if not names:
         return [probe()]
     unique: dict[str, DeviceInfo] = {}  # aliases of one device (h100, sm90): one column

@@ -61,7 +61,10 @@ class Finding:
 def lint_policy(policy: Policy, registry: Registry,
                 hardware: tuple[str, ...] | None = None) -> list[Finding]:
     """Every finding for ``policy`` with the backends of ``registry``; cells are checked on
-    ``hardware`` (default: the policy's ``targets``)."""
+    ``hardware`` (default: the policy's ``targets``, which must name devices it can
+    simulate: :class:`PolicyError`, located, otherwise)."""
+    if not hardware:
+        policy.check_targets()
     out: list[Finding] = []
     shadows = _ShadowIndex()
     for lr in policy.rules:

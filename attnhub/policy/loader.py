@@ -75,6 +75,8 @@ class PolicyData:
     rules: tuple[LoadedRule, ...]
     files: tuple[str, ...]  # as displayed (relative to the working directory when inside it)
     paths: tuple[Path, ...] = ()  # absolute, base first
+    #: where each of ``targets`` is written: ``file:line:col targets[i]``
+    target_places: tuple[str, ...] = ()
 
 
 def policies_dir() -> Path:
@@ -323,16 +325,21 @@ def _file_checks(pf: PolicyFile, doc: Located) -> list[str]:
 def _merge(chain: list[tuple[PolicyFile, Located]], problems: list[str]) -> PolicyData:
     rules: list[LoadedRule] = []
     defaults: dict[str, object] = {}
-    targets = None
+    targets, places = None, ()
     for pf, doc in chain:
         defaults.update({k: getattr(pf.defaults, k) for k in pf.defaults.model_fields_set})
-        targets = tuple(pf.targets) if pf.targets is not None else targets
+        if pf.targets is not None:
+            targets = tuple(pf.targets)
+            keys = [("targets", i) if ("targets", i) in doc.values else ("targets",)
+                    for i in range(len(targets))]
+            places = tuple(f"{doc.where(k)} {dotted(k)}" for k in keys)
         rules = _overlay(rules, pf, doc, problems)
     top = chain[-1][0]
     return PolicyData(name=top.name, version=top.version, description=top.description,
                       targets=targets, defaults=Defaults(**defaults), rules=tuple(rules),
                       files=tuple(doc.file for _, doc in chain),
-                      paths=tuple(Path(doc.file).resolve() for _, doc in chain))
+                      paths=tuple(Path(doc.file).resolve() for _, doc in chain),
+                      target_places=places)
 
 
 def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,

@@ -18,9 +18,11 @@ from ..core.decision import BindContext, Decision, Rejection
 from ..core.device import DeviceInfo
 from ..core.registry import Registry
 from ..core.spec import AttentionSpec, bucket
+from ..errors import PolicyError
 from .fp8_gate import passed_note, record_hint, record_problems
 from .loader import LoadedRule, PolicyData
 from .match import Matcher, RuleIndex, set_bits
+from .schema import target_problem
 from .profile import (
     SETTLE_MARGIN,
     SETTLE_MARGIN_SHORT,
@@ -86,6 +88,15 @@ class Policy:
     def targets(self) -> tuple[str, ...]:
         """Hardware the policy is written for (``targets:``); lint and plan default to it."""
         return self.data.targets or ("cpu", "sm80", "sm90", "gfx942")
+
+    def check_targets(self) -> None:
+        """Raise :class:`PolicyError`, located, for ``targets:`` entries that name no device
+        ``plan`` and ``policy check`` can simulate (the call path never reads targets)."""
+        problems = [f"{where}: {why}" for t, where in zip(self.data.targets or (),
+                                                           self.data.target_places)
+                    if (why := target_problem(t)) is not None]
+        if problems:
+            raise PolicyError(problems)
 
     def digest(self) -> str:
         """sha256 over the policy files (base first), for lockfiles."""

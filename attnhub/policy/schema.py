@@ -49,15 +49,27 @@ def _hardware(v: Any) -> Any:
 
 
 def _target(v: Any) -> Any:
-    """A ``targets`` entry: a device that ``plan`` and ``policy check`` can simulate. A vendor
-    (``cuda``) or an arch without a preset (``sm999``) holds in ``when.hardware`` but names no
-    device to plan for: loaded, it failed later in every command, unlocated."""
-    if isinstance(v, str) and len(v) <= MAX_NAME and _unsimulable(v) is None:
+    """A ``targets`` entry, as loaded: an arch, a vendor or a device alias (``h100``). Only
+    ``plan`` and ``policy check`` read targets; whether each names a device they can
+    simulate is theirs to check (:func:`target_problem`), so a policy that serves calls is
+    never refused at run time for them."""
+    if isinstance(v, str) and len(v) <= MAX_NAME and (
+            _HARDWARE_RE.match(v) or _unsimulable(v) is None):
         return v
-    vendor = (" (a vendor names no one device: list its archs, e.g. sm80, sm90)"
-              if isinstance(v, str) and v.strip().lower() in VENDORS else "")
     names = str(_unsimulable("")).split("; use ", 1)[-1]  # "one of ... (or an alias: ...)"
-    raise ValueError(f"got {show(v)}, expected a device to plan for{vendor}: {names}")
+    raise ValueError(f"got {show(v)}, expected an arch, a vendor or a device: {names}")
+
+
+def target_problem(v: str) -> str | None:
+    """Why ``plan`` and ``policy check`` cannot plan for target ``v``, or None. A vendor
+    (``cuda``) or an arch without a preset (``sm999``) holds in ``when.hardware`` but names
+    no device to simulate."""
+    if _unsimulable(v) is None:
+        return None
+    vendor = (" (a vendor names no one device: list its archs, e.g. sm80, sm90)"
+              if v.strip().lower() in VENDORS else "")
+    names = str(_unsimulable("")).split("; use ", 1)[-1]
+    return f"got {show(v)}, expected a device to plan for{vendor}: {names}"
 
 
 @functools.lru_cache(maxsize=256)
