@@ -58,3 +58,25 @@ def test_a_nested_batch_is_all_or_none_with_the_outer_one(tmp_path: Path) -> Non
             store.record_speed(DEV, SPEC, "inner", 0.001)
         store.record_speed(DEV, SPEC, "outer", 0.001)
     assert all(n in path.read_text() for n in ("inner", "outer"))
+
+
+def test_bench_regret_stores_before_a_report_it_cannot_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench --regret`` wrote ``--md`` before the store: a full disk there lost the store,
+    and the error said the timings were stored."""
+    import errno
+
+    import attnhub.cli.bench as bench
+    from attnhub.cli import main
+
+    def full(path, text):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(bench, "write_text_atomic", full)
+    store = tmp_path / "store.json"
+    assert main(["bench", "--regret", "--cells", "decode tiny", "--scale", "64", "--rounds",
+                 "1", "--backends", "torch_sdpa", "--warmup", "0", "--repeats", "1", "--store",
+                 str(store), "--md", str(tmp_path / "report.md"), "--no-progress"]) != 0
+    assert "--md" in capsys.readouterr().err
+    assert "torch_sdpa" in store.read_text()

@@ -251,10 +251,10 @@ def run_regret(args: argparse.Namespace) -> int:
         """JSON report and pack, rewritten after every cell: a run cut short keeps its cells."""
         from ..policy.profile import write_json_atomic
 
-        with _report_write("--out-json", args.out_json):
+        with _report_write("--out-json", args.out_json, _MID_RUN):
             if args.out_json:
                 write_json_atomic(Path(args.out_json), report(complete))
-        with _report_write("--pack", args.pack):
+        with _report_write("--pack", args.pack, _MID_RUN):
             if args.pack:
                 write_json_atomic(Path(args.pack), rg.pack_data(
                     results, hub.device, {**meta, "complete": complete}, args.repeats))
@@ -286,14 +286,15 @@ def run_regret(args: argparse.Namespace) -> int:
             f"{rg.SKIP_ABOVE:g}x in three calibration calls sits out every round.\n")
     md = rg.markdown(results, head)
     _print_report(args, md, report(complete=True))
+    if args.pack:
+        rg.stderr_log(f"wrote profile pack {args.pack}")
+    # stored before the reports are written: a report that cannot be written loses no timing
+    stored = args.no_store or _store(args, hub.device, [
+        (r.spec, b, ms) for r in results if r.spec is not None for b, ms in r.times.items()])
     _write_md_plot(args, md, lambda path: rg.plot(
         results, path, title=f"attnhub policy regret, {hub.device.describe()}, {when} "
                              f"{args.header}"))
-    if args.pack:
-        rg.stderr_log(f"wrote profile pack {args.pack}")
-    if not args.no_store and not _store(args, hub.device, [
-            (r.spec, b, ms) for r in results if r.spec is not None
-            for b, ms in r.times.items()]):
+    if not stored:
         return STORE_FAILED
     return 1 if rg.misses(results) else 0
 
@@ -324,7 +325,8 @@ def render_saved(args: argparse.Namespace) -> int:
     md = rg.markdown(results, args.header + "\n\nfrom " + "; ".join(heads) + "\n")
     _print_report(args, md, {"header": args.header, "sources": heads, "bound": rg.BOUND,
                              "cells": [r.to_json() for r in results]})
-    _write_md_plot(args, md, lambda path: rg.plot(results, path, title=args.header))
+    _write_md_plot(args, md, lambda path: rg.plot(results, path, title=args.header),
+                   left="the report above is printed; nothing was measured")
     return 1 if rg.misses(results) else 0
 
 
@@ -336,25 +338,31 @@ def _print_report(args: argparse.Namespace, md: str, data: dict[str, Any]) -> No
         print(md)
 
 
+#: What a report written after each cell of ``--regret`` leaves when it cannot be written
+_MID_RUN = ("the run stopped there: the cells measured so far are neither printed nor "
+            "stored")
+
+
 @contextlib.contextmanager
-def _report_write(flag: str, path: Any) -> Iterator[None]:
+def _report_write(flag: str, path: Any,
+                  left: str = "the measurements above are printed and stored"
+                  ) -> Iterator[None]:
     """A report file that cannot be written (a full disk, a folder that is a file) is an
-    error naming its flag and path, not a traceback; what was measured is already out."""
+    error naming its flag and path, not a traceback, saying what the run ``left``."""
     try:
         yield
     except OSError as exc:
         raise InputError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); free space "
-                         "or pass another path (the measurements above are printed and "
-                         "stored)") from None
+                         f"or pass another path ({left})") from None
 
 
-def _write_md_plot(args: argparse.Namespace, md: str, draw: Any) -> None:
+def _write_md_plot(args: argparse.Namespace, md: str, draw: Any, **left: str) -> None:
     """``--md`` and ``--plot``, each written whole or not at all: ``draw(path)`` saves the
     figure to a temporary file beside ``--plot`` that replaces it once complete."""
-    with _report_write("--md", args.md):
+    with _report_write("--md", args.md, **left):
         if args.md:
             write_text_atomic(args.md, md + "\n")
-    with _report_write("--plot", args.plot):
+    with _report_write("--plot", args.plot, **left):
         if args.plot:
             with atomic_path(args.plot) as tmp:
                 draw(str(tmp))
