@@ -35,6 +35,7 @@ from .core.contract import (
     check_dropout,
     check_extra,
     check_max_seqlen,
+    check_plain,
     check_qkv,
     check_scalars,
     fit_positions,
@@ -124,9 +125,9 @@ class Runner:
         #: a result passed with the inputs' bits summed (``watched_forward(vet=True)``):
         #: later slow-lane calls (a distributed backend's, every call) skip the sums
         self.summed = False
-        #: (id of the backend, weak reference to its output) of the last good slow-lane
-        #: call of the first candidate (``_admit``)
-        self.previous: tuple[int, weakref.ref[torch.Tensor]] | None = None
+        #: (id of the backend, weak references to its output and LSE) of the last good
+        #: slow-lane call of the first candidate (``_admit``)
+        self.previous: tuple[int, weakref.ref[torch.Tensor], Any] | None = None
         #: the hub's settings generation this binding was resolved under: a binding of an
         #: older one (a rebind ran while it resolved) never enters the hub's tables
         self.generation = hub._generation
@@ -148,17 +149,21 @@ class Runner:
         return self._fallback(self.chain, 0, q, k, v, spec, params, want, device or q.device,
                               dtype or q.dtype)
 
-    def _admit(self, backend: Backend, out: torch.Tensor) -> OutputContractError | None:
+    def _admit(self, backend: Backend, out: torch.Tensor,
+               lse: torch.Tensor | None) -> OutputContractError | None:
         """The hot path takes the first candidate after its second good slow-lane call;
-        until then (and for a distrusted one, on every call) an output must not be the
-        tensor the previous call returned while the caller still holds it (a static buffer
-        would rewrite every result it handed out); a reuse is distrusted and returned. A
-        view of such a buffer, made anew per call, escapes this check."""
+        until then (and for a distrusted one, on every call) an output or LSE must not be
+        the tensor the previous call returned while the caller still holds it (a static
+        buffer would rewrite every result it handed out); a reuse is distrusted and
+        returned."""
         if self.local is not None or self.empty:
             return None
-        prev, self.previous = self.previous, (id(backend), weakref.ref(out))
-        held = prev[1]() if prev is not None and prev[0] == id(backend) else None
-        bad = reused_output(backend.name, out, held)
+        prev, self.previous = self.previous, (
+            id(backend), weakref.ref(out), None if lse is None else weakref.ref(lse))
+        held: tuple[Any, Any] = (None, None)
+        if prev is not None and prev[0] == id(backend):
+            held = (prev[1](), prev[2]() if prev[2] is not None else None)
+        bad = reused_output(backend.name, (out, lse), held)
         if bad is not None:
             if id(backend) not in self.distrusted:
                 self.hub._distrust(self, backend, _failure_reason(bad))
@@ -174,6 +179,10 @@ class Runner:
         """The hot path's first candidate ``failed`` raised ``exc`` (not an ``InputError``:
         the call was checked before any backend ran, so that one is never retried) or broke
         the output contract: raise per the rule, or go on with the next candidate."""
+        # the hot path's key holds q, k and v by shape, dtype and device only: a sparse,
+        # mkldnn or nested one reaches the backend, whose failure is the input's
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_plain(name, t)
         chain = self.chain
         if chain[0] is not failed:  # moved back meanwhile (another thread): the chain now
             return self._fallback(chain, 0, q, k, v, spec, params, want, device, dtype)
@@ -216,9 +225,9 @@ class Runner:
                     if bad is not None:
                         self.hub._distrust(self, backend, _failure_reason(bad))
                     elif self.hub.debug:
-                        bad = nan_violation(backend.name, out, q, k, v)
+                        bad = nan_violation(backend.name, out, lse, q, k, v)
                     if bad is None and self.first is None and backend is self.chain[0]:
-                        bad = self._admit(backend, out)
+                        bad = self._admit(backend, out, lse)
                     if bad is None:
                         self.summed = self.summed or vet
                         return AttentionOutput(out, lse)
@@ -240,7 +249,7 @@ class Runner:
             out, lse = check_result(backend.name, res)
         if (out.__class__ is not _TENSOR or out.dtype is not dtype or out.shape != want
                 or out.device != device or (needs_grad and out.grad_fn is None)
-                or params.return_lse):
+                or params.return_lse or out.layout is not torch.strided):
             check_output(backend.name, out, lse, q, v, spec.layout, params.return_lse,
                          needs_grad)
         if needs_grad and params.return_lse and lse is not None and not lse.requires_grad:
@@ -558,8 +567,9 @@ class Hub:
                         *base[:-3], (q_shape[0], sq, q_shape[3 - axis], v_shape[-1]), sq, sk)
                     if hit is not None:  # the next layers of this step: the last-key compare
                         self._last_exact = (fast_key, hit)
-        except (TypeError, AttributeError, ValueError):  # unhashable, not a tensor, or
-            # a key element whose == raises (a numpy array): the slow path checks
+        except (TypeError, AttributeError, ValueError, RuntimeError):  # unhashable, not a
+            # tensor, a key element whose == raises (a numpy array), a nested tensor's shape:
+            # the slow path checks
             hit, fast_key = None, None
         if hit is not None and not (
                 causal.__class__ is bool and return_lse.__class__ is bool
@@ -965,8 +975,9 @@ def _check_arity(slot: str, fn: Any, variant: str | None) -> None:
 
 
 def _meta(t: Any) -> tuple | None:
-    """What the contract checks of a side tensor: shape, dtype, device."""
-    return None if t is None else (t.shape, t.dtype, t.device)
+    """What the contract checks of a side tensor: shape, dtype, device, and that it is a
+    dense strided tensor holding its values (``contract.check_plain``)."""
+    return None if t is None else (t.shape, t.dtype, t.device, t.layout, t.is_neg())
 
 
 #: The order ``AttnParams`` is built in positionally on the hot path (a keyword call costs

@@ -172,6 +172,7 @@ def check_qkv(q: Any, k: Any, v: Any, layout: Any) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_plain(name, t)
         if t.dim() != _RANK[layout]:
             raise ShapeError(
                 f"{name} has rank {t.dim()} {tuple(t.shape)}, layout {layout!r} needs rank "
@@ -401,11 +402,27 @@ def fit_positions(t: torch.Tensor | None, hi: int) -> torch.Tensor | None:
     return t.clamp(0, hi)
 
 
+def check_plain(name: str, t: torch.Tensor) -> None:
+    """A dense strided tensor whose memory holds its values: kernels read memory through
+    pointers and strides, so a sparse, mkldnn or nested tensor has no meaning to them, and
+    one with the negative bit (``z.conj().imag``, a lazy view) would be read with its sign
+    flipped."""
+    if t.layout is not torch.strided or t.is_nested:
+        kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+        raise ArgumentError(f"{name} is a {kind} tensor; attention takes dense strided tensors "
+                            f"({name}.to_dense(), or unbind a nested tensor into a padded or "
+                            "thd layout)")
+    if t.is_neg() or t.is_conj():
+        raise ArgumentError(f"{name} is a lazily negated view (negative bit, e.g. "
+                            f"z.conj().imag); pass {name}.resolve_neg() (or .clone())")
+
+
 def _check_side(name: str, t: Any, device: torch.device, *, floating: bool,
                 shapes: tuple[tuple[int, ...], ...], what: str) -> None:
     """A side tensor: a tensor on q's device, of the right kind of dtype and one of ``shapes``."""
     if not isinstance(t, torch.Tensor):
         raise ArgumentError(f"{name} must be a torch.Tensor {what}, got {type(t).__name__}")
+    check_plain(name, t)
     if t.device != device:
         raise DeviceMismatchError(f"{name} is on {t.device} but q is on {device}; move it "
                                   f"({name}.to(q.device))")

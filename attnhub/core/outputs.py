@@ -46,6 +46,11 @@ def check_output(backend: str, out: Any, lse: Any, q: torch.Tensor, v: torch.Ten
     if not isinstance(out, torch.Tensor):
         raise OutputContractError(f"backend {backend!r} returned {type(out).__name__} as the "
                                   "output, not a tensor")
+    for what, t in (("out", out), ("lse", lse if return_lse else None)):
+        if isinstance(t, torch.Tensor) and (t.layout is not torch.strided or t.is_nested):
+            kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+            raise OutputContractError(f"backend {backend!r} returned {what} as a {kind} "
+                                      "tensor; the contract is a dense strided tensor")
     if out.shape != want or out.dtype != q.dtype or out.device != q.device:
         raise OutputContractError(
             f"backend {backend!r} returned out {tuple(out.shape)} {out.dtype} on {out.device}; "
@@ -78,11 +83,12 @@ def shared_memory(backend: str, out: torch.Tensor, lse: Any,
     for what, t in (("out", out), ("lse", lse)):
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             continue
-        if any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride())):
+        if _self_overlapping(t):
             return OutputContractError(
                 f"backend {backend!r} returned {what} with stride {tuple(t.stride())} for "
-                f"shape {tuple(t.shape)}: elements share memory (an expanded tensor); the "
-                "contract is a tensor of its own (.contiguous() it)")
+                f"shape {tuple(t.shape)}: elements share memory (an expanded tensor, or "
+                "strides that overlap, so one write changes several elements); the contract "
+                "is a tensor of its own (.contiguous() it)")
         ptr, span = _storage_ptr(t), _extent(t)
         if not ptr:
             continue
@@ -97,18 +103,35 @@ def shared_memory(backend: str, out: torch.Tensor, lse: Any,
     return None
 
 
-def reused_output(backend: str, out: torch.Tensor, previous: torch.Tensor | None
-                  ) -> OutputContractError | None:
-    """A second call's output in the memory of the first call's, which the caller still
-    holds (a static buffer, CUDA-graph style): the second call rewrote the first result."""
-    if previous is None or not previous.numel() or previous.device != out.device:
-        return None
-    ptr = _storage_ptr(out)
-    if ptr and (_storage_ptr(previous) == ptr or _overlap(_extent(out), _extent(previous))):
-        return OutputContractError(
-            f"backend {backend!r} returned its output in the memory of its previous call's "
-            "output, which the caller still holds: that result was overwritten; the contract "
-            "is a new tensor per call (clone a static buffer before returning it)")
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may lie at one address: a stride-0 dimension, or, with
+    the dimensions of more than one element ordered by stride, one whose stride is less
+    than the span of those before it (every dense, permuted, sliced or padded view passes)."""
+    span = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride < span:
+            return True
+        span = stride * size
+    return False
+
+
+def reused_output(backend: str, result: tuple[torch.Tensor, Any],
+                  previous: tuple[torch.Tensor | None, Any]) -> OutputContractError | None:
+    """A second call's output (or LSE) in the memory of the first call's, which the caller
+    still holds (a static buffer, CUDA-graph style): the second call rewrote the first
+    result."""
+    for what, now, before in (("output", result[0], previous[0]), ("LSE", result[1],
+                                                                   previous[1])):
+        if (not isinstance(now, torch.Tensor) or not isinstance(before, torch.Tensor)
+                or not before.numel() or before.device != now.device):
+            continue
+        ptr = _storage_ptr(now)
+        if ptr and (_storage_ptr(before) == ptr or _overlap(_extent(now), _extent(before))):
+            return OutputContractError(
+                f"backend {backend!r} returned its {what} in the memory of its previous "
+                f"call's {what}, which the caller still holds: that result was overwritten; "
+                "the contract is a new tensor per call (clone a static buffer before "
+                "returning it)")
     return None
 
 
@@ -306,11 +329,15 @@ def written_inputs(backend: Any, before: dict[str, int], inputs: dict[str, Any],
         f"keep {name!r} out of the policy (or ATTNHUB_PLUGINS=-{plugin}) until it is fixed")
 
 
-def nan_violation(backend: str, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> OutputContractError | None:
-    """Debug mode: NaN in the output when no input held NaN (a host sync per call)."""
-    if bool(torch.isnan(out).any()) and not any(
+def nan_violation(backend: str, out: torch.Tensor, lse: Any, q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor) -> OutputContractError | None:
+    """Debug mode: NaN in the output or the LSE when no input held NaN (a host sync per
+    call; a fully masked row's LSE is -inf, never NaN)."""
+    found = [what for what, t in (("output", out), ("LSE", lse))
+             if isinstance(t, torch.Tensor) and bool(torch.isnan(t).any())]
+    if found and not any(
             t.dtype.itemsize > 1 and bool(torch.isnan(t).any()) for t in (q, k, v)):
-        return OutputContractError(f"backend {backend!r} returned NaN from inputs without NaN "
-                                   "(found by ATTNHUB_DEBUG=1 / Hub(debug=True))")
+        return OutputContractError(f"backend {backend!r} returned NaN in its "
+                                   f"{' and '.join(found)} from inputs without NaN (found by "
+                                   "ATTNHUB_DEBUG=1 / Hub(debug=True))")
     return None

@@ -245,7 +245,10 @@ def _interpreting() -> bool:
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """Kernels index the head dim with unit stride; copy only when it is not."""
+    """Kernels index the head dim with unit stride; copy only when it is not. A lazily
+    negated view (``z.conj().imag``) is materialised: a kernel reads its memory un-negated."""
+    if t.is_neg():
+        t = t.resolve_neg()
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
