@@ -593,12 +593,14 @@ def _native_causal(p: AttnParams, sq: int, sk: int) -> tuple[bool, object] | Non
 def _cpu_needs_explicit_mask(native: tuple[bool, object], p: AttnParams,
                              k: torch.Tensor) -> bool:
     """On the CPU, the calls whose native causal form takes the explicit-mask path: those
-    that want the LSE (the one-pass LSE kernel takes a materialised mask), and a
-    ``causal_lower_right`` call whose k holds NaN or inf (SDPA adds that bias as -inf, and
-    NaN + -inf = NaN would reach rows that cannot see the key; ``_hide_masked_nan_keys``)."""
+    that want the LSE (the one-pass LSE kernel takes a materialised mask), and a causal call
+    (``is_causal`` or ``causal_lower_right``) whose k holds NaN or inf: SDPA's math kernel,
+    which serves every CPU call with gradients or dropout, adds the causal mask as -inf, and
+    NaN + -inf = NaN would reach rows that cannot see the key (``_hide_masked_nan_keys``)."""
     if k.device.type != "cpu":
         return False
-    return p.return_lse or (native[1] is not None and not bool(torch.isfinite(k).all()))
+    return p.return_lse or ((native[0] or native[1] is not None)
+                            and not bool(torch.isfinite(k).all()))
 
 
 def _causal_allowed(p: AttnParams, sq: int, sk: int,

@@ -116,8 +116,9 @@ class Capabilities:
             r.append("cannot return LSE (return_lse requested)")
         if (spec.phase == "decode" and self.max_query_len_decode is not None
                 and spec.max_seqlen_q > self.max_query_len_decode):
-            r.append(f"decode with {spec.max_seqlen_q} query tokens per sequence not supported "
-                     f"(at most {self.max_query_len_decode})")
+            r.append(f"decode with up to {spec.max_seqlen_q} query tokens per sequence (the "
+                     f"call's length bucket) not supported (at most "
+                     f"{self.max_query_len_decode})")
         return r
 
     def _check_device(self, device: DeviceInfo) -> list[str]:
