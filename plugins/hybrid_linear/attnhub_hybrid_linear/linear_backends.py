@@ -59,15 +59,23 @@ LINEAR_CAPABILITIES = Capabilities(
 )
 
 
+#: The lowest log decay a gate's token keeps (a full reset below it means the same)
+GATE_FLOOR = -60.0
+
+
 def default_gate(k: torch.Tensor) -> torch.Tensor:
-    """The gate used when ``extra["gla_gate"]`` is absent: ``logsigmoid(k) / 16`` (fp32).
+    """The gate used when ``extra["gla_gate"]`` is absent: ``logsigmoid(k) / 16`` (fp32),
+    floored at :data:`GATE_FLOOR` like a given gate.
 
     Deterministic and data-dependent through the keys alone (the call has no access to the
     layer input a trained gate projection would read): each channel keeps sigmoid(k)^(1/16)
     of its state per token, a half-life of about 11 tokens at k = 0. Causal-consistent: the
-    gate of token t depends on k_t only, so prefill and decode derive the same gates.
+    gate of token t depends on k_t only, so prefill and decode derive the same gates. The
+    floor (a decay of 1e-26, 0 to fp32 beside 1) keeps a key of -1e6 from turning into a log
+    decay of -6e4 that absorbs the digits of its chunk's cumulative decays (prefill was up to
+    87% off the recurrence, which decode follows exactly).
     """
-    return F.logsigmoid(k.float()) / GATE_TEMPERATURE
+    return (F.logsigmoid(k.float()) / GATE_TEMPERATURE).clamp_min(GATE_FLOOR)
 
 
 def retention_decay(heads: int, device: torch.device) -> torch.Tensor:
@@ -85,10 +93,6 @@ def _to_heads(x: torch.Tensor, hq: int, what: str) -> torch.Tensor:
         raise InputError(f"{what} has {h} heads; it needs the query heads ({hq}) or a divisor "
                          "of them (the KV heads)")
     return x.repeat_interleave(hq // h, dim=2)
-
-
-#: The lowest log decay a gate's token keeps (a full reset below it means the same)
-GATE_FLOOR = -60.0
 
 
 def _check_gate(g: Any, k: torch.Tensor, layout: str) -> None:

@@ -83,11 +83,20 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         return x.view(b, n, chunk, h, x.shape[-1]).permute(0, 3, 1, 2, 4)
 
     qc, kc, vc, gc = blocks(qf) * scale, blocks(kf), blocks(vf), blocks(gf).cumsum(dim=3)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril().unsqueeze(-1)
     diff = gc.unsqueeze(-2) - gc.unsqueeze(-3)  # (B,H,N,C_t,C_s,K)
-    decay = torch.where(causal.unsqueeze(-1), diff, float("-inf")).exp()
-    a = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", qc, kc, decay)
-    o = a @ vc
+    decay = torch.where(causal, diff, float("-inf")).exp()
+    if all(bool(x.isfinite().all()) for x in (qc, kc, vc)):
+        a = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", qc, kc, decay)
+        o = a @ vc
+    else:
+        # a masked pair's 0 decay times a NaN/inf k or v is NaN: it reached the earlier rows
+        # of the chunk (and in the backward their dq, or an earlier NaN query reached later
+        # keys' dk). So later tokens are selected away per pair; slower (C x C x V), and
+        # taken only when some input is not finite
+        ks, vs = (torch.where(causal, x.unsqueeze(-3), 0.0) for x in (kc, vc))
+        a = torch.einsum("bhntk,bhntsk,bhntsk->bhnts", qc, ks, decay)
+        o = torch.einsum("bhnts,bhntsv->bhntv", a, vs)
     last = gc[:, :, :, -1]  # (B,H,N,K)
     kv = (kc * (last.unsqueeze(-2) - gc).exp()).transpose(-1, -2) @ vc  # (B,H,N,K,V)
     s = torch.zeros(b, h, kd, vd, dtype=cd, device=q.device) if initial_state is None \

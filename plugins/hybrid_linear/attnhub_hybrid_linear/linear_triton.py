@@ -65,13 +65,16 @@ def _key_block(k_ptr, v_ptr, gc_ptr, rows, i_h, H: tl.constexpr, K: tl.constexpr
 @triton.jit
 def _diag_key(k_ptr, v_ptr, gc_ptr, rs, jj, g_i, rc, i_h, H: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, ok, ov, mk, mv):
-    """Key row ``rs`` (the jj-th of its sub-chunk) and its decays exp(G_t - G_s) to the
-    sub-chunk's rows t >= jj (0 above the diagonal): the pairwise in-chunk term."""
+    """Key row ``rs`` (the jj-th of its sub-chunk), its decays exp(G_t - G_s) to the
+    sub-chunk's rows t >= jj (0 above the diagonal) and those rows (``vis``): the pairwise
+    in-chunk term. Callers select by ``vis`` after each product rather than trust the 0: a
+    later token's NaN/inf k or v times 0 is NaN, which reached the earlier rows."""
     k_s = _row(k_ptr, rs, i_h, H, K, ok, mk).to(tl.float32)
     g_s = _row(gc_ptr, rs, i_h, H, K, ok, mk)
     v_s = _row(v_ptr, rs, i_h, H, V, ov, mv).to(tl.float32)
-    e = tl.exp(tl.where(rc[:, None] >= jj, g_i - g_s[None, :], float("-inf")))
-    return k_s, v_s, e
+    vis = rc >= jj
+    e = tl.exp(tl.where(vis[:, None], g_i - g_s[None, :], float("-inf")))
+    return k_s, v_s, e, vis
 
 
 @triton.jit
@@ -142,10 +145,10 @@ def _chunk_out_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, states_ptr, o_ptr, scale, T, 
                 acc += tl.dot(a.to(dt), v_j, input_precision=PREC)
         # the diagonal sub-chunk, one key row at a time (pairwise decays)
         for jj in range(CC):
-            k_s, v_s, e = _diag_key(k_ptr, v_ptr, gc_ptr, row0 + i * CC + jj, jj, g_i, rc, i_h,
-                                    H, K, V, ok, ov, mk, mv)
-            a_col = tl.sum(q_i * k_s[None, :] * e, 1)
-            acc += a_col[:, None] * v_s[None, :]
+            k_s, v_s, e, vis = _diag_key(k_ptr, v_ptr, gc_ptr, row0 + i * CC + jj, jj, g_i, rc,
+                                         i_h, H, K, V, ok, ov, mk, mv)
+            a_col = tl.where(vis, tl.sum(q_i * k_s[None, :] * e, 1), 0.0)
+            acc += tl.where(vis[:, None], a_col[:, None] * v_s[None, :], 0.0)
         tl.store(o_ptr + (ri[:, None] * H + i_h) * V + ov[None, :],
                  acc.to(o_ptr.dtype.element_ty), mask=mv[None, :])
 
@@ -215,13 +218,14 @@ def _chunk_bwd_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, do_ptr, states_ptr, dstates_p
         # the diagonal sub-chunk, one key row (s) at a time
         do_if = do_i.to(tl.float32)
         for jj in range(CC):
-            k_s, v_s, e = _diag_key(k_ptr, v_ptr, gc_ptr, row0 + i * CC + jj, jj, g_i, rc, i_h,
-                                    H, K, V, ok, ov, mk, mv)
-            a_col = tl.sum(q_i * k_s[None, :] * e, 1)
-            da_col = tl.sum(do_if * v_s[None, :], 1)
-            dq += da_col[:, None] * k_s[None, :] * e
-            dk_row = tl.sum(da_col[:, None] * q_i * e, 0)
-            dv_row = tl.sum(a_col[:, None] * do_if, 0)
+            k_s, v_s, e, vis = _diag_key(k_ptr, v_ptr, gc_ptr, row0 + i * CC + jj, jj, g_i, rc,
+                                         i_h, H, K, V, ok, ov, mk, mv)
+            a_col = tl.where(vis, tl.sum(q_i * k_s[None, :] * e, 1), 0.0)
+            da_col = tl.where(vis, tl.sum(do_if * v_s[None, :], 1), 0.0)
+            dq += tl.where(vis[:, None], da_col[:, None] * k_s[None, :] * e, 0.0)
+            # an earlier row's NaN q or dO must not reach this later key either
+            dk_row = tl.sum(tl.where(vis[:, None], da_col[:, None] * q_i * e, 0.0), 0)
+            dv_row = tl.sum(tl.where(vis[:, None], a_col[:, None] * do_if, 0.0), 0)
             dk += tl.where(rc[:, None] == jj, dk_row[None, :], 0.0)
             dv += tl.where(rc[:, None] == jj, dv_row[None, :], 0.0)
         tl.store(dq_ptr + part + pk_i, dq, mask=mk[None, :])

@@ -26,7 +26,7 @@ from attnhub.plugin import (
     DeviceInfo,
 )
 
-from .comm import ProcessGroup, RingError
+from .comm import ProcessGroup, RingError, resolve_group
 from .ring import run_ring
 
 NO_LOCAL_BACKEND = (
@@ -59,13 +59,18 @@ class RingBackend(Backend):
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
         """Self-attention only; and, on a real device, a process group of >= 2 ranks (the
         spec has no world size, so this asks torch.distributed at bind time; a simulated
-        device plans offline and relies on the policy's ``world_size`` condition)."""
+        device plans offline and relies on the policy's ``world_size`` condition).
+
+        thd is left to the call: its max_seqlen_q/k may be a caller's upper bound (on one rank
+        only, even), so unequal buckets prove nothing, and refusing here raised on that rank
+        alone while the others waited in the handshake. The ring's own check
+        (cu_seqlens_q == cu_seqlens_k) raises on every rank through the handshake."""
         reasons = []
-        if spec.max_seqlen_q != spec.max_seqlen_k:
+        if spec.layout != "thd" and spec.max_seqlen_q != spec.max_seqlen_k:
             reasons.append(f"shards self-attention only: query length (<= {spec.max_seqlen_q}) "
                            f"and key length (<= {spec.max_seqlen_k}) differ")
         if not device.simulated:
-            reasons += process_group_reasons(self.process_group)
+            reasons += process_group_reasons(self.process_group, "RingBackend.process_group")
         return reasons
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
@@ -77,7 +82,11 @@ class RingBackend(Backend):
             load_local(local)
         except RingError as exc:
             local, problem = None, str(exc)
-        group = params.extra.get("process_group", self.process_group)
+        given = "process_group" in params.extra
+        group = params.extra["process_group"] if given else self.process_group
+        if dist.is_available() and dist.is_initialized():  # else run_ring says so
+            group = resolve_group(group, "extra['process_group']" if given
+                                  else "RingBackend.process_group")
         want = params.extra.get("world_size")
         if problem is None and want is not None and dist.is_initialized() and (
                 want != dist.get_world_size(group)):
@@ -130,15 +139,20 @@ def load_local(local: Backend) -> None:
 _CHECKED: weakref.WeakKeyDictionary[Backend, set[AttentionSpec]] = weakref.WeakKeyDictionary()
 
 
-def process_group_reasons(group: ProcessGroup | None = None) -> list[str]:
-    """Why the ring cannot run in this process now (empty when it can)."""
+def process_group_reasons(group: ProcessGroup | None = None,
+                          name: str = "the process group") -> list[str]:
+    """Why the ring cannot run in this process now (empty when it can); ``name`` is where
+    ``group`` came from, for the message."""
     if not dist.is_available():
         return ["torch.distributed is not available in this torch build"]
     if not dist.is_initialized():
         return [("torch.distributed is not initialized: launch with torchrun and call "
                  "torch.distributed.init_process_group() before binding (plan offline with "
                  "--hardware to skip this check)")]
-    size = dist.get_world_size(group)
+    try:
+        size = dist.get_world_size(resolve_group(group, name))
+    except RingError as exc:
+        return [str(exc)]
     if size < 2:
         return [(f"needs a process group of at least 2 ranks; this one has {size} "
                  "(torchrun --nproc-per-node N with N >= 2)")]

@@ -25,13 +25,34 @@ class RingError(InputError):
     """
 
 
-def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
-    """The given process group, or the default (WORLD) group; raises when none exists."""
+def resolve_group(group: object, name: str = "the process group") -> ProcessGroup:
+    """The given process group, or the default (WORLD) group; a :class:`RingError` when none
+    exists or ``group`` (the argument ``name``) is not a live ProcessGroup. The message holds
+    nothing rank-specific: every rank passing the same wrong group raises the same error at
+    once, with no group to hang on (torch's raw AttributeError/ValueError did not say which
+    argument was wrong)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RingError(
             "ring: torch.distributed is not initialized; launch with torchrun and call "
             "torch.distributed.init_process_group() first (see docs/ring-attention.md)")
-    return group if group is not None else dist.group.WORLD
+    if group is None:
+        return dist.group.WORLD
+    fix = ("pass the group object (torch.distributed.new_group(...); for a DeviceMesh "
+           "dimension, mesh.get_group(dim)), or leave it unset for the default group")
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        return group  # type: ignore[return-value]  # new_group's placeholder: Ring names it
+    if not isinstance(group, ProcessGroup):
+        # no repr of other objects: it may hold an address, which differs between ranks
+        what = (f"the str {group!r:.60}" if isinstance(group, str)
+                else f"a {type(group).__name__}")
+        raise RingError(f"ring: {name} is {what}, not a torch.distributed ProcessGroup; {fix}")
+    try:
+        dist.get_rank(group)
+    except (ValueError, RuntimeError):  # torch's message holds the group's address
+        raise RingError(f"ring: {name} is a ProcessGroup torch.distributed no longer knows "
+                        f"(destroyed by torch.distributed.destroy_process_group?); {fix}"
+                        ) from None
+    return group
 
 
 class PendingHop:

@@ -93,7 +93,11 @@ class TorchFlashCPUBackend(Backend):
     )
 
     def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
-        # buckets are powers of two: different buckets mean Sq != Sk for every call in them
+        # bshd: buckets are powers of two, so different buckets mean Sq != Sk for every call
+        # in them. thd: a caller's max_seqlen may be an upper bound (and an empty document
+        # needs no alignment), so its buckets prove nothing: ``_dense`` checks each document
+        if spec.layout == "thd":
+            return []
         reason = _square_reason(spec.mask.causal, spec.mask.alignment, spec.max_seqlen_q,
                                 spec.max_seqlen_k, bucketed=True)
         return [reason] if reason else []
