@@ -56,12 +56,27 @@ def register(hub: Hub | None = None, name: str = NAME) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    taken = _builtin_names(AttentionInterface)
+    if not isinstance(name, str) or not name.strip() or name in taken:
+        raise InputError(
+            f"register(name={name!r}): "
+            + (f"{name!r} is transformers' own implementation; registering it would serve "
+               "every model that asks for it through attnhub" if isinstance(name, str)
+               and name.strip() else "the name must be a non-empty string")
+            + f"; pick a name of your own (default {NAME!r}; taken: {', '.join(sorted(taken))})")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     _hubs[name] = hub
     _guard_model_classes()
     keep_whole_sequences(_hubs)
     return name
+
+
+@functools.cache
+def _builtin_names(interface: Any) -> frozenset[str]:
+    """transformers' own implementation names, read before attnhub registers any (cached
+    at the first ``register``: names attnhub registered since are its own to replace)."""
+    return frozenset(getattr(interface, "_global_mapping", {})) - set(_hubs) | {"eager"}
 
 
 def registered_hub(name: str = NAME) -> Hub | None:
@@ -269,16 +284,24 @@ def _context(module: torch.nn.Module, sliding_window: int | None) -> BindContext
     passes (the truth: Mixtral passes its config's window while its layers hold none,
     Exaone 4's full layers hold one they never pass); ``bind_model`` builds it first from
     ``_layer_window``, and a call that disagrees replaces it."""
+    ctx = _fresh_context(module, sliding_window)
+    if ctx is not None:
+        module._attnhub_context = ctx  # type: ignore[assignment]
+    return module.__dict__["_attnhub_context"]
+
+
+def _fresh_context(module: torch.nn.Module, sliding_window: int | None) -> BindContext | None:
+    """The context ``_context`` would store for this layer, or None when the one it holds
+    stands (read only: ``bind_model`` stores nothing until every layer resolved)."""
     kind = "sliding" if sliding_window else "softmax"
     ctx = module.__dict__.get("_attnhub_context")
-    if ctx is None or ctx.layer_kind != kind:
-        cfg = getattr(module, "config", None)
-        model = (getattr(cfg, "_name_or_path", None) or getattr(cfg, "model_type", None)
-                 or type(module).__name__)
-        ctx = BindContext(model=str(model), layer=getattr(module, "layer_idx", None),
-                          layer_kind=kind)
-        module._attnhub_context = ctx  # type: ignore[assignment]
-    return ctx
+    if ctx is not None and ctx.layer_kind == kind:
+        return None
+    cfg = getattr(module, "config", None)
+    model = (getattr(cfg, "_name_or_path", None) or getattr(cfg, "model_type", None)
+             or type(module).__name__)
+    return BindContext(model=str(model), layer=getattr(module, "layer_idx", None),
+                       layer_kind=kind)
 
 
 def _layer_window(module: torch.nn.Module) -> int | None:
@@ -311,11 +334,13 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
                phases: Sequence[str] = ("prefill", "decode")) -> BindingTable:
     """``attnhub.bind`` for a transformers model: route its layers through ``hub`` and
     resolve each for each phase at the shapes given (no padding; transformers' contiguous
-    cache, so decode is ``bshd`` with one query)."""
+    cache, so decode is ``bshd`` with one query). Every layer is resolved before any is
+    changed: a bind that raises leaves the model bound as it was."""
     from ...bind import Binding, BindingTable, model_name
     from ...nn import call_spec
 
     rows = []
+    routed: list[tuple[torch.nn.Module, BindContext | None]] = []
     for position, (path, m) in enumerate(attention_modules(model)):
         cfg = m.config
         hq = cfg.num_attention_heads
@@ -325,8 +350,9 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
              or cfg.hidden_size // hq)
         dv = getattr(m, "v_head_dim", None) or d
         sw = _layer_window(m)
-        m._attnhub_hub = HubRef(hub)  # type: ignore[assignment]
-        ctx = _context(m, sw)
+        fresh = _fresh_context(m, sw)
+        routed.append((m, fresh))
+        ctx = fresh or m.__dict__["_attnhub_context"]
         layer = getattr(m, "layer_idx", None)
         for phase in phases if m.is_causal else [p for p in phases if p != "decode"]:
             for sq, sk, window in _call_shapes(phase, prompt_len, max_len, sw):
@@ -338,6 +364,10 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
                                  layout="bshd")
                 rows.append(Binding(position if layer is None else layer, path, phase,
                                     hub.decide(spec, ctx)))
+    for m, fresh in routed:  # every layer resolved: now route them all
+        m._attnhub_hub = HubRef(hub)  # type: ignore[assignment]
+        if fresh is not None:
+            m._attnhub_context = fresh  # type: ignore[assignment]
     return BindingTable(model_name(model), getattr(hub.resolver, "name", "?"),
                         hub.device.describe(), rows)
 
