@@ -8,10 +8,12 @@ written once. Convention (FlashAttention's): query ``i`` sits at key position
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import InputError
 from .spec import AttnParams
 
 
@@ -61,9 +63,36 @@ def allowed_mask(
         h = torch.arange(heads, device=device).view(1, heads, 1, 1)
         q_idx = torch.arange(sq, device=device).view(1, 1, sq, 1)
         kv_idx = torch.arange(sk, device=device).view(1, 1, 1, sk)
-        mm = params.mask_mod(b, h, q_idx, kv_idx)
+        mm = call_user_mod("mask_mod", params.mask_mod, (b, h, q_idx, kv_idx),
+                           (batch, heads, sq, sk), lambda t: not t.is_complex(),
+                           "a bool tensor such as q_idx >= kv_idx")
         m = both(torch.broadcast_to(mm.to(torch.bool), (batch, heads, sq, sk)))
     return m
+
+
+def call_user_mod(slot: str, fn: Callable[..., Any], args: tuple[torch.Tensor, ...],
+                  shape: tuple[int, ...], kind_ok: Callable[[torch.Tensor], bool],
+                  want: str) -> torch.Tensor:
+    """The caller's ``score_mod``/``mask_mod`` over index grids that broadcast to ``shape``:
+    its exception, or a result that is not a tensor of the right kind and shape, is the
+    caller's ``InputError`` naming it, never a backend failure retried on fallbacks (a
+    captured tensor shorter than the sequence raised IndexError from inside a backend)."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        got = fn(*args)
+    except Exception as exc:
+        raise InputError(f"{slot} {name!r} raised {type(exc).__name__} on index grids of "
+                         f"shape {shape}: {exc} (a tensor it captures must cover every "
+                         "position, on q's device)") from exc
+    if isinstance(got, torch.Tensor) and kind_ok(got):
+        try:
+            return torch.broadcast_to(got, shape)
+        except RuntimeError:
+            pass
+    what = (f"a {type(got).__name__}" if not isinstance(got, torch.Tensor)
+            else f"a {got.dtype} tensor of shape {tuple(got.shape)}")
+    raise InputError(f"{slot} {name!r} returned {what}; it must return {want}, broadcasting "
+                     f"to {shape}")
 
 
 def _column_sparse(params: AttnParams, heads: int, kv_heads: int | None, sq: int, sk: int,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .masking import allowed_mask, alibi_bias, doc_ranges
+from .masking import allowed_mask, alibi_bias, call_user_mod, doc_ranges
 from .spec import AttnParams
 
 
@@ -33,7 +33,9 @@ def _bshd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: A
         hi = torch.arange(hq, device=q.device).view(1, hq, 1, 1)
         qi = torch.arange(sq, device=q.device).view(1, 1, sq, 1)
         ki = torch.arange(sk, device=q.device).view(1, 1, 1, sk)
-        s = params.score_mod(s, bi, hi, qi, ki)
+        s = call_user_mod("score_mod", params.score_mod, (s, bi, hi, qi, ki), tuple(s.shape),
+                          lambda t: t.is_floating_point(), "floating scores (score + bias, "
+                          "torch.where(keep, score, -inf))")
     allowed = allowed_mask(params, b, hq, sq, sk, q.device, kv_heads=hkv)
     if params.score_mod is not None:  # a score_mod that masks by -inf masks: its rows can
         kept = ~torch.isneginf(s.detach())  # be fully masked too (0 out, -inf LSE, as flex)
