@@ -163,3 +163,36 @@ def gpu_marks() -> list[Any]:
 
     return [pytest.mark.gpu,
             pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+class DictStateStore:
+    """A per-sequence state store (``attnhub.core.seqstate.SequenceStore``) for tests of the
+    KV cache's sequence bookkeeping: one random tensor per sequence, room for ``slots``; a
+    failing call changes nothing, as the protocol asks."""
+
+    def __init__(self, slots: int = 8) -> None:
+        self.slots = slots
+        self.states: dict[int, torch.Tensor] = {}
+
+    def allocate(self, seq_id: int) -> None:
+        self._room(seq_id)
+        self.states[seq_id] = torch.randn(3)
+
+    def fork(self, src: int, dst: int) -> None:
+        self._room(dst)
+        self.states[dst] = self.states[src].clone()
+
+    def free(self, seq_id: int) -> None:
+        from .errors import InputError
+
+        if seq_id not in self.states:
+            raise InputError(f"DictStateStore: unknown sequence id {seq_id}")
+        del self.states[seq_id]
+
+    def _room(self, seq_id: int) -> None:
+        from .errors import CacheFullError, InputError
+
+        if seq_id in self.states:
+            raise InputError(f"DictStateStore: sequence {seq_id} already has a state")
+        if len(self.states) >= self.slots:
+            raise CacheFullError(f"DictStateStore: full at sequence {seq_id}")

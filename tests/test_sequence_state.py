@@ -9,29 +9,7 @@ import torch
 from attnhub.core.kvcache import PagedKVCache
 from attnhub.core.seqstate import LAYER_KEY, SEQ_IDS_KEY, STATE_KEY
 from attnhub.errors import CacheFullError, InputError
-
-
-class DictStore:
-    """A store holding one random tensor per sequence, with room for ``slots`` of them."""
-
-    def __init__(self, slots: int):
-        self.slots = slots
-        self.states: dict[int, torch.Tensor] = {}
-
-    def allocate(self, seq_id: int) -> None:
-        self._room(seq_id)
-        self.states[seq_id] = torch.randn(3)
-
-    def fork(self, src: int, dst: int) -> None:
-        self._room(dst)
-        self.states[dst] = self.states[src].clone()
-
-    def free(self, seq_id: int) -> None:
-        del self.states[seq_id]
-
-    def _room(self, seq_id: int) -> None:
-        if len(self.states) >= self.slots:
-            raise CacheFullError(f"DictStore full at sequence {seq_id}")
+from attnhub.testing import DictStateStore
 
 
 def _cache() -> PagedKVCache:
@@ -39,7 +17,7 @@ def _cache() -> PagedKVCache:
 
 
 def test_states_follow_the_sequences_and_a_full_store_changes_nothing() -> None:
-    cache, roomy, tight = _cache(), DictStore(10), DictStore(3)
+    cache, roomy, tight = _cache(), DictStateStore(10), DictStateStore(3)
     cache.attach_state([0, 2], roomy)
     cache.attach_state([1], tight)
     a = cache.allocate()
@@ -67,11 +45,11 @@ def test_states_follow_the_sequences_and_a_full_store_changes_nothing() -> None:
 
 def test_attach_refuses_live_sequences_and_a_layer_twice() -> None:
     cache = _cache()
-    cache.attach_state([0], DictStore(2))
+    cache.attach_state([0], DictStateStore(2))
     with pytest.raises(InputError, match="already have a state store"):
-        cache.attach_state([0, 1], DictStore(2))
+        cache.attach_state([0, 1], DictStateStore(2))
     with pytest.raises(InputError, match="not a SequenceStore"):
         cache.attach_state([1], object())  # type: ignore[arg-type]
     cache.allocate()
     with pytest.raises(InputError, match="before allocating"):
-        cache.attach_state([1], DictStore(2))
+        cache.attach_state([1], DictStateStore(2))

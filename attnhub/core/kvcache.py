@@ -40,6 +40,10 @@ PAD_PAGE = -1
 class _Seq:
     pages: list[int]
     length: int
+    #: its length when it was last forked (or made by a fork): the tokens before it are also
+    #: a fork's, so a write to one (reserved before the fork) is refused, since the fork
+    #: would keep zeros for it once either copies the page (copy-on-write)
+    shared: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,8 @@ class CacheStep:
     seqlens: torch.Tensor
     context_lens: tuple[int, ...]
     #: the cache as it was before the step (``PagedKVCache._undo_point``) and its version
-    #: right after the reservation; [True] once aborted
+    #: right after the reservation; [True] once aborted (the undo's own "done" cell, so an
+    #: undo the cache finished by itself, after a Ctrl-C cut it short, aborts the step too)
     _undo: Any = field(default=None, repr=False, compare=False)
     _version: int = field(default=-1, repr=False, compare=False)
     _aborted: list[bool] = field(default_factory=lambda: [False], repr=False, compare=False)
@@ -82,11 +87,18 @@ class CacheStep:
             self.abort()
         except BaseException as refused:  # noqa: BLE001 - the caller's exception (Ctrl-C,
             # OOM) goes on, said; an undo cut short (a second Ctrl-C in it) is said too
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"attnhub: the KV cache step of sequences {list(self.seq_ids)} "
-                             f"was not fully undone ({refused}); call step.abort() again to "
-                             "finish the undo, or free those sequences (cache.free) before "
-                             "reading them again")
+            if not hasattr(exc, "add_note"):
+                return
+            if isinstance(refused, InputError):  # the cache changed since: no undo
+                how = (f"could not be undone ({refused}); its {self.new_tokens} tokens per "
+                       "sequence stay reserved, some layers unwritten: free those sequences "
+                       "(cache.free) before reading them again")
+            elif any(u is self._undo for u in self.cache._undos):  # begun, cut short
+                how = (f"was not fully undone ({refused}); the cache finishes the undo before "
+                       "its next operation, or call step.abort() again to finish it now")
+            else:
+                how = f"was not undone ({refused}); call step.abort() again to undo it"
+            exc.add_note(f"attnhub: the KV cache step of sequences {list(self.seq_ids)} {how}")
 
     def abort(self) -> None:
         """Undo this step's reservation: every sequence back to its length and pages before
@@ -97,11 +109,16 @@ class CacheStep:
         it from the cached keys (other stores: free the sequences of a failed step)."""
         if self._aborted[0]:
             return
-        if self._undo is None or self.cache._version != self._version:
-            raise InputError("CacheStep.abort: the cache changed after this step (another "
-                             "step, append, fork or free); abort a step before the next one")
-        self.cache._rollback(self._undo)
-        self._aborted[0] = True
+        cache = self.cache
+        with cache._lock:
+            cache._finish_undos()  # one cut short (this step's, by a Ctrl-C) first
+            if self._aborted[0]:
+                return
+            if self._undo is None or cache._version != self._version:
+                raise InputError("CacheStep.abort: the cache changed after this step (another "
+                                 "step, append, fork or free); abort a step before the next "
+                                 "one")
+            cache._rollback(self._undo)
 
     @property
     def fresh(self) -> bool:
@@ -115,8 +132,7 @@ class CacheStep:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's k/v (B, new_tokens, Hkv, D) for ``layer``."""
         if self._aborted[0]:
-            raise InputError("CacheStep.write: this step was aborted; start a new one with "
-                             "cache.step(...)")
+            raise InputError(_ABORTED)
         if self.cache._version != self._version:
             self._check_still_owned()
         want = (len(self.seq_ids), self.new_tokens)
@@ -131,20 +147,30 @@ class CacheStep:
     def _check_still_owned(self) -> None:
         """The cache changed since this step: its slots must still lie in pages each sequence
         holds alone (not freed and handed on, moved by copy-on-write, or shared by a fork),
-        else the write would land in what another sequence reads."""
+        else the write would land in what another sequence reads; nor may a sequence have
+        been forked since (a fork that copied the page keeps zeros for this layer). Under the
+        cache's lock, after an undo a Ctrl-C cut short is finished (this step's own, say:
+        then it is aborted)."""
         cache = self.cache
-        for sid, pages in self._owned:
-            seq = cache._seqs.get(sid)
-            holds = seq is not None and set(pages) <= set(seq.pages)
-            if holds and all(cache._refs[p] == 1 for p in pages):
-                continue
-            why = ("was freed" if seq is None else "shares them with a fork" if holds
-                   else "moved to a copy of them (copy-on-write after a fork)")
-            raise InputError(
-                f"CacheStep.write: the cache changed under this step: sequence {sid} {why}, "
-                f"and the step's slots lie in pages {list(pages)}, which another sequence may "
-                "read; write every layer of a step before freeing or forking its sequences, "
-                "and start a new step with cache.step(...)")
+        with cache._lock:
+            cache._finish_undos()
+            if self._aborted[0]:
+                raise InputError(_ABORTED)
+            for (sid, pages), context in zip(self._owned, self.context_lens):
+                seq = cache._seqs.get(sid)
+                holds = seq is not None and set(pages) <= set(seq.pages)
+                alone = holds and all(cache._refs[p] == 1 for p in pages)
+                if alone and seq.shared <= context:
+                    continue
+                why = ("was freed" if seq is None else "was forked since (the fork holds the "
+                       "step's tokens without this layer)" if alone
+                       else "shares them with a fork" if holds
+                       else "moved to a copy of them (copy-on-write after a fork)")
+                raise InputError(
+                    f"CacheStep.write: the cache changed under this step: sequence {sid} "
+                    f"{why}, and the step's slots lie in pages {list(pages)}, which another "
+                    "sequence may read; write every layer of a step before freeing or forking "
+                    "its sequences, and start a new step with cache.step(...)")
 
     def positions(self) -> torch.Tensor:
         """Absolute positions (B, new_tokens) of the new tokens, for rotary embeddings."""
@@ -152,13 +178,19 @@ class CacheStep:
         return start + torch.arange(self.new_tokens, device=self.slots.device).view(1, -1)
 
 
+_ABORTED = "CacheStep.write: this step was aborted; start a new one with cache.step(...)"
+
+
 def _locked(fn: Any) -> Any:
     """Run a method under the cache's lock: threads serving different sequences of one
     cache (a server's request threads) allocate, reserve and free without handing one id
-    or page to two of them."""
+    or page to two of them. An undo a Ctrl-C cut short is finished first: no operation
+    sees a half-restored cache (a ``free`` then released a page a fork still held)."""
     @functools.wraps(fn)
     def run(self: PagedKVCache, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
+            if self._undos:
+                self._finish_undos()
             return fn(self, *args, **kwargs)
     return run
 
@@ -226,6 +258,9 @@ class PagedKVCache:
         #: are built): a rolled-back step takes back those after its undo point's number
         self._moved: dict[int, tuple[weakref.ref, frozenset[int], frozenset[int]]] = {}
         self._moves = 0
+        #: undos begun and not finished (a Ctrl-C cut them short): finished, in order, before
+        #: the next operation (``_locked``)
+        self._undos: list[tuple[Any, ...]] = []
 
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -274,44 +309,63 @@ class PagedKVCache:
                              f"{sorted(self._seqs)}; attach state stores before allocating")
         self.states.attach(layers, store)
 
+    # allocate and fork are all or nothing under a Ctrl-C too (which lands at a call's entry
+    # or return, or a loop's back edge), and free can be retried: everything is computed
+    # first, the state stores called last, then the result published by plain assignments,
+    # with no call between them
     @_locked
     def allocate(self) -> int:
         """A new, empty sequence; pages are taken only when tokens are appended."""
-        sid = self._next_id
-        self.states.allocate(sid)  # first: a full state store raises with nothing changed
-        self._next_id += 1
-        self._seqs[sid] = _Seq([], 0)
-        self._version += 1
-        return sid
+        return self._add(_Seq([], 0), lambda sid: self.states.allocate(sid))
 
     @_locked
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing ``seq_id``'s tokens (no copy; pages are reference-counted)
-        and starting from a copy of its state (never shared)."""
+        and starting from a copy of its state (never shared). Write every layer of a step (or
+        ``reserve``) before forking its sequence: a later write of those tokens is refused."""
         src = self._seq(seq_id)
-        sid = self._next_id
-        self.states.fork(seq_id, sid)
-        self._next_id += 1
-        self._seqs[sid] = _Seq(list(src.pages), src.length)
+        refs = list(self._refs)
         for p in src.pages:
-            self._refs[p] += 1
+            refs[p] += 1
+        return self._add(_Seq(list(src.pages), src.length, src.length),
+                         lambda sid: self.states.fork(seq_id, sid), refs, src)
+
+    def _add(self, seq: _Seq, states: Any, refs: list[int] | None = None,
+             src: _Seq | None = None) -> int:
+        """Register ``seq`` under a new id once ``states(id)`` gave it its state, forked from
+        ``src``. The id is taken first: one a cut-short call touched is skipped, never handed
+        out twice. Anything raised from the stores' call on (a Ctrl-C as it returns, out of
+        memory) frees what they hold for the id (``SequenceStates.free`` frees exactly that)."""
+        sid = self._next_id
+        self._next_id = sid + 1
+        try:
+            states(sid)
+            self._seqs[sid] = seq
+        except BaseException:
+            self.states.free(sid)
+            raise
+        if src is not None:
+            self._refs, src.shared = refs, src.length
         self._version += 1
         return sid
 
     @_locked
     def free(self, seq_id: int) -> None:
-        """Release a finished sequence; pages no other sequence holds return to the free list."""
+        """Release a finished sequence; pages no other sequence holds return to the free list.
+        Retryable: a free cut short (Ctrl-C) leaves the sequence live, a retry finishes it."""
         seq_id = self._check_id(seq_id)
         seq = self._seqs[seq_id]
-        released = [p for p in reversed(seq.pages) if self._refs[p] == 1]
+        refs = list(self._refs)
+        for p in seq.pages:
+            refs[p] -= 1
+        released = [p for p in reversed(seq.pages) if not refs[p]]
+        free = self._free + released
         # the tables naming the pages are revoked before any page is released: an interrupt
         # (Ctrl-C) between the two left a freed page readable through them
         self._revoke_tables(released, f"sequence {seq_id} was freed")
-        self.states.free(seq_id)
+        self.states.free(seq_id)  # retryable: frees only the stores still holding it
         del self._seqs[seq_id]
-        for p in reversed(seq.pages):
-            self._refs[p] -= 1
-        self._free += released
+        self._refs, self._free = refs, free
         self._version += 1
 
     def _revoke_tables(self, pages: Iterable[int], why: str, seq_id: int | None = None
@@ -374,7 +428,7 @@ class PagedKVCache:
                 f"{self.num_pages} are free (page_size {self.page_size}); free finished "
                 "sequences or build the cache with more num_pages. No sequence was changed.")
         undo = ([(seq, list(seq.pages), seq.length) for seq in seqs], list(self._free),
-                list(self._refs), [], self._moves)
+                list(self._refs), [], self._moves, [False])
         try:
             for i in copies:
                 self._copy_on_write(seq_ids[i], seqs[i])
@@ -453,11 +507,13 @@ class PagedKVCache:
         slots = torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
         return slots.to(self.device)
 
+    @_locked
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v (N, Hkv, D) at ``slots`` (N,) returned by ``reserve`` for ``layer``.
 
         All checks come first (a rejected write changes nothing); slots are range-checked
-        (a host read of ``slots``)."""
+        (a host read of ``slots``) against the live sequences, under the cache's lock (another
+        thread allocating or freeing its own sequences changes them)."""
         self._write(layer, slots, k, v, check_slots=True)
 
     def _write(self, layer: int, slots: Any, k: Any, v: Any, *, check_slots: bool) -> None:
@@ -482,10 +538,11 @@ class PagedKVCache:
                                                                     v.to(self.dtype))
 
     def _check_slots(self, slots: torch.Tensor) -> None:
-        """Every slot is a token a live sequence reserved, in a page no other sequence holds:
-        a slot past the cache, in a free page, past its sequence's length (kept from before a
-        ``free``) or in a page a later ``fork`` shares would overwrite what another sequence
-        reads. One host read of ``slots``."""
+        """Every slot is a token a live sequence reserved, in a page no other sequence holds,
+        and not forked since: a slot past the cache, in a free page, past its sequence's
+        length (kept from before a ``free``) or in a page a later ``fork`` shares would
+        overwrite what another sequence reads, and a fork that copied the page since keeps
+        zeros for it. One host read of ``slots``."""
         host = slots.cpu()
         last = self.num_pages * self.page_size - 1
         if int(host.min()) < 0 or int(host.max()) > last:
@@ -494,13 +551,16 @@ class PagedKVCache:
         if host.unique().numel() != host.numel():  # which copy lands there is undefined
             raise InputError("write: a slot repeats in slots; each token is written once per "
                              "call (pass the slots reserve() returned, once)")
-        filled = torch.zeros(self.num_pages, dtype=torch.int64)  # reserved tokens per page
-        refs = torch.tensor(self._refs, dtype=torch.int64)
+        size = self.page_size
+        filled = [0] * self.num_pages  # reserved tokens per page
+        forked = [0] * self.num_pages  # of those, tokens a fork holds too
         for seq in self._seqs.values():
             for i, p in enumerate(seq.pages):
-                filled[p] = min(self.page_size, seq.length - i * self.page_size)
-        page, offset = host // self.page_size, host % self.page_size
-        stale = offset >= filled[page]
+                filled[p] = min(size, seq.length - i * size)
+                forked[p] = min(size, max(0, seq.shared - i * size))
+        refs = torch.tensor(self._refs, dtype=torch.int64)
+        page, offset = host // size, host % size
+        stale = offset >= torch.tensor(filled)[page]
         if bool(stale.any()):
             bad = int(host[stale][0])
             raise InputError(f"write: slot {bad} (page {bad // self.page_size}) is no token a "
@@ -514,6 +574,13 @@ class PagedKVCache:
                              f"{int(refs[bad // self.page_size])} sequences share (forked "
                              "after reserve): writing it would change the fork too; write "
                              "before forking")
+        old = offset < torch.tensor(forked)[page]
+        if bool(old.any()):
+            bad = int(host[old][0])
+            raise InputError(f"write: slot {bad} (page {bad // size}) was reserved before its "
+                             "sequence was forked: the fork holds that token, and keeps zeros "
+                             "for this layer (it copied the page since); write every layer of "
+                             "reserved slots before forking")
 
     @_locked
     def append(self, seq_id: int, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
@@ -559,17 +626,32 @@ class PagedKVCache:
                                   self.scales.v[:, p].clone()))
                 else:
                     tails.append((p, length % self.page_size))
-        return seqs, list(self._free), list(self._refs), tails, self._moves
+        return seqs, list(self._free), list(self._refs), tails, self._moves, [False]
 
-    @_locked
     def _rollback(self, undo: tuple[Any, ...]) -> None:
-        seqs, free, refs, tails, moved = undo
-        # what the bookkeeping needs, computed first; the tables naming the pages the step
-        # took are revoked before those pages go back on the free list (as in ``free``: an
-        # interrupt between the two left a table a retried abort no longer saw, reading the
-        # page's next owner); then the pages, lengths, free list and refcounts put back in a
-        # row of plain assignments (no call between them for an interrupt to land in: one
-        # that did left a shared page counted once)
+        """Put the cache back as it was at ``undo``. Recorded first: an undo a Ctrl-C cuts
+        short (it left a shared page counted once, say) is finished before the cache's next
+        operation (``_locked``) or by ``step.abort()``, never half-done under a ``free``."""
+        with self._lock:
+            self._undos.append(undo)
+            self._finish_undos()
+
+    def _finish_undos(self) -> None:
+        """Finish the pending undos, in the order begun (an inner one cut short, then the
+        step's around it); each can be run again, and once done does nothing."""
+        for undo in self._undos:
+            self._undo(undo)
+        self._undos.clear()
+
+    def _undo(self, undo: tuple[Any, ...]) -> None:
+        """Restore one undo point; safe to run again after a Ctrl-C, a no-op once done."""
+        seqs, free, refs, tails, moved, done = undo
+        if done[0]:
+            return
+        self._version += 1  # first: a step's write sees the change and finds itself aborted
+        # the tables naming the pages the step took are revoked before those pages go back
+        # on the free list (as in ``free``: an interrupt between the two left a table a
+        # retried abort no longer saw, reading the page's next owner)
         back = [n for n in self._moved if n > moved]
         released = set(free) - set(self._free)
         self._revoke_tables(released, "the step that took them was aborted")
@@ -591,7 +673,7 @@ class PagedKVCache:
                 else:
                     self._k[:, p, off:] = 0
                     self._v[:, p, off:] = 0
-        self._version += 1
+        done[0] = True
 
     def _check_kv(self, where: str, k: Any, v: Any, n: int | None) -> int:
         """k (n, Hkv, D) and v (n, Hkv, Dv) fit this cache; returns n. Floating point only
@@ -654,14 +736,15 @@ class PagedKVCache:
             raise InputError(f"step: new_tokens={new_tokens!r}; pass one int >= 0, the tokens "
                              "each sequence appends in this step (per-sequence counts: "
                              "reserve)")
-        context = tuple(self.length(s) for s in seq_ids)
+        context = tuple(self._seqs[s].length for s in seq_ids)
         undo = self._undo_point(seq_ids)
         try:
             slots = self.reserve(seq_ids, new_tokens)
             owned = tuple((s, tuple(self._seqs[s].pages[c // self.page_size:]))
                           for s, c in zip(seq_ids, context) if new_tokens)
             return CacheStep(self, tuple(seq_ids), new_tokens, slots, self.block_table(seq_ids),
-                             self.seqlens(seq_ids), context, undo, self._version, _owned=owned)
+                             self.seqlens(seq_ids), context, undo, self._version,
+                             _aborted=undo[-1], _owned=owned)
         except BaseException:
             self._rollback(undo)
             raise
@@ -688,7 +771,7 @@ class PagedKVCache:
     @_locked
     def seqlens(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """(B,) int32 token counts."""
-        lens = [self.length(s) for s in self._check_ids("seqlens", seq_ids)]
+        lens = [self._seqs[s].length for s in self._check_ids("seqlens", seq_ids)]
         return self._vouched(torch.tensor(lens, dtype=torch.int32), (max(lens, default=0),
                                                                       tuple(lens)))
 

@@ -67,6 +67,10 @@ class SequenceStates:
     def __init__(self) -> None:
         self._by_layer: dict[int, SequenceStore] = {}
         self._stores: list[SequenceStore] = []
+        #: per sequence id, how many stores (the first ones) hold its state, counted right
+        #: after each store's call: what a free, or the undo of an allocate or fork, releases
+        #: (exactly, after a Ctrl-C too: a store's call that raises changes nothing)
+        self._held: dict[int, int] = {}
 
     def __bool__(self) -> bool:
         return bool(self._stores)
@@ -102,17 +106,23 @@ class SequenceStates:
         self._all_or_nothing(lambda s: s.fork(src, dst), dst)
 
     def free(self, seq_id: int) -> None:
-        for s in self._stores:
-            s.free(seq_id)
+        """Free ``seq_id``'s state in the stores holding it, last first. Retryable: a free
+        cut short (Ctrl-C) leaves the count of those still holding it, so the retry neither
+        frees a store twice (it would raise, and the sequence could never be freed) nor
+        skips one."""
+        held = self._held
+        while held.get(seq_id):
+            self._stores[held[seq_id] - 1].free(seq_id)
+            held[seq_id] -= 1
+        held.pop(seq_id, None)
 
     def _all_or_nothing(self, op: Callable[[SequenceStore], None], new_id: int) -> None:
-        """Run ``op`` on every store; if one fails, free ``new_id`` where it succeeded."""
-        done: list[SequenceStore] = []
+        """Run ``op`` on every store; if one fails (or a Ctrl-C lands), free ``new_id``
+        where it succeeded."""
         try:
-            for s in self._stores:
+            for i, s in enumerate(self._stores):
                 op(s)
-                done.append(s)
+                self._held[new_id] = i + 1
         except BaseException:
-            for s in done:
-                s.free(new_id)
+            self.free(new_id)
             raise

@@ -165,9 +165,8 @@ class ProfileStore:
         self.packs = packs_dir(packs)
         self.revision = 0  # bumped on every change this process sees (policy cache key)
         self._data: dict[str, Any] | None = None
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, ...] | None = None
         self._lock = threading.Lock()
-        #: the changes of an open :meth:`batch`, written together when it closes
         #: per thread, the open :meth:`batch` blocks' pending changes, innermost last
         self._batches = threading.local()
 
@@ -341,12 +340,15 @@ def _section(data: dict[str, Any], device: DeviceInfo, section: str, key: str) -
     return _device(data, device).setdefault(section, {}).setdefault(key, {})
 
 
-def _stamp(path: Path) -> tuple[int, int] | None:
+def _stamp(path: Path) -> tuple[int, ...] | None:
+    """What tells the file changed since it was read: the inode and ctime too, since
+    another writer's same-size replace within the clock's tick keeps mtime and size (every
+    write renames a new file into place: ``write_json_atomic``)."""
     try:
         st = path.stat()
     except OSError:
         return None
-    return st.st_mtime_ns, st.st_size
+    return st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size
 
 
 #: Far above a store of every bucket of every backend on a few devices (about 1 MiB each).
