@@ -15,6 +15,7 @@ import torch
 
 from ..core.process_state import STRAY
 from ..errors import AttnhubError
+from ._common import json_printed, print_error_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,26 +37,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    json_printed[0] = 0
     try:
         return int(args.func(args) or 0)
     except AttnhubError as exc:
-        print(f"attnhub {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args, exc, str(exc))
     except BrokenPipeError:
         return 0
     except KeyboardInterrupt:  # Ctrl-C: what was written is whole (atomic writers)
         print(f"attnhub {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED
     except MemoryError as exc:  # a size the machine cannot hold (--vocab 10**12)
-        print(f"attnhub {args.command}: error: out of memory ({exc or 'MemoryError'}); "
-              "pass smaller sizes", file=sys.stderr)
-        return 1
+        return _failed(args, exc, f"out of memory ({exc or 'MemoryError'}); pass smaller sizes")
     except RuntimeError as exc:
         if not _out_of_memory(exc):
             raise
-        print(f"attnhub {args.command}: error: out of memory "
-              f"({str(exc).splitlines()[0][:160]}); pass smaller sizes", file=sys.stderr)
-        return 1
+        return _failed(args, exc, f"out of memory ({str(exc).splitlines()[0][:160]}); pass "
+                                  "smaller sizes")
+    except SystemExit as exc:  # ``SystemExit("attnhub bench: ...")``: exit 1, said on stderr
+        if isinstance(exc.code, str) and getattr(args, "json", False):
+            print_error_json("CommandError", exc.code.removeprefix(f"attnhub {args.command}: "))
+        raise
+
+
+def _failed(args: argparse.Namespace, exc: BaseException, message: str) -> int:
+    """Exit 1 with ``message`` on stderr; with ``--json`` also the error object on stdout."""
+    print(f"attnhub {args.command}: error: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print_error_json(type(exc).__name__, message, getattr(exc, "problems", None))
+    return 1
 
 
 #: Exit status after Ctrl-C (128 + SIGINT, as a shell reports it).

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -94,13 +95,37 @@ def progress(args: argparse.Namespace, desc: str, total: int, unit: str = "it") 
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
 
 
+def path_kind(path: str | os.PathLike[str]) -> str | None:
+    """What is at ``path``: "file", "folder", "other" (a device, FIFO or socket) or None
+    (nothing). ``Path.is_file()``/``exists()`` let a name too long (ENAMETOOLONG) or an
+    unsearchable folder (EACCES) escape as tracebacks; here every such error is an
+    ``OSError`` the caller names (see :func:`checked_kind`)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "other"
+
+
+def checked_kind(flag: str, path: str | os.PathLike[str]) -> str | None:
+    """:func:`path_kind` of a user's path, a path that cannot be looked at (a name too long,
+    a folder without permission, a symlink loop) an error naming ``flag``, the path and why."""
+    try:
+        return path_kind(path)
+    except OSError as exc:
+        from ..policy.located import clip
+
+        raise InputError(f"{flag} {clip(os.fspath(path), 200, middle=True)}: cannot use this "
+                         f"path ({exc.strerror or exc}); pass another one") from None
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path beside ``path`` (same suffix, so writers that infer the format from
     it still do) that replaces ``path`` only when the block succeeds: a failed or interrupted
     write leaves the old file, or none, never a truncated one."""
     target = Path(os.path.realpath(path))
-    if target.exists() and not target.is_file() and not target.is_dir():
+    if path_kind(target) == "other":
         raise InputError(f"{path} is not a regular file (a device, FIFO or socket, which the "
                          "write would replace); pass the path of a file to write")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix,
@@ -182,9 +207,23 @@ def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
+#: JSON documents printed by the running command (``main`` resets it): a command that fails
+#: after printing its report adds no second document, which would make stdout unparsable.
+json_printed = [0]
+
+
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
+    json_printed[0] += 1
+
+
+def print_error_json(kind: str, message: str, problems: Sequence[str] | None = None) -> None:
+    """With ``--json``, a failed command prints ``{"error": kind (the exception's class),
+    "message": ..., "problems": [each located line]}`` on stdout, unless it printed its
+    report already: a script parsing the output got nothing to parse."""
+    if not json_printed[0]:
+        print_json({"error": kind, "message": message, "problems": list(problems or [message])})
 
 
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:

@@ -7,7 +7,7 @@ import os
 
 from ..core.device import DeviceInfo, probe, simulate
 from ..core.registry import Registry
-from ..errors import AttnhubError, HardwareError
+from ..errors import HardwareError
 from ..policy import Policy, load_policy
 
 
@@ -24,7 +24,7 @@ def hardware_list(text: str | None) -> list[str]:
         try:
             simulate(h)
         except ValueError as exc:
-            raise AttnhubError(f"--hardware: {exc}") from None
+            raise HardwareError(f"--hardware: {exc}") from None
     return names
 
 

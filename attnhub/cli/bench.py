@@ -23,8 +23,8 @@ from typing import Any
 
 from ..core.backend import safe_available
 from ..errors import InputError
-from ._common import (STORE_FAILED, add_json, at_least, atomic_path, list_of, name_list,
-                      print_json, progress, table, write_text_atomic)
+from ._common import (STORE_FAILED, add_json, at_least, atomic_path, checked_kind, list_of,
+                      name_list, print_json, progress, table, write_text_atomic)
 from ._decoder import add_decoder_args
 
 
@@ -136,11 +136,12 @@ def _check_outputs(args: argparse.Namespace) -> None:
             continue
         path = Path(given)
         folder, name = path.parent, f"--{flag.replace('_', '-')}"
-        why = ("is a folder" if path.is_dir() else f"folder {folder} does not exist"
-               if not folder.is_dir() else f"folder {folder} is not writable"
-               if not os.access(folder, os.W_OK) else "is not a regular file (a device, "
-               "FIFO or socket: it would be replaced by the report)"
-               if path.exists() and not path.is_file() else "")
+        kind = checked_kind(name, path)
+        why = ("is a folder" if kind == "folder" else f"folder {folder} does not exist"
+               if checked_kind(name, folder) != "folder" else f"folder {folder} is not "
+               "writable" if not os.access(folder, os.W_OK) else "is not a regular file (a "
+               "device, FIFO or socket: it would be replaced by the report)"
+               if kind == "other" else "")
         other = seen.get(os.path.realpath(path))
         if not why and other:
             why = f"is also {other}: one would replace the other"

@@ -1,14 +1,17 @@
 """``attnhub doctor``: the device, library versions, usable backends and how to unlock more,
-plugin errors, and policy rules that name a backend no installed plugin registers. Exit 1 when
-the policy (``--policy`` or ``ATTNHUB_POLICY``) does not load, else 0."""
+plugin errors, policy rules that name a backend no installed plugin registers, and
+``ATTNHUB_*`` settings that change or break every attention call. Exit 1 when the policy
+(``--policy`` or ``ATTNHUB_POLICY``) does not load or such a setting is invalid, else 0."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..core.device import probe
-from ..core.registry import Registry
-from ..errors import PolicyError
+from ..core.env import env_flag
+from ..core.registry import Registry, did_you_mean
+from ..errors import ArgumentError, PolicyError
 from ._common import add_hardware, add_json, print_json
 from ._policy_common import add_policy
 from .backends import backend_rows
@@ -39,6 +42,51 @@ def policy_gaps(reg: Registry, policy_ref: str | None) -> list[str]:
             for lr in policy.rules for name in lr.rule.use.names if name not in reg.backends]
 
 
+#: Read by every ``Hub``: the backend every call is forced onto (unset or empty: the policy).
+FORCE_ENV = "ATTNHUB_BACKEND"
+#: On/off switches every ``Hub`` reads (``env_flag``), with their defaults: a value it
+#: cannot read fails each call.
+SWITCHES = {"ATTNHUB_DEBUG": False, "ATTNHUB_SETTLE_TIES": True}
+
+
+def forced_backend() -> str | None:
+    """``ATTNHUB_BACKEND`` as a ``Hub`` reads it."""
+    return os.environ.get(FORCE_ENV) or None
+
+
+def forced_problem(reg: Registry, usable: list[str] | None = None) -> str | None:
+    """Why ``ATTNHUB_BACKEND`` makes every attention call raise, or None: it names no
+    registered backend, or (``usable`` given) one that cannot run on this device."""
+    name = forced_backend()
+    if name is None:
+        return None
+    if name not in reg.backends:
+        return (f"{FORCE_ENV}={name!r} names no registered backend"
+                f"{did_you_mean(name, list(reg.backends))}, so every attention call raises; "
+                f"set a known one ({', '.join(sorted(reg.backends))}) or unset it to follow "
+                "the policy")
+    if usable is not None and name not in usable:
+        return (f"{FORCE_ENV}={name!r} names a backend that cannot run on this device, so every "
+                "attention call raises (see `usable` above); unset it to follow the policy")
+    return None
+
+
+def settings(reg: Registry, usable: list[str]) -> dict[str, list[str]]:
+    """``ATTNHUB_*`` settings every ``Hub`` reads: ``errors``, values that make each call
+    raise (doctor said nothing of them and exited 0), and ``notes``, values that change
+    which backend runs."""
+    forced = forced_problem(reg, usable)
+    errors = [forced] if forced else []
+    for name, default in SWITCHES.items():
+        try:
+            env_flag(name, default)
+        except ArgumentError as exc:
+            errors.append(f"{exc}; no Hub can be made, so every attention call raises this")
+    notes = [f"{FORCE_ENV}={forced_backend()} forces every attention call onto it; the "
+             "policy is not consulted"] if forced_backend() and not forced else []
+    return {"errors": errors, "notes": notes}
+
+
 def run(args: argparse.Namespace) -> int:
     dev = probe(args.hardware)
     reg = Registry.load()
@@ -53,9 +101,12 @@ def run(args: argparse.Namespace) -> int:
         "plugin_errors": [f"{p}: {e}" for p, e in reg.errors()],
         "policy_missing_backends": policy_gaps(reg, args.policy),
     }
-    # a policy that does not load is the one finding that fails the run: every later command
-    # with it fails too (plugin errors are shown, the plugins that load still serve)
-    status = int(any(e.startswith(NO_POLICY) for e in report["policy_missing_backends"]))
+    report["settings"] = settings(reg, report["usable"])
+    # a policy that does not load, or a setting every call fails on, fails the run: every
+    # later command with it fails too (plugin errors are shown, the plugins that load still
+    # serve)
+    status = int(any(e.startswith(NO_POLICY) for e in report["policy_missing_backends"])
+                 or bool(report["settings"]["errors"]))
     if args.json:
         print_json(report)
         return status
@@ -68,4 +119,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  plugin error: {e}")
     for e in report["policy_missing_backends"]:
         print(f"  policy: {e}")
+    for level in ("errors", "notes"):
+        for e in report["settings"][level]:
+            print(f"  setting{' error' if level == 'errors' else ''}: {e}")
     return status

@@ -22,8 +22,13 @@ from ..core.memory import check_memory
 from ._common import add_hardware, add_json, at_least, name_list, nonblank, print_json
 from ._decoder import parse_heads
 from ._policy_common import add_policy, devices, load
+from .doctor import forced_backend, forced_problem
 
 SCHEMA = "attnhub.explain/1"
+#: A note on ATTNHUB_BACKEND: explain said nothing of it, although every call in its
+#: environment bypasses the decision it shows.
+_FORCED = ("ATTNHUB_BACKEND={0} forces every attention call in this environment onto {0}; "
+           "this decision is the policy's (unset the variable to follow it)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -142,15 +147,21 @@ def run(args: argparse.Namespace) -> int:
     trace = [{"rule": lr.rule.name, "location": lr.location, "failed": failed}
              for lr, failed in policy.trace(spec, device, ctx)] if args.trace else None
     ran = _run_once(policy, registry, spec, ctx, args) if args.run else None
+    name = forced_backend()
+    forced = (forced_problem(registry) or _FORCED.format(name)) if name else None
     if args.json:
+        record = decision.to_json()
+        record["notes"] += [forced] if forced else []
         print_json({"schema": SCHEMA,
                     "policy": {"name": policy.name, "files": list(policy.data.files)},
                     "device": {"arch": device.arch, "vendor": device.vendor, "name": device.name,
                                "simulated": device.simulated},
-                    "decision": decision.to_json(), "trace": trace, "run": ran})
+                    "decision": record, "trace": trace, "run": ran})
         return 0 if decision.backend else 1
     print(f"policy:  {policy.name} ({' <- '.join(policy.data.files)})")
     print(decision.explain())
+    if forced:
+        print(f"  note: {forced}")
     for t in trace or []:
         state = "matched" if t["failed"] is None else f"no match on `{t['failed']}`"
         print(f"  tried {t['rule']} ({t['location']}): {state}")

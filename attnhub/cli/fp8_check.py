@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..core.backend import safe_check
-from ._common import (STORE_FAILED, add_hardware, add_json, at_least, list_of, nonblank,
-                      print_json, progress, recorded, seed, table)
+from ._common import (STORE_FAILED, add_hardware, add_json, at_least, checked_kind, list_of,
+                      nonblank, print_json, progress, recorded, seed, table)
 
 OUTLIER_KINDS = ("q_channel", "k_bias")
 
@@ -145,7 +144,7 @@ def synthetic_cases(shape: tuple[int, ...], causal: bool, magnitudes: list[float
 
 
 def captured_cases(path: str, device: torch.device) -> list[Case]:
-    if not Path(path).is_file():  # a FIFO would block the load forever
+    if checked_kind("--inputs", path) != "file":  # a FIFO would block the load forever
         raise SystemExit(f"attnhub fp8-check: --inputs {path}: not a regular file; pass a "
                          "file saved with torch.save")
     try:

@@ -1,5 +1,6 @@
-"""``attnhub lock``: freeze the resolved bindings; ``--check`` lists drift (exit 1) or a
-malformed lockfile, located (exit 3)."""
+"""``attnhub lock``: freeze the resolved bindings; ``--check`` lists drift (exit 1), or says
+why nothing could be checked (exit 3): a malformed lockfile, located, or a policy or plugin
+setting that does not load."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from ..core.registry import Registry
 from ..errors import AttnhubError
 from ..policy import load_policy
 from ..policy.cells import cells
-from ..policy.loader import PolicyData, policies_dir
+from ..policy.loader import PolicyData, _exists, policies_dir
 from ..policy.profile import default_profile_path
 from ..policy.lock import (EXIT_BAD_LOCK, LockfileError, build_lock, check_lock, read_lock,
                            write_lock)
-from ._common import add_json, hardware_names, nonblank, print_json, progress
+from ._common import add_json, hardware_names, nonblank, print_error_json, print_json, progress
 from ._policy_common import add_policy, devices, load
 
 
@@ -32,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="lockfile to write")
     p.add_argument("--check", metavar="FILE", help="resolve a lockfile's bindings again and "
                                                    "print what changed (exit 1 on drift, 3 "
-                                                   "for a malformed lockfile)")
+                                                   "when it cannot be checked: a malformed "
+                                                   "lockfile, a policy that does not load)")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -85,15 +87,17 @@ def _not_a_policy_file(out: Path, policy_files: tuple[Path, ...]) -> None:
 def _check(args: argparse.Namespace) -> int:
     try:
         lock = read_lock(args.check)
-    except LockfileError as exc:
+        policy_ref = args.policy or _locked_policy(lock, Path(args.check))
+        policy, registry = load_policy(policy_ref), Registry.load()
+        drift = check_lock(lock, policy, registry)
+    except AttnhubError as exc:  # nothing was checked: not drift (1), which a CI job acts on
+        problems = getattr(exc, "problems", None) or [str(exc)]
         if args.json:
-            print_json({"error": "bad-lockfile", "problems": exc.problems})
-        for line in exc.problems:
+            print_error_json("bad-lockfile" if isinstance(exc, LockfileError)
+                             else type(exc).__name__, str(exc), problems)
+        for line in problems:
             print(f"attnhub lock: error: {line}", file=sys.stderr)
         return EXIT_BAD_LOCK
-    policy_ref = args.policy or _locked_policy(lock, Path(args.check))
-    policy, registry = load_policy(policy_ref), Registry.load()
-    drift = check_lock(lock, policy, registry)
     if args.json:
         print_json(drift.to_json())
         return int(drift.drifted)
@@ -138,4 +142,4 @@ def _locked_policy(lock: dict, lock_path: Path) -> str:
         raise AttnhubError(f"{lock_path} records no policy file; pass --policy")
     top = Path(files[-1])
     beside = lock_path.parent / top
-    return str(beside if not top.is_absolute() and beside.is_file() else top)
+    return str(beside if not top.is_absolute() and _exists(beside, file=True) else top)

@@ -365,10 +365,14 @@ class Registry:
         if pick is not None and pick != rec.name:
             return (f"backend name {name!r} is not registered from {rec.name!r}: the deployment "
                     f"picks plugin {pick!r} for it ({PROVIDERS_ENV})")
+        other = self.backends.get(name)
+        holders = self.conflicts.get(name) or [getattr(other, "plugin", None)]
+        if rec.name in holders:  # before the pick: it picks a plugin, not one of its objects
+            # (the second replaced the first, and the record blamed the deployment)
+            return f"backend name {name!r} is registered twice by this plugin"
         if name in self.conflicts:
             self.conflicts[name].append(rec.name)
             return self._conflict_text(name)
-        other = self.backends.get(name)
         if other is None or pick == rec.name:
             if other is not None:  # the deployment's pick replaces an earlier registration
                 self.plugins[other.plugin].backends.remove(name)
@@ -376,8 +380,6 @@ class Registry:
                     f"backend name {name!r} is served by plugin {rec.name!r}: the deployment "
                     f"picks it ({PROVIDERS_ENV})")
             return None
-        if other.plugin == rec.name:
-            return f"backend name {name!r} is registered twice by this plugin"
         if other.plugin == CORE_PLUGIN:
             return (f"backend name {name!r} is already registered by 'core' (attnhub's own); "
                     f"rename the backend, or set {PROVIDERS_ENV}={name}={rec.name} to replace it")

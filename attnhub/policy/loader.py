@@ -24,7 +24,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from pydantic import ValidationError
 
@@ -103,13 +103,20 @@ def default_policy_path() -> Path:
 def resolve_policy_path(ref: str | os.PathLike[str], base_dir: Path | None = None) -> Path:
     """A file path, or a packaged policy name such as ``default`` or ``portable``."""
     s = os.fspath(ref)
-    if _PACKAGED_NAME.match(s) and not _exists((base_dir or Path(".")) / s, file=True):
+    if _PACKAGED_NAME.match(s) and not _local((base_dir or Path(".")) / s):
         return policies_dir() / f"{s}.yaml"
     try:
         p = Path(s).expanduser()
     except RuntimeError:  # ``~nosuchuser/x.yaml``: read as written, and reported as unreadable
         p = Path(s)
     return p if p.is_absolute() or base_dir is None else base_dir / p
+
+
+def _local(p: Path) -> bool:
+    """``p`` names a local policy rather than a packaged one: a file, or a link that leads
+    to no folder (a symlink loop or a dangling link is that file, reported when it is read,
+    not a "missing packaged policy")."""
+    return _exists(p, file=True) or (os.path.islink(p) and not os.path.isdir(p))
 
 
 def _exists(p: Path, file: bool = False) -> bool:
@@ -228,6 +235,17 @@ def _display(p: Path) -> str:
         return str(p)
 
 
+def _utf16(raw: bytes) -> str:
+    """How ``raw`` shows it is UTF-16, or "": without a byte-order mark it decodes as UTF-8
+    with a NUL before or after each character, reported as a NUL to remove (the wrong fix)."""
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return "it starts with a byte-order mark"
+    head = raw[:min(len(raw), 64) // 2 * 2]
+    if head and any(head) and (not any(head[1::2]) or not any(head[::2])):
+        return "a NUL byte between the characters"
+    return ""
+
+
 def _read_chain(path: Path, problems: list[str], seen: list[Path],
                 ref: str | None = None) -> list[tuple[PolicyFile, Located]]:
     """Files from the root base to ``path`` (each validated); problems collected."""
@@ -243,6 +261,10 @@ def _read_chain(path: Path, problems: list[str], seen: list[Path],
     where = f"{ref}: " if ref else ""
     try:
         raw = read_limited(path, MAX_BYTES)
+        if utf16 := _utf16(raw):
+            problems.append(f"{file}:1:1 (encoding): the file is UTF-16 ({utf16}), "
+                            "expected a UTF-8 text file (re-save it as UTF-8)")
+            return []
         text = raw.decode("utf-8")
     except OSError as exc:
         shown = clip(file, MAX_SHOWN, middle=True)  # an ``extends:`` of megabytes
@@ -271,7 +293,8 @@ def _read_chain(path: Path, problems: list[str], seen: list[Path],
     extends = pf.extends if pf else (doc.data or {}).get("extends") if isinstance(
         doc.data, dict) else None
     base: list[tuple[PolicyFile, Located]] = []
-    if isinstance(extends, str):  # followed even when this file is invalid: report all
+    # followed even when this file is invalid: every problem of the chain at once
+    if isinstance(extends, str) and extends.strip():
         base = _read_chain(resolve_policy_path(extends, path.parent), problems,
                            seen + [_real(path)], ref=f"{doc.where(('extends',))} extends")
     return base + [(pf, doc)] if pf else []

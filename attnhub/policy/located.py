@@ -264,10 +264,10 @@ class _Builder:
             raise _Refused(f"{where}: merge key `<<` is not allowed in policy files, expected "
                            "the keys written out (or `extends:` to build on another file)")
         key = self._construct(ev, tag, parent.path)
-        if not isinstance(key, (str, int, float, bool)) or key is None:
+        if not isinstance(key, str):
             where = f"{self.doc.file}:{pos[0]}:{pos[1]} {dotted(parent.path)}"
-            self.problems.append(f"{where}: got a {type(key).__name__} as a key, expected a "
-                                 "plain name")
+            self.problems.append(f"{where}: got the key {show(ev.value)}, which YAML reads as "
+                                 f"{_reading(key)}, expected a plain name (quote it)")
             parent.key = _SKIP
         elif key in parent.data:
             first = self.doc.keys[parent.path + (key,)][0]
@@ -331,6 +331,19 @@ class _Builder:
             raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: cannot read "
                            f"{show(ev.value)} as a plain value, expected a string, number, "
                            "true/false or null (quote it to make it a string)") from None
+
+
+def _reading(key: Any) -> str:
+    """What YAML made of a key that is not text (keys are names, and pydantic placed such a
+    key as a list index, ``[1]``, at its value's column, or at 1:1 for NaN)."""
+    if isinstance(key, bool):
+        return (f"the flag {key} (YAML 1.1 reads unquoted yes/no/on/off/true/false as a "
+                "flag)")
+    if key is None:
+        return "null (an empty key, ~ or null)"
+    if isinstance(key, (int, float)):
+        return f"the number {key!r}"
+    return f"a {type(key).__name__} ({clip(str(key))})"
 
 
 def _node(tag: str, ev: Any) -> yaml.ScalarNode:

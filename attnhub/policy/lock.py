@@ -39,7 +39,8 @@ from .resolver import Policy
 SCHEMA = "attnhub.lock/2"
 #: Keys of a binding's context this version reads (others, as in specs, are ignored).
 _CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(BindContext) if f.init)
-#: ``attnhub lock --check`` exit status for an unreadable or malformed lockfile (drift is 1).
+#: ``attnhub lock --check`` exit status when nothing could be checked (drift is 1): an
+#: unreadable or malformed lockfile, or a policy or plugin setting that does not load.
 EXIT_BAD_LOCK = 3
 
 

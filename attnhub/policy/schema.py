@@ -104,6 +104,17 @@ def _at_most(limit: int, what: str, why: str) -> Callable[[Any], Any]:
     return check
 
 
+def _not_blank(what: str, expected: str) -> Callable[[Any], Any]:
+    """A validator refusing text that is empty or only spaces, as ``got an empty {what}``."""
+
+    def check(v: Any) -> Any:
+        if isinstance(v, str) and not v.strip():
+            raise ValueError(f"got an empty {what} ({v!r}), expected {expected}")
+        return v
+
+    return check
+
+
 def _name(v: Any, pattern: re.Pattern[str], what: str) -> Any:
     """``v`` when it is a name ``pattern`` allows; else why not, pointing at the character
     that is wrong (a Cyrillic 'а' in "triton" reads like the Latin one in every message)."""
@@ -162,10 +173,29 @@ def _text_not_number(v: str) -> str:
         return f"got the text {show(v)}, expected a finite number"
     if len(v) > 60:  # thousands of digits: no rewrite of it is worth showing
         return f"got the text {show(v)}, expected a number (unquoted)"
-    m, plain = _EXPONENT_TEXT.match(v), str(int(x)) if x.is_integer() else repr(x)
-    hint = (f"YAML 1.1 reads an exponent without a dot and a sign as text: write {plain} or "
-            f"{m[1]}{m[2] or '.0'}e{m[3] or '+'}{m[4]}" if m else f"write it unquoted as {plain}")
-    return f"got the text {show(v)}, expected a number ({hint})"
+    m = _EXPONENT_TEXT.match(v)
+    if not m:
+        return f"got the text {show(v)}, expected a number (write it unquoted as {_yaml_number(x)})"
+    plain = f"{int(x)} or " if x.is_integer() and abs(x) < _LONGEST_INT else ""
+    return (f"got the text {show(v)}, expected a number (YAML 1.1 reads an exponent without a "
+            f"dot and a sign as text: write {plain}{m[1]}{m[2] or '.0'}e{m[3] or '+'}{m[4]})")
+
+
+#: Integral values from here on are suggested in exponent form (``1e308`` written out was an
+#: integer of 309 digits).
+_LONGEST_INT = 1e16
+
+
+def _yaml_number(x: float) -> str:
+    """``x`` written so YAML 1.1 reads it back as a number, short: an integer of up to 16
+    digits, else Python's shortest form with the dot and exponent sign YAML 1.1 needs."""
+    if x.is_integer() and abs(x) < _LONGEST_INT:
+        return str(int(x))
+    mantissa, e, exponent = repr(x).partition("e")
+    if not e:
+        return mantissa
+    sign = "" if exponent[0] in "+-" else "+"
+    return f"{mantissa if '.' in mantissa else mantissa + '.0'}e{sign}{exponent}"
 
 
 #: What pydantic's lax mode would read as a boolean besides true/false (``1``, ``"no"``...).
@@ -187,6 +217,9 @@ VariantName = Annotated[str, BeforeValidator(_at_most(
 PolicyName = Annotated[str, BeforeValidator(_at_most(
     MAX_NAME, "a policy name", "every decision record and message shows it"))]
 Identifier = Annotated[str, BeforeValidator(_identifier)]
+#: ``extends: ''`` was read as the policy's own folder ("Is a directory").
+Extends = Annotated[str, BeforeValidator(_not_blank("extends", "a file path or a packaged "
+                                                    "name such as `default`"))]
 RuleName = Annotated[str, BeforeValidator(_rule_name)]
 #: Flags, counts and numbers are never coerced: pydantic's lax mode reads ``needs_grad: "no"``
 #: or ``1`` as True, ``every: true`` as 1 and ``ge: true`` as 1.0, silently.
@@ -467,7 +500,7 @@ class PolicyFile(Strict):
     name: PolicyName = Field(min_length=1)
     version: Count = 1
     description: str = ""
-    extends: str | None = None
+    extends: Extends | None = None
     targets: _many(Target) | None = None  # type: ignore[valid-type]
     defaults: Defaults = Field(default_factory=Defaults)
     remove: list[str] = Field(default_factory=list)
