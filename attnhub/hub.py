@@ -531,6 +531,9 @@ class Hub:
                         phase, return_lse, backend, context, deterministic, needs_grad,
                         dropout_p > 0.0,  # as the spec's flag, whatever number type
                         dtype, k.dtype, v.dtype, device, k.device, v.device,
+                        # a lazily negated view reads un-negated in a kernel that takes raw
+                        # pointers: such a call takes the slow path's refusal
+                        q.is_neg() or k.is_neg() or v.is_neg(),
                         q_shape, k_shape, v_shape)
             # the layers of a step repeat one key: comparing it with the last one costs
             # about half a lookup (no hash of ~25 items)

@@ -379,3 +379,45 @@ def test_a_profile_reader_sees_a_same_size_replace_within_the_clock_tick(tmp_pat
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same tick of a coarse clock
     assert path.stat().st_size == st.st_size
     assert reader.speed(dev, spec, "x") == 0.009
+
+
+def test_a_second_interrupt_as_reserves_undo_starts_leaves_nothing_reserved(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The undo is pending from before the first change: a Ctrl-C landing at
+    ``_rollback``'s entry (self-review 8b) no longer leaves the reservation in place."""
+    c = PagedKVCache(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
+    s = c.allocate()
+    c.append(s, [torch.ones(3, 1, 2)], [torch.ones(3, 1, 2)])
+    before = (c.length(s), c.pages(s), c.free_pages)
+    real = PagedKVCache._rollback
+
+    def clear(self, pages):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt("first")
+
+    def rollback(self, undo):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(PagedKVCache, "_rollback", real)
+        raise KeyboardInterrupt("second, as the undo starts")
+
+    monkeypatch.setattr(PagedKVCache, "_clear", clear)
+    monkeypatch.setattr(PagedKVCache, "_rollback", rollback)
+    with pytest.raises(KeyboardInterrupt):
+        c.reserve([s], 6)
+    monkeypatch.undo()
+    c.check_invariants()  # the next operation finishes the pending undo
+    assert (c.length(s), c.pages(s), c.free_pages) == before and not c._undos
+
+
+def test_a_write_after_its_fork_was_freed_goes_through_unless_a_relative_lives() -> None:
+    c = PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
+    a = c.allocate()
+    slots = c.reserve([a], 3)
+    c.free(c.fork(a))  # no sequence but a holds those tokens now
+    c.write(0, slots, torch.ones(3, 1, 2), torch.ones(3, 1, 2))
+    b = c.fork(a)
+    grandchild = c.fork(b)
+    c.append(grandchild, [torch.ones(1, 1, 2)] * 2, [torch.ones(1, 1, 2)] * 2)  # copies
+    c.free(b)  # a and the grandchild stay related through b
+    with pytest.raises(InputError, match="reserved before"):
+        c.write(1, slots, torch.ones(3, 1, 2), torch.ones(3, 1, 2))
+    c.free(grandchild)
+    c.write(1, slots, torch.ones(3, 1, 2), torch.ones(3, 1, 2))

@@ -44,6 +44,9 @@ class _Seq:
     #: a fork's, so a write to one (reserved before the fork) is refused, since the fork
     #: would keep zeros for it once either copies the page (copy-on-write)
     shared: int = 0
+    #: the live sequences it was forked from or to, directly or through one since freed:
+    #: ``shared`` holds while any lives (a write then would leave one of them zeros)
+    links: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -189,9 +192,14 @@ def _locked(fn: Any) -> Any:
     @functools.wraps(fn)
     def run(self: PagedKVCache, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
-            if self._undos:
+            depth = self._depth
+            if self._undos and not depth:  # not inside an operation whose own is pending
                 self._finish_undos()
-            return fn(self, *args, **kwargs)
+            self._depth = depth + 1
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self._depth = depth
     return run
 
 
@@ -261,6 +269,9 @@ class PagedKVCache:
         #: undos begun and not finished (a Ctrl-C cut them short): finished, in order, before
         #: the next operation (``_locked``)
         self._undos: list[tuple[Any, ...]] = []
+        #: how deep this thread is in the cache's locked operations (pending undos are
+        #: finished at the outermost entry only: an inner call must not undo its caller)
+        self._depth = 0
 
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -327,7 +338,7 @@ class PagedKVCache:
         refs = list(self._refs)
         for p in src.pages:
             refs[p] += 1
-        return self._add(_Seq(list(src.pages), src.length, src.length),
+        return self._add(_Seq(list(src.pages), src.length, src.length, {seq_id}),
                          lambda sid: self.states.fork(seq_id, sid), refs, src)
 
     def _add(self, seq: _Seq, states: Any, refs: list[int] | None = None,
@@ -346,6 +357,7 @@ class PagedKVCache:
             raise
         if src is not None:
             self._refs, src.shared = refs, src.length
+            src.links.add(sid)
         self._version += 1
         return sid
 
@@ -367,6 +379,12 @@ class PagedKVCache:
         del self._seqs[seq_id]
         self._refs, self._free = refs, free
         self._version += 1
+        for rid in seq.links:  # its relatives stay linked through it; one left with no live
+            rel = self._seqs.get(rid)  # relative holds its reserved tokens alone again
+            if rel is not None:
+                rel.links = (rel.links | seq.links) - {rid, seq_id}
+                if not any(i in self._seqs for i in rel.links):
+                    rel.shared = 0
 
     def _revoke_tables(self, pages: Iterable[int], why: str, seq_id: int | None = None
                        ) -> list[tuple[weakref.ref, frozenset[int], frozenset[int]]]:
@@ -429,6 +447,7 @@ class PagedKVCache:
                 "sequences or build the cache with more num_pages. No sequence was changed.")
         undo = ([(seq, list(seq.pages), seq.length) for seq in seqs], list(self._free),
                 list(self._refs), [], self._moves, [False])
+        self._undos.append(undo)  # pending until it returns (see ``_rollback``)
         try:
             for i in copies:
                 self._copy_on_write(seq_ids[i], seqs[i])
@@ -443,6 +462,7 @@ class PagedKVCache:
                     fresh.append(p)
             self._clear(fresh)
             slots = self._slots(seqs, counts)
+            self._undos.pop()
         except BaseException:
             self._rollback(undo)
             raise
@@ -598,10 +618,12 @@ class PagedKVCache:
         for layer in range(1, self.num_layers):
             self._check_kv(f"append layer {layer}", ks[layer], vs[layer], n)
         undo = self._undo_point([seq_id])
+        self._undos.append(undo)  # pending until it returns (see ``_rollback``)
         try:
             slots = self.reserve([seq_id], n)
             for layer, (k, v) in enumerate(zip(ks, vs)):
                 self._write(layer, slots, k, v, check_slots=False)
+            self._undos.pop()
         except BaseException:  # a write the checks could not foresee (out of memory, ...)
             self._rollback(undo)
             raise
@@ -629,17 +651,21 @@ class PagedKVCache:
         return seqs, list(self._free), list(self._refs), tails, self._moves, [False]
 
     def _rollback(self, undo: tuple[Any, ...]) -> None:
-        """Put the cache back as it was at ``undo``. Recorded first: an undo a Ctrl-C cuts
-        short (it left a shared page counted once, say) is finished before the cache's next
-        operation (``_locked``) or by ``step.abort()``, never half-done under a ``free``."""
+        """Put the cache back as it was at ``undo``. Pending first: an operation records its
+        undo before it changes anything (``reserve``, ``append``, ``step``) and drops it as
+        it returns, so a Ctrl-C anywhere between, even as this rollback starts, or one that
+        cuts the undo short (a shared page counted once, say), leaves it to be finished
+        before the cache's next operation (``_locked``) or by ``step.abort()``, never
+        half-done under a ``free``."""
         with self._lock:
-            self._undos.append(undo)
+            if not self._undos or self._undos[-1] is not undo:
+                self._undos.append(undo)
             self._finish_undos()
 
     def _finish_undos(self) -> None:
-        """Finish the pending undos, in the order begun (an inner one cut short, then the
-        step's around it); each can be run again, and once done does nothing."""
-        for undo in self._undos:
+        """Finish the pending undos, innermost (last begun) first, as nested operations
+        unwind; each can be run again, and once done does nothing."""
+        for undo in reversed(self._undos):
             self._undo(undo)
         self._undos.clear()
 
@@ -738,13 +764,16 @@ class PagedKVCache:
                              "reserve)")
         context = tuple(self._seqs[s].length for s in seq_ids)
         undo = self._undo_point(seq_ids)
+        self._undos.append(undo)  # pending until it returns (see ``_rollback``)
         try:
             slots = self.reserve(seq_ids, new_tokens)
             owned = tuple((s, tuple(self._seqs[s].pages[c // self.page_size:]))
                           for s, c in zip(seq_ids, context) if new_tokens)
-            return CacheStep(self, tuple(seq_ids), new_tokens, slots, self.block_table(seq_ids),
+            step = CacheStep(self, tuple(seq_ids), new_tokens, slots, self.block_table(seq_ids),
                              self.seqlens(seq_ids), context, undo, self._version,
                              _aborted=undo[-1], _owned=owned)
+            self._undos.pop()
+            return step
         except BaseException:
             self._rollback(undo)
             raise
