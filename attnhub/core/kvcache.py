@@ -580,27 +580,22 @@ class PagedKVCache:
                 forked[p] = min(size, max(0, seq.shared - i * size))
         refs = torch.tensor(self._refs, dtype=torch.int64)
         page, offset = host // size, host % size
-        stale = offset >= torch.tensor(filled)[page]
-        if bool(stale.any()):
-            bad = int(host[stale][0])
-            raise InputError(f"write: slot {bad} (page {bad // self.page_size}) is no token a "
-                             "live sequence reserved: a free page or past its sequence's end "
-                             "(slots kept from before a free?); write the slots reserve() "
-                             "returned before freeing their sequence")
-        shared = refs[page] > 1
-        if bool(shared.any()):
-            bad = int(host[shared][0])
-            raise InputError(f"write: slot {bad} lies in page {bad // self.page_size}, which "
-                             f"{int(refs[bad // self.page_size])} sequences share (forked "
-                             "after reserve): writing it would change the fork too; write "
-                             "before forking")
-        old = offset < torch.tensor(forked)[page]
-        if bool(old.any()):
-            bad = int(host[old][0])
-            raise InputError(f"write: slot {bad} (page {bad // size}) was reserved before its "
-                             "sequence was forked: the fork holds that token, and keeps zeros "
-                             "for this layer (it copied the page since); write every layer of "
-                             "reserved slots before forking")
+        refused = (
+            (offset >= torch.tensor(filled)[page], lambda bad: (
+                f"slot {bad} (page {bad // size}) is no token a live sequence reserved: a free "
+                "page or past its sequence's end (slots kept from before a free?); write the "
+                "slots reserve() returned before freeing their sequence")),
+            (refs[page] > 1, lambda bad: (
+                f"slot {bad} lies in page {bad // size}, which {int(refs[bad // size])} "
+                "sequences share (forked after reserve): writing it would change the fork "
+                "too; write before forking")),
+            (offset < torch.tensor(forked)[page], lambda bad: (
+                f"slot {bad} (page {bad // size}) was reserved before its sequence was "
+                "forked: the fork holds that token, and keeps zeros for this layer (it "
+                "copied the page since); write every layer of reserved slots before forking")))
+        for hit, why in refused:
+            if bool(hit.any()):
+                raise InputError(f"write: {why(int(host[hit][0]))}")
 
     @_locked
     def append(self, seq_id: int, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
