@@ -292,3 +292,191 @@ def test_a_folder_named_like_a_packaged_policy_still_means_the_packaged_one(
     (tmp_path / "portable").mkdir()
     (tmp_path / "p.yaml").write_text("name: p\nextends: portable\nrules: []\n")
     assert load_data(tmp_path / "p.yaml").files[0].endswith("portable.yaml")
+
+
+# ninth review (selfdiff3) -----------------------------------------------------------------
+
+def test_batches_of_two_asyncio_tasks_keep_their_own_records(tmp_path: Path) -> None:
+    """(A) One thread, two tasks: the open batches were a per-thread stack and exit popped the
+    top, so task A's record went into B's batch and B's record was lost."""
+    import asyncio
+
+    from attnhub.core.device import probe
+    from attnhub.policy.profile import ProfileStore
+
+    dev, path = probe(), tmp_path / "store.json"
+    store = ProfileStore(path)
+
+    async def task(name: str, first: float) -> None:
+        with store.batch():
+            await asyncio.sleep(first)
+            store.record_attention_share(dev, name, 0.5)
+            with store.batch():  # nested: joins this task's batch
+                store.record_attention_share(dev, name + "2", 0.5)
+
+    async def both() -> None:
+        await asyncio.gather(task("A", 0.01), task("B", 0.03))
+
+    asyncio.run(both())
+    have = sorted(k.split("|")[0] for d in ProfileStore(path).data()["devices"].values()
+                  for k in d.get("attention_share", {}))
+    assert have == ["A", "A2", "B", "B2"]
+
+
+def test_a_huge_hex_key_is_a_located_error(tmp_path: Path) -> None:
+    """(B) repr() of an int past 4,300 digits raised a raw ValueError from the key message."""
+    from attnhub.policy.located import show
+
+    (line,) = _problems(tmp_path, "name: x\n? 0x" + "f" * 4000 + "\n: 1\nrules: []\n")
+    assert line.startswith(f"{tmp_path / 'p.yaml'}:2:3 ") and len(line) < 300, line
+    assert show(16 ** 4000) == "an integer of 16001 bits"
+    (line,) = _problems(tmp_path, "name: x\n0x" + "f" * 1000 + ": 1\nrules: []\n")
+    assert len(line) < 300, line
+
+
+@pytest.mark.parametrize("text, at", [
+    ("name: x\nrules:\n  - name: r\n    use: [torch_sdpa]\n    when: {head_dim: {ge: BIG}}\n",
+     "5:27 rules[0].when.head_dim.ge"),
+    ("name: x\nversion: BIG\nrules: []\n", "2:10 version"),
+    ("name: x\nversion: 0b1" + "0" * 64 + "\nrules: []\n", "2:10 version"),
+])
+def test_an_integer_beyond_64_bits_is_refused_where_it_is(tmp_path: Path, text: str,
+                                                          at: str) -> None:
+    """(B) hex and binary integers had no size limit: a raw ValueError, or a policy that
+    loaded and crashed `policy show`."""
+    (line,) = _problems(tmp_path, text.replace("BIG", "0x" + "f" * 4000))
+    assert f"p.yaml:{at}: the number '0" in line and "is too large" in line, line
+    assert "expected an integer of at most 64 bits" in line and len(line) < 300, line
+
+
+class _ClosedPipe:
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_stdout_keeps_the_status_of_a_failing_json_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """(B) plan --json of a bad policy raised BrokenPipeError (a traceback); lock --check of
+    a malformed lock exited 0."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nrules:\n  - name: r\n    use: [torch_sdpa]\n    when: {bogus: 1}\n")
+    lock = tmp_path / "bad.lock"
+    lock.write_text("{not json")
+    monkeypatch.setattr("sys.stdout", _ClosedPipe())
+    assert main(["plan", "--policy", str(bad), "--json"]) == 1
+    monkeypatch.setattr("sys.stdout", _ClosedPipe())
+    assert main(["lock", "--check", str(lock), "--json"]) == EXIT_BAD_LOCK
+    assert "attnhub lock: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+@pytest.mark.parametrize("first", ["# Политика для сервера", "# " + "中文" * 100])
+def test_utf16_without_a_mark_and_non_latin_first_line(tmp_path: Path, encoding: str,
+                                                       first: str) -> None:
+    """(C) the first 64 bytes had no zero at either parity: "U+0000 ... remove it"."""
+    text = first + "\nname: x\nrules:\n  - name: r\n    use: [torch_sdpa]\n"
+    (line,) = _problems(tmp_path, text.encode(encoding))
+    assert "1:1 (encoding): the file is UTF-16" in line and "re-save it as UTF-8" in line, line
+
+
+def test_a_stray_nul_in_utf8_is_not_utf16(tmp_path: Path) -> None:
+    problems = _problems(tmp_path, b"name: x\x00\nrules: []\n")
+    assert not any("UTF-16" in p for p in problems), problems
+
+
+_BENCH = ["bench", "--phases", "decode", "--backends", "torch_sdpa", "--layers", "1",
+          "--prompt-len", "16", "--new-tokens", "2", "--repeats", "1", "--warmup", "0",
+          "--no-progress"]
+
+
+def test_bench_report_write_failure_says_what_was_stored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """(C) "printed and stored" with --no-store, and with a store that failed (exit 1, not
+    the store's 3)."""
+    import errno
+
+    import attnhub.cli.bench as bench
+    from attnhub.cli._common import STORE_FAILED
+
+    def full(*a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(bench, "write_text_atomic", full)
+    md = str(tmp_path / "r.md")
+    assert main(_BENCH + ["--no-store", "--md", md]) == 1
+    line = [x for x in capsys.readouterr().err.splitlines() if "--md" in x][-1]
+    assert "nothing was stored" in line and "printed and stored" not in line, line
+    (tmp_path / "file").write_text("")
+    store = str(tmp_path / "file" / "store.json")
+    assert main(_BENCH + ["--store", store, "--md", md]) == STORE_FAILED
+    line = [x for x in capsys.readouterr().err.splitlines() if "--md" in x][-1]
+    assert "store was not written" in line and "printed and stored" not in line, line
+
+
+def test_json_output_is_strict_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """(C) fp8-check --json printed NaN: every --json document goes through print_json."""
+    from attnhub.cli._common import print_json
+
+    print_json({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": (2.0,)})
+
+    def refuse(c: str) -> None:
+        raise ValueError(c)
+
+    assert json.loads(capsys.readouterr().out, parse_constant=refuse) == {
+        "a": None, "b": [None, None, 1.5], "c": [2.0]}
+
+
+def test_the_unquoted_hint_for_a_long_integer_keeps_its_value(tmp_path: Path) -> None:
+    """(C) '123456789012345678' was answered with 1.2345678901234568e+17 (another value)."""
+    (line,) = _problems(tmp_path, "name: x\nversion: '123456789012345678'\nrules: []\n")
+    assert line.endswith("(write it unquoted as 123456789012345678)"), line
+    (tmp_path / "p.yaml").write_text("name: x\nversion: 123456789012345678\nrules: []\n")
+    assert load_data(tmp_path / "p.yaml").version == 123456789012345678
+
+
+def test_explain_says_a_forced_backend_that_cannot_run_here_raises(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """(C) on a CPU, ATTNHUB_BACKEND naming a CUDA-only backend was "forced onto" it while
+    doctor said, and every call did, raise."""
+    from attnhub.cli import _policy_common
+
+    class Gpu(Backend):
+        name, tier, description = "gpu_only", "portable", "cuda only"
+        capabilities = Capabilities(vendors=("cuda",), dtypes=("fp32",), phases=("prefill",))
+
+        def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def]
+            return AttentionOutput(out=torch.zeros_like(q))
+
+    @hookimpl
+    def attnhub_register_backends(register):  # type: ignore[no-untyped-def]
+        register(Gpu())
+
+    load = Registry.load
+
+    def with_gpu(*a: object, **k: object) -> Registry:
+        reg = load(*a, **k)
+        reg.add_plugin(types.SimpleNamespace(
+            attnhub_register_backends=attnhub_register_backends), "gpu_plugin")
+        return reg
+
+    monkeypatch.setattr(_policy_common.Registry, "load", staticmethod(with_gpu))
+    monkeypatch.setenv("ATTNHUB_BACKEND", "gpu_only")
+    assert main(["explain", "--dtype", "fp32"]) == 0
+    note = [x for x in capsys.readouterr().out.splitlines() if "ATTNHUB_BACKEND" in x][0]
+    assert "cannot run on this device, so every attention call raises" in note, note
+    assert "runs on cuda" in note and "forces every attention call" not in note, note
+
+
+def test_docs_name_every_use_of_exit_2_and_usage_errors_on_stderr() -> None:
+    """(D) check-plugin exits 2 when it checked nothing; a usage error prints no object."""
+    root = Path(__file__).resolve().parents[1]
+    for doc in (root / "README.md", root / "docs" / "policy.md"):
+        text = " ".join(doc.read_text().split())
+        assert "check-plugin" in text.split("2 a usage error" if doc.name == "README.md"
+                                            else "2 on a usage error")[1][:200], doc
+        assert "stderr only" in text, doc

@@ -213,9 +213,39 @@ json_printed = [0]
 
 
 def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
+    """``obj`` as one strict JSON document on stdout: a float that is not finite (NaN, inf),
+    which strict parsers refuse, is written as null. A reader that went away (a closed pipe)
+    is not an error of the command: the rest of stdout goes nowhere, and the command keeps
+    its status (a failing command exits 1, not 0 or with a traceback)."""
+    text = json.dumps(_finite(obj), indent=2, default=str, allow_nan=False)
     json_printed[0] += 1
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with each float that is not finite replaced by None (JSON null)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _stdout_to_devnull() -> None:
+    """After a closed pipe, stdout writes (and the flush at exit) go to the null device."""
+    try:
+        fd = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a captured stdout)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- stays open for the process
 
 
 def print_error_json(kind: str, message: str, problems: Sequence[str] | None = None) -> None:

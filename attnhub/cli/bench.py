@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -201,8 +202,7 @@ def run(args: argparse.Namespace) -> int:
     # (a full disk) loses no measurement
     stored = args.no_store or _store(args, s.hub.device, [
         (m.spec, m.backend, m.ms) for m in results if m.ms is not None])
-    _write_md_plot(args, md, lambda path: plot(results, path))
-    if not stored:
+    if not _reports(args, md, lambda path: plot(results, path), stored):
         return STORE_FAILED
     return 1 if any(m.failed for m in results) else 0
 
@@ -292,10 +292,9 @@ def run_regret(args: argparse.Namespace) -> int:
     # stored before the reports are written: a report that cannot be written loses no timing
     stored = args.no_store or _store(args, hub.device, [
         (r.spec, b, ms) for r in results if r.spec is not None for b, ms in r.times.items()])
-    _write_md_plot(args, md, lambda path: rg.plot(
-        results, path, title=f"attnhub policy regret, {hub.device.describe()}, {when} "
-                             f"{args.header}"))
-    if not stored:
+    if not _reports(args, md, lambda path: rg.plot(
+            results, path, title=f"attnhub policy regret, {hub.device.describe()}, {when} "
+                                 f"{args.header}"), stored):
         return STORE_FAILED
     return 1 if rg.misses(results) else 0
 
@@ -355,6 +354,28 @@ def _report_write(flag: str, path: Any,
     except OSError as exc:
         raise InputError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); free space "
                          f"or pass another path ({left})") from None
+
+
+def _reports(args: argparse.Namespace, md: str, draw: Any, stored: bool) -> bool:
+    """``--md`` and ``--plot`` after the measurements were printed (and stored, unless
+    ``--no-store`` or the store could not be written: ``stored`` False). A report that cannot
+    be written says what the run left; with the store failed too, the status stays the
+    store's (STORE_FAILED, returned as False), the report error said on stderr."""
+    if args.no_store:
+        left = "the measurements above are printed; nothing was stored, --no-store"
+    elif not stored:
+        left = ("the measurements above are printed; the profile store was not written "
+                "either (see above)")
+    else:
+        left = "the measurements above are printed and stored"
+    try:
+        _write_md_plot(args, md, draw, left=left)
+    except InputError as exc:
+        if stored:
+            raise
+        print(f"attnhub bench: error: {exc}", file=sys.stderr)
+        return False
+    return bool(stored)
 
 
 def _write_md_plot(args: argparse.Namespace, md: str, draw: Any, **left: str) -> None:

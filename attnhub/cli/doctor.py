@@ -54,9 +54,11 @@ def forced_backend() -> str | None:
     return os.environ.get(FORCE_ENV) or None
 
 
-def forced_problem(reg: Registry, usable: list[str] | None = None) -> str | None:
+def forced_problem(reg: Registry, usable: list[str] | None = None,
+                   reasons: list[str] | None = None) -> str | None:
     """Why ``ATTNHUB_BACKEND`` makes every attention call raise, or None: it names no
-    registered backend, or (``usable`` given) one that cannot run on this device."""
+    registered backend, or (``usable`` given) one that cannot run on this device (why:
+    ``reasons``, else see doctor's list)."""
     name = forced_backend()
     if name is None:
         return None
@@ -66,8 +68,9 @@ def forced_problem(reg: Registry, usable: list[str] | None = None) -> str | None
                 f"set a known one ({', '.join(sorted(reg.backends))}) or unset it to follow "
                 "the policy")
     if usable is not None and name not in usable:
+        why = f"({'; '.join(reasons)})" if reasons else "(see `usable` above)"
         return (f"{FORCE_ENV}={name!r} names a backend that cannot run on this device, so every "
-                "attention call raises (see `usable` above); unset it to follow the policy")
+                f"attention call raises {why}; unset it to follow the policy")
     return None
 
 

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from ..core.backend import safe_available
 from ..core.decision import BindContext
+from ..core.registry import Registry
 from ..core.spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES, AttentionSpec, torch_dtype
 from ..errors import AttnhubError
 from ..hub import Hub
@@ -133,6 +135,20 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
         return_lse=args.return_lse, dropout=args.dropout > 0, **extra).bucketed()
 
 
+def _forced_note(registry: Registry, device: Any) -> str | None:
+    """The note on ATTNHUB_BACKEND, or None when unset: on this (real, not simulated) device a
+    forced backend that cannot run makes every call raise, which doctor says; explain said
+    every call was "forced onto" it."""
+    name = forced_backend()
+    if not name:
+        return None
+    usable = reasons = None
+    if not device.simulated and name in registry.backends:
+        reasons = safe_available(registry.backends[name], device)
+        usable = [] if reasons else [name]
+    return forced_problem(registry, usable, reasons) or _FORCED.format(name)
+
+
 def _seqlen_q(args: argparse.Namespace) -> int:
     return args.seqlen_q or (1 if args.phase == "decode" else args.seqlen)
 
@@ -147,8 +163,7 @@ def run(args: argparse.Namespace) -> int:
     trace = [{"rule": lr.rule.name, "location": lr.location, "failed": failed}
              for lr, failed in policy.trace(spec, device, ctx)] if args.trace else None
     ran = _run_once(policy, registry, spec, ctx, args) if args.run else None
-    name = forced_backend()
-    forced = (forced_problem(registry) or _FORCED.format(name)) if name else None
+    forced = _forced_note(registry, device)
     if args.json:
         record = decision.to_json()
         record["notes"] += [forced] if forced else []

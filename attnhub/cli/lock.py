@@ -5,6 +5,7 @@ setting that does not load."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -91,12 +92,15 @@ def _check(args: argparse.Namespace) -> int:
         policy, registry = load_policy(policy_ref), Registry.load()
         drift = check_lock(lock, policy, registry)
     except AttnhubError as exc:  # nothing was checked: not drift (1), which a CI job acts on
+        # always EXIT_BAD_LOCK, whatever printing meets: stderr first, then the object (a
+        # closed stdout once made this check of a malformed lock exit 0)
         problems = getattr(exc, "problems", None) or [str(exc)]
-        if args.json:
-            print_error_json("bad-lockfile" if isinstance(exc, LockfileError)
-                             else type(exc).__name__, str(exc), problems)
         for line in problems:
             print(f"attnhub lock: error: {line}", file=sys.stderr)
+        if args.json:
+            with contextlib.suppress(BrokenPipeError):
+                print_error_json("bad-lockfile" if isinstance(exc, LockfileError)
+                                 else type(exc).__name__, str(exc), problems)
         return EXIT_BAD_LOCK
     if args.json:
         print_json(drift.to_json())

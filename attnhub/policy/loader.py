@@ -236,14 +236,37 @@ def _display(p: Path) -> str:
 
 
 def _utf16(raw: bytes) -> str:
-    """How ``raw`` shows it is UTF-16, or "": without a byte-order mark it decodes as UTF-8
-    with a NUL before or after each character, reported as a NUL to remove (the wrong fix)."""
+    """What ``raw`` is when it is UTF-16 or UTF-32 (named with how it shows it), or "":
+    without a byte-order mark it decodes as UTF-8 with a NUL before or after each character,
+    reported as a NUL to remove (the wrong fix)."""
+    if raw[:4] in (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff"):
+        return "UTF-32 (it starts with a byte-order mark)"
     if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
-        return "it starts with a byte-order mark"
-    head = raw[:min(len(raw), 64) // 2 * 2]
-    if head and any(head) and (not any(head[1::2]) or not any(head[::2])):
-        return "a NUL byte between the characters"
+        return "UTF-16 (it starts with a byte-order mark)"
+    if b"\x00" not in raw:
+        return ""
+    head = raw[:min(len(raw), 256) // 4 * 4]
+    if head and (not any(head[1::4] + head[2::4] + head[3::4])
+                 or not any(head[0::4] + head[1::4] + head[2::4])):
+        return "UTF-32 (three NUL bytes beside each character)"
+    # NULs at one parity (the high byte of ASCII: the keys of any policy) in a good share of
+    # the characters, and the whole file decodes as that UTF-16 into lines of text: a first
+    # line of Cyrillic or CJK has no zero byte, so "every other byte is 0" alone missed it
+    even = raw[:len(raw) // 2 * 2]
+    for high, encoding in ((1, "utf-16-le"), (0, "utf-16-be")):
+        zeros, other = even[high::2].count(0), even[1 - high::2].count(0)
+        if zeros >= 2 and zeros * 16 >= len(even) // 2 and zeros >= 3 * other:
+            try:
+                text = even.decode(encoding)
+            except UnicodeDecodeError:
+                continue
+            if "\n" in text and not _CONTROL.search(text):
+                return "UTF-16 (a NUL byte between the characters)"
     return ""
+
+
+#: C0 controls other than tab and the line ends: not in a text decoded right
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 
 
 def _read_chain(path: Path, problems: list[str], seen: list[Path],
@@ -262,7 +285,7 @@ def _read_chain(path: Path, problems: list[str], seen: list[Path],
     try:
         raw = read_limited(path, MAX_BYTES)
         if utf16 := _utf16(raw):
-            problems.append(f"{file}:1:1 (encoding): the file is UTF-16 ({utf16}), "
+            problems.append(f"{file}:1:1 (encoding): the file is {utf16}, "
                             "expected a UTF-8 text file (re-save it as UTF-8)")
             return []
         text = raw.decode("utf-8")

@@ -61,6 +61,9 @@ _STR = _STD + "str"
 _NUMBER_TAGS = frozenset({_STD + "int", _STD + "float"})
 _AWAIT, _SKIP = object(), object()
 #: A plain decimal integer (YAML 1.1 reads a leading 0 as octal, so none here).
+#: the largest integer a policy file may hold (bits; sign apart): hex and binary integers are
+#: read with no digit limit, and a bigger one is a typo or generated garbage
+MAX_INT_BITS = 64
 _DECIMAL = re.compile(r"[-+]?(?:0|[1-9][0-9]{0,17})\Z")
 #: YAML 1.1 numbers few readers expect: a leading 0 is octal (``0100`` is 64) and colons are
 #: base 60 (``1:04`` is 64, ``9:0`` is 540). Refused: the value would differ from what it says.
@@ -326,11 +329,18 @@ class _Builder:
                            "number without a leading 0 or colons (quote it for a string)")
         node = _node(tag, ev)
         try:
-            return self.loader.construct_object(node, deep=True)
+            value = self.loader.construct_object(node, deep=True)
         except (yaml.YAMLError, ValueError, OverflowError):  # ValueError: an int of 5,000 digits
             raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: cannot read "
                            f"{show(ev.value)} as a plain value, expected a string, number, "
                            "true/false or null (quote it to make it a string)") from None
+        if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+            # hex and binary have no digit limit: 0xfff... of 4,000 digits is an int whose
+            # decimal form (past 4,300 digits) every message and dump failed to print
+            raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: the number "
+                           f"{show(ev.value.strip())} is too large ({value.bit_length()} bits), "
+                           f"expected an integer of at most {MAX_INT_BITS} bits")
+        return value
 
 
 def _reading(key: Any) -> str:
@@ -342,7 +352,7 @@ def _reading(key: Any) -> str:
     if key is None:
         return "null (an empty key, ~ or null)"
     if isinstance(key, (int, float)):
-        return f"the number {key!r}"
+        return f"the number {show(key)}"
     return f"a {type(key).__name__} ({clip(str(key))})"
 
 
@@ -446,5 +456,11 @@ def clip(text: str, limit: int = 60, middle: bool = False) -> str:
 
 
 def show(v: Any) -> str:
-    """``repr(v)`` for a message, cut to one short line (see :func:`clip`)."""
-    return clip(repr(v))
+    """``repr(v)`` for a message, cut to one short line (see :func:`clip`); an integer too long
+    to print in decimal (Python refuses past 4,300 digits) is named by its size."""
+    try:
+        return clip(repr(v))
+    except ValueError:
+        if isinstance(v, int):
+            return f"an integer of {v.bit_length()} bits"
+        raise

@@ -34,6 +34,7 @@ is stale: ignored, with the differing versions in the note.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import glob
 import json
@@ -167,8 +168,12 @@ class ProfileStore:
         self._data: dict[str, Any] | None = None
         self._stamp: tuple[int, ...] | None = None
         self._lock = threading.Lock()
-        #: per thread, the open :meth:`batch` blocks' pending changes, innermost last
-        self._batches = threading.local()
+        #: per thread and per asyncio task (a context variable: each task and thread has its
+        #: own copy), the open :meth:`batch` blocks as (thread, pending changes), innermost
+        #: last; an immutable tuple, set on entry and reset with its token on exit
+        self._batches: contextvars.ContextVar[
+            tuple[tuple[int, list[Callable[[dict[str, Any]], None]]], ...]] = \
+            contextvars.ContextVar(f"attnhub_profile_batches_{id(self)}", default=())
 
     # -- recording ----------------------------------------------------------------------
     def record_speed(self, device: DeviceInfo, spec: AttentionSpec, backend: str,
@@ -270,27 +275,28 @@ class ProfileStore:
     def batch(self) -> Iterator[None]:
         """Records this thread makes inside are written together when it closes: all of them,
         or none (a full disk after the first of several records left some and said "not
-        recorded"). Another thread's records are its own (written at once, or with its own
-        batch); a batch inside another joins it, written when the outer one closes."""
-        stack = self._open_batches()
+        recorded"). Another thread's or asyncio task's records are its own (written at once,
+        or with its own batch); a batch inside another joins it, written when the outer one
+        closes."""
         pending: list[Callable[[dict[str, Any]], None]] = []
-        stack.append(pending)
+        token = self._batches.set(self._batches.get() + ((threading.get_ident(), pending),))
         try:
             yield
         finally:
-            stack.pop()
+            self._batches.reset(token)  # its own entry, whatever else opened meanwhile
         if not pending:
             return
-        if stack:  # nested: all or none with the outer batch
-            stack[-1].extend(pending)
+        outer = self._open_batches()
+        if outer:  # nested: all or none with the outer batch
+            outer[-1].extend(pending)
             return
         self._update(lambda d: [change(d) for change in pending])
 
     def _open_batches(self) -> list[list[Callable[[dict[str, Any]], None]]]:
-        stack = getattr(self._batches, "stack", None)
-        if stack is None:
-            stack = self._batches.stack = []
-        return stack
+        """This task's open batches, made by this thread (a thread started with a copy of the
+        context, ``asyncio.to_thread``, keeps its records its own)."""
+        me = threading.get_ident()
+        return [pending for thread, pending in self._batches.get() if thread == me]
 
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
         """Read-modify-write under the cross-process lock, always from the file on disk (a

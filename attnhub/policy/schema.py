@@ -161,6 +161,7 @@ def _numeric(v: str) -> bool:
         return False
 
 
+_INT_TEXT = re.compile(r"\s*[-+]?[0-9]+\s*\Z")
 _EXPONENT_TEXT = re.compile(r"^([-+]?\d+)(\.\d+)?\.?[eE]([-+]?)(\d+)$")
 
 
@@ -173,6 +174,11 @@ def _text_not_number(v: str) -> str:
         return f"got the text {show(v)}, expected a finite number"
     if len(v) > 60:  # thousands of digits: no rewrite of it is worth showing
         return f"got the text {show(v)}, expected a number (unquoted)"
+    if _INT_TEXT.match(v):  # an integer stays one: through float, 17+ digits changed value
+        n = int(v)
+        if n.bit_length() > 64:
+            return f"got the text {show(v)}, expected a number of at most 64 bits (unquoted)"
+        return f"got the text {show(v)}, expected a number (write it unquoted as {n})"
     m = _EXPONENT_TEXT.match(v)
     if not m:
         return f"got the text {show(v)}, expected a number (write it unquoted as {_yaml_number(x)})"
