@@ -32,3 +32,22 @@ def test_a_non_finite_key_stays_out_of_the_rows_that_cannot_see_it(
             want = attnhub.attention(q[:, :blind], k[:, :sk - 1], v[:, :sk - 1], causal=True,
                                      causal_alignment=align, backend="reference")
             torch.testing.assert_close(out[:, :blind].detach(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["dv", "strided", "flash off"])
+def test_the_math_kernel_without_gradients_keeps_a_non_finite_key_out_too(case: str) -> None:
+    """SDPA's math kernel also serves inference calls (Dv != D, a strided last dim, the
+    flash switch off): a scan of k only with gradients or dropout let NaN through again."""
+    g = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(1, 6, 2, 32 if case == "strided" else 16, generator=g) for _ in "qk")
+    v = torch.randn(1, 6, 2, 8 if case == "dv" else q.shape[-1], generator=g)
+    if case == "strided":
+        q, k, v = q[..., ::2], k[..., ::2], v[..., ::2]
+    k[0, 5, 0, 0] = float("nan")  # only the last row sees it
+    flash = torch.backends.cuda.flash_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_flash_sdp(case != "flash off")
+        out = attnhub.attention(q, k, v, causal=True, backend="torch_sdpa")
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flash)
+    assert torch.isfinite(out[0, :5]).all() and torch.isnan(out[0, 5, 0]).any()

@@ -441,7 +441,7 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse = torch.full((b, hq, sq), float("-inf"), device=q.device) if p.return_lse else None
         return AttentionOutput(attends_nothing(q, k, v), lse)
     native = _native_causal(p, sq, sk)
-    if native is not None and not _cpu_needs_explicit_mask(native, p, q, k, v):
+    if native is not None and not _cpu_needs_explicit_mask(native, p, k):
         is_causal, bias_obj = native
         out = sdpa(qt, kt, vt, attn_mask=bias_obj, is_causal=is_causal, scale=p.scale,
                    enable_gqa=hq != hkv, dropout_p=p.dropout_p)
@@ -590,22 +590,19 @@ def _native_causal(p: AttnParams, sq: int, sk: int) -> tuple[bool, object] | Non
     return None
 
 
-def _cpu_needs_explicit_mask(native: tuple[bool, object], p: AttnParams, q: torch.Tensor,
-                             k: torch.Tensor, v: torch.Tensor) -> bool:
+def _cpu_needs_explicit_mask(native: tuple[bool, object], p: AttnParams,
+                             k: torch.Tensor) -> bool:
     """On the CPU, the calls whose native causal form takes the explicit-mask path: those
     that want the LSE (the one-pass LSE kernel takes a materialised mask), and a causal call
-    whose k holds NaN or inf where SDPA adds the causal mask as -inf (NaN + -inf = NaN would
-    reach rows that cannot see the key; ``_hide_masked_nan_keys``): ``causal_lower_right``
-    always, ``is_causal`` where SDPA's math kernel serves it (gradients or dropout; the
-    flash kernel skips masked blocks, so an inference call needs no scan of k)."""
+    whose k holds NaN or inf (``is_causal`` or ``causal_lower_right``): wherever SDPA's
+    math kernel serves it, it adds the causal mask as -inf, and NaN + -inf = NaN would reach
+    rows that cannot see the key (``_hide_masked_nan_keys``). The math kernel serves more
+    than gradients and dropout (Dv != D, a strided last dim, the flash switch off), so every
+    causal call's k is scanned rather than guessing SDPA's choice."""
     if k.device.type != "cpu":
         return False
-    if p.return_lse:
-        return True
-    math = p.dropout_p > 0 or (torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad))
-    return ((native[1] is not None or (native[0] and math))
-            and not bool(torch.isfinite(k).all()))
+    return p.return_lse or ((native[0] or native[1] is not None)
+                            and not bool(torch.isfinite(k).all()))
 
 
 def _causal_allowed(p: AttnParams, sq: int, sk: int,
