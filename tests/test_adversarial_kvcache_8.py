@@ -421,3 +421,27 @@ def test_a_write_after_its_fork_was_freed_goes_through_unless_a_relative_lives()
         c.write(1, slots, torch.ones(3, 1, 2), torch.ones(3, 1, 2))
     c.free(grandchild)
     c.write(1, slots, torch.ones(3, 1, 2), torch.ones(3, 1, 2))
+
+
+def test_a_write_is_refused_only_for_the_tokens_a_live_relative_holds() -> None:
+    """A fork made before the reservation holds none of its tokens: freeing the later fork
+    lets the write through (review 8c)."""
+    c = PagedKVCache(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
+    a = c.allocate()
+    c.append(a, [torch.ones(4, 1, 2)], [torch.ones(4, 1, 2)])  # page 0 full
+    c.fork(a)  # holds tokens 0..3 only
+    slots = c.reserve([a], 4)  # tokens 4..7, page 1, a's alone
+    c.free(c.fork(a))
+    c.write(0, slots, torch.ones(4, 1, 2), torch.ones(4, 1, 2))
+
+
+def test_a_refused_step_leaves_an_open_step_abortable() -> None:
+    c = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
+    a, b = c.allocate(), c.allocate()
+    first = c.step([a], 2)
+    with pytest.raises(CacheFullError):
+        c.step([b], 100)
+    with pytest.raises(CacheFullError):
+        c.append(b, [torch.ones(100, 1, 2)], [torch.ones(100, 1, 2)])
+    first.abort()
+    assert c.length(a) == 0 and c.free_pages == 4

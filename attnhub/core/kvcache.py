@@ -44,9 +44,10 @@ class _Seq:
     #: a fork's, so a write to one (reserved before the fork) is refused, since the fork
     #: would keep zeros for it once either copies the page (copy-on-write)
     shared: int = 0
-    #: the live sequences it was forked from or to, directly or through one since freed:
-    #: ``shared`` holds while any lives (a write then would leave one of them zeros)
-    links: set[int] = field(default_factory=set)
+    #: the sequences it was forked from or to, directly or through one since freed, and the
+    #: tokens each holds of it: ``shared`` is the most any live one holds (a write to those
+    #: would leave that one zeros)
+    links: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -338,7 +339,7 @@ class PagedKVCache:
         refs = list(self._refs)
         for p in src.pages:
             refs[p] += 1
-        return self._add(_Seq(list(src.pages), src.length, src.length, {seq_id}),
+        return self._add(_Seq(list(src.pages), src.length, src.length, {seq_id: src.length}),
                          lambda sid: self.states.fork(seq_id, sid), refs, src)
 
     def _add(self, seq: _Seq, states: Any, refs: list[int] | None = None,
@@ -357,7 +358,7 @@ class PagedKVCache:
             raise
         if src is not None:
             self._refs, src.shared = refs, src.length
-            src.links.add(sid)
+            src.links[sid] = src.length
         self._version += 1
         return sid
 
@@ -379,12 +380,15 @@ class PagedKVCache:
         del self._seqs[seq_id]
         self._refs, self._free = refs, free
         self._version += 1
-        for rid in seq.links:  # its relatives stay linked through it; one left with no live
-            rel = self._seqs.get(rid)  # relative holds its reserved tokens alone again
-            if rel is not None:
-                rel.links = (rel.links | seq.links) - {rid, seq_id}
-                if not any(i in self._seqs for i in rel.links):
-                    rel.shared = 0
+        for rid, held in seq.links.items():  # its relatives stay linked through it, by the
+            rel = self._seqs.get(rid)  # tokens both held of it; each one's ``shared`` is what
+            if rel is not None:  # its live relatives still hold
+                links = {o: max(rel.links.get(o, 0), min(held, n))
+                         for o, n in seq.links.items() if o != rid}
+                rel.links = {**rel.links, **links}
+                rel.links.pop(seq_id, None)
+                rel.shared = max((n for o, n in rel.links.items() if o in self._seqs),
+                                 default=0)
 
     def _revoke_tables(self, pages: Iterable[int], why: str, seq_id: int | None = None
                        ) -> list[tuple[weakref.ref, frozenset[int], frozenset[int]]]:
@@ -669,6 +673,11 @@ class PagedKVCache:
         seqs, free, refs, tails, moved, done = undo
         if done[0]:
             return
+        if (self._free == free and self._refs == refs and self._moves == moved
+                and all(seq.pages == pages and seq.length == length
+                        for seq, pages, length in seqs)):
+            done[0] = True  # refused before any change (full): the cache's version stands,
+            return  # so an earlier step can still be aborted
         self._version += 1  # first: a step's write sees the change and finds itself aborted
         # the tables naming the pages the step took are revoked before those pages go back
         # on the free list (as in ``free``: an interrupt between the two left a table a
