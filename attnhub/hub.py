@@ -59,6 +59,7 @@ from .errors import (
     InputError,
     NoBackendError,
     OutputContractError,
+    ShapeError,
 )
 from .settle import settle
 
@@ -182,6 +183,8 @@ class Runner:
         # the hot path's key holds q, k and v by shape, dtype and device only: a sparse,
         # mkldnn or nested one reaches the backend, whose failure is the input's
         for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):  # a tensor look-alike the key took for one
+                raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             check_plain(name, t)
         chain = self.chain
         if chain[0] is not failed:  # moved back meanwhile (another thread): the chain now
@@ -980,7 +983,8 @@ def _check_arity(slot: str, fn: Any, variant: str | None) -> None:
 def _meta(t: Any) -> tuple | None:
     """What the contract checks of a side tensor: shape, dtype, device, and that it is a
     dense strided tensor holding its values (``contract.check_plain``)."""
-    return None if t is None else (t.shape, t.dtype, t.device, t.layout, t.is_neg())
+    return None if t is None else (t.__class__, t.shape, t.dtype, t.device, t.layout,
+                                   t.is_neg())
 
 
 #: The order ``AttnParams`` is built in positionally on the hot path (a keyword call costs

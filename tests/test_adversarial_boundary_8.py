@@ -134,3 +134,45 @@ def test_inputs_that_are_not_dense_strided_are_refused_by_name(kind: str, which:
     with pytest.raises(InputError, match=which):
         hub.attention(args["q"], args["k"], v, causal=True, alibi_slopes=args["alibi_slopes"])
     assert not hub.fallback_counts
+
+
+class _Duck:
+    """Looks like a tensor to the hot path's key (shape, dtype, device, layout, is_neg)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device, self.layout = t.shape, t.dtype, t.device, t.layout
+
+    def is_neg(self) -> bool:
+        return False
+
+
+def test_a_tensor_look_alike_side_argument_is_refused_on_the_hot_path_too() -> None:
+    hub = attnhub.Hub(hardware="cpu")
+    q, k, v = _qkv()
+    slopes = torch.tensor([0.5, 0.25])
+    for _ in range(2):
+        hub.attention(q, k, v, causal=True, alibi_slopes=slopes)
+    with pytest.raises(InputError, match="alibi_slopes must be a torch.Tensor"):
+        hub.attention(q, k, v, causal=True, alibi_slopes=_Duck(slopes))
+    assert not hub.fallback_counts
+
+
+@pytest.mark.parametrize("which", ["cu_seqlens_q", "seqlens_k", "block_table"])
+def test_sparse_tables_are_refused_by_name(which: str) -> None:
+    from attnhub.core.kvcache import PagedKVCache
+
+    hub = attnhub.Hub(hardware="cpu")
+    if which == "cu_seqlens_q":
+        t = torch.randn(8, 2, 8)
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        with pytest.raises(InputError, match="cu_seqlens_q is a sparse"):
+            hub.attention(t, t, t, layout="thd", cu_seqlens_q=cu.to_sparse(), cu_seqlens_k=cu)
+        return
+    cache = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=2, head_dim=8)
+    s = cache.allocate()
+    cache.append(s, [torch.randn(5, 2, 8)], [torch.randn(5, 2, 8)])
+    tables = {"block_table": cache.block_table([s]), "seqlens_k": cache.seqlens([s])}
+    tables[which] = tables[which].to_sparse()
+    with pytest.raises(InputError, match=f"{which} is a sparse"):
+        hub.attention(torch.randn(1, 1, 2, 8), cache.k_cache(0), cache.v_cache(0),
+                      layout="paged", **tables)

@@ -23,7 +23,7 @@ import torch
 
 from .spec import DTYPES, torch_dtype
 from .env import env_flag
-from .tables import PAGED, THD
+from .tables import PAGED, THD, check_plain
 from ..errors import (
     ArgumentError,
     DeviceMismatchError,
@@ -400,21 +400,6 @@ def fit_positions(t: torch.Tensor | None, hi: int) -> torch.Tensor | None:
     if t is None or t.dtype != torch.int64:
         return t
     return t.clamp(0, hi)
-
-
-def check_plain(name: str, t: torch.Tensor) -> None:
-    """A dense strided tensor whose memory holds its values: kernels read memory through
-    pointers and strides, so a sparse, mkldnn or nested tensor has no meaning to them, and
-    one with the negative bit (``z.conj().imag``, a lazy view) would be read with its sign
-    flipped."""
-    if t.layout is not torch.strided or t.is_nested:
-        kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
-        raise ArgumentError(f"{name} is a {kind} tensor; attention takes dense strided tensors "
-                            f"({name}.to_dense(), or unbind a nested tensor into a padded or "
-                            "thd layout)")
-    if t.is_neg() or t.is_conj():
-        raise ArgumentError(f"{name} is a lazily negated view (negative bit, e.g. "
-                            f"z.conj().imag); pass {name}.resolve_neg() (or .clone())")
 
 
 def _check_side(name: str, t: Any, device: torch.device, *, floating: bool,

@@ -18,9 +18,24 @@ from typing import Any
 
 import torch
 
-from ..errors import DeviceMismatchError, SeqlensError
+from ..errors import ArgumentError, DeviceMismatchError, SeqlensError
 
 log = logging.getLogger("attnhub")
+
+
+def check_plain(name: str, t: torch.Tensor) -> None:
+    """A dense strided tensor whose memory holds its values: kernels read memory through
+    pointers and strides, so a sparse, mkldnn or nested tensor has no meaning to them, and
+    one with the negative bit (``z.conj().imag``, a lazy view) would be read with its sign
+    flipped."""
+    if t.layout is not torch.strided or t.is_nested:
+        kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+        raise ArgumentError(f"{name} is a {kind} tensor; attention takes dense strided tensors "
+                            f"({name}.to_dense(), or unbind a nested tensor into a padded or "
+                            "thd layout)")
+    if t.is_neg() or t.is_conj():
+        raise ArgumentError(f"{name} is a lazily negated view (negative bit, e.g. "
+                            f"z.conj().imag); pass {name}.resolve_neg() (or .clone())")
 
 
 def check_cu_seqlens_meta(name: str, cu: Any, device: torch.device) -> None:
@@ -30,6 +45,7 @@ def check_cu_seqlens_meta(name: str, cu: Any, device: torch.device) -> None:
                            f"B >= 1 documents (e.g. [0, 5, 12]), got "
                            f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu)}"
                            "; for no documents at all, skip the call")
+    check_plain(name, cu)
     if cu.dtype != torch.int32:
         raise SeqlensError(f"{name} is {cu.dtype}; it must be torch.int32 "
                            f"(use {name}.to(torch.int32))")
@@ -225,6 +241,7 @@ class PagedTables(_Memo):
         for name, t, rank in (("block_table", block_table, 2), ("seqlens_k", seqlens_k, 1)):
             if not isinstance(t, torch.Tensor):
                 raise SeqlensError(f"{name} must be an int32 tensor, got {type(t).__name__}")
+            check_plain(name, t)
             if t.dtype != torch.int32:
                 raise SeqlensError(f"{name} is {t.dtype}; it must be torch.int32 "
                                    f"(use {name}.to(torch.int32))")
