@@ -63,31 +63,23 @@ def _at(line: str) -> str:
 
 # (A) globs -----------------------------------------------------------------------------------
 
+def _glob_rule(tmp_path: Path, key: str, glob: str, more: str = "") -> Path:
+    """A policy whose first rule matches ``key`` against ``glob``; ``more``: rules after it."""
+    return _write(tmp_path, f"name: p\nrules:\n  - name: r\n    when: {{{key}: ['{glob}']}}\n"
+                            f"    use: [torch_sdpa]\n{more}")
+
+
 @pytest.mark.parametrize("key", ["device_name", "model"])
 def test_a_glob_of_thousands_of_characters_is_refused_located(tmp_path: Path, key: str) -> None:
     """24,000 ``[`` loaded, and every match through the rule took tens of seconds; one at the
     limit loads and matches at once."""
-    p = _write(tmp_path, f"""\
-        name: p
-        rules:
-          - name: r
-            when: {{{key}: ['{"[" * 24000}']}}
-            use: [torch_sdpa]
-        """)
+    p = _glob_rule(tmp_path, key, "[" * 24000)
     (line,) = _problems(p)
     assert _at(line).startswith("4:"), line
     assert f"rules[0].when.{key}[0]: got 24000 characters" in line and "at most 256" in line
     assert len(line) < LINE
-    p = _write(tmp_path, f"""\
-        name: p
-        rules:
-          - name: r
-            when: {{{key}: ['{"*[" * 128}']}}
-            use: [torch_sdpa]
-          - name: rest
-            use: [reference]
-        """)
-    policy = load_policy(p)
+    rest = "  - name: rest\n    use: [reference]\n"
+    policy = load_policy(_glob_rule(tmp_path, key, "*[" * 128, rest))
     spec = AttentionSpec(phase="prefill", dtype="fp32", head_dim=64, num_q_heads=2,
                          num_kv_heads=2, max_seqlen_q=16, max_seqlen_k=16)
     t = time.perf_counter()
