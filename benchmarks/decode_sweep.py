@@ -41,6 +41,7 @@ import torch
 from attnhub_triton_portable import decode
 from attnhub_triton_portable.decode_configs import DecodeConfig, choose_splits, decode_config
 from triton_decode import (
+    ceilings,
     sweep_setup,
     HKV,
     ROOT,
@@ -195,6 +196,7 @@ def main() -> None:
         "row_paged": repr(decode_config(arch, paged=True)),
         "row_few": repr(decode_config(arch, paged=True, programs=(HKV, sms))),
         "row_fp8": repr(base8), "cells": []}
+    res["ceilings"] = ceilings()  # this card's copy and read bandwidth, in the same run
     print(json.dumps({k: v for k, v in res.items() if k != "cells"}), flush=True)
     hub = Hub()
     for i, (batch, ctx, share) in enumerate(cells):
