@@ -62,7 +62,9 @@ def binaries() -> dict[str, Any]:
             tail = launches.split_tail
             for kern in launches.split._bins.values():  # device -> CompiledKernel
                 md = kern.metadata
-                key = f"{launches.split.options}|{tail[-16:-5]}|bm{tail[-6]}|bn{tail[-5]}"
+                c = dict(zip(launches.split.fn.arg_names[-len(tail):], tail))
+                key = (f"{launches.split.options}|{tail[-17:-6]}|bm{c['BLOCK_M']}|"
+                       f"bn{c['BLOCK_N']}")
                 seen[key] = {"shared": md.shared, "regs": getattr(kern, "n_regs", None),
                              "spills": getattr(kern, "n_spills", None)}
     return seen

@@ -62,6 +62,7 @@ CELLS = ([(1, 256, 0.4), (1, 128, 0.3), (4, 64, 0.3)] if SMOKE else
 #: SM that its sm90 binary fits: shared memory and registers, sweep 3's ``kernels``).
 FEW = [
     ("row", {}, 3),
+    ("nopdl", {"pdl": False}, 3),
     ("s4", {"num_stages": 4}, 2),
     ("w2", {"num_warps": 2}, 3),
     ("mw8", {"merge_warps": 8}, 3),
@@ -75,6 +76,7 @@ FEW = [
 #: None: the heuristic's).
 MANY = [
     ("paged", {}, [None, 1, 2, 4]),
+    ("nopdl", {"pdl": False}, [None]),
     ("s3", {"num_stages": 3}, [1, 2]),
     ("s5", {"num_stages": 5}, [1, 2]),
     ("no_prefetch", {"prefetch_pages": False}, [None]),
@@ -109,11 +111,14 @@ def kernel_info() -> list[dict[str, Any]]:
     for shape in list(decode._shapes.values()):
         for launches in list(shape.by_splits.values()):
             tail = launches.split_tail
+            consts = dict(zip(launches.split.fn.arg_names[-len(tail):], tail))
             for kern in launches.split._bins.values():  # device -> CompiledKernel
                 md = kern.metadata
-                key = (tuple(sorted(launches.split.options.items())), tail[-5], md.shared)
-                seen[key] = {**launches.split.options, "block_n": tail[-5],
-                             "prefetch": tail[-11], "shared": md.shared,
+                key = (tuple(sorted(launches.split.options.items())), consts["BLOCK_N"],
+                       consts["PREFETCH"], md.shared)
+                seen[key] = {**launches.split.options, "block_n": consts["BLOCK_N"],
+                             "prefetch": consts["PREFETCH"], "pdl": consts["GDC"],
+                             "shared": md.shared,
                              "regs": getattr(kern, "n_regs", None),
                              "spills": getattr(kern, "n_spills", None)}
     return list(seen.values())
@@ -154,7 +159,9 @@ def eager_times(hub: Any, c: PagedCase, row: DecodeConfig, row_splits: int,
              "hub": lambda: hub.attention(c.q, c.kc, c.vc, **kw),
              "hub_forced": lambda: hub.attention(c.q, c.kc, c.vc, backend="triton_decode",
                                                  **kw),
-             "kernel_row": c.ours("random", config=row, num_splits=row_splits)}
+             "kernel_row": c.ours("random", config=row, num_splits=row_splits),
+             "kernel_row_nopdl": c.ours("random", config=row.with_(pdl=False),
+                                        num_splits=row_splits)}
     if fp8:
         calls["hub_fp8"] = lambda: hub.attention(
             c.q, c.k8, c.v8, backend="triton_decode_fp8",
@@ -178,6 +185,8 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--cells", nargs="+", default=None, metavar="BxCTX",
                     help="only these cells, e.g. 1x131072 (default: all four)")
+    ap.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                    help="only these variants of FEW / MANY, e.g. row nopdl paged")
     args = ap.parse_args()
     cells = [c for c in CELLS if args.cells is None or f"{c[0]}x{c[1]}" in args.cells]
     if not cells:
@@ -230,6 +239,8 @@ def main() -> None:
             paged_splits = choose_splits(batch, HKV, ctx, sms, paged)
             plan = [(name, list(dict.fromkeys(paged_splits if s is None else s for s in ss)))
                     for name, _, ss in MANY]
+        if args.variants is not None:
+            plan = [(name, ss) for name, ss in plan if name in args.variants]
         for name, split_list in plan:
             cfg = cfgs[name]
             for s in split_list:

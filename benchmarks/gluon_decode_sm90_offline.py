@@ -51,7 +51,7 @@ def split_args(block_n: int, splits: int, ahead: bool, page: int = 16,
             1, splits,
             d, page, True, True, True, True, False, False, False, False, True, splits == 1,
             False, prefetch, True, ahead, 0, False, 16, block_n, d, max(2, splits), "tf32", False,
-            ring)
+            ring, False)
 
 
 #: (splits, V_AHEAD, PREFETCH) built per block_n: the shipped kernel at one split and at

@@ -113,10 +113,11 @@ def _split_kernel(
     V_AHEAD: tl.constexpr, FP8_QK: tl.constexpr, FP8_PV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    RING: tl.constexpr,
+    RING: tl.constexpr, GDC: tl.constexpr,
 ):
     """Pass 1: one (split, sequence x KV head x row block) per program. (``RING`` is the
-    Gluon pass 1's, :mod:`.decode_gluon`: the argument lists are one; 0 here.)
+    Gluon pass 1's, :mod:`.decode_gluon`: the argument lists are one; 0 here.) ``GDC``: the
+    merge is a programmatic dependent launch (``DecodeConfig.pdl``), allowed from here on.
 
     ``seqlen_k`` is the cache's capacity per sequence (keys of a contiguous cache, table
     width x PAGE of a paged one). Lengths and page ids are clamped in here, whatever the
@@ -124,6 +125,8 @@ def _split_kernel(
     of the block table), a page id to [0, num_pages). A bad table gives a wrong answer for
     its sequence, never a read outside the cache (the hub rejects such tables before).
     """
+    if GDC:  # the merge may be placed now; it waits for every partial itself
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     pid = tl.program_id(1)
     mb = pid % m_blocks
@@ -335,14 +338,24 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(OP, LP, Out, Lse, sob, sos, soh, seqlen_q, num_q_heads, num_splits,
-                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Pass 2 as its own launch: one program per (sequence, query head, query token)."""
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                  GDC: tl.constexpr):
+    """Pass 2 as its own launch: one program per (sequence, query head, query token).
+    ``GDC``: launched as pass 1's programmatic dependent, so first wait until pass 1 has
+    finished and its partials are visible."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     t = row % seqlen_q
     hq = (row // seqlen_q) % num_q_heads
     b = row // (seqlen_q * num_q_heads)
     _merge_row(OP, LP, row * num_splits, num_splits, Out, b * sob + t * sos + hq * soh,
                Lse, row, HEAD_DIM, BLOCK_S, BLOCK_D, "")
+
+
+def _pdl_arch(arch: str) -> bool:
+    """Whether ``arch`` (``device_arch``) has programmatic dependent launch: NVIDIA sm90+."""
+    return arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) >= 90
 
 
 @functools.cache
@@ -599,6 +612,9 @@ class _Shape:
         prec = "ieee" if dtype == torch.float32 or plan.upcast else "tf32"
         shared = self.launchers.get((splits, cfg))
         kernel = self._gluon_kernel(cfg, fused) if cfg.gluon else _split_kernel
+        # the merge as pass 1's programmatic dependent (``DecodeConfig.pdl``)
+        gdc = (cfg.pdl and splits > 1 and not fused and not self.interpreted
+               and _pdl_arch(device_arch(self.device)))
         options: dict[str, Any] = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         if cfg.maxnreg:
             options["maxnreg"] = cfg.maxnreg
@@ -610,15 +626,17 @@ class _Shape:
                       _Q_TERMS.get(cfg.fp8_dot, 0) if self.consts[-1] else 0,
                       cfg.fp8_dot in ("fp8", "fp8_2") and self.consts[-1], plan.block_m,
                       cfg.block_n, bd, plan.block_s, prec, plan.upcast,
-                      cfg.fp8_ring if cfg.gluon else 0)
+                      cfg.fp8_ring if cfg.gluon else 0, gdc)
         merge = None
         if shared:
             merge = shared[1]
         elif splits > 1 and not fused:
-            merge = Launcher(_merge_kernel, (batch * hq * seqlen_q,),
-                             {"num_warps": cfg.merge_warps})
+            merge_opts: dict[str, Any] = {"num_warps": cfg.merge_warps}
+            if gdc:
+                merge_opts["launch_pdl"] = True
+            merge = Launcher(_merge_kernel, (batch * hq * seqlen_q,), merge_opts)
         self.launchers[(splits, cfg)] = (split, merge)
-        merge_tail = (*self.strides[9:12], seqlen_q, hq, splits, dim, plan.block_s, bd)
+        merge_tail = (*self.strides[9:12], seqlen_q, hq, splits, dim, plan.block_s, bd, gdc)
         rows = batch * hq * seqlen_q
         partials = (rows * splits * dim, rows * splits) if splits > 1 else ()
         return _Launches(split, split_tail, merge, merge_tail, partials, (*partials, rows),

@@ -54,7 +54,11 @@ class DecodeConfig:
     (Gluon pass 1, a power of two, 0: off): K and V tiles go through a shared-memory ring
     of this many slots by ``cp.async``, ``fp8_ring - 1`` tiles in flight per program
     without registers to hold them (it takes the place of ``prefetch_pages``' register
-    pipeline).
+    pipeline). ``pdl`` (sm90 and later, CUDA, two launches): the merge is a programmatic
+    dependent launch; pass 1's programs allow it as they start, so its programs are placed
+    while pass 1's last ones run and wait there (``griddepcontrol.wait``) until every
+    partial is written: the second launch's latency hides behind pass 1 (FlashAttention-3
+    launches its combine kernel this way). Elsewhere it does nothing.
     """
 
     block_n: int = 64
@@ -73,6 +77,7 @@ class DecodeConfig:
     maxnreg: int = 0
     gluon: bool = False
     fp8_ring: int = 0
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.fp8_ring not in (0, 2, 4, 8):

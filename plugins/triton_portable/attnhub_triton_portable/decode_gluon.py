@@ -353,13 +353,15 @@ def _fp8_paged_split_kernel(
     V_AHEAD: gl.constexpr, FP8_QK: gl.constexpr, FP8_PV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_S: gl.constexpr, DOT_PREC: gl.constexpr, UPCAST: gl.constexpr,
-    RING: gl.constexpr,
+    RING: gl.constexpr, GDC: gl.constexpr,
 ):
     """Pass 1 of :mod:`.decode` for what ``supports`` admits: one (split, sequence x KV
     head) per one-warp program, partials (normalised output, base-2 LSE) as there.
 
     Lengths clamp to [0, capacity] (0 past ``SeqLens`` or the table), page ids to
-    [0, num_pages): nothing outside the cache is read, whatever the tables hold."""
+    [0, num_pages): nothing outside the cache is read, whatever the tables hold. ``GDC``
+    (a dependent merge) needs nothing here: a programmatic dependent launch that its
+    primary never releases early starts as the primary's programs exit."""
     gl.static_assert(PAGED and KV_FP8 and HAS_SEQLENS and HEAD_DIM == 128)
     gl.static_assert(not (WIN_LEFT or WIN_RIGHT or SOFTCAP or ALIBI or FUSED_MERGE))
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],

@@ -35,3 +35,30 @@ def stub_decode(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[Any], St
     finally:
         decode._plan.cache_clear()
         decode._plan_base.cache_clear()
+
+
+class _Recorder:
+    """Stands in for ``fastlaunch.Launcher``: records each launch, runs nothing."""
+
+    log: list[tuple[Any, ...]] = []
+
+    def __init__(self, fn: Any, grid: tuple[int, ...], options: dict[str, Any]) -> None:
+        self.fn, self.grid, self.options, self.ready = fn, grid, options, {}
+
+    def __call__(self, device: int, stream: int, direct: bool, args: tuple[Any, ...]) -> None:
+        self.log.append((self.fn, self.grid, self.options, args))
+
+
+@pytest.fixture()
+def recorded(stub_decode: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """Launches recorded on the stub sm90: (kernel, grid, options, arguments) each; the
+    scratch these calls grow is their own (a CPU scratch left large would make later
+    tests' buffers views of one allocation)."""
+    import threading
+
+    from attnhub_triton_portable import scratch
+
+    monkeypatch.setattr(decode, "Launcher", _Recorder)
+    monkeypatch.setattr(_Recorder, "log", [])
+    monkeypatch.setattr(scratch, "_tls", threading.local())
+    return _Recorder.log

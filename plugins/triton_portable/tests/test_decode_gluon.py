@@ -103,32 +103,6 @@ def test_asking_for_it_in_the_interpreter_says_why() -> None:
         decode.decode_attention(q, k, v, config=GLUON_FP8_PAGED, **kw)
 
 
-class _Recorder:
-    """Stands in for ``fastlaunch.Launcher``: records each launch, runs nothing."""
-
-    log: list[tuple[Any, ...]] = []
-
-    def __init__(self, fn: Any, grid: tuple[int, ...], options: dict[str, Any]) -> None:
-        self.fn, self.grid, self.options, self.ready = fn, grid, options, {}
-
-    def __call__(self, device: int, stream: int, direct: bool, args: tuple[Any, ...]) -> None:
-        self.log.append((self.fn, self.grid, self.options, args))
-
-
-@pytest.fixture()
-def recorded(stub_decode: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
-    """Launches recorded on the stub sm90; the scratch these calls grow is their own (a
-    CPU scratch left large would make later tests' buffers views of one allocation)."""
-    import threading
-
-    from attnhub_triton_portable import scratch
-
-    monkeypatch.setattr(decode, "Launcher", _Recorder)
-    monkeypatch.setattr(_Recorder, "log", [])
-    monkeypatch.setattr(scratch, "_tls", threading.local())
-    return _Recorder.log
-
-
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr() or (
