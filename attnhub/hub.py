@@ -79,6 +79,10 @@ _TENSOR = torch.Tensor
 #: when it is off (when on, the hot path runs its backend with it off, as the slow lane does).
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
     lambda: autocast_on("cpu") or autocast_on("cuda"))
+#: ``torch.use_deterministic_algorithms(True)`` asks every op for a deterministic kernel: a
+#: call then binds as ``deterministic=True`` does (one C call, in the exact key too).
+_torch_deterministic = getattr(torch._C, "_get_deterministic_algorithms", None) or (
+    torch.are_deterministic_algorithms_enabled)
 
 
 class Resolver(Protocol):
@@ -255,8 +259,9 @@ class Runner:
                 or params.return_lse or out.layout is not torch.strided):
             check_output(backend.name, out, lse, q, v, spec.layout, params.return_lse,
                          needs_grad)
-        if needs_grad and params.return_lse and lse is not None and not lse.requires_grad:
-            # an LSE outside the graph: a gradient through it raises, never dropped
+        if needs_grad and params.return_lse and lse is not None and lse.grad_fn is None:
+            # an LSE outside the graph (a leaf too: ``requires_grad_()`` on a detached one
+            # would take the gradient and give q and k none): it raises, never dropped
             return AttentionOutput(out, guard_lse(backend.name, out, lse))
         return res if res.__class__ is AttentionOutput else AttentionOutput(out, lse)
 
@@ -347,7 +352,9 @@ class Hub:
         if self._resolver is None:
             from .policy import load_policy
 
-            path = self._policy_arg or os.environ.get("ATTNHUB_POLICY") or None
+            # "" is the caller's (load_policy refuses it), not "no policy given"
+            path = (self._policy_arg if self._policy_arg is not None
+                    else os.environ.get("ATTNHUB_POLICY") or None)
             self._resolver = load_policy(path)
         return self._resolver
 
@@ -496,6 +503,7 @@ class Hub:
             raise
         fast_key = grow_key = None
         positions = False  # int position tensors given (prefix_lens, colmask_*)
+        det_on = _torch_deterministic()  # torch's own switch: honoured, never bypassed
         try:
             # Hot path: every check of the slow path depends only on what this key holds
             # (side tensors by shape/dtype/device, callables by kind), so a call that matches
@@ -531,7 +539,8 @@ class Hub:
                         max_seqlen_q, max_seqlen_k,
                         score_mod if score_mod is None else _mod_kind(score_mod),
                         mask_mod if mask_mod is None else _mod_kind(mask_mod),
-                        phase, return_lse, backend, context, deterministic, needs_grad,
+                        phase, return_lse, backend, context, deterministic, det_on,
+                        needs_grad,
                         dropout_p > 0.0,  # as the spec's flag, whatever number type
                         dtype, k.dtype, v.dtype, device, k.device, v.device,
                         # a lazily negated view reads un-negated in a kernel that takes raw
@@ -660,10 +669,12 @@ class Hub:
             # positional: field order checked at import (_PARAM_FIELDS), ~1 us cheaper
             fields = (default_scale if scale is None else scale, causal, causal_alignment,
                       window, softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end,
-                      cu_q, cu_k, max_q, max_k, bt, sl, score_mod, mask_mod, deterministic,
-                      return_lse)
-            params = AttnParams(*fields, check_extra(extra, k.dtype) if extra else {},
-                                dropout_p)  # check_extra: a private copy of the caller's
+                      cu_q, cu_k, max_q, max_k, bt, sl, score_mod, mask_mod,
+                      deterministic or det_on, return_lse)
+            # check_extra: a private copy of the caller's; an empty non-dict (``[]``, 0) is
+            # refused there too, never taken for "no options"
+            params = AttnParams(*fields, check_extra(extra, k.dtype) if extra or (
+                extra is not None and extra.__class__ is not dict) else {}, dropout_p)
             first = run.first
             if first is not None and first._loaded and not self.debug:
                 try:  # Runner.__call__ inlined for the first candidate: a frame less
@@ -687,7 +698,7 @@ class Hub:
                 except (Exception, SystemExit) as exc:  # a kernel library's exit() too
                     # what the failed backend may have changed in params stays with it
                     params = AttnParams(*fields, check_extra(extra, k.dtype) if extra else {},
-                                        dropout_p)
+                                        dropout_p)  # (the call's extra passed the check)
                     res = run.recover(exc, first, q, k, v, spec, params, want, device, dtype)
             else:
                 res = run(q, k, v, spec, params, want, device, dtype)
@@ -703,10 +714,16 @@ class Hub:
             max_seqlen_k=max_seqlen_k, block_table=block_table, seqlens_k=seqlens_k,
             phase=phase, return_lse=return_lse, deterministic=deterministic)
         dropout_p = check_dropout(dropout_p)
+        deterministic = deterministic or det_on  # (checked a bool above)
         if context is not None and not isinstance(context, BindContext):
             raise ArgumentError(f"context={context!r} ({type(context).__name__}); pass an "
                                 "attnhub.BindContext(model=..., layer=..., layer_kind=...) or "
                                 "None")
+        if backend is not None and (backend.__class__ is not str or not backend):
+            # "" or 0 would be read as "no backend named" (the policy binds), silently
+            raise ArgumentError(f"backend={backend!r} ({type(backend).__name__}); pass a "
+                                "backend's name as a non-empty str (e.g. backend='torch_sdpa'"
+                                "; `attnhub backends` lists them), or None for the policy")
         transposed = layout == "bhsd"
         q, k, v, layout, window = a.q, a.k, a.v, a.layout, a.window
         score_named, mask_named = isinstance(score_mod, str), isinstance(mask_mod, str)
@@ -725,7 +742,10 @@ class Hub:
         max_seqlen_q, max_seqlen_k, batch = a.max_seqlen_q, a.max_seqlen_k, a.batch
         if phase is None:
             phase = _phase(needs_grad, layout == "paged", max_seqlen_q, max_seqlen_k)
-        score_kind, mask_kind = _callable_name(score_mod), _callable_name(mask_mod)
+        # a named variant is its name to the policy (``when: {variant: [name]}``), whatever
+        # its callable's ``__name__`` (a plugin may register a lambda under a name)
+        score_kind = variants[0] or _callable_name(score_mod)
+        mask_kind = variants[1] or _callable_name(mask_mod)
         # everything the spec holds (backends' checks read the window's values: a window
         # one backend refuses must not reuse the runner of another window it took)
         key = (phase, q.dtype, k.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2],
@@ -745,7 +765,7 @@ class Hub:
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=a.block_table,
             seqlens_k=a.seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
             deterministic=deterministic, return_lse=return_lse,
-            extra=check_extra(extra, k.dtype) if extra else {}, dropout_p=dropout_p)
+            extra=check_extra(extra, k.dtype) if extra is not None else {}, dropout_p=dropout_p)
         with self._lock:
             hit = self._runners.get(key)
             gen = self._generation  # what this call resolves under (see ``_rebind``)

@@ -16,7 +16,9 @@ from dataclasses import replace
 import torch
 
 from .core.backend import Backend
+from .core.bounded import safe_str
 from .core.outputs import (
+    CONTROL_FLOW,
     autocast_on,
     call_inputs,
     check_output,
@@ -86,7 +88,8 @@ def settle(d: Decision, backends: dict[str, Backend], q: torch.Tensor, k: torch.
             except OutputContractError as exc:
                 failure = exc
         if failure is not None:  # reported in the notes, never bound
-            failed.append(f"{name} raised {type(failure).__name__}: {str(failure)[:120]}")
+            failed.append(f"{name} raised {type(failure).__name__}: "
+                          f"{safe_str(failure)[:120]}")
             continue
         fns[name] = (lambda b=b, p=params.fresh(): b.forward(q, k, v, spec, p))
     if not fns:
@@ -94,11 +97,15 @@ def settle(d: Decision, backends: dict[str, Backend], q: torch.Tensor, k: torch.
     try:
         ms = interleaved_ms(fns, q.device, warmup=WARMUP, repeats=REPEATS, rounds=1,
                             batch_ms=BATCH_MS, batch_below_ms=BATCH_MS).ms
-    except Exception as exc:  # noqa: BLE001 - a candidate failing on a later call: the
-        # timing is an optimisation, so the pack's order binds (the call itself must not fail)
+    except (KeyboardInterrupt, *CONTROL_FLOW):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a candidate failing on a later call: the
+        # timing is an optimisation, so the pack's order binds (the call itself must not fail;
+        # a kernel library's exit(), SystemExit, ended the host, and an exception whose str()
+        # raises failed the call)
         return replace(d, tied=(), notes=(*d.notes, f"near-tie not timed: a candidate raised "
                                           f"{type(exc).__name__} while timed: "
-                                          f"{str(exc)[:120]}; the pack's order binds "
+                                          f"{safe_str(exc)[:120]}; the pack's order binds "
                                           f"{d.backend}"))
     winner = min(ms, key=ms.__getitem__)
     timed = ", ".join(f"{n} {ms[n] * 1e3:.1f} us" for n in sorted(ms, key=ms.__getitem__))

@@ -182,6 +182,11 @@ def _nothing(text: str, what: str, example: str, omitted: str) -> argparse.Argum
                                       f"leave the flag out{tail}")
 
 
+#: ``--policy FILE``: not blank (an unset shell variable, ``--policy "$P"``, ran ``attnhub run``
+#: under the default policy and made ``explain`` read the working directory as the policy).
+POLICY_FLAG = nonblank("policy", "policies/portable.yaml or a packaged name such as default",
+                       "ATTNHUB_POLICY, else the packaged default")
+
 #: ``--hardware A,B``: at least one name (an empty value planned for this machine, or for
 #: ATTNHUB_HARDWARE, as if the flag had not been given).
 hardware_names = name_list("hardware", "sm90")

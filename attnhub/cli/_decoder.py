@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..core.memory import check_memory
-from ._common import add_hardware, at_least, progress, seed, wants_progress
+from ._common import POLICY_FLAG, add_hardware, at_least, progress, seed, wants_progress
 
 #: The deepest model ``--layers`` builds: well past any published decoder (under 200 layers);
 #: each layer is a Python module, so 10**8 of them would run for hours before any check.
@@ -75,7 +75,7 @@ def parse_device(text: str) -> torch.device:
 def add_decoder_args(p: argparse.ArgumentParser, *, batch: int = 4, prompt_len: int = 128,
                      new_tokens: int = 32, hardware_help: str | None = None) -> None:
     """The model and run-size flags (small CPU-friendly defaults)."""
-    p.add_argument("--policy", metavar="FILE",
+    p.add_argument("--policy", metavar="FILE", type=POLICY_FLAG,
                    help="policy YAML (default: ATTNHUB_POLICY, else the packaged default)")
     add_hardware(p, hardware_help)
     g = p.add_argument_group("model (built-in decoder, random weights)")

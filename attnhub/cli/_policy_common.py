@@ -9,10 +9,11 @@ from ..core.device import DeviceInfo, probe, simulate
 from ..core.registry import Registry
 from ..errors import HardwareError
 from ..policy import Policy, load_policy
+from ._common import POLICY_FLAG
 
 
 def add_policy(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", metavar="FILE",
+    p.add_argument("--policy", metavar="FILE", type=POLICY_FLAG,
                    help="policy YAML or packaged name (default: ATTNHUB_POLICY, else the "
                         "packaged default)")
 

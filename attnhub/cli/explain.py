@@ -71,8 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--model", type=nonblank("model", "llama-3-8b", "no model"),
                    help="model name, for `when: {model: ...}` rules")
     g.add_argument("--layer", type=at_least(0), help="layer index, for `when: {layer: ...}`")
-    g.add_argument("--layer-kind", default="softmax",
-                   type=nonblank("layer kind", "sliding", "softmax"),
+    g.add_argument("--layer-kind", default="softmax", type=_layer_kind,
                    help="softmax (default), sliding, linear, gla, ... for `layer: {kind: ...}`")
     g.add_argument("--world-size", type=at_least(1), default=1,
                    help="context-parallel ranks (default 1; >= 2 for ring rules)")
@@ -250,3 +249,16 @@ def ran_backend(bound: str | None, counts: Any) -> str | None:
             break
         ran = nxt[0]
     return ran
+
+
+def _layer_kind(text: str) -> str:
+    """``--layer-kind``: not blank, and a name a policy's ``layer: {kind: ...}`` can write
+    (an ASCII identifier: ``"x y"`` or a line break was explained as a kind no rule names)."""
+    from ..policy.schema import _identifier
+
+    nonblank("layer kind", "sliding", "softmax")(text)
+    try:
+        return str(_identifier(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; a policy's `layer: {{kind: ...}}` names "
+                                         "only such kinds") from None

@@ -152,7 +152,7 @@ class Capabilities:
 _SETS = ("vendors", "archs", "dtypes", "masks", "phases", "layouts")
 _NON_EMPTY = ("vendors", "dtypes", "phases", "layouts")
 _VENDORS = frozenset({"cpu", "cuda", "rocm"})
-_ARCH_RE = re.compile(r"^(cpu|sm\d{2,3}|gfx[0-9a-f]{3,4})$")
+_ARCH_RE = re.compile(r"(cpu|sm[0-9]{2,3}|gfx[0-9a-f]{3,4})\Z")
 _BOOLS = ("different_v_dim", "backward", "deterministic_backward", "deterministic_forward",
           "gqa", "returns_lse", "top_left_causal", "exact", "dropout")
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .spec import AttentionSpec
+from ..errors import ArgumentError
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class BindContext:
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        why = _context_error(self)
+        if why is not None:  # checked once, where a layer or a call builds its context
+            raise ArgumentError(f"BindContext: {why}")
         object.__setattr__(self, "_hash", hash((self.model, self.layer, self.layer_kind,
                                                 self.world_size)))
 
@@ -33,6 +37,27 @@ class BindContext:
         # rebuilt through __init__ (of a subclass too, with its own fields): a string's hash
         # differs between processes, so a pickled hash would break dict lookups there
         return (type(self), tuple(getattr(self, f.name) for f in fields(self) if f.init))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _context_error(c: BindContext) -> str | None:
+    """What is wrong with a context's fields, or None. Rules compare them (``world_size:
+    {ge: 2}`` binds ring), so a ``world_size`` of 0 or -2 bound a local kernel to a
+    sharded sequence without a word, ``"2"`` raised a TypeError from the policy, ``2.5``
+    reached ring, and ``True`` shared the bindings of 1."""
+    if not (_is_int(c.world_size) and c.world_size >= 1):
+        return (f"world_size={c.world_size!r}; pass the number of ranks the sequence is "
+                "sharded over, an int >= 1 (1: not sharded)")
+    if c.layer is not None and not (_is_int(c.layer) and c.layer >= 0):
+        return f"layer={c.layer!r}; pass the layer's index, an int >= 0, or None"
+    if not isinstance(c.layer_kind, str) or not c.layer_kind:
+        return f"layer_kind={c.layer_kind!r}; pass a non-empty str (softmax, sliding, gla...)"
+    if c.model is not None and not isinstance(c.model, str):
+        return f"model={c.model!r} ({type(c.model).__name__}); pass the model's name, a str"
+    return None
 
 
 @dataclass(frozen=True)

@@ -740,14 +740,18 @@ class PagedKVCache:
 
     def _check_range(self, where: str, k: torch.Tensor, v: torch.Tensor) -> None:
         """Refuse finite values the cache's dtype cannot hold (a float32 1e5 into a float16
-        cache, a float64 1e300 into a float32 one): the cast would store inf silently. Only
-        when ``k``/``v`` have a wider exponent range than the cache (a host read there; not
-        float32 into bfloat16, which share one)."""
+        cache, a float64 1e300 into a float32 one, a float32 3.4e38 into a bfloat16 one):
+        the cast would store inf silently. Exactly the values the cast rounds to inf (65519
+        into float16 rounds to 65504 and is kept). Only when ``k``/``v``'s dtype reaches
+        past the cache's largest value (a host read there): float32 into bfloat16 too, whose
+        largest value is 2^120 x (2 - 2^-7), below float32's."""
         fmax = torch.finfo(self.dtype).max
         for name, t in (("k", k), ("v", v)):
-            if torch.finfo(t.dtype).max > 2 * fmax and bool(
-                    (torch.isfinite(t) & (t.abs() > fmax)).any()):
-                big = float(t[torch.isfinite(t)].abs().max())
+            if torch.finfo(t.dtype).max <= fmax:
+                continue
+            over = torch.isfinite(t) & torch.isinf(t.to(self.dtype))
+            if bool(over.any()):
+                big = float(t[over].abs().min())
                 raise InputError(f"{where}: {name} holds {big:.3g}, beyond the largest "
                                  f"{self.dtype} value {fmax:.3g} the cache stores; scale it or "
                                  "build the cache with a wider dtype")

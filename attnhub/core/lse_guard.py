@@ -40,7 +40,9 @@ class _NoGradLSE(torch.autograd.Function):
 
 def guard_lse(backend: str, out: torch.Tensor, lse: torch.Tensor | None) -> torch.Tensor | None:
     """``lse`` itself when it is in the autograd graph (or absent, or ``out`` is not);
-    else the guarded copy of :class:`_NoGradLSE`."""
-    if lse is None or lse.requires_grad or not out.requires_grad:
+    else the guarded copy of :class:`_NoGradLSE`. In the graph means a ``grad_fn``: a leaf
+    that requires grad (``lse.detach().requires_grad_()``) would keep the gradient to
+    itself, and q and k would get none from it, silently."""
+    if lse is None or lse.grad_fn is not None or not out.requires_grad:
         return lse
-    return _NoGradLSE.apply(lse, out, backend)
+    return _NoGradLSE.apply(lse.detach(), out, backend)

@@ -72,6 +72,10 @@ def check_output(backend: str, out: Any, lse: Any, q: torch.Tensor, v: torch.Ten
                    if isinstance(lse, torch.Tensor) else repr(type(lse).__name__))
             raise OutputContractError(f"backend {backend!r} returned lse {got}; the contract "
                                       f"is {lwant} torch.float32 on {q.device}")
+        if lse.__class__ is not torch.Tensor and lse.__class__ is not q.__class__:
+            raise OutputContractError(  # as out: a subclass's __torch_function__ would run
+                f"backend {backend!r} returned lse as a {type(lse).__name__} (a torch.Tensor "
+                f"subclass); the contract is a plain tensor like q ({type(q).__name__})")
 
 
 def shared_memory(backend: str, out: torch.Tensor, lse: Any,
@@ -79,10 +83,31 @@ def shared_memory(backend: str, out: torch.Tensor, lse: Any,
     """The memory checks of a result (once per binding: the slow path, settle, debug mode):
     ``out``/``lse`` must not share memory with an input (the caller's q, k, v, side tensors:
     writing the output would change them) nor with itself (a stride-0 dimension: one element
-    seen at many places, which an in-place op on the output refuses or smears)."""
+    seen at many places, which an in-place op on the output refuses or smears), nor with
+    each other; under ``no_grad`` neither is in a graph, and outside
+    ``torch.inference_mode`` neither is an inference tensor."""
+    outside = None  # whether the caller runs outside inference_mode (read once, if needed)
     for what, t in (("out", out), ("lse", lse)):
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             continue
+        if t.requires_grad and not torch.is_grad_enabled():
+            # under no_grad nothing the caller passed can put it in a graph: the backend
+            # turned grad mode on inside forward(), and the graph it built (with every
+            # tensor it saved) lives as long as the result: a leak per decode step
+            return OutputContractError(
+                f"backend {backend!r} returned {what} in an autograd graph to a caller under "
+                "torch.no_grad(); the contract is a tensor outside any graph there (a "
+                "backend must not turn grad mode on around its kernel)")
+        if t.is_inference():
+            if outside is None:
+                outside = not torch.is_inference_mode_enabled()
+            if outside:  # a kernel run under inference_mode inside forward()
+                return OutputContractError(
+                    f"backend {backend!r} returned {what} as an inference tensor (made under "
+                    "torch.inference_mode) to a caller outside inference_mode, which can "
+                    "neither write it in place nor save it for backward (a trainable layer "
+                    "after it fails); the contract is a normal tensor (run the kernel under "
+                    "torch.no_grad(), or clone the result outside inference_mode)")
         if _self_overlapping(t):
             return OutputContractError(
                 f"backend {backend!r} returned {what} with stride {tuple(t.stride())} for "
@@ -100,6 +125,13 @@ def shared_memory(backend: str, out: torch.Tensor, lse: Any,
                 f"backend {backend!r} returned {what} in the memory of its input "
                 f"{' / '.join(shared)}; the contract is a new tensor (writing the output "
                 "would change the caller's input)")
+    if (isinstance(lse, torch.Tensor) and lse.numel() and out.numel()
+            and lse.device == out.device and _overlap(_extent(out), _extent(lse))):
+        # one workspace for both is fine, overlapping bytes are not: a write to the output
+        # (an in-place residual add) would change the LSE the caller holds, or the reverse
+        return OutputContractError(
+            f"backend {backend!r} returned out and lse in overlapping memory; the contract "
+            "is two tensors of their own (writing one would change the other)")
     return None
 
 
@@ -228,8 +260,9 @@ def watched_forward(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise
     except Exception as exc:  # noqa: BLE001 - handed to the caller, which decides
         failure = exc
-    except SystemExit as exc:  # a plugin's kernel library calling exit(): its fault, as in
-        failure = RuntimeError(f"SystemExit: {exc}")  # check() and imports, not the host's end
+    except (SystemExit, GeneratorExit) as exc:  # a plugin's kernel library calling exit():
+        # its fault, as in check() and imports, not the host's end
+        failure = RuntimeError(f"{type(exc).__name__}: {exc}")
     changed = process_state.call_restore(settings)
     if changed and failure is None:
         failure = OutputContractError(

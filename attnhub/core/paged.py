@@ -28,6 +28,14 @@ def paged_to_varlen(
         raise SeqlensError(f"paged_to_varlen: block_table {tuple(block_table.shape)} and "
                            f"seqlens_k {tuple(seqlens_k.shape)} must be (B={b}, pages) and "
                            f"(B={b},) for q of batch {b}")
+    for name, t in (("block_table", block_table), ("seqlens_k", seqlens_k)):
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            # a float page id or length would be truncated (page 1.7 read as page 1)
+            raise SeqlensError(f"paged_to_varlen: {name} is {t.dtype}; pass integer page ids "
+                               "and lengths (int32, as the hub's paged layout takes them)")
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise SeqlensError(f"paged_to_varlen: k_cache {tuple(k_cache.shape)} and v_cache "
+                           f"{tuple(v_cache.shape)} must agree in pages, page_size and heads")
     if page < 1:
         raise SeqlensError(f"paged_to_varlen: k_cache {tuple(k_cache.shape)} has page_size 0 "
                            "(axis 1); a page holds at least one token")

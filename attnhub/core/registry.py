@@ -343,7 +343,9 @@ class Registry:
                     return
                 try:  # one broken backend must not cost the plugin its other registrations
                     add(backend)
-                except Exception as exc:
+                except BaseException as exc:  # SystemExit from a property too
+                    if _host_interrupt(exc):
+                        raise
                     rec.errors.append(f"registering {type(backend).__name__} raised "
                                       f"{_exc_text(exc)}")
 
@@ -402,8 +404,16 @@ class Registry:
             if watch is not None:
                 watch.settle()
             with self._lock:
-                if rec.name not in self._stalled and gate.admits(rec, f"variant {name!r}"):
+                if rec.name in self._stalled or not gate.admits(rec, f"variant {_short(name)}"):
+                    return
+                try:  # as for backends: one bad variant (a doc whose str() raises, a
+                    # signature that cannot be read) cost the plugin every later registration
                     add(name, score_mod, mask_mod, doc)
+                except BaseException as exc:
+                    if _host_interrupt(exc):
+                        raise
+                    rec.errors.append(f"registering variant {_short(name)} raised "
+                                      f"{_exc_text(exc)}")
 
         def add(name: Any, score_mod: Any, mask_mod: Any, doc: Any) -> None:
             if not _nameable(name):
@@ -614,6 +624,13 @@ def _unknown_names(env: str, named: list[str], found: list[str]) -> list[str]:
             for n in dict.fromkeys(named) if n not in found]
 
 
+def _host_interrupt(exc: BaseException) -> bool:
+    """A ``KeyboardInterrupt`` on the main thread: the user's Ctrl-C, which stops the host (one
+    in a worker thread is the plugin's own raise, recorded like any other exception)."""
+    return isinstance(exc, KeyboardInterrupt) and \
+        threading.current_thread() is threading.main_thread()
+
+
 def _exc_text(exc: BaseException, lines: int = 1) -> str:
     kind = "KeyboardInterrupt" if isinstance(exc, OwnInterrupt) else type(exc).__name__
     text = safe_str(exc)
@@ -645,7 +662,13 @@ def _nameable(name: Any) -> bool:
 
 
 def _short(v: Any) -> str:
-    text = repr(v)
+    """``repr(v)`` cut to one short line; one that raises (a plugin's object) is its type."""
+    try:
+        text = repr(v)
+    except BaseException as exc:
+        if _host_interrupt(exc):
+            raise
+        text = f"<{type(v).__name__}: repr() raised {type(exc).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -658,7 +681,9 @@ def _invalid_backend(obj: Any) -> str | None:
     try:
         name = getattr(obj, "name", None)
         static = inspect.getattr_static(obj, "name", None)
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit, GeneratorExit from a property: the plugin's
+        if _host_interrupt(exc):
+            raise
         return f"backend {type(obj).__name__}: reading its name raised {_exc_text(exc)}"
     if name is not static and not isinstance(static, types.MemberDescriptorType):
         # a property: another value each read (the policy's name, later); a slot holds one
@@ -671,13 +696,17 @@ def _invalid_backend(obj: Any) -> str | None:
     try:
         tier = obj.tier
         ok = isinstance(tier, str) and tier in TIERS
-    except Exception as exc:
+    except BaseException as exc:
+        if _host_interrupt(exc):
+            raise
         return f"backend {name!r}: reading its tier raised {_exc_text(exc)}"
     if not ok:
         return f"backend {name!r} has unknown tier {tier!r} (use one of {', '.join(TIERS)})"
     try:
         caps = obj.capabilities
-    except Exception as exc:
+    except BaseException as exc:
+        if _host_interrupt(exc):
+            raise
         return f"backend {name!r}: reading its capabilities raised {_exc_text(exc)}"
     if not isinstance(caps, Capabilities):
         return (f"backend {name!r} declares capabilities as {type(caps).__name__}, expected an "

@@ -71,6 +71,10 @@ class SequenceStates:
         #: after each store's call: what a free, or the undo of an allocate or fork, releases
         #: (exactly, after a Ctrl-C too: a store's call that raises changes nothing)
         self._held: dict[int, int] = {}
+        #: per sequence id, the store whose call for it was cut short (a Ctrl-C delivered
+        #: after the store's last C call, once it had changed its state: the call raised,
+        #: yet freed the id): asked again on the retry only if it still holds the id
+        self._cut: dict[int, SequenceStore] = {}
 
     def __bool__(self) -> bool:
         return bool(self._stores)
@@ -109,20 +113,47 @@ class SequenceStates:
         """Free ``seq_id``'s state in the stores holding it, last first. Retryable: a free
         cut short (Ctrl-C) leaves the count of those still holding it, so the retry neither
         frees a store twice (it would raise, and the sequence could never be freed) nor
-        skips one."""
+        skips one; a store whose own free was cut short after it let go of the id (a Ctrl-C
+        after its last C call) is asked again only if it still holds it."""
         held = self._held
         while held.get(seq_id):
-            self._stores[held[seq_id] - 1].free(seq_id)
+            store = self._stores[held[seq_id] - 1]
+            if self._cut.get(seq_id) is not store or self._must_free(store, seq_id):
+                self._cut[seq_id] = store
+                store.free(seq_id)
             held[seq_id] -= 1
+            self._cut.pop(seq_id, None)
         held.pop(seq_id, None)
+        self._cut.pop(seq_id, None)
 
     def _all_or_nothing(self, op: Callable[[SequenceStore], None], new_id: int) -> None:
         """Run ``op`` on every store; if one fails (or a Ctrl-C lands), free ``new_id``
-        where it succeeded."""
+        where it succeeded, and in the store whose call failed if it holds the id all the
+        same (a Ctrl-C after that store's last C call: its state would leak, under an id
+        never handed out)."""
+        failed: SequenceStore | None = None
         try:
             for i, s in enumerate(self._stores):
+                failed = s
                 op(s)
                 self._held[new_id] = i + 1
+            failed = None
         except BaseException:
             self.free(new_id)
+            if failed is not None and self._must_free(failed, new_id):
+                failed.free(new_id)
             raise
+
+    @staticmethod
+    def _must_free(store: SequenceStore, seq_id: int) -> bool:
+        """Whether ``store``, whose call for ``seq_id`` was cut short, still holds it and
+        must free it: its ``__contains__`` says so where it has one; else it is asked to
+        free it here (False either way: freed now, or refused, the id unknown to it, which
+        under the protocol changes nothing)."""
+        if hasattr(type(store), "__contains__"):
+            return seq_id in store  # type: ignore[operator]
+        try:
+            store.free(seq_id)
+        except Exception:  # noqa: BLE001 - it does not hold the id
+            pass
+        return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from ..errors import PolicyError
 from .loader import default_policy_path, load_data, paused_gc, policies_dir, resolve_policy_path
 from .profile import ProfileStore
 from .resolver import Policy
@@ -25,6 +26,9 @@ def load_policy(path: str | os.PathLike[str] | None = None, *,
 
     Raises :class:`attnhub.errors.PolicyError` listing every problem, each located.
     """
+    if path is not None and not os.fspath(path).strip():  # read as "." (Is a directory)
+        raise PolicyError([f"policy path {os.fspath(path)!r} is empty, expected a policy file "
+                           "or a packaged name such as `default` (or None for the default)"])
     p = default_policy_path() if path is None else resolve_policy_path(path)
     env = os.environ.get("ATTNHUB_POLICY")
     via_env = bool(env) and (path is None or os.fspath(path) == env)  # the Hub passes it on

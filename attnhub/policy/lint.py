@@ -14,6 +14,7 @@ import math
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,18 +27,18 @@ from .loader import LoadedRule
 from .profile import ProfileStore
 from .match import selects_layers
 from .resolver import Policy, accuracy_gated
-from .schema import RANGE_MINIMUM, Range, When
+from .schema import RANGE_MINIMUM, LayerSelector, ProfileCondition, Range, When
 
 #: Backend names of the in-repo plugins -> the plugin directory that provides them.
 FIRST_PARTY: dict[str, str] = {
     **dict.fromkeys(("reference", "torch_sdpa"), "core"),
-    **dict.fromkeys(("triton", "triton_decode", "flex"), "triton_portable"),
+    **dict.fromkeys(("triton", "triton_decode", "triton_decode_fp8", "flex"), "triton_portable"),
     **dict.fromkeys(("fa2", "fa2_torch", "flashinfer_decode", "flashinfer_prefill"), "sm80_fa2"),
     **dict.fromkeys(("fa3", "cudnn", "fa3_fp8"), "sm90_fa3"),
     **dict.fromkeys(("ck_fa", "triton_rocm"), "rocm"),
     **dict.fromkeys(("gla", "linear", "retention", "sliding_window", "longformer", "lsh"),
                     "hybrid_linear"),
-    "ring": "ring",
+    **dict.fromkeys(("ring", "torch_flash_cpu"), "ring"),
 }
 _FP8 = frozenset({"fp8_e4m3", "fp8_e5m2"})
 _BUCKETED = ("seqlen", "seqlen_q", "seqlen_k", "batch")
@@ -406,7 +407,7 @@ class _ShadowIndex:
         self.exact.setdefault(sig, i)
         self.by_keys.setdefault(keys, _Posting()).add(i)
         for k in keys:
-            vals = _index_values(getattr(w, k))
+            vals = _index_values(getattr(w, k), k)
             if vals is None:
                 self.unindexed[k].add(i)
             for x in vals or ():
@@ -421,7 +422,7 @@ class _ShadowIndex:
     def _first_cover(self, w: When, keys: frozenset[str], before: int | None = None
                      ) -> int | None:
         best = before
-        wanted = {k: v for k in keys if (v := _index_values(getattr(w, k))) is not None}
+        wanted = {k: v for k in keys if (v := _index_values(getattr(w, k), k)) is not None}
         for ks, group in self.by_keys.items():
             if ks <= keys:
                 j = self._first_in_group(w, {k: wanted[k] for k in ks if k in wanted}, group,
@@ -457,8 +458,11 @@ class _ShadowIndex:
         return None
 
 
-def _index_values(v: Any) -> tuple[Any, ...] | None:
-    """The values a condition is indexed by (None: not indexable, always a candidate)."""
+def _index_values(v: Any, key: str = "") -> tuple[Any, ...] | None:
+    """The values a condition is indexed by (None: not indexable, always a candidate; globs
+    too: ``model: '*'`` covers ``model: llama`` without sharing a value)."""
+    if key in _GLOB_KEYS:
+        return None
     if isinstance(v, list):
         return tuple(v)
     if isinstance(v, bool):
@@ -483,12 +487,47 @@ def covers(a: When, b: When) -> bool:
         elif isinstance(va, Range):
             if not vb.within(va):
                 return False
+        elif key in _GLOB_KEYS:
+            if not all(_glob_covers(va, p) for p in vb):
+                return False
         elif isinstance(va, list):
             if not set(vb) <= set(va):
+                return False
+        elif isinstance(va, LayerSelector):
+            if not _layers_cover(va, vb):
+                return False
+        elif isinstance(va, ProfileCondition):
+            if not (va.attention_share is None or (vb.attention_share is not None and
+                                                   vb.attention_share.within(va.attention_share))):
                 return False
         elif va != vb:
             return False
     return True
+
+
+#: ``when`` keys holding shell-style globs (``model: '*'`` holds for every named model).
+_GLOB_KEYS = frozenset({"device_name", "model"})
+
+
+def _glob_covers(globs: list[str], pattern: str) -> bool:
+    """Every name ``pattern`` matches is matched by one of ``globs`` (conservative: the same
+    glob, ``*``, or a plain name one of them matches)."""
+    return pattern in globs or "*" in globs or (
+        not any(c in pattern for c in "*?[") and any(fnmatchcase(pattern, g) for g in globs))
+
+
+def _layers_cover(a: LayerSelector, b: LayerSelector) -> bool:
+    """Every layer ``b`` selects, ``a`` selects (each part of ``a`` implied by ``b``'s):
+    ``{kind: [gla, linear]}`` covers ``{kind: gla}``, ``{every: 2}`` covers ``{every: 4}``."""
+    if a.kind is not None and (b.kind is None or not set(b.kind) <= set(a.kind)):
+        return False
+    if a.index is not None and (b.index is None or not b.index.within(a.index)):
+        return False
+    if a.every is None:
+        return True
+    if b.every is None or b.every % a.every:
+        return False
+    return {o % a.every for o in (b.offset or [0])} <= set(a.offset or [0])
 
 
 def _vendor(arch: str) -> str:

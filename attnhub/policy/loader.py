@@ -32,7 +32,7 @@ from ..errors import PolicyError
 from .located import Located, clip, dotted, pydantic_problems, read_yaml, show
 from .schema import Defaults, PolicyFile, Rule
 
-_PACKAGED_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+_PACKAGED_NAME = re.compile(r"[A-Za-z0-9_-]+\Z")  # ``$`` took "default\n" as a packaged name
 #: Limits no real policy comes near (the packaged ones are under 10 KiB and extend at most
 #: once): past them a file is refused, located, before it is parsed or followed.
 MAX_BYTES = 16 * 2**20
@@ -265,6 +265,8 @@ def _utf16(raw: bytes) -> str:
     return ""
 
 
+_BREAK = re.compile(r"[\t\n\r]")
+
 #: C0 controls other than tab and the line ends: not in a text decoded right
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 
@@ -317,7 +319,8 @@ def _read_chain(path: Path, problems: list[str], seen: list[Path],
         doc.data, dict) else None
     base: list[tuple[PolicyFile, Located]] = []
     # followed even when this file is invalid: every problem of the chain at once
-    if isinstance(extends, str) and extends.strip():
+    # (not one the schema refused for a line break: its "cannot read" would split in two)
+    if isinstance(extends, str) and extends.strip() and not _BREAK.search(extends):
         base = _read_chain(resolve_policy_path(extends, path.parent), problems,
                            seen + [_real(path)], ref=f"{doc.where(('extends',))} extends")
     return base + [(pf, doc)] if pf else []

@@ -67,7 +67,7 @@ class LockSpec(_Model):
 
 class LockContext(_Model):
     model: StrictStr | None
-    layer: StrictInt | None
+    layer: StrictInt | None = Field(ge=0)
     layer_kind: StrictStr
     world_size: StrictInt = Field(ge=1)
 

@@ -53,6 +53,7 @@ from ..core.device import DeviceInfo
 from ..core.spec import AttentionSpec
 from ..errors import PolicyError
 from .loader import DuplicateKey, TooBig, no_duplicate_keys, read_limited
+from .located import clip
 
 SCHEMA = "attnhub.profile/1"
 #: Versions that do not change kernel speed or accuracy (left out of the device key).
@@ -384,6 +385,12 @@ def _load(path: Path, env: str = "ATTNHUB_PROFILE") -> dict[str, Any]:
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise PolicyError([f"{path}: the profile store cannot be read ({_first_line(exc)}); "
                            f"fix or delete it, or point {env} elsewhere"]) from None
+    other = data.get("schema") if isinstance(data, dict) else None
+    if isinstance(other, str) and other != SCHEMA and other.startswith(SCHEMA.split("/")[0]):
+        # another version's store: "not an attnhub profile store, move it away" misled
+        raise PolicyError([f"{path}: written by another attnhub version (schema "
+                           f"{clip(other)!r}; this one reads {SCHEMA!r}); use that version, "
+                           f"or point {env} elsewhere (the file is left as it is)"])
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(
             data.get("devices"), dict):
         raise PolicyError([f"{path}: not an attnhub profile store (expected \"schema\": "

@@ -31,9 +31,12 @@ LayoutName = Literal[tuple(x for x in LAYOUTS if x != "bhsd")]  # type: ignore[v
 OnFailure = Literal["next", "error"]
 
 VENDORS = ("cpu", "cuda", "rocm")
-_HARDWARE_RE = re.compile(r"^(cpu|cuda|rocm|sm\d{2,3}|gfx[0-9a-f]{3,4})$")
-_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_RULE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+#: ``\Z``, not ``$`` (which also matches before a final newline: ``"cpu\n"`` loaded and never
+#: matched), and ASCII digits only (``\d`` took ``sm٩٠``, Arabic-Indic digits, which no device
+#: has).
+_HARDWARE_RE = re.compile(r"(cpu|cuda|rocm|sm[0-9]{2,3}|gfx[0-9a-f]{3,4})\Z")
+_IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_RULE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 
 
 def _listify(v: Any) -> Any:
@@ -115,6 +118,20 @@ def _not_blank(what: str, expected: str) -> Callable[[Any], Any]:
     return check
 
 
+def _one_line(what: str) -> Callable[[Any], Any]:
+    """A validator refusing text that is blank or holds a tab or line break: a name every
+    message and record prints on one line (``name: "a\\nb"`` split each of them in two)."""
+
+    def check(v: Any) -> Any:
+        if isinstance(v, str) and (not v.strip() or any(c in v for c in "\t\n\r")):
+            got = "an empty" if not v.strip() else "a tab or line break in the"
+            raise ValueError(f"got {got} {what} {show(v)}, expected one line of printable "
+                             "text")
+        return v
+
+    return check
+
+
 def _name(v: Any, pattern: re.Pattern[str], what: str) -> Any:
     """``v`` when it is a name ``pattern`` allows; else why not, pointing at the character
     that is wrong (a Cyrillic 'а' in "triton" reads like the Latin one in every message)."""
@@ -133,7 +150,7 @@ def _name(v: Any, pattern: re.Pattern[str], what: str) -> Any:
         raise ValueError(f"got {shown}, expected {what}")
     c = v[odd]
     raise ValueError(f"got {shown}, expected {what}: character {odd + 1} is U+{ord(c):04X} "
-                     f"{unicodedata.name(c, 'unnamed')}, not an ASCII letter or digit "
+                     f"{unicodedata.name(c, 'a control character')}, not an ASCII letter or digit "
                      "(retype the name)")
 
 
@@ -221,11 +238,13 @@ Glob = Annotated[str, BeforeValidator(_at_most(MAX_GLOB, "a glob", "`*` matches 
 VariantName = Annotated[str, BeforeValidator(_at_most(
     MAX_NAME, "a variant name", "plugins register identifiers of at most that"))]
 PolicyName = Annotated[str, BeforeValidator(_at_most(
-    MAX_NAME, "a policy name", "every decision record and message shows it"))]
+    MAX_NAME, "a policy name", "every decision record and message shows it")),
+    BeforeValidator(_one_line("policy name"))]
 Identifier = Annotated[str, BeforeValidator(_identifier)]
 #: ``extends: ''`` was read as the policy's own folder ("Is a directory").
 Extends = Annotated[str, BeforeValidator(_not_blank("extends", "a file path or a packaged "
-                                                    "name such as `default`"))]
+                                                    "name such as `default`")),
+                    BeforeValidator(_one_line("extends path"))]
 RuleName = Annotated[str, BeforeValidator(_rule_name)]
 #: Flags, counts and numbers are never coerced: pydantic's lax mode reads ``needs_grad: "no"``
 #: or ``1`` as True, ``every: true`` as 1 and ``ge: true`` as 1.0, silently.

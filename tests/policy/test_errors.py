@@ -158,4 +158,5 @@ def test_lint_unknown_backend_name(write):
         "F:5:11 rules[0].use[0] (r1): error: unknown backend 'torch_sdpaa', expected one of: "
         "ck_fa, cudnn, fa2, fa2_torch, fa3, fa3_fp8, flashinfer_decode, flashinfer_prefill, "
         "flex, gla, linear, longformer, lsh, reference, retention, ring, sliding_window, "
-        "torch_sdpa, triton, triton_decode, triton_rocm (did you mean 'torch_sdpa'?)"]
+        "torch_flash_cpu, torch_sdpa, triton, triton_decode, triton_decode_fp8, triton_rocm "
+        "(did you mean 'torch_sdpa'?)"]

@@ -97,6 +97,8 @@ def test_cli_lock_and_check_exit_codes(write, tmp_path, capsys):
     (lambda d: d["bindings"][0].pop("rule"), "bindings[0].rule", "required key is missing"),
     (lambda d: d["bindings"][0]["context"].__setitem__("world_size", 0),
      "bindings[0].context.world_size", "greater than or equal to 1"),
+    (lambda d: d["bindings"][0]["context"].__setitem__("layer", -1),
+     "bindings[0].context.layer", "greater than or equal to 0"),
     (lambda d: d.pop("providers"), "providers", "required key is missing"),
     (lambda d: d["bindings"][0].__setitem__("fallbacks", "reference"),
      "bindings[0].fallbacks", "expected a valid list"),

@@ -38,6 +38,7 @@ from attnhub.plugin import (
     DeviceInfo,
     InputError,
     StateGeometry,
+    attends_nothing,
 )
 
 from . import extra as X
@@ -221,6 +222,8 @@ class _LinearFamily(Backend):
                                   _to_heads(v[:, pre:], hq, "v"), g, p, ref, [pre] * b, spec,
                                   context)
         g = self.gate(q, k, p.extra, doc, sk)
+        if sq == 0:  # a document without queries: no output, so no prefix state to build
+            return attends_nothing(q, k, v) + g[..., :0].sum()  # (in the gate's graph too)
         k, v = _to_heads(k, hq, "k"), _to_heads(v, hq, "v")
         h0 = None
         if pre > 0:

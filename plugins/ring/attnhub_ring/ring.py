@@ -10,7 +10,8 @@ gradients come from a fused backward given the merged output and the global LSE 
 torch's FlashAttention), or from the exact fp32 math where those cannot serve
 (block_kernels.py says which and why).
 
-A rank whose block kernel raises keeps draining the ring (it passes every block on; in the
+A rank whose block kernel raises, or whose forced block backward refuses its own loss (the
+LSE used on this rank only), keeps draining the ring (it passes every block on; in the
 backward the dK/dV accumulators it forwards become NaN, never a quietly partial sum) and
 raises only after its last hop, so no other rank is left waiting on it.
 """
@@ -420,8 +421,14 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # data, a rank whose dlse is empty or zero ran it while the others raised, and it hung
     lse_grad = dlse is not None and (call.block_backward != "auto"
                                      or bool(dlse.ne(0).any()))  # one sync, if LSE was used
-    kernel, _ = block_backward_kernel(q, v, call.params.softcap, call.params.deterministic,
-                                      lse_grad, call.block_backward)
+    failed: Exception | None = None
+    try:
+        kernel, _ = block_backward_kernel(q, v, call.params.softcap, call.params.deterministic,
+                                          lse_grad, call.block_backward)
+    except Exception as exc:  # noqa: BLE001 - raised below, after the ring is drained
+        # a forced kernel refused on this rank alone (its loss used the LSE, another rank's
+        # did not): the others are already in their hops, so drain like a failed block
+        kernel, failed = "math", exc
     fused = kernel != "math"
     delta = None
     if not fused:
@@ -434,7 +441,6 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv = bufs[0][:call.numel(call.ring.rank)]
     dkv_hop = None
     last = len(call.plans) - 1
-    failed: Exception | None = None
     for step, plan in enumerate(call.plans):
         nxt = call.next_source(step)
         kv_hop = call.ring.hop(kv, call.numel(nxt), _KV_TAG,

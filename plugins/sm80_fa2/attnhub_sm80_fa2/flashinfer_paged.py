@@ -210,6 +210,11 @@ class FlashInferPagedBackend(Backend):
             raise BackendUnavailableError(self.name, [
                 f"the paged cache's head dim has stride {k.stride(-1)}/{v.stride(-1)}: "
                 "FlashInfer reads it as dense; pass caches whose last dim is contiguous"])
+        if k.stride() != v.stride():  # one layout (NHD/HND) is detected from k for both
+            raise BackendUnavailableError(self.name, [
+                f"the paged k/v caches have different strides {k.stride()}/{v.stride()}: "
+                "FlashInfer reads both with one layout and one set of strides; pass k and v "
+                "caches of one storage layout"])
         (q,) = unit_head_stride(q)
         b, sq, hq, d = q.shape
         while True:  # a wrapper holds one plan: another thread may plan it between our
