@@ -17,7 +17,7 @@ from .capabilities import ALL_MASKS, Capabilities
 from .device import DeviceInfo
 from .flash_conventions import natural_lse
 from .kvquant import refuse_stray_descales
-from .masking import alibi_bias, allowed_mask, attends_nothing, doc_ranges
+from .masking import alibi_bias, allowed_mask, attends_nothing, doc_ranges, window_within
 from .paged import paged_to_varlen
 from .reference import _doc_params, reference_attention
 from .spec import AttentionSpec, AttnParams
@@ -202,7 +202,7 @@ def flash_varlen_window(p: AttnParams, device: torch.device, dtype: torch.dtype,
             or p.mask_mod is not None or p.score_mod is not None
             or not _torch_flash_varlen(device.index)):
         return None
-    left, right = p.window if p.window is not None else (-1, -1)
+    left, right = window_within(p.window, max(max_q, max_k)) or (-1, -1)
     if p.alignment == "top_left" and (p.causal or p.window is not None):
         return None
     if p.causal:

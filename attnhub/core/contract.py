@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .spec import DTYPES, torch_dtype
+from .masking import window_within
+from .spec import DTYPES, bucket, torch_dtype
 from .env import env_flag
 from .tables import PAGED, THD, check_plain
 from ..errors import (
@@ -112,6 +113,13 @@ def check_call(q: Any, k: Any, v: Any, *, layout: Any, causal: Any, causal_align
         cap_q, cap_k = mq, mk
     max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, mq, cap_q)
     max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, mk, cap_k)
+    if window is not None:
+        # an edge past every key is "unbounded" (exact), for every backend: a sentinel such
+        # as 2**31 - 1 or sys.maxsize would overflow kernels' int32/int64 index arithmetic.
+        # Bounded by the lengths' bucket, not the lengths: calls of one length bucket share
+        # a binding (a growing cache's steps), so they must normalise alike
+        window = bounding_window(window_within(window, bucket(max(cap_q, cap_k, 1))), causal,
+                                 prefix_lens is not None)
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if alibi_slopes is not None:
         _check_side("alibi_slopes", alibi_slopes, q.device, floating=True,
@@ -361,9 +369,19 @@ def check_window(window: Any, causal: bool, prefix: bool = False) -> tuple[int, 
     if min(left, right) < -1:
         raise ArgumentError(f"window={window!r}; use (left, right) with -1 for unbounded "
                             "(each side >= -1)")
+    return bounding_window((left, right), causal, prefix)
+
+
+def bounding_window(window: tuple[int, int] | None, causal: bool,
+                    prefix: bool) -> tuple[int, int] | None:
+    """``window``, or None where it bounds nothing: (-1, -1), or (-1, r >= 0) under causal
+    without a prefix (prefix rows see keys right of the diagonal, which r still bounds)."""
+    if window is None:
+        return None
+    left, right = window
     if left == -1 and (right == -1 or (causal and not prefix and right >= 0)):
         return None  # unbounded, or bounded only where causal masks anyway: no window
-    return (left, right)
+    return window
 
 
 def check_max_seqlen(name: str, given: Any, true_max: int, cap: int) -> int:

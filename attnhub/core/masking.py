@@ -22,6 +22,21 @@ def query_offset(sq: int, sk: int, alignment: str) -> int:
     return sk - sq if alignment == "bottom_right" else 0
 
 
+def window_within(window: tuple[int, int] | None, bound: int) -> tuple[int, int] | None:
+    """``window`` with each edge >= ``bound`` made -1 (unbounded); ``bound`` is at least the
+    longer of Sq and Sk (or of every sequence's, for packed or paged calls).
+
+    Exact: a query's position lies in [min(0, Sk - Sq), max(Sq, Sk) - 1] under either
+    alignment, so such an edge reaches past every key. Kernels then do their index
+    arithmetic on small numbers: an edge of 2**31 - 1 (an "unbounded" sentinel) overflowed
+    the Triton kernels' int32 ``pos + right + 1`` and masked every row; ``sys.maxsize``
+    wrapped the reference's int64 index grids; 2**64 raised OverflowError inside backends."""
+    if window is None:
+        return None
+    left, right = window
+    return (-1 if left >= bound else left, -1 if right >= bound else right)
+
+
 def allowed_mask(
     params: AttnParams, batch: int, heads: int, sq: int, sk: int, device: torch.device,
     kv_heads: int | None = None,
@@ -49,7 +64,7 @@ def allowed_mask(
     elif params.prefix_lens is not None:
         raise ValueError("prefix_lens needs causal=True: prefix-LM is causal after the prefix")
     if params.window is not None:
-        left, right = params.window
+        left, right = window_within(params.window, max(sq, sk))  # type: ignore[misc]
         w = torch.ones(sq, sk, dtype=torch.bool, device=device)
         if left >= 0:
             w &= kj >= qi - left
@@ -132,6 +147,7 @@ def bottom_right_form(causal: bool, alignment: str, window: tuple[int, int] | No
     the rest becomes a window measured from the bottom-right position. Raises ValueError when
     no such form exists (a top-left window whose left edge lies right of the diagonal).
     """
+    window = window_within(window, max(sq, sk))  # FlashAttention's C++ ints take no 2**31
     left, right = window if window is not None else (-1, -1)
     if (not causal and window is None) or alignment == "bottom_right" or sq == sk:
         return BottomRightForm(causal, (left, right), sk, 0)
@@ -151,12 +167,14 @@ def bottom_right_form(causal: bool, alignment: str, window: tuple[int, int] | No
 
 
 def alibi_bias(slopes: torch.Tensor, sq: int, sk: int, alignment: str,
-               device: torch.device) -> torch.Tensor:
-    """(B|1, H, Sq, Sk) fp32 bias ``-slope * |i_aligned - j|`` (FlashAttention's ALiBi)."""
+               device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B|1, H, Sq, Sk) bias ``-slope * |i_aligned - j|`` (FlashAttention's ALiBi) in
+    ``dtype``: fp32 for kernels, the compute dtype for the fp64 reference (an fp32 product
+    at distance 1e4 is off by ~1e-4, which the oracle would share with every fp32 kernel)."""
     qi = torch.arange(sq, device=device).view(sq, 1) + query_offset(sq, sk, alignment)
     kj = torch.arange(sk, device=device).view(1, sk)
-    dist = (qi - kj).abs().to(torch.float32)
-    s = slopes.to(device=device, dtype=torch.float32)
+    dist = (qi - kj).abs().to(dtype)
+    s = slopes.to(device=device, dtype=dtype)
     s = s.view(1, -1, 1, 1) if s.dim() == 1 else s.view(s.shape[0], s.shape[1], 1, 1)
     return -s * dist
 

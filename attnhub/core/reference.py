@@ -27,7 +27,8 @@ def _bshd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: A
     if params.softcap:
         s = torch.tanh(s / params.softcap) * params.softcap
     if params.alibi_slopes is not None:
-        s = s + alibi_bias(params.alibi_slopes, sq, sk, params.alignment, q.device).to(s.dtype)
+        s = s + alibi_bias(params.alibi_slopes, sq, sk, params.alignment, q.device,
+                           torch.promote_types(s.dtype, torch.float32)).to(s.dtype)
     if params.score_mod is not None:
         bi = torch.arange(b, device=q.device).view(b, 1, 1, 1)
         hi = torch.arange(hq, device=q.device).view(1, hq, 1, 1)

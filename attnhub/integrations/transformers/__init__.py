@@ -3,7 +3,9 @@ the policy.
 
 ``register()`` adds an attention function to transformers' ``AttentionInterface`` and, since a
 name without a mask function gets no mask at all (``masking_utils`` then returns None), the
-boolean ``sdpa_mask`` under the same name. Each call turns the mask transformers built back
+boolean ``sdpa_mask`` under the same name (a skipped bidirectional mask comes back as an
+all-True one, ``masks.sdpa_mask_marked``, so that None always means a skipped causal
+mask). Each call turns the mask transformers built back
 into attnhub's mask vocabulary (``masks.mask_args``): plain causal, sliding window and key
 padding (column-sparse ranges) when the mask is exactly that, a dense ``mask_mod`` otherwise,
 so the policy sees what the mask really is. The phase comes from the call: one new query over
@@ -33,7 +35,7 @@ from ...errors import DTypeMismatchError, InputError, NoBackendError
 from ...hub import Hub, HubRef, default_hub
 from .guards import HARMLESS, check_documents, refuse_unsupported, weights_requested, where
 from .kv_sharing import keep_whole_sequences
-from .masks import DenseMask, mask_args
+from .masks import DenseMask, is_attend_all, mask_args, sdpa_mask_marked
 
 if TYPE_CHECKING:
     from ...bind import BindingTable
@@ -54,7 +56,7 @@ def register(hub: Hub | None = None, name: str = NAME) -> str:
     replaces its hub; each name keeps its own.
     """
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     taken = _builtin_names(AttentionInterface)
     if not isinstance(name, str) or not name.strip() or name in taken:
@@ -65,7 +67,7 @@ def register(hub: Hub | None = None, name: str = NAME) -> str:
                and name.strip() else "the name must be a non-empty string")
             + f"; pick a name of your own (default {NAME!r}; taken: {', '.join(sorted(taken))})")
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, sdpa_mask_marked)
     _hubs[name] = hub
     _guard_model_classes()
     keep_whole_sequences(_hubs)
@@ -184,6 +186,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # a module without is_causal (Mllama's cross-attention) is read as eager reads it: the
     # mask alone decides, and no mask means every key (sdpa's default True slices the keys)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+    if attention_mask is not None and is_attend_all(attention_mask):
+        # a skipped bidirectional mask: every key, whatever the module's is_causal says
+        # (Phi-4-multimodal's vision attention says True), as eager reads it
+        attention_mask, causal = None, False
     # transformers' windows: causal keeps kv > q - w; bidirectional keeps |q - kv| <= w, and
     # some models pass w + 1 (ModernBERT): the mask, when there is one, decides, and may hold
     # no window at all (OLMoE passes its config's window with a full causal mask)
@@ -329,6 +335,18 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
             and getattr(getattr(m, "config", None), "_attn_implementation", None) in _hubs]
 
 
+def _unflagged_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules of ``model`` under a registered attnhub name without a causal flag: some are
+    attention that transformers calls the function with (Mllama's cross-attention), which
+    ``attention_modules`` cannot tell from the rest; ``bind_model`` pins them all to its hub
+    (it is read only by the attention function), and they resolve on their first call."""
+    from transformers import PreTrainedModel
+
+    return [m for m in model.modules()
+            if not hasattr(m, "is_causal") and not isinstance(m, PreTrainedModel)
+            and getattr(getattr(m, "config", None), "_attn_implementation", None) in _hubs]
+
+
 def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
                max_len: int, dtype: torch.dtype,
                phases: Sequence[str] = ("prefill", "decode")) -> BindingTable:
@@ -368,6 +386,8 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
         m._attnhub_hub = HubRef(hub)  # type: ignore[assignment]
         if fresh is not None:
             m._attnhub_context = fresh  # type: ignore[assignment]
+    for m in _unflagged_modules(model):  # attention without is_causal: routed, unresolved
+        m._attnhub_hub = HubRef(hub)  # type: ignore[assignment]
     return BindingTable(model_name(model), getattr(hub.resolver, "name", "?"),
                         hub.device.describe(), rows)
 

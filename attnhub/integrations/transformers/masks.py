@@ -33,6 +33,47 @@ from ...errors import InputError
 MASKED_BELOW = -1.0e4
 
 _MEMO_ATTR = "_attnhub_mask_memo"
+_ATTEND_ALL = "_attnhub_attend_all"
+
+
+def sdpa_mask_marked(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' boolean ``sdpa_mask``, except that a skipped *bidirectional* mask comes
+    back as an all-True mask (``attend_all``) instead of None.
+
+    ``sdpa_mask`` returns None for two different skips: a causal mask without padding (SDPA's
+    ``is_causal`` does it) and a bidirectional one without padding (nothing to do). The
+    attention function cannot tell them apart and reads the module's ``is_causal``, which
+    some encoders set although their mask is bidirectional (Phi-4-multimodal's vision tower:
+    eager attends to every patch, SDPA and attnhub cut to causal). A bidirectional skip is
+    the one where the caller forbade the causal skip (``create_bidirectional_mask`` and its
+    sliding variant pass ``allow_is_causal_skip=False``)."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    if mask is not None or kwargs.get("allow_is_causal_skip", True) or args:
+        return mask
+    if not kwargs.get("allow_is_bidirectional_skip", False):
+        return mask
+    return attend_all(kwargs["batch_size"], kwargs["q_length"], kwargs["kv_length"],
+                      kwargs.get("device", "cpu"))
+
+
+def attend_all(batch: int, sq: int, sk: int, device: Any) -> torch.Tensor:
+    """A (batch, 1, sq, sk) all-True mask that takes no memory (one element, expanded),
+    marked so that ``is_attend_all`` knows it without reading it; a copy or a slice that
+    loses the mark is still an all-True mask, translated as one."""
+    base = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+    mask = base.expand(batch, 1, sq, sk)
+    if not torch.compiler.is_compiling():
+        setattr(base, _ATTEND_ALL, True)
+        setattr(mask, _ATTEND_ALL, True)
+    return mask
+
+
+def is_attend_all(mask: Any) -> bool:
+    """Whether ``mask`` is (a view of) an ``attend_all`` mask: every query sees every key."""
+    return (getattr(mask, _ATTEND_ALL, False)
+            or getattr(getattr(mask, "_base", None), _ATTEND_ALL, False))
 
 
 class DenseMask:

@@ -84,15 +84,16 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, Qb, DOb, LSEb, DELTAb, D
             p_t = tl.exp2(s_t - lse2[None, :])
             do = tiles.load_rows(do_desc, DOb, m0, seqlen_q, sds, offs_r, offs_d, HEAD_DIM,
                                  USE_TMA)
-            dv = tiles.mma(p_t.to(do.dtype), do, dv, DOT_PREC, DOT_UPCAST)
+            dv = tiles.mma(tiles.narrow(p_t, do.dtype, DOT_UPCAST), do, dv, DOT_PREC, DOT_UPCAST)
             delta = tl.load(DELTAb + rows, mask=rows < seqlen_q, other=0.0)
             dp_t = tiles.mma(v, tl.trans(do), None, DOT_PREC, DOT_UPCAST)
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP:
                 ds_t = ds_t * dfac
-            dk = tiles.mma(ds_t.to(q.dtype), q, dk, DOT_PREC, DOT_UPCAST)
+            dk = tiles.mma(tiles.narrow(ds_t, q.dtype, DOT_UPCAST), q, dk, DOT_PREC, DOT_UPCAST)
             if DQ_ATOMIC:
-                dq = tiles.mma(tl.trans(ds_t.to(k.dtype)), k, None, DOT_PREC, DOT_UPCAST) * scale
+                ds_k = tiles.narrow(ds_t, k.dtype, DOT_UPCAST)
+                dq = tiles.mma(tl.trans(ds_k), k, None, DOT_PREC, DOT_UPCAST) * scale
                 if USE_TMA:  # one bulk reduce-add of the tile in L2 (FlashAttention-3's way)
                     dq_desc.atomic_add([m0, 0], dq)
                 else:
@@ -179,9 +180,11 @@ def _dkdv_kernel(
     DVb = DV + b64 * sdvb + ks64 * sdvs + hk * sdvh
     dk_desc = tiles.make_desc(DKb, seqlen_k, sdks, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
     dv_desc = tiles.make_desc(DVb, seqlen_k, sdvs, BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA)
-    tiles.store_rows(dk_desc, DKb, (dk * scale).to(DK.dtype.element_ty), n0, seqlen_k, sdks,
+    tiles.store_rows(dk_desc, DKb, tiles.narrow(dk * scale, DK.dtype.element_ty, DOT_UPCAST),
+                     n0, seqlen_k, sdks,
                      offs_n, offs_d, HEAD_DIM, USE_TMA)
-    tiles.store_rows(dv_desc, DVb, dv.to(DV.dtype.element_ty), n0, seqlen_k, sdvs, offs_n,
+    tiles.store_rows(dv_desc, DVb, tiles.narrow(dv, DV.dtype.element_ty, DOT_UPCAST), n0,
+                     seqlen_k, sdvs, offs_n,
                      offs_d, HEAD_DIM, USE_TMA)
 
 
@@ -220,7 +223,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, Kb, Vb, sks, svs, lo, hi, 
             ds = p * (dp - delta[:, None])
             if SOFTCAP:
                 ds = ds * dfac
-            dq = tiles.mma(ds.to(k.dtype), k, dq, DOT_PREC, DOT_UPCAST)
+            dq = tiles.mma(tiles.narrow(ds, k.dtype, DOT_UPCAST), k, dq, DOT_PREC, DOT_UPCAST)
     return dq
 
 
@@ -279,7 +282,8 @@ def _dq_kernel(
                        USE_TMA, DOT_PREC, DOT_UPCAST)
     DQb = DQ + b64 * sdqb + qs64 * sdqs + h * sdqh
     dq_desc = tiles.make_desc(DQb, seqlen_q, sdqs, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
-    tiles.store_rows(dq_desc, DQb, (dq * scale).to(DQ.dtype.element_ty), m0, seqlen_q, sdqs,
+    tiles.store_rows(dq_desc, DQb, tiles.narrow(dq * scale, DQ.dtype.element_ty, DOT_UPCAST),
+                     m0, seqlen_q, sdqs,
                      offs_r, offs_d, HEAD_DIM, USE_TMA)
 
 

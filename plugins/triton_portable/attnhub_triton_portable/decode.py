@@ -46,7 +46,7 @@ from .decode_configs import (
     gluon_fp8_row,
 )
 from .fastlaunch import Launcher
-from .launch import device_arch
+from .launch import device_arch, window_within
 
 
 @triton.jit
@@ -821,8 +821,9 @@ def decode_attention(
     ``out``, and ``lse`` when returned, are new tensors on every call. A q on a CUDA device
     other than the current one is run under ``torch.cuda.device(q.device)``.
     """
-    if window is not None and type(window) is not tuple:
-        window = tuple(window)
+    if window is not None:  # edges past every key as -1: the kernel adds them in int32
+        cap = k.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        window = window_within(window, max(q.shape[1], cap))
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()

@@ -59,6 +59,7 @@ from attnhub.plugin import (
 )
 
 from .flex_checks import check_user_mods
+from .launch import window_within
 from .variants import heads_mismatch, positions_mismatch
 
 Mod = Callable[..., torch.Tensor]
@@ -133,8 +134,11 @@ def _column_sparse_rows(params: AttnParams, sq: int, hq: int, hkv: int,
 
 
 def build_mask_mod(params: AttnParams, pos: _Positions, hq: int, hkv: int,
-                   sq: int, device: torch.device) -> tuple[Mod | None, bool, bool]:
-    """(mask_mod or None when nothing is masked, depends on batch, depends on head)."""
+                   sq: int, device: torch.device,
+                   sk: int | None = None) -> tuple[Mod | None, bool, bool]:
+    """(mask_mod or None when nothing is masked, depends on batch, depends on head).
+    ``sk`` (the key length, packed or not) lets window edges past every key count as
+    unbounded, so that ``qpos + right`` never wraps int64 (``sys.maxsize``)."""
     conds: list[Mod] = []
     per_b = per_h = False
     prefix = params.prefix_lens.to(device) if params.prefix_lens is not None else None
@@ -148,6 +152,8 @@ def build_mask_mod(params: AttnParams, pos: _Positions, hq: int, hkv: int,
         raise ValueError("prefix_lens needs causal=True: prefix-LM is causal after the prefix")
     if params.window is not None:
         left, right = params.window
+        if sk is not None:
+            left, right = window_within(params.window, max(sq, sk))
         if left >= 0:
             conds.append(lambda seq, h, qi, kj, qpos: kj >= qpos - left)
         if right >= 0:
@@ -417,7 +423,7 @@ def _build(params: AttnParams, batch: int, hq: int, hkv: int, sq: int, sk: int,
            packed: bool, device: torch.device) -> FlexMods:
     check_user_mods(params, device)
     pos = _Positions(params, sq, sk, packed, device)
-    mask_mod, per_b, per_h = build_mask_mod(params, pos, hq, hkv, sq, device)
+    mask_mod, per_b, per_h = build_mask_mod(params, pos, hq, hkv, sq, device, sk)
     block_mask = None
     if mask_mod is not None:
         block_mask = _fa.create_block_mask(mask_mod, batch if per_b else None,

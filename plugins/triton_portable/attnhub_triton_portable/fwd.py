@@ -70,7 +70,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, Kb, Vb, stride_ks, stride_vs, l
             acc = acc * alpha[:, None]
             v = tiles.load_rows(v_desc, Vb, n0, seqlen_k, stride_vs, offs_n, offs_d, HEAD_DIM,
                                 USE_TMA)
-            acc = tiles.mma(p.to(v.dtype), v, acc, DOT_PREC, DOT_UPCAST)
+            acc = tiles.mma(tiles.narrow(p, v.dtype, DOT_UPCAST), v, acc, DOT_PREC, DOT_UPCAST)
             m_i = m_new
     return acc, l_i, m_i
 
@@ -129,7 +129,8 @@ def _fwd_kernel(
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     o_desc = tiles.make_desc(Ob, seqlen_q, sos, BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA)
-    tiles.store_rows(o_desc, Ob, out.to(O.dtype.element_ty), m0, seqlen_q, sos, offs_r, offs_d,
+    tiles.store_rows(o_desc, Ob, tiles.narrow(out, O.dtype.element_ty, DOT_UPCAST), m0,
+                     seqlen_q, sos, offs_r, offs_d,
                      HEAD_DIM, USE_TMA)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * tiles.LN2)
     tl.store(LSE + b64 * slb + h * slh + q_start + offs_m, lse, mask=offs_m < seqlen_q)

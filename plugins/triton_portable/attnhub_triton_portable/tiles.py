@@ -47,6 +47,19 @@ def mma(a, b, acc, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
+def narrow(x, dtype: tl.constexpr, ROUND: tl.constexpr):
+    """``x.to(dtype)``; with ROUND (bf16 under Triton's CPU interpreter: DOT_UPCAST) rounded
+    to nearest even first, as the GPU's cast does: the interpreter's fp32 -> bf16 cast
+    truncates, which took a probability of 1 - 1e-7 to 0.996 and broke the FlashAttention
+    rule on dV (bf16, one key: 2x the bound) and biased every stored output toward 0."""
+    if ROUND:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # NaN stays NaN
+    return x.to(dtype)
+
+
+@triton.jit
 def doc_bounds(b, CU, seqlen, VARLEN: tl.constexpr):
     """(first row, length) of sequence ``b``: from cu_seqlens (thd) or the fixed length."""
     if VARLEN:
