@@ -25,6 +25,7 @@ from .core.flash_conventions import (
     natural_lse,
     top_left_alibi_reason,
     top_left_reason,
+    varlen_max_q,
 )
 from .core.masking import (
     BottomRightForm,
@@ -85,6 +86,7 @@ __all__ = [
     "flash_output_kwargs",
     "flash_paged_form",
     "flash_varlen",
+    "varlen_max_q",
     "flash_varlen_form",
     "learned_slopes",
     "dtype_name",

@@ -200,3 +200,57 @@ def test_a_growing_cache_keeps_its_window_within_one_length_bucket() -> None:
         got = hub.attention(q, k, v, window=(700, 0), causal=True)
         want = attnhub.attention(q, k, v, backend="reference", window=(700, 0), causal=True)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _fa2_varlen_gqa_fast_path(q, k, v, cu_q, cu_k, max_q, max_k,
+                              **kw):  # type: ignore[no-untyped-def]
+    """FlashAttention-2's varlen entry with its one-query GQA fast path: at max_seqlen_q 1
+    it reshapes q as one token per document, which throws when a document holds none."""
+    if max_q == 1 and q.shape[0] != cu_q.shape[0] - 1:
+        raise RuntimeError("shape '[3, 1, 4, 8]' is invalid for input of size 64")
+    return _fa2_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
+def test_one_query_documents_beside_an_empty_one_reach_flash_varlen_exactly() -> None:
+    """Packed decode (one query per document, one document with none, GQA): the
+    FlashAttention translation passes max_seqlen_q 2, an exact upper bound, so the
+    library's one-query fast path never reshapes q by the document count."""
+    g = torch.Generator().manual_seed(3)
+    lq, lk = [1, 0, 1], [4, 3, 6]
+    cu_q = torch.tensor([0, *itertools.accumulate(lq)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lk)], dtype=torch.int32)
+    qt = torch.randn(sum(lq), 4, 8, generator=g)
+    kt, vt = (torch.randn(sum(lk), 2, 8, generator=g) for _ in range(2))
+    p = AttnParams(scale=0.3, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1,
+                   max_seqlen_k=6)
+    out = flash_varlen(_fa2_varlen_gqa_fast_path, "fa2", qt, kt, vt, p)
+    want = reference_attention(qt, kt, vt, AttnParams(scale=0.3, cu_seqlens_q=cu_q,
+                                                      cu_seqlens_k=cu_k), layout="thd")[0]
+    torch.testing.assert_close(out, want.float(), atol=1e-5, rtol=1e-5)
+    from attnhub.plugin import varlen_max_q
+
+    assert (varlen_max_q(1, 2, 3), varlen_max_q(1, 3, 3), varlen_max_q(5, 2, 3)) == (2, 1, 5)
+
+
+def test_fa2_torch_passes_the_exact_bound_for_packed_one_query_documents(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fa2_torch`` (torch's own flash op) takes the same bound on its packed path."""
+    from attnhub_sm80_fa2 import fa2_torch
+
+    seen: list[int] = []
+
+    def op(q, k, v, cu_q, cu_k, max_q, max_k, causal, **kw):  # type: ignore[no-untyped-def]
+        seen.append(max_q)
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+    monkeypatch.setattr(fa2_torch, "flash_op", op)
+    cu_q = torch.tensor([0, 1, 1, 2], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 7, 13], dtype=torch.int32)
+    p = AttnParams(scale=0.3, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1,
+                   max_seqlen_k=6)
+    spec = attnhub.AttentionSpec(phase="decode", dtype="fp16", head_dim=8, num_q_heads=4,
+                                 num_kv_heads=2, layout="thd", max_seqlen_q=1, max_seqlen_k=6)
+    q = torch.randn(2, 4, 8, dtype=torch.float16)
+    k, v = (torch.randn(13, 2, 8, dtype=torch.float16) for _ in range(2))
+    fa2_torch.TorchFlashBackend().forward(q, k, v, spec, p)
+    assert seen == [2]

@@ -166,7 +166,8 @@ def test_flash_varlen_form_only_where_exact(monkeypatch):
     assert form(causal=True, alignment="top_left") is None  # the shift differs per document
     assert form(alignment="top_left") == (-1, -1)  # no mask: alignment has no meaning
     assert form(window=(2, 100), max_q=300, max_k=64) is None  # clamped right edge
-    assert form(window=(2, 400), max_q=300, max_k=64) == (2, 400)
+    # an edge past every key is unbounded: the kernel gets -1, not an edge to clamp
+    assert form(window=(2, 400), max_q=300, max_k=64) == (2, -1)
     assert form(dtype=torch.float32) is None and form(d=72) is None
     assert form(d=64, dv=128) is None and form(d=512, dv=512) is None
     assert form(alibi_slopes=torch.ones(4)) is None

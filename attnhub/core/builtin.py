@@ -15,7 +15,7 @@ from ..hookspecs import hookimpl
 from .backend import AttentionOutput, Backend
 from .capabilities import ALL_MASKS, Capabilities
 from .device import DeviceInfo
-from .flash_conventions import natural_lse
+from .flash_conventions import natural_lse, varlen_max_q
 from .kvquant import refuse_stray_descales
 from .masking import alibi_bias, allowed_mask, attends_nothing, doc_ranges, window_within
 from .paged import paged_to_varlen
@@ -237,10 +237,7 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnPara
                   max_q: int, max_k: int, window: tuple[int, int]) -> AttentionOutput:
     """One launch of torch's varlen FlashAttention (forward and, through autograd, its
     backward). Fully masked rows come back 0 with LSE +inf, turned into -inf."""
-    if max_q == 1 and q.shape[0] != b:
-        # FlashAttention's one-query GQA fast path reshapes q as one token per document,
-        # wrong when some documents hold none; max_seqlen is an upper bound, so 2 is exact
-        max_q = 2
+    max_q = varlen_max_q(max_q, q.shape[0], b)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     left, right = window
     out, lse, *_ = torch.ops.aten._flash_attention_forward(

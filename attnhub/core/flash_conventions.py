@@ -88,13 +88,23 @@ def flash_paged_form(backend: str, params: AttnParams, q: torch.Tensor,
     return flash_form(backend, params, q.shape[1], max(capacity, 1))
 
 
+def varlen_max_q(max_q: int, total_q: int, docs: int) -> int:
+    """``max_seqlen_q`` for a FlashAttention varlen call of ``docs`` documents holding
+    ``total_q`` queries: FlashAttention's one-query GQA fast path (max_seqlen_q 1) reshapes q
+    as one token per document, which throws (or misreads) when some document holds none;
+    max_seqlen_q is an upper bound, so 2 is exact there."""
+    return 2 if max_q == 1 and total_q != docs else max_q
+
+
 def flash_varlen(fn: Callable[..., Any], backend: str, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, params: AttnParams, **kw: Any) -> Any:
     """Call a ``flash_attn_varlen_func`` on packed (thd) sequences. Only bottom-right masks
     arrive here (``top_left_reason`` refuses the others for thd); ``kw`` is passed on."""
     form = flash_varlen_form(backend, params)
-    return fn(q, k, v, params.cu_seqlens_q, params.cu_seqlens_k, params.max_seqlen_q,
-              params.max_seqlen_k, **flash_kwargs(params, form), **kw)
+    docs = params.cu_seqlens_q.shape[0] - 1
+    return fn(q, k, v, params.cu_seqlens_q, params.cu_seqlens_k,
+              varlen_max_q(params.max_seqlen_q, q.shape[0], docs), params.max_seqlen_k,
+              **flash_kwargs(params, form), **kw)
 
 
 def flash_output_kwargs(params: AttnParams) -> dict[str, Any]:

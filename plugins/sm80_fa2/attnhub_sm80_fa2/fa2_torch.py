@@ -30,6 +30,7 @@ from attnhub.plugin import (
     natural_lse,
     top_left_reason,
     unit_head_stride,
+    varlen_max_q,
 )
 
 from .probe import torch_flash_schema
@@ -78,8 +79,10 @@ class TorchFlashBackend(Backend):
         q, k, v = unit_head_stride(q, k, v)  # the flash op refuses another head-dim stride
         if spec.layout == "thd":
             form = flash_varlen_form(self.name, params)  # bottom-right only (checked)
+            docs = params.cu_seqlens_q.shape[0] - 1
             return self._op(q, k, v, params, form, params.cu_seqlens_q, params.cu_seqlens_k,
-                            params.max_seqlen_q or 0, params.max_seqlen_k or 0)
+                            varlen_max_q(params.max_seqlen_q or 0, q.shape[0], docs),
+                            params.max_seqlen_k or 0)
         sq = q.shape[1]
         form, k, v = flash_dense_form(self.name, params, q, k, v)
         square_or_full = not form.causal or sq == form.keys
