@@ -52,7 +52,7 @@ from .launch import device_arch, window_within
 @triton.jit
 def _merge_row(OP, LP, prow, num_splits, Out, out_off, Lse, lse_off,
                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-               CACHE: tl.constexpr):
+               CACHE: tl.constexpr, ROUND: tl.constexpr):
     """Merge the ``num_splits`` partials of one row (starting at partial row ``prow``).
 
     Partials are normalised outputs with base-2 LSEs; empty splits carry -inf and weigh 0,
@@ -71,7 +71,8 @@ def _merge_row(OP, LP, prow, num_splits, Out, out_off, Lse, lse_off,
     acc = tl.sum(o * w[:, None], 0)
     has = total > 0
     safe = tl.where(has, total, 1.0)
-    tl.store(Out + out_off + d, (acc / safe).to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(Out + out_off + d, tiles.narrow(acc / safe, Out.dtype.element_ty, ROUND),
+             mask=d < HEAD_DIM)
     tl.store(Lse + lse_off, tl.where(has, (m_use + tl.log2(safe)) * tiles.LN2, float("-inf")))
 
 
@@ -291,7 +292,7 @@ def _split_kernel(
                 v = tl.trans(tl.trans(v).to(WDT))  # the layout change to the MMA operand
             else:
                 v = v.to(WDT)
-        pv = pw.to(v.dtype)
+        pv = tiles.narrow(pw, v.dtype, UPCAST)
         if UPCAST:  # same rounding of p as on the GPU, then an fp32 dot
             pv = pv.to(tl.float32)
             v = v.to(tl.float32)
@@ -311,7 +312,8 @@ def _split_kernel(
     lse_rows = (b64 * num_q_heads + hq) * seqlen_q + t
     if ONE_SPLIT:
         tl.store(Out + b64 * sob + t[:, None] * sos + hq[:, None] * soh + d[None, :],
-                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                 tiles.narrow(o, Out.dtype.element_ty, UPCAST),
+                 mask=row_ok[:, None] & d_ok[None, :])
         tl.store(Lse + lse_rows, lse2 * tiles.LN2, mask=row_ok)
     else:
         prow = lse_rows * num_splits + split
@@ -332,17 +334,18 @@ def _split_kernel(
                     lrow = (b64 * num_q_heads + hr) * seqlen_q + tr
                     _merge_row(OP, LP, lrow * num_splits, num_splits, Out,
                                b64 * sob + tr * sos + hr * soh, Lse, lrow,
-                               HEAD_DIM, BLOCK_S, BLOCK_D, ".cg")
+                               HEAD_DIM, BLOCK_S, BLOCK_D, ".cg", UPCAST)
                 tl.atomic_xchg(Counters + pid, 0)
 
 
 @triton.jit
 def _merge_kernel(OP, LP, Out, Lse, sob, sos, soh, seqlen_q, num_q_heads, num_splits,
                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                  GDC: tl.constexpr):
+                  GDC: tl.constexpr, ROUND: tl.constexpr):
     """Pass 2 as its own launch: one program per (sequence, query head, query token).
     ``GDC``: launched as pass 1's programmatic dependent, so first wait until pass 1 has
-    finished and its partials are visible."""
+    finished and its partials are visible. ``ROUND``: bf16 under the interpreter (its cast
+    truncates; ``tiles.narrow``)."""
     if GDC:
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
@@ -350,7 +353,7 @@ def _merge_kernel(OP, LP, Out, Lse, sob, sos, soh, seqlen_q, num_q_heads, num_sp
     hq = (row // seqlen_q) % num_q_heads
     b = row // (seqlen_q * num_q_heads)
     _merge_row(OP, LP, row * num_splits, num_splits, Out, b * sob + t * sos + hq * soh,
-               Lse, row, HEAD_DIM, BLOCK_S, BLOCK_D, "")
+               Lse, row, HEAD_DIM, BLOCK_S, BLOCK_D, "", ROUND)
 
 
 def _pdl_arch(arch: str) -> bool:
@@ -636,7 +639,8 @@ class _Shape:
                 merge_opts["launch_pdl"] = True
             merge = Launcher(_merge_kernel, (batch * hq * seqlen_q,), merge_opts)
         self.launchers[(splits, cfg)] = (split, merge)
-        merge_tail = (*self.strides[9:12], seqlen_q, hq, splits, dim, plan.block_s, bd, gdc)
+        merge_tail = (*self.strides[9:12], seqlen_q, hq, splits, dim, plan.block_s, bd, gdc,
+                      plan.upcast)
         rows = batch * hq * seqlen_q
         partials = (rows * splits * dim, rows * splits) if splits > 1 else ()
         return _Launches(split, split_tail, merge, merge_tail, partials, (*partials, rows),

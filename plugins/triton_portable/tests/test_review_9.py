@@ -114,3 +114,21 @@ def test_bf16_casts_round_to_nearest_under_the_interpreter(hub: attnhub.Hub, sq:
     dv = torch.autograd.grad(out, qkv[2], dout)[0]
     exact = dout.double().view(1, sq, 2, hq // 2, 32).sum((1, 3)).unsqueeze(1)
     assert torch.equal(dv, exact.to(dt)), float((dv.double() - exact).abs().max())
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_bf16_stores_round_to_nearest_under_the_interpreter(splits: int) -> None:
+    """``triton_decode``'s stores (one split's output, the merge's) round as the GPU does:
+    two equal keys give the mean of their values, exact in fp32, whose bf16 is torch's
+    round-to-nearest-even; the interpreter's truncating cast took about half of them one
+    ulp toward zero."""
+    from attnhub_triton_portable import decode
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 1, 4, 32, generator=g).to(torch.bfloat16)
+    k = torch.randn(2, 1, 2, 32, generator=g).to(torch.bfloat16).expand(2, 2, 2, 32)
+    v = torch.randn(2, 2, 2, 32, generator=g).to(torch.bfloat16)
+    out, _ = decode.decode_attention(q, k.contiguous(), v, scale=32 ** -0.5,
+                                     num_splits=splits)
+    mean = v.double().mean(1, keepdim=True).repeat_interleave(2, 2)
+    assert torch.equal(out, mean.to(torch.bfloat16)), int((out != mean.to(out.dtype)).sum())
