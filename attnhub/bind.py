@@ -163,11 +163,14 @@ def decode_buckets(prompt_len: int, max_len: int) -> list[int]:
 
 def bind(model: nn.Module, hub: Hub | None = None, *, batch: int = 1, prompt_len: int = 512,
          max_len: int | None = None, dtype: torch.dtype | None = None, page_size: int = 16,
-         phases: Sequence[str] = PHASES, name: str | None = None) -> BindingTable:
+         phases: Sequence[str] = PHASES, name: str | None = None,
+         kv_dtype: torch.dtype | None = None) -> BindingTable:
     """Bind every ``Attention`` in ``model`` to ``hub`` (default hub) and resolve each layer
     for each phase at the shapes given: prefill of ``prompt_len`` tokens, decode up to
     ``max_len`` (default ``prompt_len * 2``) from a cache of ``page_size`` tokens per page,
-    ``train`` at ``prompt_len`` if asked.
+    ``train`` at ``prompt_len`` if asked. ``kv_dtype``: the KV cache's dtype where it is
+    not the model's (an e4m3 cache: ``torch.float8_e4m3fn``; default each layer's
+    ``kv_cache_dtype``), so that decode binds what reads that cache.
 
     A decode layer whose paged spec no backend serves (a linear/recurrent layer, say) is
     switched to reading a gathered copy of the cache when that spec binds. A transformers
@@ -197,7 +200,8 @@ def bind(model: nn.Module, hub: Hub | None = None, *, batch: int = 1, prompt_len
     for (path, layer), index in zip(layers, indices):
         ctx = replace(layer.context, model=name, layer=index)
         plans.append((layer, index, [r for phase in phases for r in _bind_phase(
-            hub, layer, ctx, path, phase, batch, prompt_len, max_len, dtype, page_size)]))
+            hub, layer, ctx, path, phase, batch, prompt_len, max_len, dtype, page_size,
+            kv_dtype)]))
     rows: list[Binding] = []
     for layer, index, mine in plans:
         layer.set_context(name, index)
@@ -261,7 +265,7 @@ def _is_transformers_attnhub(model: nn.Module) -> bool:
 
 def _bind_phase(hub: Hub, layer: Attention, ctx: BindContext, path: str, phase: str,
                 batch: int, prompt_len: int, max_len: int, dtype: torch.dtype,
-                page_size: int) -> list[Binding]:
+                page_size: int, kv_dtype: torch.dtype | None = None) -> list[Binding]:
     assert ctx.layer is not None
     if phase != "decode":
         spec = layer.spec(phase, batch=batch, seqlen_q=prompt_len, seqlen_k=prompt_len,
@@ -270,7 +274,8 @@ def _bind_phase(hub: Hub, layer: Attention, ctx: BindContext, path: str, phase: 
 
     def decide_all(layout: str) -> list[Decision]:
         return [hub.decide(layer.spec("decode", batch=batch, seqlen_q=1, seqlen_k=sk,
-                                      dtype=dtype, layout=layout, page_size=page_size), ctx)
+                                      dtype=dtype, layout=layout, page_size=page_size,
+                                      kv_dtype=kv_dtype), ctx)
                 for sk in decode_buckets(prompt_len, max_len)]
 
     mode, decisions = "paged", decide_all("paged")

@@ -24,6 +24,7 @@ from torch import nn
 from .core.contract import check_dropout, check_window
 from .core.decision import BindContext
 from .core.kvcache import CacheStep, PagedKVCache
+from .core.kvquant import is_fp8
 from .core.seqstate import StateGeometry
 from .core.spec import AttentionSpec, MaskSpec, dtype_name
 from .errors import ArgumentError
@@ -31,7 +32,8 @@ from .hub import Hub, HubRef, default_hub
 
 #: How a layer reads the cache in decode: ``paged`` hands block tables to the backend,
 #: ``gather`` copies the context into contiguous tensors first (for a backend bound to the
-#: layer that has no paged layout, such as a linear/recurrent one).
+#: layer that has no paged layout, such as a linear/recurrent one; an FP8 cache's values
+#: come dequantized, in q's dtype).
 DECODE_LAYOUTS = ("paged", "gather")
 
 _timer: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None = None
@@ -90,6 +92,10 @@ class Attention(nn.Module):
         self.context = BindContext(model=model, layer=layer_idx, layer_kind=layer_kind)
         self._hub_ref = HubRef(None)
         self.decode_layout = "paged"
+        #: The dtype of the paged KV cache this layer reads (None: the model's dtype). Set it
+        #: for an FP8 (e4m3) cache before ``bind``: its paged decode is then resolved with
+        #: kv_dtype ``fp8_e4m3``, as the calls make it (``spec``), not as a 16-bit cache.
+        self.kv_cache_dtype: torch.dtype | None = None
         #: Force a backend for this layer (reference checks, decode comparisons).
         self.backend_override: str | None = None
         #: The stateful backend every cached call of this layer is bound to (``bind`` sets
@@ -102,6 +108,7 @@ class Attention(nn.Module):
         return (f"heads={self.num_q_heads}:{self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"causal={self.causal}, kind={c.layer_kind}, layer={c.layer}, "
                 f"decode={self.decode_layout}"
+                + (f", kv_cache={self.kv_cache_dtype}" if self.kv_cache_dtype else "")
                 + (f", dropout={self.dropout}" if self.dropout else "")
                 + (f", state={self.state_backend}" if self.state_backend else ""))
 
@@ -112,18 +119,28 @@ class Attention(nn.Module):
 
     # -- what a call asks for (bind resolves these ahead of the calls) ----------------------
     def spec(self, phase: str, *, batch: int, seqlen_q: int, seqlen_k: int,
-             dtype: torch.dtype, layout: str | None = None, page_size: int = 16) -> AttentionSpec:
+             dtype: torch.dtype, layout: str | None = None, page_size: int = 16,
+             kv_dtype: torch.dtype | None = None) -> AttentionSpec:
         """The bucketed spec that a call of this layer in ``phase`` makes, as the hub keys it
-        (``page_size``: the KV cache's, for the paged layout)."""
+        (``page_size``: the KV cache's, for the paged layout; ``kv_dtype``: the cache's dtype,
+        default ``kv_cache_dtype``). A paged call reads the cache as stored (an FP8 cache:
+        kv_dtype ``fp8_e4m3``); a gathered decode of an FP8 cache reads dequantized values
+        in ``dtype``, so it never claims an FP8 kernel."""
         if layout is None:
             layout = "paged" if phase == "decode" and self.decode_layout == "paged" else "bshd"
+        cache = kv_dtype or self.kv_cache_dtype or dtype
+        if layout == "paged" or (phase == "decode" and not is_fp8(cache)):
+            kv = cache  # read as stored (a gathered 16/32-bit copy too)
+        else:
+            kv = dtype  # the call's own new k/v, or an FP8 cache gathered in q's dtype
         return call_spec(phase, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                          head_dim=self.head_dim, head_dim_v=self.head_dim_v,
                          causal=self._causal_for(seqlen_q), window=self.window,
                          softcap=self.softcap is not None, batch=batch, seqlen_q=seqlen_q,
                          seqlen_k=seqlen_k, dtype=dtype, layout=layout,
                          page_size=page_size if layout == "paged" else 0,
-                         dropout=phase == "train" and self.training and self.dropout > 0)
+                         dropout=phase == "train" and self.training and self.dropout > 0,
+                         kv_dtype=kv)
 
     def _causal_for(self, new_tokens: int) -> bool:
         # one query at the end of its context sees every key: causal is a no-op there, and
@@ -167,6 +184,8 @@ class Attention(nn.Module):
         causal = self._causal_for(cache.new_tokens)
         if self.decode_layout == "gather":
             kc, vc = cache.cache.gather(self.layer_idx, cache.seq_ids)
+            if cache.cache.scales is not None:  # an e4m3 cache's values, dequantized (fp32),
+                kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # in q's dtype as FP8 kernels widen
             return hub.attention(q, kc, vc, causal=causal, phase=phase, **kw)
         if cache.cache.scales is not None:  # an e4m3 cache: its page descales go along
             kw["extra"] = {**(kw["extra"] or {}), **cache.cache.scales.descales(self.layer_idx)}
@@ -203,11 +222,15 @@ def _check_layer_idx(layer_idx: object, where: str) -> None:
 def call_spec(phase: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
               head_dim_v: int, causal: bool, window: tuple[int, int] | None, softcap: bool,
               batch: int, seqlen_q: int, seqlen_k: int, dtype: torch.dtype, layout: str,
-              page_size: int = 0, dropout: bool = False) -> AttentionSpec:
+              page_size: int = 0, dropout: bool = False,
+              kv_dtype: torch.dtype | None = None) -> AttentionSpec:
     """The bucketed spec ``Hub.attention`` builds for a call of these sizes and flags: what
-    binding resolves ahead of the calls, so that the calls find their decision cached."""
+    binding resolves ahead of the calls, so that the calls find their decision cached.
+    ``kv_dtype``: k/v's dtype as the call passes them (an FP8 cache read in place), default
+    ``dtype``."""
     return AttentionSpec(
-        phase=phase, dtype=dtype_name(dtype), kv_dtype=dtype_name(dtype),  # type: ignore[arg-type]
+        phase=phase, dtype=dtype_name(dtype),  # type: ignore[arg-type]
+        kv_dtype=dtype_name(kv_dtype or dtype),  # type: ignore[arg-type]
         head_dim=head_dim, head_dim_v=head_dim_v, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, layout=layout,  # type: ignore[arg-type]
         # the window as the call's check normalises it (an unbounded one is none)

@@ -61,7 +61,8 @@ class CacheStep:
     A step is a transaction over the layers: ``abort()`` (or leaving ``with cache.step(...)
     as step:`` by an exception) gives the reserved slots back and restores the sequences as
     they were, so a layer whose write or attention fails half-way leaves no token that some
-    layers wrote and others read as zeros.
+    layers wrote and others read as zeros. A Ctrl-C that lands before the ``with`` block is
+    entered leaves no name to abort: ``PagedKVCache.abort_unentered_steps`` finds the step.
     """
 
     cache: PagedKVCache
@@ -86,6 +87,7 @@ class CacheStep:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None or self._aborted[0]:
+            self._forget()  # finished: no longer ``abort_unentered_steps``' to undo
             return
         try:
             self.abort()
@@ -103,6 +105,17 @@ class CacheStep:
             else:
                 how = f"was not undone ({refused}); call step.abort() again to undo it"
             exc.add_note(f"attnhub: the KV cache step of sequences {list(self.seq_ids)} {how}")
+        finally:
+            self.cache._settle(self)
+
+    def _forget(self) -> None:
+        """Drop this step from this thread's record of the step ``step()`` handed out last
+        (``PagedKVCache.abort_unentered_steps``). Attribute reads and one store, no call: a
+        Ctrl-C cannot land between the store and the caller going on."""
+        local = self.cache._unfinished
+        last = local.last
+        if last is not None and last[1] is self:
+            local.last = None
 
     def abort(self) -> None:
         """Undo this step's reservation: every sequence back to its length and pages before
@@ -183,6 +196,14 @@ class CacheStep:
 
 
 _ABORTED = "CacheStep.write: this step was aborted; start a new one with cache.step(...)"
+
+
+class _Unfinished(threading.local):
+    """Per thread: the last step ``PagedKVCache.step`` handed out there, with its number,
+    until a ``with`` block's exit finishes with it (or it is aborted): the one step a Ctrl-C
+    can leave reserved with no name bound to it (``abort_unentered_steps``)."""
+
+    last: tuple[int, CacheStep] | None = None
 
 
 def _locked(fn: Any) -> Any:
@@ -273,6 +294,10 @@ class PagedKVCache:
         #: how deep this thread is in the cache's locked operations (pending undos are
         #: finished at the outermost entry only: an inner call must not undo its caller)
         self._depth = 0
+        #: steps handed out so far (``steps_taken``), and per thread the last one that no
+        #: ``with`` block finished yet (``abort_unentered_steps``)
+        self._steps = 0
+        self._unfinished = _Unfinished()
 
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -780,11 +805,57 @@ class PagedKVCache:
             step = CacheStep(self, tuple(seq_ids), new_tokens, slots, self.block_table(seq_ids),
                              self.seqlens(seq_ids), context, undo, self._version,
                              _aborted=undo[-1], _owned=owned)
+            # recorded before the undo is dropped: from here until a ``with`` block's exit
+            # is done with it, a Ctrl-C that leaves ``step`` unbound leaves it findable
+            self._steps += 1
+            self._unfinished.last = (self._steps, step)
             self._undos.pop()
             return step
         except BaseException:
             self._rollback(undo)
             raise
+
+    @property
+    def steps_taken(self) -> int:
+        """How many steps ``step()`` has handed out: read it before a step and pass it to
+        ``abort_unentered_steps(since=...)``, so that only that step can be undone."""
+        return self._steps
+
+    def abort_unentered_steps(self, since: int = 0,
+                              exc: BaseException | None = None) -> bool:
+        """Abort the step this thread last took from ``step()`` (numbered past ``since``)
+        if no ``with`` block finished it; True if one was pending.
+
+        Python delivers a Ctrl-C as a call returns or a function is entered, so one can land
+        after ``step()`` reserved its tokens but before ``with cache.step(...) as step:``
+        entered the block (the name ``step`` is never bound, and no ``__exit__`` runs), or as
+        that block's exit starts: the step stays reserved (its layers unwritten, or its
+        caller's result lost with the exception). Call this on the except path of such a
+        block (``Decoder.prefill``/``decode`` do), with ``since`` read from ``steps_taken``
+        before the step: an older step of this thread, taken without ``with`` and still in
+        use, is then never touched. With ``exc`` (the exception being handled) a refused
+        abort (the cache changed since) is a note on ``exc``, as leaving the ``with`` block
+        would have said, not an error of its own."""
+        last = self._unfinished.last
+        if last is None or last[0] <= since:
+            return False
+        step = last[1]
+        pending = not step._aborted[0]
+        try:
+            if exc is None:
+                step.abort()
+            else:
+                step.__exit__(type(exc), exc, exc.__traceback__)
+        finally:
+            self._settle(step)
+        return pending
+
+    def _settle(self, step: CacheStep) -> None:
+        """Forget ``step`` as this thread's unfinished one once nothing is left to abort:
+        aborted, or refused for good (the cache changed since; an undo a second Ctrl-C cut
+        short changed it too, and the cache finishes that undo by itself)."""
+        if step._aborted[0] or step._undo is None or self._version != step._version:
+            step._forget()
 
     # -- reading ----------------------------------------------------------------------------
     @_locked

@@ -203,21 +203,33 @@ class Decoder(nn.Module):
         """Start one sequence per row of ``ids`` (B, S); returns their ids and the logits of
         the last position (B, vocab)."""
         seqs: list[int] = []
+        mark = cache.steps_taken
         try:  # allocated inside: one refused half-way (a full state store) leaks none
             for _ in range(ids.shape[0]):
                 seqs.append(cache.allocate())
             with cache.step(seqs, ids.shape[1]) as step:  # a failing layer undoes the step
                 return seqs, self(ids, step, last_only=True)[:, -1]
-        except BaseException:
-            free_all(cache, seqs)
+        except BaseException as exc:
+            try:  # a Ctrl-C before the block was entered: its pages back in order first
+                cache.abort_unentered_steps(mark, exc)
+            finally:
+                free_all(cache, seqs)
             raise
 
     @torch.no_grad()
     def decode(self, cache: PagedKVCache, seqs: Sequence[int],
                tokens: torch.Tensor) -> torch.Tensor:
-        """One decode step: ``tokens`` (B,) appended to ``seqs``; logits (B, vocab)."""
-        with cache.step(seqs, 1) as step:  # a failing layer undoes the step
-            return self(tokens.view(-1, 1), step)[:, -1]
+        """One decode step: ``tokens`` (B,) appended to ``seqs``; logits (B, vocab). Raising
+        (a failing layer, Ctrl-C) leaves ``seqs`` as they were: a Ctrl-C as ``cache.step``
+        returns or as the block's exit starts escapes the ``with``'s own undo, so the step
+        it left reserved (one all-zero token per sequence) is aborted here."""
+        mark = cache.steps_taken
+        try:
+            with cache.step(seqs, 1) as step:  # a failing layer undoes the step
+                return self(tokens.view(-1, 1), step)[:, -1]
+        except BaseException as exc:
+            cache.abort_unentered_steps(mark, exc)
+            raise
 
 
 def random_prompts(cfg: DecoderConfig, batch: int, length: int,
