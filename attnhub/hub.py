@@ -292,6 +292,11 @@ class Hub:
         #: bumped by every rebind: what a call resolved under older settings (a thread that
         #: was resolving while the settings changed) is not stored
         self._generation = 0
+        #: the registry's generation the bindings were made under: a plugin added to it
+        #: later (``Registry.add_plugin``) rebinds, told at once (``_registry_changed``, so
+        #: the hot path reads nothing) and checked again at bind time (``_bind_current``)
+        self._registry_generation = self._registry.generation
+        self._registry.on_change(self._registry_changed)
         self._forced: str | None = os.environ.get("ATTNHUB_BACKEND") or None
         self.fallback_counts: Counter[tuple[str, str]] = Counter()
         self._warned: set[tuple[str, str]] = set()
@@ -329,7 +334,20 @@ class Hub:
 
     @registry.setter
     def registry(self, registry: Registry) -> None:
+        registry.on_change(self._registry_changed)
         self._rebind(_registry=registry)
+
+    def _registry_changed(self, registry: Registry) -> None:
+        """``registry`` changed (a plugin added): if it is this hub's, rebind (a registry
+        this hub has left still calls it)."""
+        if registry is self._registry:
+            self._rebind()
+
+    def _bind_current(self) -> None:
+        """At bind time: the registry changed since the bindings were made (a change its
+        listener call has not reached yet, another thread's): rebind first."""
+        if self._registry_generation != self._registry.generation:
+            self._rebind()
 
     def _rebind(self, **settings: Any) -> None:
         """Change what bindings depend on: the bindings and decisions made so far were made
@@ -337,6 +355,7 @@ class Hub:
         with self._lock:
             for name, value in settings.items():
                 setattr(self, name, value)
+            self._registry_generation = self._registry.generation
             self._generation += 1
             self._runners.clear()
             self._exact.clear()
@@ -360,6 +379,7 @@ class Hub:
 
     def decide(self, spec: AttentionSpec, ctx: BindContext = BindContext()) -> Decision:
         """The cached decision record for a spec (bucketed) in a bind context."""
+        self._bind_current()
         key = (spec.bucketed(), ctx)
         d = self._decisions.get(key)
         if d is None:
@@ -373,6 +393,7 @@ class Hub:
     def runner_for(self, spec: AttentionSpec, ctx: BindContext = BindContext(),
                    backend: str | None = None) -> Runner:
         """Bind: resolve (or force) a backend for a spec and build its runner."""
+        self._bind_current()
         backend = backend or self.forced_backend
         if backend is not None:
             b = self.registry.get(backend)
@@ -766,6 +787,7 @@ class Hub:
             seqlens_k=a.seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
             deterministic=deterministic, return_lse=return_lse,
             extra=check_extra(extra, k.dtype) if extra is not None else {}, dropout_p=dropout_p)
+        self._bind_current()
         with self._lock:
             hit = self._runners.get(key)
             gen = self._generation  # what this call resolves under (see ``_rebind``)

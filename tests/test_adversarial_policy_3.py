@@ -146,7 +146,7 @@ def test_a_deleted_working_directory_is_a_located_problem(tmp_path: Path,
 def test_an_empty_policy_name_is_refused() -> None:
     """``name: ''`` loaded: decision records, ``explain`` and lockfiles named no policy."""
     assert _problems(RULE.replace("name: p", "name: ''", 1)) == [
-        "p.yaml:1:7 name: got '', string should have at least 1 character"]
+        "p.yaml:1:7 name: got an empty policy name '', expected one line of printable text"]
 
 
 NEVER = [  # (rule condition or use, the warning): each linted clean and never matched

@@ -433,10 +433,11 @@ def test_json_output_is_strict_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_the_unquoted_hint_for_a_long_integer_keeps_its_value(tmp_path: Path) -> None:
     """(C) '123456789012345678' was answered with 1.2345678901234568e+17 (another value)."""
-    (line,) = _problems(tmp_path, "name: x\nversion: '123456789012345678'\nrules: []\n")
+    rule = "name: x\nrules:\n  - {name: r, use: [reference], when: {seqlen: {lt: %s}}}\n"
+    (line,) = _problems(tmp_path, rule % "'123456789012345678'")
     assert line.endswith("(write it unquoted as 123456789012345678)"), line
-    (tmp_path / "p.yaml").write_text("name: x\nversion: 123456789012345678\nrules: []\n")
-    assert load_data(tmp_path / "p.yaml").version == 123456789012345678
+    (tmp_path / "p.yaml").write_text(rule % "123456789012345678")
+    assert "123456789012345678" in str(load_data(tmp_path / "p.yaml").rules[0])
 
 
 def test_explain_says_a_forced_backend_that_cannot_run_here_raises(

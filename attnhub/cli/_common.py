@@ -16,11 +16,21 @@ from typing import Any, Callable, Iterator, Sequence
 from ..errors import InputError
 
 
+#: Upper bounds of the flags that size a call (``explain``; ``--heads`` everywhere): past them
+#: a value is a typo, and ``--heads 99999999999999999999:1`` was explained, and put into the
+#: ``fp8-check`` command a record would need, as if a call could have it.
+MAX_HEADS = 4096  # query or KV heads: published models use at most a few hundred
+MAX_HEAD_DIM = 4096  # no attention kernel takes over 1024
+MAX_LENGTH = 2**31 - 1  # lengths, windows, pages, layer indices: int32, as cu_seqlens hold
+MAX_BATCH = 2**20  # sequences in one call
+MAX_WORLD_SIZE = 2**16  # context-parallel ranks
+
+
 def at_least(low: float, kind: type = int, *, strict: bool = False,
-             high: float | None = None) -> Callable[[str], Any]:
+             high: float | None = None, why: str = "") -> Callable[[str], Any]:
     """An argparse ``type``: an int (or, with ``kind=float``, a finite number) >= ``low``
-    (``strict``: > ``low``) and at most ``high`` if given; anything else is a usage error
-    naming the flag and the bound (exit 2, no traceback)."""
+    (``strict``: > ``low``) and at most ``high`` if given (``why``: what that bound is);
+    anything else is a usage error naming the flag and the bound (exit 2, no traceback)."""
 
     def parse(text: str) -> Any:
         try:
@@ -32,7 +42,9 @@ def at_least(low: float, kind: type = int, *, strict: bool = False,
             raise argparse.ArgumentTypeError(
                 f"{text!r}: must be a number {'>' if strict else '>='} {low:g}")
         if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be at most {high:g}")
+            most = high if isinstance(high, int) else f"{high:g}"  # 2147483647, not 2.1e+09
+            raise argparse.ArgumentTypeError(f"{text!r}: must be at most {most}"
+                                             + (f" ({why})" if why else ""))
         return value
 
     parse.__name__ = kind.__name__

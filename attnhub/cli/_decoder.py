@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from ..core.memory import check_memory
-from ._common import POLICY_FLAG, add_hardware, at_least, progress, seed, wants_progress
+from ._common import (MAX_HEADS, POLICY_FLAG, add_hardware, at_least, progress, seed,
+                      wants_progress)
 
 #: The deepest model ``--layers`` builds: well past any published decoder (under 200 layers);
 #: each layer is a Python module, so 10**8 of them would run for hours before any check.
@@ -28,6 +29,10 @@ def parse_heads(text: str) -> tuple[int, int]:
     if hq <= 0 or hkv <= 0 or hq % hkv:
         raise argparse.ArgumentTypeError(f"--heads {text!r}: query heads must be a positive "
                                          "multiple of KV heads")
+    if hq > MAX_HEADS:  # (KV heads divide the query heads: no more of them)
+        raise argparse.ArgumentTypeError(f"--heads {text!r}: at most {MAX_HEADS} heads "
+                                         "(published models use a few hundred at most), e.g. "
+                                         "32:8")
     return hq, hkv
 
 

@@ -21,7 +21,8 @@ from ..errors import AttnhubError
 from ..hub import Hub
 from ..policy.cells import mask_from_kinds
 from ..core.memory import check_memory
-from ._common import add_hardware, add_json, at_least, name_list, nonblank, print_json
+from ._common import (MAX_BATCH, MAX_HEAD_DIM, MAX_LENGTH, MAX_WORLD_SIZE, add_hardware,
+                      add_json, at_least, name_list, nonblank, print_json)
 from ._decoder import parse_heads
 from ._policy_common import add_policy, devices, load
 from .doctor import forced_backend, forced_problem
@@ -33,6 +34,15 @@ _FORCED = ("ATTNHUB_BACKEND={0} forces every attention call in this environment 
            "this decision is the policy's (unset the variable to follow it)")
 
 
+#: The sizing flags, bounded: a 20-digit value is a typo, not a call anyone can make.
+_HEAD_DIM = at_least(1, high=MAX_HEAD_DIM, why="past any kernel: they take at most 1024")
+_LENGTH = at_least(1, high=MAX_LENGTH, why="lengths are int32, as cu_seqlens hold them")
+_WINDOW = at_least(0, high=MAX_LENGTH, why="lengths are int32, as cu_seqlens hold them")
+_LAYER = at_least(0, high=MAX_LENGTH, why="a layer index is an int32")
+_BATCH = at_least(1, high=MAX_BATCH, why="sequences in one call")
+_WORLD_SIZE = at_least(1, high=MAX_WORLD_SIZE, why="context-parallel ranks")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("explain", help="why a backend is chosen for a call shape (and why "
                                        "every other candidate is not)")
@@ -42,23 +52,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bf16",
                    help="query dtype: fp32, fp16 or bf16 (default bf16)")
     p.add_argument("--kv-dtype", choices=DTYPES, help="KV dtype (default: --dtype)")
-    p.add_argument("--head-dim", type=at_least(1), default=128, help="default 128")
-    p.add_argument("--head-dim-v", type=at_least(1), help="value head dim (default: --head-dim)")
+    p.add_argument("--head-dim", type=_HEAD_DIM, default=128, help="default 128")
+    p.add_argument("--head-dim-v", type=_HEAD_DIM, help="value head dim (default: --head-dim)")
     p.add_argument("--heads", type=parse_heads, default=(32, 32), metavar="Q:KV",
                    help="query:KV heads (default 32:32)")
-    p.add_argument("--seqlen", type=at_least(1), default=4096, help="KV length (and query length "
+    p.add_argument("--seqlen", type=_LENGTH, default=4096, help="KV length (and query length "
                                                             "outside decode)")
-    p.add_argument("--seqlen-q", type=at_least(1), help="query length (default: 1 for decode, else "
+    p.add_argument("--seqlen-q", type=_LENGTH, help="query length (default: 1 for decode, else "
                                                 "--seqlen)")
-    p.add_argument("--batch", type=at_least(1), default=1, help="default 1")
+    p.add_argument("--batch", type=_BATCH, default=1, help="default 1")
     p.add_argument("--mask", default="none", type=name_list("mask kind", "causal", "no mask"),
                    help=f"comma-separated kinds: {', '.join(MASK_KINDS)}")
-    p.add_argument("--window", type=at_least(0), help="left window for sliding_window "
+    p.add_argument("--window", type=_WINDOW, help="left window for sliding_window "
                                                         "(default 1024)")
     p.add_argument("--top-left", action="store_true", help="top-left causal alignment")
     p.add_argument("--layout", choices=[x for x in LAYOUTS if x != "bhsd"],
                    help="default: thd with a document mask, else bshd")
-    p.add_argument("--page-size", type=at_least(1),
+    p.add_argument("--page-size", type=_LENGTH,
                    help="KV page size for --layout paged (default 16)")
     p.add_argument("--grad", action="store_true", help="gradients needed (default for train)")
     p.add_argument("--deterministic", action="store_true",
@@ -70,10 +80,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("bind context")
     g.add_argument("--model", type=nonblank("model", "llama-3-8b", "no model"),
                    help="model name, for `when: {model: ...}` rules")
-    g.add_argument("--layer", type=at_least(0), help="layer index, for `when: {layer: ...}`")
+    g.add_argument("--layer", type=_LAYER, help="layer index, for `when: {layer: ...}`")
     g.add_argument("--layer-kind", default="softmax", type=_layer_kind,
                    help="softmax (default), sliding, linear, gla, ... for `layer: {kind: ...}`")
-    g.add_argument("--world-size", type=at_least(1), default=1,
+    g.add_argument("--world-size", type=_WORLD_SIZE, default=1,
                    help="context-parallel ranks (default 1; >= 2 for ring rules)")
     p.add_argument("--trace", action="store_true", help="list each rule tried and why it did "
                                                         "not match")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..core.capabilities import Capabilities
+from ..core.capabilities import BUDGET_INPUTS, Capabilities
 
 #: Head dims tried when a backend declares a rule (max/multiple) rather than a set.
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
@@ -65,6 +65,16 @@ class Case:
     strided: bool = False
     #: Attention dropout: judged by its law (``kit._judge_dropout``), not against values.
     dropout_p: float = 0.0
+    #: An approximate backend's error budget, judged on inputs of this class
+    #: (``conformance.budget``: random, local, clustered); "" for every other case.
+    budget_inputs: str = ""
+    #: ``local`` inputs: how peaked the scores are (0: the kit tunes it to the budget).
+    sharpness: float = 0.0
+    #: ``local`` inputs: one key's value 20x the others (dropped mass on a large value).
+    heavy_value: bool = False
+    #: A budget case's grid base: declining the budget case while serving this one is a
+    #: failure (the budget would go unjudged), not a skip.
+    basis: Case | None = None
     seed: int = 0
     #: A declaration the kit finds inconsistent by itself (reported as a failure).
     notes: tuple[str, ...] = field(default=())
@@ -87,6 +97,9 @@ class Case:
             bits.append(f"softcap={self.softcap:g}")
         if self.dropout_p:
             bits.append(f"dropout={self.dropout_p:g}")
+        if self.budget_inputs:
+            bits.append(f"{self.budget_inputs} inputs" + (" heavy value" * self.heavy_value)
+                        + f" seed={self.seed}")
         return " ".join(bits)
 
 
@@ -122,6 +135,7 @@ def grid(caps: Capabilities, quick: bool = False,
     out += _phases(base, caps)
     out += _shapes(base, caps, quick)
     out += _results(base, caps)
+    out += _budget(base, caps)
     for kv in sorted((caps.kv_dtypes or frozenset()) - caps.dtypes):
         out.append(replace(base, feature=f"kv dtype {kv}", untested=(
             f"the kit does not build {kv} caches; check accuracy with `attnhub fp8-check`")))
@@ -306,6 +320,49 @@ def _shapes(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
         out.append(replace(base, feature="Sq < Sk", seqlens_q=(4,) * n, seqlens_k=(13,) * n))
         out.append(replace(base, feature="Sq > Sk", seqlens_q=(13,) * n, seqlens_k=(4,) * n))
     return out
+
+
+#: Tokens per sequence of a budget case (bshd; thd: this and 5/8 of it).
+BUDGET_LEN = 32
+#: The window of ``local`` budget cases: (W, 0) causal, (W, W) otherwise.
+LOCAL_WINDOW = 4
+
+
+def _budget(base: Case, caps: Capabilities) -> list[Case]:
+    """An approximate backend's declared ``error_budget``, judged on the inputs it is stated
+    for (``conformance.budget``): two draws (one for an unbounded budget, which can only be
+    shown); no budget, an unknown input class or a class the masks cannot serve is a
+    failure naming the fix."""
+    if caps.exact:
+        return []
+    cls = caps.error_budget_inputs
+    feature = f"error budget ({cls} inputs)"
+    fix = ""
+    if caps.error_budget is None:
+        feature, fix = "error budget", (
+            "approximate (exact=False) but no error_budget declared: declare "
+            "Capabilities(error_budget=<relative RMSE vs dense attention it stays within>, "
+            f"error_budget_inputs=<one of {', '.join(sorted(BUDGET_INPUTS))}>), or "
+            "error_budget=math.inf for another operator with no bound")
+    elif not isinstance(cls, str) or cls not in BUDGET_INPUTS:
+        fix = (f"error_budget_inputs {cls!r} is no input class the kit can build: use one of "
+               f"{', '.join(sorted(BUDGET_INPUTS))}")
+    elif cls == "local" and "sliding_window" not in caps.masks:
+        fix = ("error_budget_inputs 'local' is defined by the call's window, but the "
+               "sliding_window mask is not declared: declare it, or state the budget on "
+               "another input class")
+    if fix:
+        return [replace(base, feature=feature, notes=(fix,))]
+    c = replace(base, feature=feature, budget_inputs=cls, return_lse=False, strided=False,
+                basis=base)
+    if base.phase != "decode" and base.layout in ("bshd", "thd"):
+        lens = (BUDGET_LEN, BUDGET_LEN if base.layout == "bshd" else BUDGET_LEN * 5 // 8)
+        c = replace(c, seqlens_q=lens, seqlens_k=lens)
+    if cls == "local":
+        w = LOCAL_WINDOW
+        c = replace(c, window=(w, 0) if base.causal else (w, w))
+    cases = [c, replace(c, seed=1, heavy_value=cls == "local")]
+    return cases[:1] if caps.error_budget == float("inf") else cases
 
 
 def _results(base: Case, caps: Capabilities) -> list[Case]:

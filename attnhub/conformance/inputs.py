@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.spec import AttentionSpec, AttnParams, MaskSpec, torch_dtype
+from .budget import class_data
 from .cases import SCALE, Case, relative_bias, skip_every_third
 
 
@@ -50,6 +51,8 @@ def build(case: Case, device: torch.device) -> Inputs:
     vs = [torch.randn(n, hkv, dv, generator=gen) for n in case.seqlens_k]
     b = len(qs)
     scale = SCALE / math.sqrt(d)  # not the default: a backend must use params.scale
+    if case.budget_inputs:  # an error budget's input class (conformance.budget)
+        qs, ks, vs = class_data(case, qs, ks, vs, gen, scale)
     extra = _mask_params(case, b, hq, hkv, max(case.seqlens_q), max(case.seqlens_k), gen)
     to = lambda t: t.to(device=device, dtype=dt)  # noqa: E731
     equal = len(set(case.seqlens_q)) == 1 and len(set(case.seqlens_k)) == 1

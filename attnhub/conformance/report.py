@@ -18,6 +18,10 @@ def format_report(report: KitReport, verbose: bool = False) -> str:
                else "NOTHING RAN (every case skipped or deselected)")
     head = f"{report.backend} (plugin {report.plugin}) on {report.device}: {verdict}"
     lines = [head, table(rows, ("feature", "result", "worst error", "allowed", "detail"))]
+    for f in report.features():  # the budget verdict in full: metric, error, budget, case
+        if f["feature"].startswith("error budget"):
+            lines.append(f"{f['feature']}: {f['status'].upper()}: {f['detail']} "
+                         f"[case: {f['case']}]")
     if verbose:
         for r in report.results:
             lines.append(f"  {r.status:5} {r.seconds * 1e3:7.1f} ms  {r.case.describe()}"

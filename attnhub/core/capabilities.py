@@ -16,6 +16,9 @@ from .spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES, AttentionSpec
 ALL_MASKS = frozenset(MASK_KINDS)
 FLOAT_DTYPES = frozenset({"fp32", "fp16", "bf16"})
 HALF_DTYPES = frozenset({"fp16", "bf16"})
+#: Input classes an error budget may be stated on; the conformance kit builds each one and
+#: judges the budget there (attnhub/conformance/budget.py, docs/plugins.md).
+BUDGET_INPUTS = frozenset({"random", "local", "clustered"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +33,9 @@ class Capabilities:
     ``min_capability``/``max_capability`` bound the CUDA compute capability (inclusive).
     ``head_dims`` is either an explicit set or ``None`` with ``max_head_dim`` and
     ``head_dim_multiple`` as the rule. ``exact=False`` marks an approximate backend whose
-    ``error_budget`` (relative RMSE against dense attention) must be declared.
+    ``error_budget`` (relative RMSE against dense attention) must be declared, with the
+    input class it holds on (``error_budget_inputs``, one of :data:`BUDGET_INPUTS`): a
+    budget is only checkable, and only true, on the inputs it is stated for.
     """
 
     vendors: frozenset[str] = frozenset({"cpu", "cuda", "rocm"})
@@ -59,6 +64,7 @@ class Capabilities:
     top_left_causal: bool = False
     exact: bool = True
     error_budget: float | None = None
+    error_budget_inputs: str = "random"
     max_query_len_decode: int | None = None
     page_size_multiple: int = 1
     #: Attention dropout (``dropout_p > 0``, training), drawn from torch's generator.
@@ -206,6 +212,9 @@ def _check_types(c: Capabilities) -> None:
                           or math.isnan(b) or b < 0):
         bad.append(f"error_budget must be a non-negative number (math.inf: no bound) or None "
                    f"(got {b!r})")
+    if not isinstance(c.error_budget_inputs, str) or c.error_budget_inputs not in BUDGET_INPUTS:
+        bad.append(f"error_budget_inputs must be one of {_fmt(BUDGET_INPUTS)} (got "
+                   f"{c.error_budget_inputs!r})")
     if bad:
         raise TypeError("invalid Capabilities: " + "; ".join(bad))
 

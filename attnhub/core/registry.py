@@ -31,6 +31,7 @@ import sys
 import threading
 import traceback
 import types
+import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
@@ -106,6 +107,13 @@ class Registry:
         #: Plugins whose import or hook ran past the timeout: their late calls are ignored.
         self._stalled: set[str] = set()
         self._lock = threading.RLock()
+        #: Bumped after every change of what can be bound (``add_plugin``, a plugin loaded or
+        #: taken back): decisions and runners made from this registry hold for one generation
+        #: (the policy's cache keys on it, a hub compares it at bind time).
+        self.generation = 0
+        #: Bound methods (held weakly) called after each change: a hub drops its bindings
+        #: then, so its hot path, which never reads the registry, never serves a stale one.
+        self._listeners: list[weakref.WeakMethod[Callable[[Registry], None]]] = []
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -201,6 +209,7 @@ class Registry:
                     f"started non-daemon thread(s) {', '.join(map(repr, threads))} while "
                     "loading, still running: the process cannot exit until they end (start "
                     "threads with daemon=True, and not at import)")
+            self._changed()
 
     def _load_unguarded(self, name: str, module: str, loader: Callable[[], Any],
                         dist: str | None, version: str | None, timeout: float | None,
@@ -266,11 +275,33 @@ class Registry:
         return reg
 
     def add_plugin(self, obj: ModuleType | object, name: str) -> PluginRecord:
-        """Register an already-imported plugin object (tests, notebooks, the core itself)."""
+        """Register an already-imported plugin object (tests, notebooks, the core itself).
+        Hubs already binding from this registry drop their decisions and runners (see
+        :meth:`on_change`): a backend added (or replaced) now binds on their next call."""
         rec = PluginRecord(name=name, module=getattr(obj, "__name__", type(obj).__name__))
-        self.plugins[name] = rec
-        self._register_from(obj, rec)
+        try:
+            self.plugins[name] = rec
+            self._register_from(obj, rec)
+        finally:  # a Ctrl-C halfway still leaves what was registered, which binds
+            self._changed()
         return rec
+
+    def on_change(self, callback: Callable[[Registry], None]) -> None:
+        """Call ``callback(registry)`` after each change (a bound method, held weakly: a hub
+        that is gone is not kept alive by its registry). Registering it again is a no-op."""
+        ref = weakref.WeakMethod(callback)
+        with self._lock:
+            self._listeners = [r for r in self._listeners if r() is not None]
+            if ref not in self._listeners:
+                self._listeners.append(ref)
+
+    def _changed(self) -> None:
+        """A new generation; listeners are told outside the lock (a hub takes its own)."""
+        with self._lock:
+            self.generation += 1
+            live = [f for f in (r() for r in self._listeners) if f is not None]
+        for f in live:
+            f(self)
 
     def _register_from(self, obj: object, rec: PluginRecord, timeout: float | None = None,
                        watch: process_state.Watch | None = None) -> None:

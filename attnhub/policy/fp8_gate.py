@@ -17,8 +17,20 @@ import re
 from typing import Any
 
 EMULATED = "(FP8 emulated)"
+#: The outlier inputs ``fp8-check`` plants; each kind's errors are recorded per magnitude.
+OUTLIER_KINDS = ("q_channel", "k_bias")
+#: Metrics ``fp8-check`` records, which ``requires.accuracy.max`` can bound (plus per outlier:
+#: ``rel_error_q_channel_x20``, ...). A record lacking a bounded metric fails the gate, so a
+#: misspelt name there turned the gate off for good, found only at run time (lint warns).
+METRICS = ("rel_error", "max_error", "bf16_rel_error", "budget")
+_PER_OUTLIER = re.compile(rf"(rel_error|max_error)_({'|'.join(OUTLIER_KINDS)})_x[0-9][0-9.e+-]*\Z")
 _RECIPE = re.compile(r", recipe (\S+)(?:, by |$)")
 _BY = re.compile(r", by (.+)$")
+
+
+def known_metric(name: str) -> bool:
+    """Whether ``fp8-check`` records metric ``name`` (a record of one's own may hold others)."""
+    return name in METRICS or _PER_OUTLIER.match(name) is not None
 
 
 def reference(emulated: bool, recipe: str, provider: str) -> str:

@@ -23,6 +23,7 @@ from ..core.capabilities import Capabilities
 from ..core.device import simulate
 from ..core.registry import Registry, did_you_mean
 from .cells import Cell, cells
+from .fp8_gate import METRICS, OUTLIER_KINDS, known_metric
 from .loader import LoadedRule
 from .profile import ProfileStore
 from .match import selects_layers
@@ -127,6 +128,7 @@ def _backend_names(lr: LoadedRule, registry: Registry) -> list[Finding]:
                 "badly on outlier inputs (rel. error 0.17-0.26 vs 0.0018 for BF16 on an H200): "
                 "expected `requires: {accuracy: {backends: [" + name + "]}}`")))
     out += _gate_names(lr)
+    out += _gate_metrics(lr)
     return out
 
 
@@ -167,6 +169,23 @@ def _gate_names(lr: LoadedRule) -> list[Finding]:
                         f"{name!r} is not a candidate of this rule, expected one of: "
                         f"{', '.join(lr.rule.use.names)}"))
             for i, name in enumerate(gate or []) if name not in lr.rule.use.names]
+
+
+def _gate_metrics(lr: LoadedRule) -> list[Finding]:
+    """``requires.accuracy.max`` keys no ``fp8-check`` record holds: the gate then refuses
+    every record (metric missing), so the backend never binds, found only at run time. A
+    warning, not an error: a record of one's own (``ProfileStore.record_accuracy``) may
+    hold other metrics."""
+    req = lr.rule.requires
+    bounds = req.accuracy.max if req is not None and req.accuracy is not None else {}
+    known = [*METRICS, "rel_error_<kind>_x<M>", "max_error_<kind>_x<M>"]
+    return [Finding("warning", lr.where("requires", "accuracy", "max", name, key=True),
+                    _label(lr, "requires", "accuracy", "max", name), (
+                        f"unknown metric {name!r}: attnhub fp8-check records "
+                        f"{', '.join(known)} (<kind>: {', '.join(OUTLIER_KINDS)}); a record "
+                        "without it fails this gate, so the backend never binds; expected one "
+                        "of these" + did_you_mean(name, list(METRICS))))
+            for name in bounds if not known_metric(name)]
 
 
 def _contradictions(lr: LoadedRule, registry: Registry) -> list[Finding]:

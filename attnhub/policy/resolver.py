@@ -125,7 +125,7 @@ class Policy:
 
     def _resolve(self, spec: AttentionSpec, device: DeviceInfo, registry: Registry,
                  ctx: BindContext, local: bool) -> Decision:
-        key = (spec, device, device.versions, ctx, registry, len(registry.backends),
+        key = (spec, device, device.versions, ctx, registry, registry.generation,
                self.profile.revision, local)
         hit = self._cache.get(key)
         if hit is None:
@@ -182,7 +182,7 @@ class Policy:
         distributed candidate, whose local kernel is resolved in that context."""
         lr = self.rules[i]
         per_ctx = any(_distributed(n, registry) for n in lr.rule.use.names)
-        key = (i, spec, device, device.versions, registry, len(registry.backends),
+        key = (i, spec, device, device.versions, registry, registry.generation,
                self.profile.revision, local)
         out = None if per_ctx else self._outcomes.get(key)
         if out is None:

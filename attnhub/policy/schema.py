@@ -15,8 +15,8 @@ import re
 import unicodedata
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      ValidationInfo, field_validator, model_validator)
 
 from ..core.device import known_hardware, simulate
 from ..core.registry import MAX_NAME as REGISTRY_MAX_NAME
@@ -55,10 +55,16 @@ def _target(v: Any) -> Any:
     """A ``targets`` entry, as loaded: an arch, a vendor or a device alias (``h100``). Only
     ``plan`` and ``policy check`` read targets; whether each names a device they can
     simulate is theirs to check (:func:`target_problem`), so a policy that serves calls is
-    never refused at run time for them."""
-    if isinstance(v, str) and len(v) <= MAX_NAME and (
-            _HARDWARE_RE.match(v) or _unsimulable(v) is None):
+    never refused at run time for them. Case aside (``H200`` is the ``h200`` alias), the
+    name is taken as written: ``simulate`` strips, so ``"cpu\\n"`` or ``" sm90 "`` loaded,
+    and split every message that printed the target."""
+    if isinstance(v, str) and len(v) <= MAX_NAME and (_HARDWARE_RE.match(v) or (
+            v.isascii() and v == v.strip() and _unsimulable(v) is None)):
         return v
+    if isinstance(v, str) and len(v) <= MAX_NAME and v != v.strip() and (
+            _HARDWARE_RE.match(v.strip().lower()) or _unsimulable(v) is None):
+        raise ValueError(f"got {show(v)}, expected a target name exactly: write "
+                         f"{v.strip()!r} (no spaces or line breaks around it)")
     names = str(_unsimulable("")).split("; use ", 1)[-1]  # "one of ... (or an alias: ...)"
     raise ValueError(f"got {show(v)}, expected an arch, a vendor or a device: {names}")
 
@@ -250,6 +256,21 @@ RuleName = Annotated[str, BeforeValidator(_rule_name)]
 #: or ``1`` as True, ``every: true`` as 1 and ``ge: true`` as 1.0, silently.
 Flag = Annotated[bool, BeforeValidator(_flag)]
 Count = Annotated[int, BeforeValidator(_number)]
+
+#: Largest ``version``: the file's own number, a counter (3) or a date (20250131); past int32
+#: it is a typo (17 digits were accepted and printed in every decision and lock).
+MAX_VERSION = 2**31 - 1
+
+
+def _version_range(v: int) -> int:
+    """``version`` within 0..MAX_VERSION (-1 and 17 digits loaded, as any 64-bit int)."""
+    if not 0 <= v <= MAX_VERSION:
+        raise ValueError(f"got {show(v)}, expected a version from 0 to {MAX_VERSION} (a "
+                         "counter such as 3, or a date such as 20250131)")
+    return v
+
+
+Version = Annotated[int, BeforeValidator(_number), AfterValidator(_version_range)]
 Number = Annotated[float, BeforeValidator(_number)]
 
 
@@ -523,7 +544,7 @@ class PolicyFile(Strict):
     """One YAML file. ``extends`` overlays it on another file (see docs/policy.md)."""
 
     name: PolicyName = Field(min_length=1)
-    version: Count = 1
+    version: Version = 1
     description: str = ""
     extends: Extends | None = None
     targets: _many(Target) | None = None  # type: ignore[valid-type]

@@ -27,7 +27,7 @@ import torch
 
 from attnhub.plugin import LAYER_KEY, SEQ_IDS_KEY, STATE_KEY, InputError
 
-from .state_cache import RecurrentStateCache
+from .state_cache import RecurrentStateCache, whole
 
 GATE = "gla_gate"
 # the core's keys: attnhub.nn.Attention passes a bound layer's state store under them
@@ -69,7 +69,8 @@ def state_ref(extra: dict[str, Any], batch: int, who: str,
     if ids is None or layer is None:
         raise InputError(f"{who}: extra[{STATE!r}] needs extra[{SEQ_IDS!r}] (the batch's "
                          f"sequence ids) and extra[{LAYER!r}] (this layer's id in the cache)")
-    ids = tuple(int(s) for s in (ids.tolist() if isinstance(ids, torch.Tensor) else ids))
+    ids = _seq_ids(ids, who)
+    layer = whole(layer, f"{who}: extra[{LAYER!r}]")
     if len(ids) != batch:
         raise InputError(f"{who}: extra[{SEQ_IDS!r}] has {len(ids)} ids for a batch of {batch}")
     held = tuple(cache._pool.shape[2:])
@@ -78,7 +79,23 @@ def state_ref(extra: dict[str, Any], batch: int, who: str,
                          f"dim) {held}, but this call's are {tuple(geometry)}: build the "
                          "RecurrentStateCache with num_heads = the query heads, key_dim and "
                          "value_dim = this layer's head dims")
-    return StateRef(cache, ids, int(layer))
+    return StateRef(cache, ids, layer)
+
+
+def _seq_ids(ids: Any, who: str) -> tuple[int, ...]:
+    """``extra["seq_ids"]``: ints, or an int tensor of one dimension (``int()`` read a float
+    id 0.7 as sequence 0, another sequence's state)."""
+    what = f"{who}: extra[{SEQ_IDS!r}]"
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() > 1 or ids.is_floating_point() or ids.is_complex() or \
+                ids.dtype == torch.bool:
+            raise InputError(f"{what} is a {ids.dtype} tensor of shape {tuple(ids.shape)}; "
+                             "expected the batch's sequence ids as ints (an int tensor (B,))")
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+        raise InputError(f"{what}={ids!r} ({type(ids).__name__}); expected the batch's "
+                         "sequence ids, a sequence of ints")
+    return tuple(whole(s, f"{what}[{i}]") for i, s in enumerate(ids))
 
 
 def int_option(extra: dict[str, Any], key: str, default: int, who: str) -> int:

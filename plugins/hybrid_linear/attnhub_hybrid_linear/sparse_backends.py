@@ -7,14 +7,16 @@
   is the right choice).
 * ``longformer``: the window plus designated global tokens (``extra["longformer_global"]``,
   default position 0). Exact for the mask ``causal? AND (window OR key global OR query
-  global)``; approximate against dense attention. Guarantee: per output element
-  ``|o - o_dense| <= 2 * eps * max|v|``, eps the dense attention mass the mask drops.
+  global)``; approximate against dense attention. Guarantee, for any input: in each output
+  row ``||o - o_dense|| <= 2 * eps * max_j ||v_j||`` (also per element with ``max|v|``), eps
+  the dense attention mass the mask drops from that row.
 * ``lsh``: Reformer-style hashed buckets; exact softmax over keys that share a bucket with
   the query in some round; with one bucket it is dense attention.
 
-Budgets (relative RMSE against dense attention) hold on the inputs they are stated for: a
-sparse layer is only as good as its mask is for the data, which is why the resolver never
-binds these to an exact request and only a policy's layer binding does.
+Budgets (relative RMSE against dense attention) hold on the inputs they are stated for
+(``error_budget_inputs``, which the conformance kit builds and judges them on): a sparse
+layer is only as good as its mask is for the data, which is why the resolver never binds
+these to an exact request and only a policy's layer binding does.
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ from .banded import banded_attention
 from .layouts import Doc, serve
 from .lsh import lsh_attention
 
-#: Longformer's budget vs dense attention, for local data (scores falling with distance)
-#: where dense attention keeps at least 95% of every row's mass inside window + global
-#: tokens: measured 0.010-0.015 at that edge (tests/test_sparse.py checks it). For any input
-#: the per-element bound |o - o_dense| <= 2 * eps * max|v| holds (eps: the mass dropped).
+#: Longformer's budget vs dense attention (relative RMSE), on local data
+#: (``error_budget_inputs="local"``): inputs where the dense mass each row loses outside the
+#: window and the values meet ``2 * eps * kappa <= 0.05`` (eps: RMS over rows of the mass
+#: dropped; kappa: largest value norm / RMS norm of a dense output row;
+#: ``metrics.local_bound``). There the budget is a consequence of the row bound above, not a
+#: measurement, and the conformance kit checks it on such inputs. A share of mass alone
+#: bounds nothing: with 95% kept and the other 5% on one key whose value is 100x the rest,
+#: the error is about 0.05 * |v_big| / |o_dense|, near 1 (tests/test_budget_9.py). Measured
+#: on smooth local inputs with unit-variance values (tests/test_sparse.py: 95% kept, 2 eps
+#: kappa = 0.053): 0.010-0.015.
 LONGFORMER_BUDGET = 0.05
 #: LSH's budget vs dense, non-causal, for clustered queries/keys (each within ~6 degrees of
 #: one of 2-8 centres, attention concentrated on the query's cluster), with the defaults
@@ -51,7 +59,10 @@ LONGFORMER_BUDGET = 0.05
 #: 16-128, 32-300 tokens, GQA/MQA): 400 draws at 6 degrees, median 0.001, p99 0.08, max
 #: 0.127; 200 at 7 degrees, p99 0.099, max 0.134; 200 draws of 64 tokens, d=16, 2 centres,
 #: max 0.165. (0.1, the budget before, was broken by 0.5-1% of draws.) At 10 degrees it
-#: reaches 0.18 and at 15 0.28: the budget holds only for tight clusters.
+#: reaches 0.18 and at 15 0.28: the budget holds only for tight clusters. Not a bound: on
+#: the conformance kit's clustered inputs (``error_budget_inputs="clustered"``: 4 centres,
+#: 6 degrees, 32 tokens) 2 of 2100 draws (seeds 0-699, d 16/32/64; 2026-12-05) broke it
+#: (0.27, 0.35: a cluster split in every round); p99 0.075, p99.9 0.13.
 #: tests/test_adversarial_hybrid_4.py checks it on random draws at 6 and 7 degrees.
 #: Causal LSH drops more: an early query may have no earlier key in its buckets.
 LSH_BUDGET = 0.2
@@ -59,16 +70,18 @@ LSH_BUDGET = 0.2
 _ALL_LAYOUTS = frozenset({"bshd", "thd", "paged"})
 
 
-def _capabilities(masks: set[str], budget: float | None = None) -> Capabilities:
+def _capabilities(masks: set[str], budget: float | None = None,
+                  inputs: str = "random") -> Capabilities:
     """What the sparse backends share (any float dtype, head dims to 512, every layout,
-    GQA, LSE, backward); an approximate one (``budget``: its error budget against dense)
-    declares no deterministic backward."""
+    GQA, LSE, backward); an approximate one (``budget``: its error budget against dense,
+    on the ``inputs`` class the conformance kit builds) declares no deterministic
+    backward."""
     exact = budget is None
     return Capabilities(
         dtypes=FLOAT_DTYPES, max_head_dim=512, different_v_dim=True, masks=frozenset(masks),
         layouts=_ALL_LAYOUTS, backward=True, deterministic_backward=exact, exact=exact,
-        error_budget=budget, deterministic_forward=True, gqa=True, returns_lse=True,
-        top_left_causal=True,
+        error_budget=budget, error_budget_inputs=inputs, deterministic_forward=True,
+        gqa=True, returns_lse=True, top_left_causal=True,
     )
 
 
@@ -140,7 +153,7 @@ class LongformerBackend(_Banded):
     description = ("local window + global tokens (extra['longformer_global'], default 0); "
                    "exact for that mask, approximate against dense")
     capabilities: ClassVar[Capabilities] = _capabilities(
-        {"causal", "sliding_window", "document"}, LONGFORMER_BUDGET)
+        {"causal", "sliding_window", "document"}, LONGFORMER_BUDGET, "local")
 
     def global_positions(self, p: AttnParams, sk: int,
                          device: torch.device) -> torch.Tensor | None:
@@ -154,7 +167,8 @@ class LSHBackend(_BlockSparse):
     tier = "approximate"
     description = ("Reformer-style LSH bucketed attention (extra lsh_buckets/lsh_rounds/"
                    "lsh_seed); exact within colliding buckets, approximate against dense")
-    capabilities: ClassVar[Capabilities] = _capabilities({"causal", "document"}, LSH_BUDGET)
+    capabilities: ClassVar[Capabilities] = _capabilities({"causal", "document"}, LSH_BUDGET,
+                                                         "clustered")
 
     def compute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 p: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,11 +17,28 @@ refuse a state that does not match the context it is given (a stale or skipped s
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from attnhub.plugin import CacheFullError, InputError
+
+
+def whole(value: Any, what: str) -> int:
+    """``value`` as an int when it is one (a Python or numpy int, a one-element int tensor);
+    ``int()`` turned a layer 0.7 into layer 0 and True into 1, silently. A float, a bool,
+    text or anything else is an :class:`InputError` naming ``what``."""
+    if not isinstance(value, (bool, str, bytes)) and not (
+            isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    raise InputError(f"{what}={shown} ({type(value).__name__}); expected an int (a float or "
+                     "bool is never rounded into one)")
 
 
 class RecurrentStateCache:
@@ -30,7 +47,8 @@ class RecurrentStateCache:
     def __init__(self, *, layers: int | Iterable[int], num_heads: int, key_dim: int,
                  value_dim: int | None = None, max_seqs: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        ids = list(range(layers)) if isinstance(layers, int) else list(layers)
+        ids = (list(range(layers)) if isinstance(layers, int) and not isinstance(layers, bool)
+               else [whole(x, "RecurrentStateCache: layer id") for x in layers])
         if not ids or min(num_heads, key_dim, value_dim or key_dim, max_seqs) <= 0:
             raise InputError("RecurrentStateCache: layers, num_heads, key_dim, value_dim and "
                              "max_seqs must all be positive")
@@ -65,6 +83,7 @@ class RecurrentStateCache:
 
     def allocate(self, seq_id: int) -> None:
         """A zero state (position 0 in every layer) for a new sequence."""
+        seq_id = whole(seq_id, "RecurrentStateCache.allocate: seq_id")
         if seq_id in self._slot:
             raise InputError(f"RecurrentStateCache.allocate: sequence {seq_id} already has a "
                              "state; free it first, or fork it to get a separate copy")
@@ -76,6 +95,7 @@ class RecurrentStateCache:
     def fork(self, src: int, dst: int) -> None:
         """``dst`` starts as a copy of ``src`` (state and positions); later writes diverge."""
         s = self._slot_of(src)
+        dst = whole(dst, "RecurrentStateCache.fork: dst")
         if dst in self._slot:
             raise InputError(f"RecurrentStateCache.fork: target sequence {dst} already has a "
                              "state; fork into a fresh id (PagedKVCache.fork returns one)")
@@ -109,7 +129,10 @@ class RecurrentStateCache:
         if tuple(states.shape) != want:
             raise InputError(f"RecurrentStateCache.write: states have shape "
                              f"{tuple(states.shape)}, expected {want} (B, H, K, V)")
-        steps = [advance] * len(slots) if isinstance(advance, int) else list(advance)
+        try:
+            steps = [advance] * len(slots) if isinstance(advance, int) else list(advance)
+        except TypeError:  # one count of another type (0.7, a 0-d tensor): whole() judges it
+            steps = [advance] * len(slots)
         if len(steps) != len(slots):
             raise InputError(f"RecurrentStateCache.write: {len(slots)} sequences but "
                              f"{len(steps)} token counts")
@@ -117,19 +140,21 @@ class RecurrentStateCache:
         # (the next call's backward went through it twice; decode grew it a node per step)
         self._pool[:, row].index_copy_(0, self._slot_index(slots),
                                        states.detach().to(self._pool.dtype))
+        steps = [whole(n, "RecurrentStateCache.write: advance") for n in steps]
         for s, n in zip(slots, steps):
-            self._pos[s][row] += int(n)
+            self._pos[s][row] += n
 
     def restore(self, seq_id: int, layer: int, state: torch.Tensor, position: int) -> None:
         """Set one sequence's state in ``layer`` and the tokens it has consumed, absolutely:
         a state rebuilt from the KV cache's context after a step was aborted or skipped."""
         slot, row = self._slot_of(seq_id), self._layer_row(layer)
+        position = whole(position, "RecurrentStateCache.restore: position")
         if tuple(state.shape) != tuple(self._pool.shape[2:]) or position < 0:
             raise InputError(f"RecurrentStateCache.restore: state {tuple(state.shape)} at "
                              f"position {position}; expected {tuple(self._pool.shape[2:])} "
                              "(H, K, V) at a position >= 0")
         self._pool[slot, row].copy_(state.detach())
-        self._pos[slot][row] = int(position)
+        self._pos[slot][row] = position
 
     def check_invariants(self) -> None:
         """Every slot is either free or owned by exactly one sequence."""
@@ -156,6 +181,7 @@ class RecurrentStateCache:
         return self._free.pop()
 
     def _check(self, seq_id: int) -> int:
+        seq_id = whole(seq_id, "RecurrentStateCache: sequence id")
         if seq_id not in self._slot:
             raise InputError(f"RecurrentStateCache: unknown sequence id {seq_id} (live: "
                              f"{sorted(self._slot)}); it was never allocated or was freed")
@@ -165,15 +191,15 @@ class RecurrentStateCache:
         return self._slot[self._check(seq_id)]
 
     def _slots(self, seq_ids: Sequence[int], what: str) -> list[int]:
-        ids = [int(s) for s in seq_ids]
+        ids = [whole(s, f"RecurrentStateCache.{what}: sequence id") for s in seq_ids]
         if len(set(ids)) != len(ids):
             raise InputError(f"RecurrentStateCache.{what}: sequence ids repeat in {ids}; each "
                              "sequence has one state (fork to get a second)")
         return [self._slot_of(s) for s in ids]
 
     def _layer_row(self, layer: int) -> int:
-        try:
-            return self._row[layer]
+        try:  # a float key finds the int layer it equals (1.0 -> 1): refused first
+            return self._row[whole(layer, "RecurrentStateCache: layer")]
         except KeyError:
             raise InputError(f"RecurrentStateCache: layer {layer} has no state here (layers: "
                              f"{self.layers}); build the cache with that layer") from None
