@@ -7,6 +7,7 @@ rule FlashAttention's own tests use (2x forward, 3x gradients).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,14 +85,18 @@ def fa_references(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Att
 
 
 def assert_grads_fa_rule(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
-                         inputs: tuple[torch.Tensor, ...], mult: float = 3.0) -> None:
+                         inputs: Sequence[torch.Tensor], mult: float = 3.0, *,
+                         ref_inputs: Sequence[torch.Tensor] | None = None,
+                         dout: torch.Tensor | None = None) -> None:
     """Gradients of ``out`` with respect to ``inputs`` (q, k, v) by the FlashAttention rule
-    (3x for gradients), for one random output gradient, against those of the references
-    from :func:`fa_references`."""
-    dout = torch.randn_like(out)
+    (3x for gradients), for one output gradient (``dout``, default random), against those
+    of the references from :func:`fa_references` (computed from ``ref_inputs`` when they are
+    other leaves than ``inputs``)."""
+    dout = torch.randn_like(out) if dout is None else dout
+    refs = inputs if ref_inputs is None else ref_inputs
     grads = torch.autograd.grad(out, inputs, dout)
-    grads64 = torch.autograd.grad(ref64, inputs, dout.double())
-    grads_same = torch.autograd.grad(ref_same, inputs, dout)
+    grads64 = torch.autograd.grad(ref64, refs, dout.double(), retain_graph=True)
+    grads_same = torch.autograd.grad(ref_same, refs, dout)
     for what, g, r64, rs in zip("qkv", grads, grads64, grads_same):
         assert_fa_rule(g, r64, rs, mult=mult, what=f"d{what}")
 

@@ -23,7 +23,14 @@ from attnhub.core.flash_conventions import flash_dense_form, flash_kwargs, flash
 from attnhub.core.masking import allowed_mask, window_within
 from attnhub.core.reference import reference_attention
 from attnhub.core.spec import AttnParams
-from attnhub.testing import assert_fa_rule, assert_lse, fa_references, flash_reference
+from attnhub.testing import (
+    assert_fa_rule,
+    assert_grads_fa_rule,
+    assert_lse,
+    fa_references,
+    flash_reference,
+)
+from tests.test_review_flash_clamp import _fa2_varlen as _clamped_varlen
 
 BIG = [2**31 - 1, 2**31, sys.maxsize, 2**64]
 
@@ -51,11 +58,7 @@ def test_big_window_edges_mean_unbounded(backend: str, sq: int, sk: int, big: in
         ref64, ref_lse, same = fa_references(*leaves, params)
         assert_fa_rule(out, ref64, same)
         assert_lse(lse, ref_lse, atol=1e-4)
-        grads = torch.autograd.grad(out, qkv, dout)
-        want = torch.autograd.grad(ref64, leaves, dout.double(), retain_graph=True)
-        want_same = torch.autograd.grad(same, leaves, dout)
-        for what, got, r64, rs in zip("qkv", grads, want, want_same):
-            assert_fa_rule(got, r64, rs, mult=3.0, what=f"d{what}")
+        assert_grads_fa_rule(out, ref64, same, qkv, ref_inputs=leaves, dout=dout)
 
 
 def test_big_window_edges_on_packed_documents() -> None:
@@ -93,19 +96,11 @@ def _fa2_func(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1),
                            window_size=window_size, **kw)[0]
 
 
-def _fa2_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale, causal=False,
-                window_size=(-1, -1), **_):  # type: ignore[no-untyped-def]
-    """flash_attn_varlen_func: int edges, clamped against max_seqlen_k, each document
-    bottom-right."""
+def _fa2_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1),
+                **kw):  # type: ignore[no-untyped-def]
+    """flash_attn_varlen_func: int edges, then its clamped per-document maths."""
     _int_window(window_size)
-    window = tuple(-1 if w >= max_k else w for w in window_size)
-    outs = []
-    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q.tolist()),
-                                  itertools.pairwise(cu_k.tolist())):
-        o, _ = flash_reference(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
-                               softmax_scale=softmax_scale, causal=causal, window_size=window)
-        outs.append(o[0])
-    return torch.cat(outs)
+    return _clamped_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size=window_size, **kw)
 
 
 @pytest.mark.parametrize("big", BIG[1:])
