@@ -204,6 +204,9 @@ class _Unfinished(threading.local):
     can leave reserved with no name bound to it (``abort_unentered_steps``)."""
 
     last: tuple[int, CacheStep] | None = None
+    #: the id this thread's ``allocate``/``fork`` registered, from its registration until
+    #: the call returned it (``_hands_out_id``)
+    new_id: int | None = None
 
 
 def _locked(fn: Any) -> Any:
@@ -222,6 +225,30 @@ def _locked(fn: Any) -> Any:
                 return fn(self, *args, **kwargs)
             finally:
                 self._depth = depth
+    return run
+
+
+def _hands_out_id(fn: Any) -> Any:
+    """``_locked`` for ``allocate``/``fork``: a Ctrl-C delivered as the call releases the
+    cache's lock (after that C call returns: the sequence registered, the id not yet given
+    back) would leave a live sequence, and its state slots, under an id the caller never
+    got. ``_add`` records the id per thread before anything can interrupt it; such a call
+    frees it before the interrupt goes on."""
+    locked = _locked(fn)
+
+    @functools.wraps(fn)
+    def run(self: PagedKVCache, *args: Any, **kwargs: Any) -> Any:
+        local = self._unfinished
+        local.new_id = None
+        try:
+            return locked(self, *args, **kwargs)
+        except BaseException:
+            sid, local.new_id = local.new_id, None
+            if sid is not None:  # registered, never returned: freed (a retry of a free cut
+                with self._lock:  # short by a second Ctrl-C is the caller's, as for free)
+                    if sid in self._seqs:
+                        self.free(sid)
+            raise
     return run
 
 
@@ -349,13 +376,14 @@ class PagedKVCache:
     # allocate and fork are all or nothing under a Ctrl-C too (which lands at a call's entry
     # or return, or a loop's back edge), and free can be retried: everything is computed
     # first, the state stores called last, then the result published by plain assignments,
-    # with no call between them
-    @_locked
+    # with no call between them; one delivered as the lock is released frees the new
+    # sequence (``_hands_out_id``)
+    @_hands_out_id
     def allocate(self) -> int:
         """A new, empty sequence; pages are taken only when tokens are appended."""
         return self._add(_Seq([], 0), lambda sid: self.states.allocate(sid))
 
-    @_locked
+    @_hands_out_id
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing ``seq_id``'s tokens (no copy; pages are reference-counted)
         and starting from a copy of its state (never shared). Write every layer of a step (or
@@ -385,6 +413,8 @@ class PagedKVCache:
             self._refs, src.shared = refs, src.length
             src.links[sid] = src.length
         self._version += 1
+        # a store, no call, before the return: a Ctrl-C as the lock is released finds it
+        self._unfinished.new_id = sid
         return sid
 
     @_locked

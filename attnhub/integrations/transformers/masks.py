@@ -46,16 +46,57 @@ def sdpa_mask_marked(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     some encoders set although their mask is bidirectional (Phi-4-multimodal's vision tower:
     eager attends to every patch, SDPA and attnhub cut to causal). A bidirectional skip is
     the one where the caller forbade the causal skip (``create_bidirectional_mask`` and its
-    sliding variant pass ``allow_is_causal_skip=False``)."""
+    sliding variant pass ``allow_is_causal_skip=False``).
+
+    Every version's signature is read: the query count is ``q_length`` (newer versions) or
+    ``cache_position``'s length (older ones, which had ``allow_is_bidirectional_skip``
+    already), the device ``device`` or ``cache_position``'s, and positional arguments are
+    bound to ``sdpa_mask``'s names. A call this cannot size is returned as ``sdpa_mask``
+    made it (never an error in the model's forward)."""
     from transformers.masking_utils import sdpa_mask
 
     mask = sdpa_mask(*args, **kwargs)
-    if mask is not None or kwargs.get("allow_is_causal_skip", True) or args:
+    if mask is not None:
         return mask
-    if not kwargs.get("allow_is_bidirectional_skip", False):
+    call = kwargs if not args else _bound(sdpa_mask, args, kwargs)
+    if call is None or call.get("allow_is_causal_skip", True) or not call.get(
+            "allow_is_bidirectional_skip", False):
         return mask
-    return attend_all(kwargs["batch_size"], kwargs["q_length"], kwargs["kv_length"],
-                      kwargs.get("device", "cpu"))
+    sizes = _skipped_sizes(call)
+    return mask if sizes is None else attend_all(*sizes)
+
+
+def _bound(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """``fn``'s arguments by name for a call with positional ones (None if unreadable)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+        bound = sig.bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return None
+    out: dict[str, Any] = {}
+    for name, value in bound.items():
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _skipped_sizes(call: dict[str, Any]) -> tuple[int, int, int, Any] | None:
+    """(batch, queries, keys, device) of a skipped mask's call, in any version's names."""
+    position = call.get("cache_position")
+    sq = call.get("q_length")
+    if sq is None and isinstance(position, torch.Tensor):
+        sq = position.shape[0]
+    device = call.get("device")
+    if device is None:
+        device = position.device if isinstance(position, torch.Tensor) else "cpu"
+    batch, sk = call.get("batch_size"), call.get("kv_length")
+    if not all(isinstance(n, (int, torch.SymInt)) for n in (batch, sq, sk)):
+        return None
+    return batch, sq, sk, device
 
 
 def attend_all(batch: int, sq: int, sk: int, device: Any) -> torch.Tensor:
