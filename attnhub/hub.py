@@ -629,7 +629,10 @@ class Hub:
                                              and SCALAR_MIN <= softcap <= SCALAR_MAX))
                     and (scale is None or softcap is None or scale / softcap <= SCALAR_MAX)):
                 check_scalars(scale, softcap)  # raises; an int or odd value is checked
-            (spec, run, window, named, named_score, named_mask, default_scale, want,
+            # ``bounded``: the binding's window, its edges normalised for its length bucket
+            # (check_call); the caller's ``window`` stays as given, for the slow path that a
+            # paged or thd call of another bucket falls to below (normalised for its own)
+            (spec, run, bounded, named, named_score, named_mask, default_scale, want,
              max_q, max_k) = hit
             # the snapshots backends read (the caller's tensors go on to check_call on a miss)
             bt, sl, cu_q, cu_k = block_table, seqlens_k, cu_seqlens_q, cu_seqlens_k
@@ -689,13 +692,13 @@ class Hub:
                 colmask_end = fit_positions(colmask_end, max_q)
             # positional: field order checked at import (_PARAM_FIELDS), ~1 us cheaper
             fields = (default_scale if scale is None else scale, causal, causal_alignment,
-                      window, softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end,
+                      bounded, softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end,
                       cu_q, cu_k, max_q, max_k, bt, sl, score_mod, mask_mod,
                       deterministic or det_on, return_lse)
-            # check_extra: a private copy of the caller's; an empty non-dict (``[]``, 0) is
-            # refused there too, never taken for "no options"
-            params = AttnParams(*fields, check_extra(extra, k.dtype) if extra or (
-                extra is not None and extra.__class__ is not dict) else {}, dropout_p)
+            # check_extra: a private copy of the caller's; any non-dict (``[]``, 0, an array,
+            # whose truth test would raise) is refused there, never taken for "no options"
+            params = AttnParams(*fields, check_extra(extra, k.dtype) if extra is not None and (
+                extra.__class__ is not dict or extra) else {}, dropout_p)
             first = run.first
             if first is not None and first._loaded and not self.debug:
                 try:  # Runner.__call__ inlined for the first candidate: a frame less
@@ -716,7 +719,10 @@ class Hub:
                                               dtype, needs_grad)
                 except (InputError, *CONTROL_FLOW):
                     raise
-                except (Exception, SystemExit) as exc:  # a kernel library's exit() too
+                except (Exception, SystemExit, GeneratorExit) as exc:  # a kernel
+                    # library's exit() too, as the slow lane (watched_forward) takes them
+                    if not isinstance(exc, Exception):
+                        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
                     # what the failed backend may have changed in params stays with it
                     params = AttnParams(*fields, check_extra(extra, k.dtype) if extra else {},
                                         dropout_p)  # (the call's extra passed the check)
@@ -740,11 +746,14 @@ class Hub:
             raise ArgumentError(f"context={context!r} ({type(context).__name__}); pass an "
                                 "attnhub.BindContext(model=..., layer=..., layer_kind=...) or "
                                 "None")
-        if backend is not None and (backend.__class__ is not str or not backend):
-            # "" or 0 would be read as "no backend named" (the policy binds), silently
+        if backend is not None and (not isinstance(backend, str) or not backend):
+            # "" or 0 would be read as "no backend named" (the policy binds), silently; a str
+            # subclass (numpy.str_) is taken, as the hot path's key (==) takes it
             raise ArgumentError(f"backend={backend!r} ({type(backend).__name__}); pass a "
                                 "backend's name as a non-empty str (e.g. backend='torch_sdpa'"
                                 "; `attnhub backends` lists them), or None for the policy")
+        if backend is not None:
+            backend = str.__str__(backend)  # a plain str in the runner key and the decision
         transposed = layout == "bhsd"
         q, k, v, layout, window = a.q, a.k, a.v, a.layout, a.window
         score_named, mask_named = isinstance(score_mod, str), isinstance(mask_mod, str)

@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core.contract import check_dropout, check_window
+from .core.contract import bounding_window, check_dropout, check_window
 from .core.decision import BindContext
 from .core.kvcache import CacheStep, PagedKVCache
 from .core.kvquant import is_fp8
+from .core.masking import window_within
 from .core.seqstate import StateGeometry
-from .core.spec import AttentionSpec, MaskSpec, dtype_name
+from .core.spec import AttentionSpec, MaskSpec, bucket, dtype_name
 from .errors import ArgumentError
 from .hub import Hub, HubRef, default_hub
 
@@ -233,8 +234,11 @@ def call_spec(phase: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
         kv_dtype=dtype_name(kv_dtype or dtype),  # type: ignore[arg-type]
         head_dim=head_dim, head_dim_v=head_dim_v, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, layout=layout,  # type: ignore[arg-type]
-        # the window as the call's check normalises it (an unbounded one is none)
-        mask=MaskSpec(causal=causal, window=check_window(window, causal), softcap=softcap),
+        # the window as the call's check normalises it: an unbounded one is none, an edge
+        # past every key of the lengths' bucket unbounded (a sentinel such as 2**31 - 1)
+        mask=MaskSpec(causal=causal, window=bounding_window(window_within(
+            check_window(window, causal), bucket(max(seqlen_q, seqlen_k, 1))), causal, False),
+            softcap=softcap),
         max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, batch=batch,
         needs_grad=phase == "train", page_size=page_size, dropout=dropout,
     ).bucketed()

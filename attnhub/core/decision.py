@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -24,6 +25,13 @@ class BindContext:
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name in ("layer", "world_size"):  # a numpy or torch integer: the int it holds
+            value = getattr(self, name)
+            if not isinstance(value, (int, type(None))) and hasattr(value, "__index__"):
+                try:
+                    object.__setattr__(self, name, operator.index(value))
+                except TypeError:
+                    pass  # a tensor of several values: refused below, by name
         why = _context_error(self)
         if why is not None:  # checked once, where a layer or a call builds its context
             raise ArgumentError(f"BindContext: {why}")

@@ -296,12 +296,22 @@ class Registry:
                 self._listeners.append(ref)
 
     def _changed(self) -> None:
-        """A new generation; listeners are told outside the lock (a hub takes its own)."""
+        """A new generation; listeners are told outside the lock (a hub takes its own).
+        Every listener is told, even after one raised (a caller's callback, a Ctrl-C in
+        one): a hub not told would serve its stale bindings on its hot path; the first
+        exception is raised once all were told."""
         with self._lock:
             self.generation += 1
             live = [f for f in (r() for r in self._listeners) if f is not None]
+        first: BaseException | None = None
         for f in live:
-            f(self)
+            try:
+                f(self)
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the others
+                if first is None:
+                    first = exc
+        if first is not None:
+            raise first
 
     def _register_from(self, obj: object, rec: PluginRecord, timeout: float | None = None,
                        watch: process_state.Watch | None = None) -> None:
