@@ -31,7 +31,8 @@ def attnhub_register_backends(register: Callable[[Any], None]) -> None:
 
 @hookspec
 def attnhub_register_variants(register: Callable[..., None]) -> None:
-    """Register named score/mask variants usable from YAML and ``attention(variant=...)``.
+    """Register named score/mask variants: a call passes the name as ``score_mod=`` or
+    ``mask_mod=``, and a policy's ``variant:`` condition matches it.
 
     Call ``register(name, score_mod=None, mask_mod=None, doc="")`` with FlexAttention-style
     callables ``score_mod(score, b, h, q_idx, kv_idx)`` / ``mask_mod(b, h, q_idx, kv_idx)``.

@@ -26,6 +26,13 @@ Conventions, for whoever edits the docs:
 - Every dotted name ``attnhub.x.y`` / ``attnhub_plugin.x`` and every repository path
   (``attnhub/...``, ``plugins/...``, ``tests/...::test_name``, ...) they name must exist; the
   few that name something else (a schema, a file a command writes) are listed below.
+- Every link's ``#anchor`` must be a heading of its file, every ``benchmarks/x.py --flag``
+  (or ``examples/``) an option that script declares, and every keyword argument shown in a
+  call of attnhub's (``Hub(settle_ties=False)``, python blocks too) a parameter of it.
+- Lists that mirror the code must stay complete: README.md's command table (every
+  command), the set-up commands (the Makefile's targets, ``.ci/run``), docs/contract.md's
+  argument table (``Hub.attention``'s options) and error tree (``attnhub/errors.py``), and
+  docs/policy.md's approximate backends and schema keys.
 """
 
 from __future__ import annotations
@@ -426,3 +433,295 @@ def test_documented_policy_loads(where: str, src: str, tmp_path: Path) -> None:
                and f.message.startswith("unknown backend")
                and not any(f"'{n}'" in f.message for n in EXAMPLE_BACKENDS)]
     assert not unknown, f"{where}: " + "; ".join(map(str, unknown))
+
+
+# ---------------------------------------------------------------- anchors, scripts, calls
+
+
+def _slugs(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (``## Exit status and `--json` errors``
+    is ``#exit-status-and---json-errors``; a repeated heading gets ``-1``, ``-2``, ...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", _FENCE.sub("", path.read_text()),
+                              re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_every_link_anchor_reaches_a_heading() -> None:
+    """``[x](policy.md#exit-status-and---json-errors)``: a renamed heading breaks the link."""
+    missing, seen = [], 0
+    for doc in ALL_DOCS:
+        for target in _LINK.findall(_FENCE.sub("", doc.read_text())):
+            if "#" not in target or re.match(r"^[a-z]+:", target):
+                continue
+            path, anchor = target.split("#", 1)
+            dest = doc.parent / path if path else doc
+            seen += 1
+            if dest.suffix == ".md" and dest.is_file() and anchor not in _slugs(dest):
+                missing.append(f"{target} ({doc.relative_to(ROOT)})")
+    assert seen, "no link with an anchor found: the scan is broken"
+    assert not missing, f"links to headings that do not exist: {missing}"
+
+
+def test_anchor_slugs_follow_github(tmp_path: Path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text("# A\n## Exit status and `--json` errors\n## `use:` and `fastest`\n## A\n")
+    assert _slugs(doc) == {"a", "exit-status-and---json-errors", "use-and-fastest", "a-1"}
+
+
+_SCRIPT = re.compile(r"\b((?:benchmarks|examples)/[\w/]+\.py)\b(.*)")
+
+
+def _script_flags(line: str) -> list[tuple[str, str]]:
+    """``(script, --flag)`` for each ``benchmarks/x.py ... --flag`` (or ``examples/``)."""
+    found = []
+    for part in re.split(r"&&|\|\||[;|#]", line):
+        m = _SCRIPT.search(part)
+        if m:
+            found += [(m.group(1), f) for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)",
+                                                          m.group(2))]
+    return found
+
+
+def test_every_documented_script_flag_exists() -> None:
+    """``python benchmarks/ring_scaling.py --simulate 2``: each flag is an option the script
+    declares (its ``add_argument`` string), so a renamed option fails here."""
+    seen, missing = 0, []
+    for doc in ALL_DOCS:
+        for line in _code_text(doc):
+            for script, flag in _script_flags(line):
+                seen += 1
+                src = (ROOT / script).read_text() if (ROOT / script).is_file() else ""
+                if f'"{flag}"' not in src and f"'{flag}'" not in src:
+                    missing.append(f"{script} {flag} ({doc.relative_to(ROOT)})")
+    assert seen > 5, f"only {seen} documented script flags found: the scan is broken"
+    assert not missing, f"documented script flags the script does not declare: {missing}"
+
+
+def test_script_flag_scan_reads_each_command() -> None:
+    line = "torchrun --nproc-per-node 2 examples/ring_torchrun.py --check && x --y  # --z"
+    assert _script_flags(line) == [("examples/ring_torchrun.py", "--check")]
+
+
+#: Modules searched, in order, for a bare name the docs call (``Hub(...)``, ``run_kit(...)``).
+_CALL_MODULES = ("attnhub", "attnhub.plugin", "attnhub.policy", "attnhub.core.kvcache",
+                 "attnhub.conformance", "attnhub.integrations.transformers", "attnhub_ring",
+                 "attnhub_hybrid_linear", "attnhub.nn")
+#: Variable names the docs use for an instance of a class.
+_INSTANCES = {"hub": "Hub", "store": "ProfileStore", "cache": "PagedKVCache",
+              "kv_cache": "PagedKVCache", "states": "RecurrentStateCache",
+              "registry": "Registry"}
+
+
+def _forwarded(obj: object) -> object:
+    """The function whose signature a ``**kwargs`` wrapper forwards to."""
+    import attnhub
+
+    bind = importlib.import_module("attnhub.bind").bind  # attnhub.bind is that function too
+    forwards = {attnhub.attention: attnhub.Hub.attention, attnhub.Hub.bind: bind}
+    return forwards.get(obj, obj)  # type: ignore[call-overload]
+
+
+def _callee(func: object) -> object | None:
+    import ast
+
+    parts: list[str] = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name):
+        return None
+    parts = [func.id, *reversed(parts)]
+    obj: object | None = None
+    if parts[0] == "attnhub" or parts[0].startswith("attnhub_"):
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+                break
+            except ImportError:
+                continue
+        rest = parts[i:]
+    else:
+        name = _INSTANCES.get(parts[0], parts[0])
+        mods = [importlib.import_module(m) for m in _CALL_MODULES]
+        if parts[0] == "Registry":
+            mods.insert(0, importlib.import_module("attnhub.core.registry"))
+        obj = next((getattr(m, name) for m in mods if hasattr(m, name)), None)
+        rest = parts[1:]
+    for part in rest:
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _documented_calls(path: Path) -> list[tuple[str, str, list[str]]]:
+    """``(source, callee, [keyword, ...])`` of every call in a code span or python block."""
+    import ast
+
+    text = path.read_text()
+    sources = [m.group(2) for m in _FENCE.finditer(text) if m.group(1) == "python"]
+    sources += [s for s in re.findall(r"`([^`\n]+)`", _FENCE.sub("", text)) if "=" in s]
+    calls = []
+    for src in sources:
+        try:
+            tree = ast.parse(src.replace("...", "None"))
+        except SyntaxError:
+            continue
+        local = {a.arg for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
+                 for a in fn.args.args}  # a hook's ``register`` callback is not ours
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and any(k.arg for k in node.keywords) and not (
+                    isinstance(node.func, ast.Name) and node.func.id in local):
+                calls.append((ast.unparse(node)[:80], node.func,
+                              [k.arg for k in node.keywords if k.arg]))
+    return calls
+
+
+def test_every_documented_keyword_argument_exists() -> None:
+    """``Hub(settle_ties=False)``, ``run_kit(..., case_timeout_s=S)``: the keywords the docs
+    pass to attnhub's functions and classes (code spans and python blocks, skipped blocks
+    too) are parameters of what they call."""
+    import inspect
+
+    seen, missing = 0, []
+    for doc in ALL_DOCS:
+        for src, func, keywords in _documented_calls(doc):
+            obj = _forwarded(_callee(func))
+            if not callable(obj) or not getattr(obj, "__module__", "").startswith("attnhub"):
+                continue  # not ours (torch.autograd.grad, ...), or not resolved
+            try:
+                params = inspect.signature(obj).parameters
+            except (TypeError, ValueError):
+                continue
+            seen += 1
+            if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                continue
+            missing += [f"{src}: {k} ({doc.relative_to(ROOT)})" for k in keywords
+                        if k not in params]
+    assert seen > 20, f"only {seen} documented calls resolved: the scan is broken"
+    assert not missing, f"documented keyword arguments the callee does not take: {missing}"
+
+
+# ---------------------------------------------------------------- lists that mirror the code
+
+
+def _section(text: str, heading: str) -> str:
+    return text.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
+
+
+def test_error_tree_lists_every_error_class() -> None:
+    """docs/contract.md's tree of errors names every class of ``attnhub.errors``, each under
+    its parent and with its builtin base (``InputError (also ValueError)``)."""
+    import inspect
+
+    import attnhub.errors as errors
+
+    tree = (ROOT / "docs" / "contract.md").read_text().split("\n## Errors\n", 1)[1]
+    tree = tree.split("```", 2)[1]
+    parent: dict[str, str] = {}
+    also: dict[str, set[str]] = {}
+    stack: list[tuple[int, str]] = []
+    for line in tree.splitlines()[1:]:
+        m = re.match(r"^([│ ]*)[├└]── (.*)$", line)
+        if not m:
+            continue
+        depth = len(m.group(1)) // 4
+        head = m.group(2).split(":", 1)[0]
+        names = re.findall(r"\b([A-Z]\w*Error)\b", head.split(" (also", 1)[0])
+        stack = stack[:depth]
+        for name in names:
+            parent[name] = stack[-1][1] if stack else "AttnhubError"
+            also[name] = set(re.findall(r"also (\w+)", head))
+        stack.append((depth, names[0]))
+    classes = {n: c for n, c in vars(errors).items() if inspect.isclass(c)
+               and issubclass(c, errors.AttnhubError) and c is not errors.AttnhubError}
+    assert set(parent) == set(classes), (
+        f"only in the tree: {sorted(set(parent) - set(classes))}; "
+        f"only in attnhub/errors.py: {sorted(set(classes) - set(parent))}")
+    for name, cls in classes.items():
+        own = [b.__name__ for b in cls.__bases__ if issubclass(b, errors.AttnhubError)]
+        builtin = {b.__name__ for b in cls.__bases__ if not issubclass(b, errors.AttnhubError)}
+        assert own == [parent[name]], f"{name}: the tree puts it under {parent[name]}"
+        if also[name] or name == own[0]:
+            assert also[name] == builtin, f"{name}: documented also {also[name]}, is {builtin}"
+
+
+def test_approximate_backend_list_is_complete() -> None:
+    """docs/policy.md lists the approximate backends the policy gates."""
+    from attnhub.core.registry import Registry
+
+    text = (ROOT / "docs" / "policy.md").read_text()
+    m = re.search(r"\*\*Approximate backends\*\* \(`capabilities\.exact == False`: ([^)]*)\)",
+                  text)
+    assert m, "the approximate backends' list moved: update this test"
+    listed = {n.strip() for n in m.group(1).replace("\n", " ").split(",")}
+    known = {n for n, b in Registry.load().backends.items() if not b.capabilities.exact}
+    assert listed == known, f"listed {sorted(listed)}, registered {sorted(known)}"
+
+
+def test_every_policy_sub_key_is_documented() -> None:
+    """The keys of ranges, layer selectors, profile conditions, ``use``, ``requires`` and
+    ``defaults`` (the top-level, rule and ``when`` keys have their tables, above) appear in
+    docs/policy.md as a YAML key (``in:``) or a code span."""
+    from pydantic import BaseModel
+
+    from attnhub.policy import schema
+
+    text = (ROOT / "docs" / "policy.md").read_text()
+    tabled = {"PolicyFile", "Rule", "When"}
+    models = [m for n, m in vars(schema).items() if isinstance(m, type)
+              and issubclass(m, BaseModel) and m.__module__ == schema.__name__
+              and n not in tabled and m.model_fields]
+    assert len(models) >= 6, "the schema's models moved: update this test"
+    missing = [f"{m.__name__}.{key}" for m in models
+               for key in (f.alias or n for n, f in m.model_fields.items())
+               if not re.search(rf"(?<![\w.]){key}:|`{key}`", text)]
+    assert not missing, f"schema keys docs/policy.md does not mention: {missing}"
+
+
+def test_readme_commands_table_names_every_command() -> None:
+    section = _section((ROOT / "README.md").read_text(), "## Commands")
+    text = "\n".join(ln for ln in section.splitlines() if ln.startswith("|"))
+    missing = [name for name in _subparsers(build_parser())
+               if not re.search(rf"(`|attnhub ){re.escape(name)}\b", text)]
+    assert not missing, f"commands missing from README.md's table: {missing}"
+
+
+def test_contract_argument_table_matches_the_signature() -> None:
+    """docs/contract.md's table of side arguments (with ``layout``, which has a table of its
+    own) is exactly ``Hub.attention``'s options."""
+    import inspect
+
+    import attnhub
+
+    text = (ROOT / "docs" / "contract.md").read_text()
+    table = text.split("\n| argument | contract |\n", 1)[1].split("\n\n", 1)[0]
+    documented = {"layout"}
+    for cell in re.findall(r"^\| ([^|]+) \|", table, re.M):
+        for name in re.findall(r"`(\w+)(?:/(\w+))?`", cell):
+            documented.add(name[0])
+            if name[1]:  # cu_seqlens_q/k
+                documented.add(name[0].rsplit("_", 1)[0] + "_" + name[1])
+    params = set(inspect.signature(attnhub.Hub.attention).parameters)
+    params -= {"self", "q", "k", "v", "_only_keywords"}
+    assert documented == params, (f"not in the table: {sorted(params - documented)}; "
+                                  f"not options: {sorted(documented - params)}")
+
+
+def test_readme_setup_is_the_makefile_and_ci() -> None:
+    """The README's two set-up commands are Makefile targets that install and then run
+    ``attnhub run`` / the test suite, and ``.ci/run`` runs exactly the test command."""
+    block = _section((ROOT / "README.md").read_text(), "## Set-up (two commands)")
+    commands = [ln.split("#", 1)[0].strip() for ln in _FENCE.search(block).group(2).splitlines()]
+    assert commands == ["make run", "make test"]
+    make = (ROOT / "Makefile").read_text()
+    targets = dict(re.findall(r"^(\w+):[^\n=]*\n((?:\t[^\n]*\n?)*)", make, re.M))
+    assert re.search(r"^run: install$", make, re.M) and "-m attnhub run" in targets["run"]
+    assert re.search(r"^test: install$", make, re.M) and "-m pytest" in targets["test"]
+    ci = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+          if ln.strip() and not ln.startswith(("#", "set ", "cd "))]
+    assert ci == ["make test"]
