@@ -221,17 +221,22 @@ _PATH = re.compile(r"(?<![\w./$-])((?:attnhub|plugins|policies|examples|benchmar
                    r"|requirements|\.ci)/[\w./-]*\w)(?:::(\w+))?")
 
 
-def _resolves(name: str) -> bool:
-    parts = name.split(".")
+def _longest_module(parts: list[str]) -> tuple[object, list[str]] | None:
+    """The longest importable prefix of a dotted name, and the attribute names after it."""
     for i in range(len(parts), 0, -1):
         try:
-            obj = importlib.import_module(".".join(parts[:i]))
-            break
+            return importlib.import_module(".".join(parts[:i])), parts[i:]
         except ImportError:
             continue
-    else:
+    return None
+
+
+def _resolves(name: str) -> bool:
+    found = _longest_module(name.split("."))
+    if found is None:
         return False
-    for part in parts[i:]:
+    obj, rest = found
+    for part in rest:
         if not hasattr(obj, part):
             return False
         obj = getattr(obj, part)
@@ -539,13 +544,10 @@ def _callee(func: object) -> object | None:
     parts = [func.id, *reversed(parts)]
     obj: object | None = None
     if parts[0] == "attnhub" or parts[0].startswith("attnhub_"):
-        for i in range(len(parts), 0, -1):
-            try:
-                obj = importlib.import_module(".".join(parts[:i]))
-                break
-            except ImportError:
-                continue
-        rest = parts[i:]
+        found = _longest_module(parts)
+        if found is None:
+            return None
+        obj, rest = found
     else:
         name = _INSTANCES.get(parts[0], parts[0])
         mods = [importlib.import_module(m) for m in _CALL_MODULES]

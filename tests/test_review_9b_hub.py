@@ -17,22 +17,12 @@ from attnhub import AttentionOutput, Backend, Capabilities
 from attnhub.core.capabilities import ALL_MASKS
 from attnhub.core.registry import Registry
 from attnhub.errors import ArgumentError
-from attnhub.hookspecs import hookimpl
+from tests.test_review_9_registry_policy import Spy, _plugin
 
 
 def _qkv(s: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     return tuple(torch.randn(1, s, 2, 8) for _ in range(3))  # type: ignore[return-value]
-
-
-def _plugin(*backends: Backend) -> object:
-    class Plugin:
-        @hookimpl
-        def attnhub_register_backends(self, register: Any) -> None:
-            for b in backends:
-                register(b)
-
-    return Plugin()
 
 
 def _policy(tmp_path: Path, use: str) -> Path:
@@ -119,20 +109,6 @@ def test_generator_exit_on_the_hot_path_is_that_backend_failing(tmp_path: Path) 
 
 
 # -- a registry tells every hub ----------------------------------------------------------------
-class _Spy(Backend):
-    tier = "portable"
-    capabilities = Capabilities(dtypes=frozenset({"fp32"}), max_head_dim=1024, gqa=True,
-                                masks=ALL_MASKS, different_v_dim=True)
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name, self.calls = name, 0
-
-    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
-        self.calls += 1
-        return AttentionOutput(torch.zeros_like(q), None)
-
-
 class _Raises:
     def changed(self, registry: Registry) -> None:
         raise RuntimeError("listener failed")
@@ -152,7 +128,7 @@ def test_a_listener_that_raises_does_not_keep_later_hubs_stale(tmp_path: Path) -
     for _ in range(3):
         hub.attention(q, k, v)
     assert hub.bound()[-1].decision.backend == "torch_sdpa"
-    late = _Spy("late9b")
+    late = Spy("late9b")
     with pytest.raises(RuntimeError, match="listener failed"):
         reg.add_plugin(_plugin(late), "late9b")
     hub.attention(q, k, v)  # the hot path: its bindings were dropped when told

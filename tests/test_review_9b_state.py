@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -22,30 +21,9 @@ import torch
 
 from attnhub.core.kvcache import PagedKVCache
 from attnhub.testing import DictStateStore
+from tests.test_review_9_decoder_steps import _CutLock
 
 H, D = 2, 4
-
-
-class _CutLock:
-    """The cache's lock, raising KeyboardInterrupt once its outermost ``__exit__`` released
-    it, when armed (where CPython delivers a Ctrl-C: after a C call returns)."""
-
-    def __init__(self) -> None:
-        self.real = threading.RLock()
-        self.depth = 0
-        self.armed = False
-
-    def __enter__(self) -> bool:
-        self.real.__enter__()
-        self.depth += 1
-        return True
-
-    def __exit__(self, *exc: Any) -> None:
-        self.depth -= 1
-        self.real.__exit__(*exc)
-        if self.armed and not self.depth and exc[0] is None:
-            self.armed = False
-            raise KeyboardInterrupt("Ctrl-C as the cache's lock is released")
 
 
 def _arm(cache: PagedKVCache) -> _CutLock:

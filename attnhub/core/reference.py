@@ -36,7 +36,7 @@ def _bshd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: A
         ki = torch.arange(sk, device=q.device).view(1, 1, 1, sk)
         s = call_user_mod("score_mod", params.score_mod, (s, bi, hi, qi, ki), tuple(s.shape),
                           lambda t: t.is_floating_point(), "floating scores (score + bias, "
-                          "torch.where(keep, score, -inf))")
+                          "torch.where(keep, score, -inf))").to(s.dtype)  # as flex casts
     allowed = allowed_mask(params, b, hq, sq, sk, q.device, kv_heads=hkv)
     if params.score_mod is not None:  # a score_mod that masks by -inf masks: its rows can
         kept = ~torch.isneginf(s.detach())  # be fully masked too (0 out, -inf LSE, as flex)
