@@ -186,7 +186,8 @@ class Attention(nn.Module):
         if self.decode_layout == "gather":
             kc, vc = cache.cache.gather(self.layer_idx, cache.seq_ids)
             if cache.cache.scales is not None:  # an e4m3 cache's values, dequantized (fp32),
-                kc, vc = kc.to(q.dtype), vc.to(q.dtype)  # in q's dtype as FP8 kernels widen
+                kc, vc = _narrow(kc, q.dtype), _narrow(vc, q.dtype)  # in q's dtype, as FP8
+                # kernels widen them
             return hub.attention(q, kc, vc, causal=causal, phase=phase, **kw)
         if cache.cache.scales is not None:  # an e4m3 cache: its page descales go along
             kw["extra"] = {**(kw["extra"] or {}), **cache.cache.scales.descales(self.layer_idx)}
@@ -242,6 +243,14 @@ def call_spec(phase: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
         max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, batch=batch,
         needs_grad=phase == "train", page_size=page_size, dropout=dropout,
     ).bucketed()
+
+
+def _narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized e4m3 values in ``dtype``, saturated at its largest finite value: an e4m3
+    code times a power-of-two descale can round past it (an fp16 65504 is stored as 256 x
+    256 = 65536), which the cast alone makes inf; NaN stays NaN."""
+    top = torch.finfo(dtype).max
+    return x.clamp(-top, top).to(dtype)
 
 
 def attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:

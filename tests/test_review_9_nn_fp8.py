@@ -164,3 +164,28 @@ def test_bind_takes_the_cache_dtype_as_an_argument() -> None:
     assert all(m.kv_cache_dtype is None for _, m in attention_layers(model))
     plain = attnhub.Hub().bind(_Model(), batch=2, prompt_len=6, max_len=16, page_size=PAGE)
     assert all(r.decode_layout == "paged" for r in plain if r.phase == "decode")
+
+
+def test_gather_into_fp16_saturates_what_e4m3_rounding_pushed_past_its_range() -> None:
+    """An fp16 65504 is stored as e4m3 256 x descale 256 = 65536, which a plain cast to fp16
+    makes inf (NaN attention); the gathered copy saturates at 65504, within the cache's own
+    rounding of the value written."""
+    cache = PagedKVCache(num_layers=1, num_pages=4, page_size=PAGE, num_kv_heads=HKV,
+                         head_dim=D, dtype=E4M3)
+    seq = cache.allocate()
+    layer = Attention(HQ, HKV, D, layer_idx=0)
+    layer.decode_layout = "gather"
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(1, 3, HKV, D, generator=gen).half()
+    v = torch.randn(1, 3, HKV, D, generator=gen).half()
+    v[0, 1, 0, 3] = 65504.0
+    with cache.step([seq], 3) as step:
+        layer(torch.randn(1, 3, HQ, D, generator=gen).half(), k, v, step)
+    assert cache.gather(0, [seq])[1].abs().max() > 65504  # the cache's own rounding
+    q = torch.randn(1, 1, HQ, D, generator=gen).half()
+    with cache.step([seq], 1) as step:
+        out = layer(q, torch.zeros(1, 1, HKV, D).half(), torch.zeros(1, 1, HKV, D).half(),
+                    step)
+    assert torch.isfinite(out).all()
+    kc, vc = (t.clamp(-65504, 65504) for t in cache.gather(0, [seq]))
+    torch.testing.assert_close(out.double(), _reference(q, kc, vc), rtol=2e-2, atol=2e-2)
