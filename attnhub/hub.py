@@ -695,10 +695,7 @@ class Hub:
                       bounded, softcap, alibi_slopes, prefix_lens, colmask_start, colmask_end,
                       cu_q, cu_k, max_q, max_k, bt, sl, score_mod, mask_mod,
                       deterministic or det_on, return_lse)
-            # check_extra: a private copy of the caller's; any non-dict (``[]``, 0, an array,
-            # whose truth test would raise) is refused there, never taken for "no options"
-            params = AttnParams(*fields, check_extra(extra, k.dtype) if extra is not None and (
-                extra.__class__ is not dict or extra) else {}, dropout_p)
+            params = AttnParams(*fields, _extra(extra, k.dtype), dropout_p)
             first = run.first
             if first is not None and first._loaded and not self.debug:
                 try:  # Runner.__call__ inlined for the first candidate: a frame less
@@ -724,8 +721,7 @@ class Hub:
                     if not isinstance(exc, Exception):
                         exc = RuntimeError(f"{type(exc).__name__}: {exc}")
                     # what the failed backend may have changed in params stays with it
-                    params = AttnParams(*fields, check_extra(extra, k.dtype) if extra else {},
-                                        dropout_p)  # (the call's extra passed the check)
+                    params = AttnParams(*fields, _extra(extra, k.dtype), dropout_p)
                     res = run.recover(exc, first, q, k, v, spec, params, want, device, dtype)
             else:
                 res = run(q, k, v, spec, params, want, device, dtype)
@@ -795,7 +791,7 @@ class Hub:
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=a.block_table,
             seqlens_k=a.seqlens_k, score_mod=score_mod, mask_mod=mask_mod,
             deterministic=deterministic, return_lse=return_lse,
-            extra=check_extra(extra, k.dtype) if extra is not None else {}, dropout_p=dropout_p)
+            extra=_extra(extra, k.dtype), dropout_p=dropout_p)
         self._bind_current()
         with self._lock:
             hit = self._runners.get(key)
@@ -972,6 +968,15 @@ def _failure_reason(exc: Exception) -> str:
     except Exception as inner:  # a plugin's exception whose str() raises: still a reason
         said = f"(its message could not be read: str() raised {type(inner).__name__})"
     return f"{type(exc).__name__}: {said}"[:500]
+
+
+def _extra(extra: Any, kv_dtype: torch.dtype) -> dict[str, Any]:
+    """The call's backend options: ``check_extra``'s private copy of the caller's dict; any
+    non-dict (``[]``, 0, an array, whose truth test would raise) is refused there, never
+    taken for "no options"; None and ``{}`` are none (no check to run)."""
+    if extra is None or (extra.__class__ is dict and not extra):
+        return {}
+    return check_extra(extra, kv_dtype)
 
 
 def _grow_key(fast_key: tuple, qs: torch.Size, ks: torch.Size, vs: torch.Size,

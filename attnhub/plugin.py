@@ -36,6 +36,7 @@ from .core.masking import (
     doc_ranges,
     learned_slopes,
     query_offset,
+    window_within,
 )
 from .core.first_order import first_order_only
 from .core.process_state import flipping_sdpa_switches
@@ -96,6 +97,7 @@ __all__ = [
     "natural_lse",
     "paged_to_varlen",
     "query_offset",
+    "window_within",
     "reference_attention",
     "refuse_stray_descales",
     "top_left_alibi_reason",

@@ -41,7 +41,7 @@ import pluggy
 from .. import hookspecs
 from ..errors import PluginError, UnknownBackendError
 from . import process_state
-from .backend import TIERS, Backend
+from .backend import TIERS, Backend, plugin_fault
 from .bounded import OwnInterrupt, Stalled, bounded, safe_str
 from .capabilities import Capabilities
 from .modsig import arity_error
@@ -385,7 +385,7 @@ class Registry:
                 try:  # one broken backend must not cost the plugin its other registrations
                     add(backend)
                 except BaseException as exc:  # SystemExit from a property too
-                    if _host_interrupt(exc):
+                    if not plugin_fault(exc):  # the user's Ctrl-C
                         raise
                     rec.errors.append(f"registering {type(backend).__name__} raised "
                                       f"{_exc_text(exc)}")
@@ -451,7 +451,7 @@ class Registry:
                     # signature that cannot be read) cost the plugin every later registration
                     add(name, score_mod, mask_mod, doc)
                 except BaseException as exc:
-                    if _host_interrupt(exc):
+                    if not plugin_fault(exc):  # the user's Ctrl-C
                         raise
                     rec.errors.append(f"registering variant {_short(name)} raised "
                                       f"{_exc_text(exc)}")
@@ -665,13 +665,6 @@ def _unknown_names(env: str, named: list[str], found: list[str]) -> list[str]:
             for n in dict.fromkeys(named) if n not in found]
 
 
-def _host_interrupt(exc: BaseException) -> bool:
-    """A ``KeyboardInterrupt`` on the main thread: the user's Ctrl-C, which stops the host (one
-    in a worker thread is the plugin's own raise, recorded like any other exception)."""
-    return isinstance(exc, KeyboardInterrupt) and \
-        threading.current_thread() is threading.main_thread()
-
-
 def _exc_text(exc: BaseException, lines: int = 1) -> str:
     kind = "KeyboardInterrupt" if isinstance(exc, OwnInterrupt) else type(exc).__name__
     text = safe_str(exc)
@@ -707,7 +700,7 @@ def _short(v: Any) -> str:
     try:
         text = repr(v)
     except BaseException as exc:
-        if _host_interrupt(exc):
+        if not plugin_fault(exc):  # the user's Ctrl-C
             raise
         text = f"<{type(v).__name__}: repr() raised {type(exc).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
@@ -723,7 +716,7 @@ def _invalid_backend(obj: Any) -> str | None:
         name = getattr(obj, "name", None)
         static = inspect.getattr_static(obj, "name", None)
     except BaseException as exc:  # SystemExit, GeneratorExit from a property: the plugin's
-        if _host_interrupt(exc):
+        if not plugin_fault(exc):  # the user's Ctrl-C
             raise
         return f"backend {type(obj).__name__}: reading its name raised {_exc_text(exc)}"
     if name is not static and not isinstance(static, types.MemberDescriptorType):
@@ -738,7 +731,7 @@ def _invalid_backend(obj: Any) -> str | None:
         tier = obj.tier
         ok = isinstance(tier, str) and tier in TIERS
     except BaseException as exc:
-        if _host_interrupt(exc):
+        if not plugin_fault(exc):  # the user's Ctrl-C
             raise
         return f"backend {name!r}: reading its tier raised {_exc_text(exc)}"
     if not ok:
@@ -746,7 +739,7 @@ def _invalid_backend(obj: Any) -> str | None:
     try:
         caps = obj.capabilities
     except BaseException as exc:
-        if _host_interrupt(exc):
+        if not plugin_fault(exc):  # the user's Ctrl-C
             raise
         return f"backend {name!r}: reading its capabilities raised {_exc_text(exc)}"
     if not isinstance(caps, Capabilities):

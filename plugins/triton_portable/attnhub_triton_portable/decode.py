@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from attnhub.plugin import window_within
+
 from . import fastlaunch, scratch, tiles
 from .configs import block_d
 from .decode_configs import (
@@ -46,7 +48,7 @@ from .decode_configs import (
     gluon_fp8_row,
 )
 from .fastlaunch import Launcher
-from .launch import device_arch, window_within
+from .launch import device_arch
 
 
 @triton.jit

@@ -56,10 +56,10 @@ from attnhub.plugin import (
     attends_nothing,
     query_offset,
     unit_head_stride,
+    window_within,
 )
 
 from .flex_checks import check_user_mods
-from .launch import window_within
 from .variants import heads_mismatch, positions_mismatch
 
 Mod = Callable[..., torch.Tensor]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attnhub.plugin import AttnParams, InputError
+from attnhub.plugin import AttnParams, InputError, window_within
 
 from .configs import block_d, split_config
 
@@ -146,7 +146,8 @@ class DenseArgs:
         if not params.scale > 0:
             raise InputError(f"triton: softmax scale {params.scale} must be > 0 (the kernels "
                              "take row maxima on unscaled scores)")
-        left, right = window_within(params.window, max(max_q, max_k))
+        # an edge past every key is -1: the kernels add edges to positions in int32
+        left, right = window_within(params.window, max(max_q, max_k)) or (-1, -1)
         if params.prefix_lens is not None and not params.causal:
             raise InputError("prefix_lens needs causal=True: prefix-LM is causal after the "
                              "prefix")
@@ -236,16 +237,6 @@ class DenseArgs:
         if ok:
             _ensure_tma_allocator()
         return ok
-
-
-def window_within(window: tuple[int, int] | None, bound: int) -> tuple[int, int]:
-    """``(left, right)`` with each edge >= ``bound`` (at least the longest query run and key
-    run) made -1, unbounded, which is exact: a query's position lies in [min(0, Sk - Sq),
-    max(Sq, Sk) - 1]. The kernels add edges to positions in int32: an edge of 2**31 - 1
-    (an "unbounded" sentinel) wrapped ``pos + right + 1`` negative and masked every row,
-    and one of 2**64 could not be passed at all (``attnhub.core.masking.window_within``)."""
-    left, right = window if window is not None else (-1, -1)
-    return (-1 if left >= bound else int(left), -1 if right >= bound else int(right))
 
 
 def _interpreting() -> bool:

@@ -5,7 +5,7 @@ large sentinel. Found: ``triton`` and ``triton_decode`` add the edges to positio
 so a window of (2**31 - 1, 2**31 - 1) wrapped ``pos + right + 1`` negative: every row came
 back fully masked (0 out, LSE -inf), silently; ``flex`` wrapped int64 at ``sys.maxsize``; and
 2**64 raised OverflowError inside every kernel launch (charged to the backends). Now such
-edges become -1 before the launch (``launch.window_within``), which is exact."""
+edges become -1 before the launch (``attnhub.plugin.window_within``), which is exact."""
 
 from __future__ import annotations
 
