@@ -198,7 +198,11 @@ def main() -> None:
                                (other + "-dq1", {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1}),
                                ("gluon-hoist" if bwd_gluon.NO_HOIST else "gluon-nohoist",
                                 {"_no_hoist": not bwd_gluon.NO_HOIST}),
-                               ("gluon-no-dq-probe", {"_probe": 2})):
+                               ("gluon-no-dq-probe", {"_probe": 2}),
+                               # the last wave's walks whole, or in 4 / 8 parts (bwd_tail)
+                               ("gluon-whole", {"_tail_parts": 1}),
+                               ("gluon-parts4", {"_tail_parts": 4}),
+                               ("gluon-parts8", {"_tail_parts": 8})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))
             else:

@@ -46,10 +46,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import fwd_gluon
+from . import bwd_tail, fwd_gluon
 from .fastlaunch import LaunchTable, launch_on
 from .gluon_compat import cta_barrier, tma_load, tma_reduce_add
-from .launch import DenseArgs
+from .launch import DenseArgs, sm_count
 
 _LOG2E = 1.4426950408889634
 #: The tile the kernel is written for: 128 keys per program, 64 query rows per step, 8 warps
@@ -102,17 +102,18 @@ def _query_plan(n0, seqlen_q, q_off, left, right, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _load_tile(c, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc, lse_desc,
-               delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem,
+def _load_tile(c, c0, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc,
+               lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem,
                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                pred=True):
-    """Query tile ``c`` of the walk into ring stage c % STAGES: Q and dO rows, and the LSE
-    and delta of those rows (shared memory, so the softmax never waits on a global load).
-    ``pred``: a predicate instead of a branch (ptxas drains in-flight wgmmas at a join)."""
+    """Query tile ``c`` of the walk into ring stage (c - c0) % STAGES (``c0``: the first
+    tile of this program's part): Q and dO rows, and the LSE and delta of those rows (shared
+    memory, so the softmax never waits on a global load). ``pred``: a predicate instead of a
+    branch (ptxas drains in-flight wgmmas at a join)."""
     g = c // n_tiles
     m0 = lo + (c - g * n_tiles) * BLOCK_M
     h = hk * group + g
-    st = c % STAGES
+    st = (c - c0) % STAGES
     bar = ld_bar.index(st)
     mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes,
                     pred=pred)
@@ -124,11 +125,11 @@ def _load_tile(c, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_des
 
 
 @gluon.jit
-def _scores(c, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M: gl.constexpr,
+def _scores(c, c0, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, st_layout: gl.constexpr):
     """Issue ``S^T = K Q^T`` and ``dP^T = V dO^T`` of tile ``c`` (async; the caller waits)."""
-    stage = c % STAGES
-    mbarrier.wait(ld_bar.index(stage), (c // STAGES) & 1)
+    stage = (c - c0) % STAGES
+    mbarrier.wait(ld_bar.index(stage), ((c - c0) // STAGES) & 1)
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
     st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), zero_st, use_acc=False,
                        is_async=True)
@@ -146,7 +147,7 @@ def _opaque_zero(c):
 
 
 @gluon.jit
-def _step_pipelined(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, st, dpt, dk, dv,
+def _step_pipelined(c, c0, total, n_tiles, lo, g, hk, group, b, n0, num_heads, st, dpt, dk, dv,
                     k_ring, v_ring, q_smem, do_smem, lse_smem, delta_smem, ds_ring, dq_smem,
                     offs_smem, ld_bar, q_desc, do_desc, lse_desc, delta_desc, dq_desc, seqlen_q,
                     q_off, left, right, scale, scale2, HEAD_DIM: gl.constexpr,
@@ -159,8 +160,8 @@ def _step_pipelined(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, st, d
     goes to shared memory under dK's GEMM, then the next tile's ``S^T`` and ``dP^T`` run on
     the tensor cores under this tile's dQ epilogue (the CTA barrier, the reduce-add, the
     next load) and are waited for before the step ends, so no wgmma is in flight across the
-    loop's back edge (ptxas serializes every wgmma of a loop where one is). Returns (S^T,
-    dP^T, dK, dV).
+    loop's back edge (ptxas serializes every wgmma of a loop where one is). ``total``: the
+    end of this program's part of the walk. Returns (S^T, dP^T, dK, dV).
 
     Registers (255 a thread, two warpgroups): dK and dV hold 128, S^T and dP^T 64, dQ 32,
     so dQ leaves for shared memory before the next tile's S^T and dP^T are issued (224
@@ -169,7 +170,7 @@ def _step_pipelined(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, st, d
     descriptors of K, V and dS (fixed addresses) and the mask's 16 column offsets per thread
     out of the loop, and Triton 3.6 spilled them (49 LDL / 45 STL, full mask). Hence K, V
     and dS are read through :func:`_opaque_zero`, and the offsets from shared memory."""
-    stage = c % STAGES
+    stage = (c - c0) % STAGES
     m0 = lo + (c - g * n_tiles) * BLOCK_M
     h = hk * group + g
     zero = _opaque_zero(c)
@@ -196,17 +197,17 @@ def _step_pipelined(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, st, d
     dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
     dq, dv = warpgroup_mma_wait(num_outstanding=1, deps=(dq, dv))
     tma.store_wait(DQ_BUFS - 1)  # the reduce-add that last read this step's dQ buffer
-    dqs = dq_smem.index(c % DQ_BUFS)
+    dqs = dq_smem.index((c - c0) % DQ_BUFS)
     dqs.store(dq * scale)
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
     # the next tile (on the last step, this one again: a branch would drain the wgmmas)
-    st, dpt = _scores(gl.minimum(c + 1, total - 1), k_smem, v_smem, q_smem, do_smem, ld_bar,
+    st, dpt = _scores(gl.minimum(c + 1, total - 1), c0, k_smem, v_smem, q_smem, do_smem, ld_bar,
                       BLOCK_M, BLOCK_N, STAGES, st_layout)
     fence_async_shared()
     # both warpgroups' dQ rows are stored, and both are done with tile c's stage and dS
     cta_barrier()
     tma_reduce_add(dq_desc, [b * seqlen_q + m0, h * HEAD_DIM], dqs)
-    _load_tile(c + STAGES, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc,
+    _load_tile(c + STAGES, c0, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc,
                lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem, HEAD_DIM,
                BLOCK_M, STAGES, c + STAGES < total)
     st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
@@ -242,7 +243,7 @@ def _dst(pt, dpt, delta):
 
 
 @gluon.jit
-def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem, v_smem,
+def _step(c, c0, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem, v_smem,
           q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, offs_smem, ld_bar, q_desc,
           do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right, scale, scale2,
           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -250,12 +251,12 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
           CAUSAL: gl.constexpr, WIN_LEFT: gl.constexpr, WIN_RIGHT: gl.constexpr,
           st_layout: gl.constexpr, op_layout: gl.constexpr, dq_layout: gl.constexpr,
           PROBE: gl.constexpr, NO_HOIST: gl.constexpr):
-    """Query tile ``c`` of this program's walk (head g of the group, tile c - g * n_tiles):
-    its five GEMMs. Nothing is in flight across the step's ends but the last DQ_BUFS - 1 dQ
-    reduce-adds and the loads of the next STAGES - 1 tiles. ``k_smem``, ``v_smem``,
+    """Query tile ``c`` of this program's walk (head g of the group, tile c - g * n_tiles;
+    the part's walk is [c0, total)): its five GEMMs. Nothing is in flight across the step's
+    ends but the last DQ_BUFS - 1 dQ reduce-adds and the loads of the next STAGES - 1 tiles. ``k_smem``, ``v_smem``,
     ``ds_smem``: rings of one. ``NO_HOIST``: their addresses and the mask's offsets made in
     the loop, as the pipelined step does (:func:`_step_pipelined` says why)."""
-    stage = c % STAGES
+    stage = (c - c0) % STAGES
     m0 = lo + (c - g * n_tiles) * BLOCK_M
     h = hk * group + g
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
@@ -271,8 +272,8 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
     ds_smem = ds_smem.index(zero)
     qs = q_smem.index(stage)
     dos = do_smem.index(stage)
-    st, dpt = _scores(c, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M, BLOCK_N, STAGES,
-                      st_layout)
+    st, dpt = _scores(c, c0, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M, BLOCK_N,
+                      STAGES, st_layout)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
     pt = _probs(st, lse_smem, stage, m0, n0, q_off, left, right, scale2, offs, BLOCK_M,
                 BLOCK_N, MASK_TILE, CAUSAL, WIN_LEFT, WIN_RIGHT, st_layout)
@@ -290,8 +291,8 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
     # timed 0.5-1% faster at full and 2.5% at causal, in two runs).
     cta_barrier()
     if c + STAGES - 1 < total:
-        _load_tile(c + STAGES - 1, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc,
-                   do_desc, lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem,
+        _load_tile(c + STAGES - 1, c0, n_tiles, lo, b, hk, group, seqlen_q, num_heads,
+                   q_desc, do_desc, lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem,
                    delta_smem, HEAD_DIM, BLOCK_M, STAGES)
     dk = warpgroup_mma(gl.convert_layout(dst, op_layout), qs, dk, is_async=True)
     if PROBE == 2:
@@ -302,7 +303,7 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
                            use_acc=False, is_async=True)
         dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
         if PROBE != 1:
-            dqs = dq_smem.index(c % DQ_BUFS)
+            dqs = dq_smem.index((c - c0) % DQ_BUFS)
             dqs.store(dq * scale)
             fence_async_shared()
             cta_barrier()
@@ -312,15 +313,25 @@ def _step(c, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_smem,
 
 @gluon.jit
 def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV,
-                sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
-                seqlen_q, seqlen_k, num_heads, num_kv_heads, group, scale, scale2, left, right,
+                Slots, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                seqlen_q, seqlen_k, num_heads, num_kv_heads, group, n_key_tiles, full_units,
+                tail_parts, scale, scale2, left, right,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
                 WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
                 DQ_BUFS: gl.constexpr, PROBE: gl.constexpr, PIPE: gl.constexpr,
                 NO_HOIST: gl.constexpr):
-    pid_n = gl.num_programs(0) - 1 - gl.program_id(0)  # long causal columns first
-    bh = gl.program_id(1)
+    # program ``unit`` takes key tile n_key_tiles - 1 - unit % n_key_tiles (long causal
+    # columns first) of KV row bh = unit // n_key_tiles; the programs past full_units are
+    # the last wave's tiles in tail_parts parts each (bwd_tail says why)
+    pid = gl.program_id(0)
+    tail = (pid >= full_units).to(gl.int32)
+    j = gl.maximum(pid - full_units, 0)
+    unit = pid + tail * (full_units + j // tail_parts - pid)
+    part = tail * (j % tail_parts)
+    parts = 1 + tail * (tail_parts - 1)
+    pid_n = n_key_tiles - 1 - unit % n_key_tiles
+    bh = unit // n_key_tiles
     b = bh // num_kv_heads
     hk = bh % num_kv_heads
     n0 = pid_n * BLOCK_N
@@ -362,16 +373,18 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
 
     lo, n_tiles, full_lo, full_hi = _query_plan(n0, seqlen_q, q_off, left, right, BLOCK_M,
                                                 BLOCK_N, CAUSAL, WIN_LEFT, WIN_RIGHT)
-    total = group * n_tiles
+    walk = group * n_tiles
+    c0 = part * walk // parts  # bwd_tail.part_range
+    total = (part + 1) * walk // parts
     k_row = b * seqlen_k + n0
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [k_row, hk * HEAD_DIM], kv_bar, k_smem)
     tma_load(v_desc, [k_row, hk * HEAD_DIM], kv_bar, v_smem)
     for t in gl.static_range(STAGES if PIPE else STAGES - 1):
-        if t < total:
-            _load_tile(t, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc, do_desc,
-                       lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem, delta_smem,
-                       HEAD_DIM, BLOCK_M, STAGES)
+        if c0 + t < total:
+            _load_tile(c0 + t, c0, n_tiles, lo, b, hk, group, seqlen_q, num_heads, q_desc,
+                       do_desc, lse_desc, delta_desc, ld_bar, q_smem, do_smem, lse_smem,
+                       delta_smem, HEAD_DIM, BLOCK_M, STAGES)
 
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
@@ -388,9 +401,9 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
     if PIPE:
         st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
         dpt = st
-        if total > 0:
-            st, dpt = _scores(0, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M, BLOCK_N,
-                              STAGES, st_layout)
+        if total > c0:
+            st, dpt = _scores(c0, c0, k_smem, v_smem, q_smem, do_smem, ld_bar, BLOCK_M,
+                              BLOCK_N, STAGES, st_layout)
             st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
     for g in range(group):
         # query tiles [0, t_lo) masked, [t_lo, t_hi) not, the rest masked
@@ -406,10 +419,13 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                         end = t_hi
                     else:
                         start = t_hi
+                # this part's tiles of head g
+                start = gl.maximum(start, c0 - g * n_tiles)
+                end = gl.minimum(end, total - g * n_tiles)
                 for i in range(start, end):
                     if PIPE:
                         st, dpt, dk, dv = _step_pipelined(
-                            g * n_tiles + i, total, n_tiles, lo, g, hk, group, b, n0,
+                            g * n_tiles + i, c0, total, n_tiles, lo, g, hk, group, b, n0,
                             num_heads, st, dpt, dk, dv, k_ring, v_ring, q_smem, do_smem,
                             lse_smem, delta_smem, ds_ring, dq_smem, offs_smem, ld_bar, q_desc,
                             do_desc, lse_desc, delta_desc, dq_desc, seqlen_q, q_off, left, right,
@@ -417,8 +433,8 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                             MASKED and bnd != 1, CAUSAL, WIN_LEFT, WIN_RIGHT, st_layout,
                             op_layout, dq_layout)
                     else:
-                        dk, dv = _step(g * n_tiles + i, total, n_tiles, lo, g, hk, group, b, n0,
-                                   num_heads, dk, dv, k_ring, v_ring, q_smem, do_smem,
+                        dk, dv = _step(g * n_tiles + i, c0, total, n_tiles, lo, g, hk, group, b,
+                                   n0, num_heads, dk, dv, k_ring, v_ring, q_smem, do_smem,
                                    lse_smem, delta_smem, ds_ring, dq_smem, offs_smem, ld_bar,
                                    q_desc, do_desc, lse_desc, delta_desc, dq_desc, seqlen_q,
                                    q_off, left, right, scale, scale2, HEAD_DIM, BLOCK_M,
@@ -430,14 +446,22 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
     for t in gl.static_range(STAGES):
         mbarrier.invalidate(ld_bar.index(t))
 
-    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     dcol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    # a part's fp32 sums go to its slot j (bwd_tail.combine adds the parts), a whole walk's
+    # gradients to dK and dV: masked stores, since a branch here fails Triton 3.6's lowering
+    # of the masked builds (an assertion in ConvertTritonGPUToLLVM)
+    tile = gl.expand_dims(local, 1) * HEAD_DIM + gl.expand_dims(dcol, 0)
+    in_part = (tile * 0 + parts) > 1
+    slot = Slots + j.to(gl.int64) * (2 * BLOCK_N * HEAD_DIM)
+    gl.store(slot + tile, dk * scale, mask=in_part)
+    gl.store(slot + BLOCK_N * HEAD_DIM + tile, dv, mask=in_part)
     b64 = b.to(gl.int64)
-    r64 = gl.expand_dims(rows.to(gl.int64), 1)
+    r64 = gl.expand_dims((n0 + local).to(gl.int64), 1)
     dk_ptrs = DK + b64 * sdkb + hk * sdkh + r64 * sdks + gl.expand_dims(dcol, 0)
     dv_ptrs = DV + b64 * sdvb + hk * sdvh + r64 * sdvs + gl.expand_dims(dcol, 0)
-    gl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty))
-    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+    gl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=~in_part)
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=~in_part)
 
 
 def supports(args: DenseArgs) -> str | None:
@@ -466,9 +490,11 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M], layout)
 
 
-#: The kernel's runtime arguments (descriptors, dK/dV, strides, sizes, scales, window) come
-#: first; its constexprs follow, in parameter order.
-_RUNTIME_ARGS = 24
+#: SMs of the sm90 the launch stub compiles for off CUDA (an H100's or an H200's).
+STUB_SMS = 132
+#: The kernel's runtime arguments (descriptors, dK/dV, the parts' slots, strides, sizes, the
+#: walk's split, scales, window) come first; its constexprs follow, in parameter order.
+_RUNTIME_ARGS = 28
 #: Launches by what Triton specializes on: its JIT dispatch runs on a key's first call only
 #: (about 240 us of host time per call for the forward's launch, measured on the H200).
 _LAUNCHES = LaunchTable("bwd_gluon.flash_bwd")
@@ -476,13 +502,16 @@ _LAUNCHES = LaunchTable("bwd_gluon.flash_bwd")
 
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               delta: torch.Tensor, _probe: int = 0, _stages: int = STAGES,
-              _dq_bufs: int = DQ_BUFS, _pipe: bool = PIPE, _no_hoist: bool = NO_HOIST
+              _dq_bufs: int = DQ_BUFS, _pipe: bool = PIPE, _no_hoist: bool = NO_HOIST,
+              _tail_parts: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
     2 dq altogether; ``_stages`` / ``_dq_bufs`` try other ring depths, ``_pipe`` the other
-    step, ``_no_hoist=False`` the step as it was before its spills were cured (benchmarks)."""
+    step, ``_no_hoist=False`` the step as it was before its spills were cured, ``_tail_parts``
+    the last wave's split (None: :func:`.bwd_tail.tail_parts` for unmasked calls, none for
+    masked ones, whose programs differ in length) (benchmarks, tests)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
@@ -490,11 +519,16 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
     lse = lse.contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dqacc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    grid = (args.seqlen_k // BLOCK_N, args.batch * args.num_kv_heads)
-    if grid[0] == 0 or grid[1] == 0:
+    n_key_tiles = args.seqlen_k // BLOCK_N
+    units = n_key_tiles * args.batch * args.num_kv_heads
+    if units == 0:
         return dqacc.to(q.dtype), dk.zero_(), dv.zero_()
+    parts, rest = _split(args, units, _tail_parts)
+    full_units = units - rest
+    grid = (full_units + rest * parts, )
+    slots = bwd_tail.scratch(rest, parts, BLOCK_N, d, q.device) if rest else dk
     ints = (*args.bsh_strides(dk), *args.bsh_strides(dv), args.seqlen_q, args.seqlen_k,
-            args.num_heads, args.num_kv_heads, args.group)
+            args.num_heads, args.num_kv_heads, args.group, n_key_tiles, full_units, parts)
     consts = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "CAUSAL": args.causal,
               "BOTTOM_RIGHT": args.bottom_right, "WIN_LEFT": args.left >= 0,
               "WIN_RIGHT": args.right >= 0, "NUM_WARPS": NUM_WARPS, "STAGES": _stages,
@@ -507,6 +541,23 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
     launch_on(q.device.index, launcher, (
         fwd_gluon._desc(q, BLOCK_M, d), fwd_gluon._desc(k, BLOCK_N, d),
         fwd_gluon._desc(v, BLOCK_N, d), fwd_gluon._desc(dout, BLOCK_M, d), _dq_desc(dqacc, d),
-        _row_desc(lse), _row_desc(delta), dk, dv, *ints, float(args.scale),
+        _row_desc(lse), _row_desc(delta), dk, dv, slots, *ints, float(args.scale),
         float(args.scale * _LOG2E), args.left, args.right, *tail))
+    if rest:
+        bwd_tail.combine(slots, dk, dv, full_units, n_key_tiles, parts)
     return dqacc.to(q.dtype), dk, dv
+
+
+def _split(args: DenseArgs, units: int, parts: int | None) -> tuple[int, int]:
+    """(parts, programs split): the last, partial wave of ``units`` programs in ``parts``
+    parts each, by :func:`.bwd_tail.tail_parts` unless the caller names ``parts``."""
+    dev = args.q.device  # off CUDA: the launch stub's sm90 (offline builds, tests), 132 SMs
+    sms = sm_count(dev.index or 0) if dev.type == "cuda" else STUB_SMS
+    walk = args.group * (args.seqlen_q // BLOCK_M)
+    if parts is None:
+        masked = args.causal or args.left >= 0 or args.right >= 0
+        parts = 1 if masked else bwd_tail.tail_parts(units, sms, walk)
+    if parts < 1:
+        raise ValueError(f"_tail_parts={parts}: a key tile's walk splits into >= 1 parts")
+    rest = units % sms if parts > 1 else 0
+    return (parts if rest else 1), rest

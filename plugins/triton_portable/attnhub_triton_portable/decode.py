@@ -49,6 +49,7 @@ from .decode_configs import (
 )
 from .fastlaunch import Launcher
 from .launch import device_arch
+from .launch import sm_count as _sm_count
 
 
 @triton.jit
@@ -361,11 +362,6 @@ def _merge_kernel(OP, LP, Out, Lse, sob, sos, soh, seqlen_q, num_q_heads, num_sp
 def _pdl_arch(arch: str) -> bool:
     """Whether ``arch`` (``device_arch``) has programmatic dependent launch: NVIDIA sm90+."""
     return arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) >= 90
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

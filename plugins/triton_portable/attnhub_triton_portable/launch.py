@@ -34,6 +34,12 @@ def device_arch(device: torch.device) -> str:
     return f"sm{props.major}{props.minor}"
 
 
+@functools.cache
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index``: the size of a wave of programs."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def launch_options(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a config into kernel constants and launch options, checking the block sizes."""
     consts, options = split_config(config)

@@ -232,7 +232,9 @@ def test_the_backward_launch_binds_every_parameter_in_order_once_per_key(monkeyp
     assert list(got["do_desc"].block_shape) == [bwd_gluon.BLOCK_M, 128]
     assert got["CAUSAL"] is True and got["WIN_LEFT"] is True and got["HEAD_DIM"] == 128
     assert got["NO_HOIST"] is bwd_gluon.NO_HOIST and got["STAGES"] == bwd_gluon.STAGES
-    assert made[0].grid == (512 // bwd_gluon.BLOCK_N, 2 * 2)
+    units = 512 // bwd_gluon.BLOCK_N * 2 * 2  # key tiles x batch x KV heads
+    assert made[0].grid == (units, ) and got["n_key_tiles"] == 512 // bwd_gluon.BLOCK_N
+    assert (got["full_units"], got["tail_parts"]) == (units, 1)  # masked: never in parts
     assert made[0].options == {"num_warps": bwd_gluon.NUM_WARPS, "num_stages": 1}
     again = run(_args(sq=256, sk=512, causal=True, window=(100, 0)))  # same key
     assert len(made) == 1 and len(made[0].calls) == 2
@@ -241,6 +243,38 @@ def test_the_backward_launch_binds_every_parameter_in_order_once_per_key(monkeyp
     run(_args(sq=256, sk=512, causal=True, window=(200, 0)))  # another window
     run(args, _no_hoist=not bwd_gluon.NO_HOIST)  # a timing variant
     assert len(made) == 4 and made[3].calls[0]["NO_HOIST"] is not bwd_gluon.NO_HOIST
+
+
+def test_the_backward_last_wave_in_parts_gets_slots_and_is_combined(monkeypatch) -> None:
+    """An unmasked call whose programs leave a partial last wave: those programs run in
+    parts (more programs in the grid, each part its scratch slot), and the parts' slots are
+    summed into exactly the gradients the kernel was handed."""
+    bwd_gluon = pytest.importorskip("attnhub_triton_portable.bwd_gluon")
+    from attnhub_triton_portable import bwd_tail
+
+    made = _recording(monkeypatch, bwd_gluon._bwd_kernel, bwd_gluon._LAUNCHES)
+    combined = []
+    monkeypatch.setattr(bwd_tail, "combine", lambda *a: combined.append(a))
+    monkeypatch.setattr(bwd_gluon, "STUB_SMS", 6)
+    args = _args(sq=1024, sk=512)  # 4 key tiles x 2 x 2 = 16 programs: 12 whole, 4 left
+    walk = args.group * 1024 // bwd_gluon.BLOCK_M
+    parts = bwd_tail.tail_parts(16, 6, walk)
+    assert parts > 1
+    out = torch.randn_like(args.q)
+    lse = torch.randn(args.batch, args.num_heads, args.seqlen_q)
+    _, dk, dv = bwd_gluon.flash_bwd(args, out, lse, torch.randn_like(out), lse.clone())
+    got = made[0].calls[0]
+    assert made[0].grid == (12 + 4 * parts, )
+    assert (got["full_units"], got["tail_parts"], got["n_key_tiles"]) == (12, parts, 4)
+    slots = got["Slots"]
+    assert slots.dtype == torch.float32 and slots.shape == (4 * parts, 2, 128, 128)
+    assert len(combined) == 1
+    assert combined[0][0] is slots and combined[0][1] is dk and combined[0][2] is dv
+    assert combined[0][3:] == (12, 4, parts)
+    bwd_gluon.flash_bwd(args, out, lse, torch.randn_like(out), lse.clone(), _tail_parts=1)
+    assert made[-1].grid == (16, ) and len(combined) == 1  # asked whole: no parts
+    with pytest.raises(ValueError, match="_tail_parts=0"):
+        bwd_gluon.flash_bwd(args, out, lse, torch.randn_like(out), lse.clone(), _tail_parts=0)
 
 
 def test_a_launch_missing_a_constexpr_names_the_place_and_the_fix(monkeypatch) -> None:

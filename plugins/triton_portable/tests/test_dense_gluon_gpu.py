@@ -75,18 +75,53 @@ def test_gluon_backward(shape: tuple[int, ...], kw: dict) -> None:
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a.float(), c.float(), atol=1e-2, rtol=1e-2)
     # its timing variants (one dQ buffer; the other step; the step with or without hoisted
-    # addresses) give the same gradients, so the default can move to any on this evidence
+    # addresses; the walks in parts, more parts than some walks have tiles included) give the
+    # same gradients, so the default can move to any on this evidence
     from attnhub_triton_portable import bwd_gluon
 
     out = out.detach()
     delta = (out.float() * g.float()).sum(-1).transpose(1, 2).contiguous()  # lse's layout
     for variant in ({"_dq_bufs": 1}, {"_pipe": not bwd_gluon.PIPE},
                     {"_pipe": not bwd_gluon.PIPE, "_dq_bufs": 1},
-                    {"_no_hoist": not bwd_gluon.NO_HOIST}):
+                    {"_no_hoist": not bwd_gluon.NO_HOIST}, {"_tail_parts": 1},
+                    {"_tail_parts": 3}, {"_tail_parts": 5, "_pipe": not bwd_gluon.PIPE},
+                    {"_tail_parts": 16}):
         got = bwd_gluon.flash_bwd(args, out, lse, g, delta, **variant)
         for a, c in zip(first, got):
             torch.testing.assert_close(c.float(), a.float(), atol=1e-2, rtol=1e-2,
                                        msg=lambda m, v=variant: f"{v}: {m}")
+
+
+def test_gluon_backward_last_wave_in_parts() -> None:
+    """More programs than SMs: the last wave's key tiles walk their queries in parts (its
+    default for an unmasked call, bwd_tail) and the gradients meet the FlashAttention rule
+    and equal those of the walk in one piece to fp32 summation noise."""
+    from attnhub_triton_portable import bwd_gluon, bwd_tail
+    from attnhub_triton_portable.autograd import flash_attention
+    from attnhub_triton_portable.launch import DenseArgs, sm_count
+
+    sms = sm_count(0)
+    b, sq, hq, hkv, d = 1, 512, 32, 16, 128
+    sk = bwd_gluon.BLOCK_N * (sms // hkv + 1)  # a wave and a partial one
+    units = sk // bwd_gluon.BLOCK_N * hkv
+    assert units % sms and bwd_tail.tail_parts(units, sms, 2 * sq // bwd_gluon.BLOCK_M) > 1
+    torch.manual_seed(7)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    params = AttnParams(scale=d ** -0.5)
+    ref64, _, ref_same = fa_references(q, k, v, params)
+    out, lse = flash_attention(q, k, v, params, bwd_cfg=configs.GLUON_BWD_SM90)
+    assert_grads_fa_rule(out, ref64, ref_same, (q, k, v))
+    args = DenseArgs.from_params(q.detach(), k.detach(), v.detach(), params, "bshd")
+    g = torch.randn_like(out)
+    out = out.detach()
+    delta = (out.float() * g.float()).sum(-1).transpose(1, 2).contiguous()
+    split = bwd_gluon.flash_bwd(args, out, lse, g, delta)
+    whole = bwd_gluon.flash_bwd(args, out, lse, g, delta, _tail_parts=1)
+    for a, c in zip(whole, split):
+        assert torch.isfinite(c).all()
+        torch.testing.assert_close(c.float(), a.float(), atol=1e-2, rtol=1e-2)
 
 
 #: top-left window (100, 37), Sq 512 > Sk 256: rows 356.. see no key yet share a query tile
