@@ -202,7 +202,10 @@ def main() -> None:
                                # the last wave's walks whole, or in 4 / 8 parts (bwd_tail)
                                ("gluon-whole", {"_tail_parts": 1}),
                                ("gluon-parts4", {"_tail_parts": 4}),
-                               ("gluon-parts8", {"_tail_parts": 8})):
+                               ("gluon-parts8", {"_tail_parts": 8}),
+                               # key tiles first to last (causal: longest walks first)
+                               ("gluon-asc", {"_key_desc": False}),
+                               ("gluon-asc-whole", {"_key_desc": False, "_tail_parts": 1})):
                     impls.insert(1, (nm, lambda kw=kw: bwd_gluon.flash_bwd(
                         args, out, lse, dout, delta, **kw)))
             else:

@@ -315,22 +315,23 @@ def _step(c, c0, total, n_tiles, lo, g, hk, group, b, n0, num_heads, dk, dv, k_s
 def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV,
                 Slots, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
                 seqlen_q, seqlen_k, num_heads, num_kv_heads, group, n_key_tiles, full_units,
-                tail_parts, scale, scale2, left, right,
+                tail_parts, key_desc, scale, scale2, left, right,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, WIN_LEFT: gl.constexpr,
                 WIN_RIGHT: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
                 DQ_BUFS: gl.constexpr, PROBE: gl.constexpr, PIPE: gl.constexpr,
                 NO_HOIST: gl.constexpr):
-    # program ``unit`` takes key tile n_key_tiles - 1 - unit % n_key_tiles (long causal
-    # columns first) of KV row bh = unit // n_key_tiles; the programs past full_units are
-    # the last wave's tiles in tail_parts parts each (bwd_tail says why)
+    # program ``unit`` takes key tile unit % n_key_tiles of KV row bh = unit // n_key_tiles,
+    # counted from the last key tile when key_desc (bwd_tail.key_tile); the programs past
+    # full_units are the last wave's tiles in tail_parts parts each (bwd_tail says why)
     pid = gl.program_id(0)
     tail = (pid >= full_units).to(gl.int32)
     j = gl.maximum(pid - full_units, 0)
     unit = pid + tail * (full_units + j // tail_parts - pid)
     part = tail * (j % tail_parts)
     parts = 1 + tail * (tail_parts - 1)
-    pid_n = n_key_tiles - 1 - unit % n_key_tiles
+    x = unit % n_key_tiles
+    pid_n = x + key_desc * (n_key_tiles - 1 - 2 * x)
     bh = unit // n_key_tiles
     b = bh // num_kv_heads
     hk = bh % num_kv_heads
@@ -490,11 +491,14 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M], layout)
 
 
+#: Programs take their KV row's key tiles last first (True) or first first. Causal: the
+#: first key tile sees every query, the last one the fewest.
+KEY_DESC = True
 #: SMs of the sm90 the launch stub compiles for off CUDA (an H100's or an H200's).
 STUB_SMS = 132
 #: The kernel's runtime arguments (descriptors, dK/dV, the parts' slots, strides, sizes, the
 #: walk's split, scales, window) come first; its constexprs follow, in parameter order.
-_RUNTIME_ARGS = 28
+_RUNTIME_ARGS = 29
 #: Launches by what Triton specializes on: its JIT dispatch runs on a key's first call only
 #: (about 240 us of host time per call for the forward's launch, measured on the H200).
 _LAUNCHES = LaunchTable("bwd_gluon.flash_bwd")
@@ -503,15 +507,15 @@ _LAUNCHES = LaunchTable("bwd_gluon.flash_bwd")
 def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               delta: torch.Tensor, _probe: int = 0, _stages: int = STAGES,
               _dq_bufs: int = DQ_BUFS, _pipe: bool = PIPE, _no_hoist: bool = NO_HOIST,
-              _tail_parts: int | None = None
+              _tail_parts: int | None = None, _key_desc: bool | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward that produced ``out``/``lse``; ``delta`` is
     ``sum(out * dout, -1)`` in the LSE's layout. The caller checked :func:`supports`.
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
     2 dq altogether; ``_stages`` / ``_dq_bufs`` try other ring depths, ``_pipe`` the other
     step, ``_no_hoist=False`` the step as it was before its spills were cured, ``_tail_parts``
-    the last wave's split (None: :func:`.bwd_tail.tail_parts` for unmasked calls, none for
-    masked ones, whose programs differ in length) (benchmarks, tests)."""
+    the last wave's split (None: :func:`.bwd_tail.tail_parts`, none under a window),
+    ``_key_desc`` the programs' order (None: ``KEY_DESC``) (benchmarks, tests)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
     if dout.stride() != q.stride():  # TMA reads dO with q's packed (B*S, H*D) view
@@ -528,7 +532,8 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
     grid = (full_units + rest * parts, )
     slots = bwd_tail.scratch(rest, parts, BLOCK_N, d, q.device) if rest else dk
     ints = (*args.bsh_strides(dk), *args.bsh_strides(dv), args.seqlen_q, args.seqlen_k,
-            args.num_heads, args.num_kv_heads, args.group, n_key_tiles, full_units, parts)
+            args.num_heads, args.num_kv_heads, args.group, n_key_tiles, full_units, parts,
+            int(KEY_DESC if _key_desc is None else _key_desc))
     consts = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "CAUSAL": args.causal,
               "BOTTOM_RIGHT": args.bottom_right, "WIN_LEFT": args.left >= 0,
               "WIN_RIGHT": args.right >= 0, "NUM_WARPS": NUM_WARPS, "STAGES": _stages,
@@ -544,7 +549,7 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         _row_desc(lse), _row_desc(delta), dk, dv, slots, *ints, float(args.scale),
         float(args.scale * _LOG2E), args.left, args.right, *tail))
     if rest:
-        bwd_tail.combine(slots, dk, dv, full_units, n_key_tiles, parts)
+        bwd_tail.combine(slots, dk, dv, full_units, n_key_tiles, parts, ints[-1])
     return dqacc.to(q.dtype), dk, dv
 
 
@@ -555,8 +560,9 @@ def _split(args: DenseArgs, units: int, parts: int | None) -> tuple[int, int]:
     sms = sm_count(dev.index or 0) if dev.type == "cuda" else STUB_SMS
     walk = args.group * (args.seqlen_q // BLOCK_M)
     if parts is None:
-        masked = args.causal or args.left >= 0 or args.right >= 0
-        parts = 1 if masked else bwd_tail.tail_parts(units, sms, walk)
+        # a window bounds each walk well below ``walk``: the model would split short walks
+        windowed = args.left >= 0 or args.right >= 0
+        parts = 1 if windowed else bwd_tail.tail_parts(units, sms, walk)
     if parts < 1:
         raise ValueError(f"_tail_parts={parts}: a key tile's walk splits into >= 1 parts")
     rest = units % sms if parts > 1 else 0

@@ -66,16 +66,17 @@ def scratch(rest: int, parts: int, block_n: int, head_dim: int, device: torch.de
 
 @triton.jit
 def _combine_kernel(Scratch, DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, full_units,
-                    n_key_tiles, num_kv_heads, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    n_key_tiles, key_desc, num_kv_heads, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr):
     r = tl.program_id(0)
     which = tl.program_id(1)  # 0: dK, 1: dV
     rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, HEAD_DIM)
-    # program ``full_units + r`` of the backward's walk order (key tiles last to first)
+    # program ``full_units + r`` of the backward (its order: bwd_gluon._bwd_kernel)
     unit = full_units + r
     bh = unit // n_key_tiles
-    n0 = (n_key_tiles - 1 - unit % n_key_tiles) * BLOCK_N
+    x = unit % n_key_tiles
+    n0 = (x + key_desc * (n_key_tiles - 1 - 2 * x)) * BLOCK_N
     b = (bh // num_kv_heads).to(tl.int64)
     hk = bh % num_kv_heads
     tile = rows[:, None] * HEAD_DIM + cols[None, :]
@@ -93,11 +94,12 @@ def _combine_kernel(Scratch, DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, full_un
 
 
 def combine(slots: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, full_units: int,
-            n_key_tiles: int, parts: int) -> None:
+            n_key_tiles: int, parts: int, key_desc: int) -> None:
     """dK and dV of the split key tiles: each the sum of its parts' slots, parts in order.
 
     ``slots``: (rest * parts, 2, BLOCK_N, D) from :func:`scratch`, filled by the parts of
-    programs ``full_units ..`` of the backward; ``dk``/``dv``: (B, Sk, H_kv, D). On the CPU
+    programs ``full_units ..`` of the backward, which took their key tiles last first when
+    ``key_desc``; ``dk``/``dv``: (B, Sk, H_kv, D). On the CPU
     (the interpreter, tests) bf16 is rounded as the GPU rounds (:func:`.tiles.narrow`)."""
     rest = slots.shape[0] // parts
     block_n, head_dim = slots.shape[2], slots.shape[3]
@@ -105,6 +107,6 @@ def combine(slots: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, full_units:
     grid = (rest, 2, block_n // rows)
     _combine_kernel[grid](slots, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
                           dv.stride(0), dv.stride(1), dv.stride(2), full_units, n_key_tiles,
-                          dk.shape[2], PARTS=parts, BLOCK_N=block_n, HEAD_DIM=head_dim,
+                          key_desc, dk.shape[2], PARTS=parts, BLOCK_N=block_n, HEAD_DIM=head_dim,
                           ROWS=rows,
                           ROUND=dk.device.type == "cpu" and dk.dtype == torch.bfloat16)

@@ -48,8 +48,9 @@ def test_the_parts_cover_each_walk_once() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("key_desc", [1, 0])
 def test_combine_sums_each_split_tile_in_order_and_touches_nothing_else(
-        dtype: torch.dtype) -> None:
+        dtype: torch.dtype, key_desc: int) -> None:
     """4 key tiles x 3 KV heads x 2 batches = 24 programs, the last 5 in 3 parts: their
     tiles of dK and dV become the parts' fp32 sums (in part order, then cast); every other
     row keeps what the main kernel wrote."""
@@ -63,13 +64,13 @@ def test_combine_sums_each_split_tile_in_order_and_touches_nothing_else(
     before = dk.clone(), dv.clone()
     slots = bwd_tail.scratch(rest, parts, block_n, d, torch.device("cpu"))
     slots.copy_(torch.randn(slots.shape, generator=g))
-    bwd_tail.combine(slots, dk, dv, full_units, n_key_tiles, parts)
+    bwd_tail.combine(slots, dk, dv, full_units, n_key_tiles, parts, key_desc)
     touched = torch.zeros(batch, n_key_tiles * block_n, hkv, dtype=torch.bool)
     for r in range(rest):
         unit = full_units + r
         bh, x = divmod(unit, n_key_tiles)
         b, hk = divmod(bh, hkv)
-        n0 = (n_key_tiles - 1 - x) * block_n
+        n0 = (n_key_tiles - 1 - x if key_desc else x) * block_n
         for which, grad in enumerate((dk, dv)):
             want = slots[r * parts, which].clone()
             for p in range(1, parts):

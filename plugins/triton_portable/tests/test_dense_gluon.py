@@ -234,7 +234,8 @@ def test_the_backward_launch_binds_every_parameter_in_order_once_per_key(monkeyp
     assert got["NO_HOIST"] is bwd_gluon.NO_HOIST and got["STAGES"] == bwd_gluon.STAGES
     units = 512 // bwd_gluon.BLOCK_N * 2 * 2  # key tiles x batch x KV heads
     assert made[0].grid == (units, ) and got["n_key_tiles"] == 512 // bwd_gluon.BLOCK_N
-    assert (got["full_units"], got["tail_parts"]) == (units, 1)  # masked: never in parts
+    assert (got["full_units"], got["tail_parts"]) == (units, 1)  # windowed: never in parts
+    assert got["key_desc"] == int(bwd_gluon.KEY_DESC)
     assert made[0].options == {"num_warps": bwd_gluon.NUM_WARPS, "num_stages": 1}
     again = run(_args(sq=256, sk=512, causal=True, window=(100, 0)))  # same key
     assert len(made) == 1 and len(made[0].calls) == 2
@@ -270,7 +271,7 @@ def test_the_backward_last_wave_in_parts_gets_slots_and_is_combined(monkeypatch)
     assert slots.dtype == torch.float32 and slots.shape == (4 * parts, 2, 128, 128)
     assert len(combined) == 1
     assert combined[0][0] is slots and combined[0][1] is dk and combined[0][2] is dv
-    assert combined[0][3:] == (12, 4, parts)
+    assert combined[0][3:] == (12, 4, parts, int(bwd_gluon.KEY_DESC))
     bwd_gluon.flash_bwd(args, out, lse, torch.randn_like(out), lse.clone(), _tail_parts=1)
     assert made[-1].grid == (16, ) and len(combined) == 1  # asked whole: no parts
     with pytest.raises(ValueError, match="_tail_parts=0"):
