@@ -33,6 +33,7 @@ import torch
 from ...core.decision import BindContext
 from ...errors import DTypeMismatchError, InputError, NoBackendError
 from ...hub import Hub, HubRef, default_hub
+from .causality import call_causal
 from .guards import HARMLESS, check_documents, refuse_unsupported, weights_requested, where
 from .kv_sharing import keep_whole_sequences
 from .masks import DenseMask, is_attend_all, mask_args, sdpa_mask_marked
@@ -225,7 +226,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          f"{q.device}: move the mask to {q.device}")
     try:
         mask = mask_args(attention_mask, causal and sq > 1, window, q.shape[0], sq, sk, module,
-                         heads=q.shape[2], other_windows=other)
+                         heads=q.shape[2], other_windows=other,
+                         reach=window[0] if causal and window else None)
     except InputError as e:  # name the layer: Swin's window bias reaches here as a "mask"
         raise InputError(f"{where(module)}: {e}") from None
     if sq > 1 and kwargs.get("cu_seq_lens_q") is not None:
@@ -372,10 +374,14 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
         routed.append((m, fresh))
         ctx = fresh or m.__dict__["_attnhub_context"]
         layer = getattr(m, "layer_idx", None)
-        for phase in phases if m.is_causal else [p for p in phases if p != "decode"]:
-            for sq, sk, window in _call_shapes(phase, prompt_len, max_len, sw):
+        causal = call_causal(model, path, m)  # what its calls compute, not its flag
+        # decode: a causal layer with a cache layer (an index); CLIP's text tower has none
+        for phase in phases if causal and layer is not None else [
+                p for p in phases if p != "decode"]:
+            for sq, sk, window in _call_shapes(phase, prompt_len, max_len, sw, causal,
+                                               getattr(m, "sliding_window", None)):
                 spec = call_spec(phase, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                                 head_dim_v=dv, causal=bool(m.is_causal) and sq > 1,
+                                 head_dim_v=dv, causal=causal and sq > 1,
                                  window=window,
                                  softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
                                  batch=batch, seqlen_q=sq, seqlen_k=sk, dtype=dtype,
@@ -392,14 +398,21 @@ def bind_model(model: torch.nn.Module, hub: Hub, *, batch: int, prompt_len: int,
                         hub.device.describe(), rows)
 
 
-def _call_shapes(phase: str, prompt_len: int, max_len: int, sw: int | None
+def _call_shapes(phase: str, prompt_len: int, max_len: int, sw: int | None,
+                 causal: bool = True, passed: int | None = None
                  ) -> list[tuple[int, int, tuple[int, int] | None]]:
     """(queries, keys, window) of one layer's calls without padding. A sliding layer's cache
     (transformers' sliding cache layers) holds at most ``sw`` keys at a decode step, and
-    transformers drops the mask, so the window, while the keys fit in it."""
+    transformers drops the mask, so the window, while the keys fit in it. A bidirectional
+    sliding layer's mask is the band ``|q - kv| <= sw``; one that covers every key is read
+    as the window the call passes (``passed``: ModernBERT passes ``sw + 1``), the first form
+    ``attention_forward`` tries."""
     from ...bind import decode_buckets
 
     if phase != "decode":
+        if not causal:
+            reach = sw if not sw or prompt_len > sw + 1 else passed or sw
+            return [(prompt_len, prompt_len, (reach, reach) if reach else None)]
         return [(prompt_len, prompt_len, (sw - 1, 0) if sw and prompt_len >= sw else None)]
     if not sw:
         return [(1, n, None) for n in decode_buckets(prompt_len, max_len)]

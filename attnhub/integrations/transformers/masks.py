@@ -161,14 +161,17 @@ class DenseMask:
 def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] | None,
               batch: int, sq: int, sk: int, caller: object = None,
               heads: int | None = None,
-              other_windows: tuple[tuple[int, int] | None, ...] = ()) -> dict[str, Any]:
+              other_windows: tuple[tuple[int, int] | None, ...] = (),
+              reach: int | None = None) -> dict[str, Any]:
     """attnhub mask arguments with the same meaning as transformers' ``mask`` for this call.
 
     ``causal``/``window`` are the layer's own form (used as is when there is no mask);
     ``other_windows`` are further window forms to recognise (models disagree on whether
     ``sliding_window`` counts the query itself). ``caller`` (the attention module) marks
     forward passes: one module asking twice about the same mask tensor means a new forward,
-    so the translation is recomputed from the data.
+    so the translation is recomputed from the data. ``reach``: a causal sliding layer's
+    window (each query sees keys at most ``reach`` before it), for a custom mask over more
+    keys than its cache kept (``kept_keys``).
     """
     if mask is None:
         return {"causal": causal, "window": window}
@@ -176,8 +179,9 @@ def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] |
         raise InputError(f"attention_mask of type {type(mask).__name__}: attnhub takes the "
                          "tensor masks transformers builds for it (a BlockMask belongs to "
                          "attn_implementation='flex_attention')")
-    _check_shape(mask, batch, sq, sk, heads)
-    key = (causal, window, other_windows, batch, sq, sk)
+    cut = reach is not None and mask.dim() == 4 and mask.shape[3] > sk
+    _check_shape(mask[..., mask.shape[3] - sk:] if cut else mask, batch, sq, sk, heads)
+    key = (causal, window, other_windows, batch, sq, sk, cut and reach)
     stamp = proof(mask)
     memo = getattr(mask, _MEMO_ATTR, None)
     if memo is None or memo["proof"] != stamp:
@@ -191,6 +195,8 @@ def mask_args(mask: torch.Tensor | None, causal: bool, window: tuple[int, int] |
         entry[0].add(id(caller))  # another layer of the same forward
         return entry[1]
     allowed, owned = as_bool(mask)
+    if cut:
+        allowed = owned = kept_keys(allowed, sq, sk, reach)  # type: ignore[arg-type]
     forms = [(causal, window)] + [(causal, w) for w in other_windows]
     out = _translate(allowed, forms, batch, sq, sk)
     # the memo owns a converted copy, so it lives exactly as long as the caller's mask
@@ -209,6 +215,35 @@ def proof(mask: torch.Tensor) -> tuple[Any, int]:
         return mask._version, mask.data_ptr()
     except RuntimeError:
         return None, mask.data_ptr()
+
+
+def kept_keys(allowed: torch.Tensor, sq: int, sk: int, reach: int) -> torch.Tensor:
+    """A custom mask over the whole sequence cut to the ``sk`` keys a sliding layer's cache
+    handed this call, with the layer's window applied.
+
+    transformers applies a custom 4-D mask as given (eager and sdpa fail when its columns
+    outnumber the keys): a sliding cache (``DynamicSlidingWindowLayer``) keeps the last
+    ``window - 1`` keys before the new ones, the last ``sk`` of the sequence the mask covers
+    when that sequence ends at the last query, as a mask for past and new tokens does. Read
+    so, the first query sees exactly its window in the cache, and the window cuts the later
+    queries' oldest keys: the answer of the layer's own sliding mask and of eager over every
+    key with the custom mask and the window, whatever the cache kept. A mask whose last
+    columns are not the queries' own (each query unable to see itself there: a static
+    cache's unwritten slots, a mask for other keys) cannot be placed, and is refused."""
+    cols = torch.arange(sk, device=allowed.device)
+    rows = torch.arange(sq, device=allowed.device) + (sk - sq)  # bottom-right: the queries
+    cut = allowed[..., allowed.shape[3] - sk:].expand(*allowed.shape[:2], sq, sk)
+    if not bool(cut[..., torch.arange(sq, device=allowed.device), rows].all()):
+        raise InputError(
+            f"attention_mask has {allowed.shape[3]} key columns but this sliding-window layer "
+            f"was handed {sk} keys: its cache keeps only the last window - 1 keys before the "
+            f"{sq} new ones, and attnhub places them under the mask's last {sk} columns only "
+            "where each query sees its own column there (a mask over past and new tokens, "
+            "ending at the last query), which this mask does not (a static cache's mask "
+            "covers unwritten slots); pass a 2-D (B, Sk) padding mask and let transformers "
+            "build each layer's mask, or use a cache that keeps every key "
+            "(DynamicCache() without the model's config)")
+    return cut & (cols.view(1, sk) >= rows.view(sq, 1) - reach)
 
 
 def _check_shape(mask: torch.Tensor, batch: int, sq: int, sk: int, heads: int | None) -> None:
