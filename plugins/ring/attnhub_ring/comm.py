@@ -55,6 +55,10 @@ def resolve_group(group: object, name: str = "the process group") -> ProcessGrou
     return group
 
 
+#: ``Ring.all_gather``'s default exchange, for its timeout message.
+HANDSHAKE = "the handshake every rank makes before the first hop"
+
+
 class PendingHop:
     """A posted hop: ``wait()`` returns the received buffer."""
 
@@ -112,19 +116,20 @@ class Ring:
             ops.append(dist.P2POp(dist.irecv, recv, self._prev, self.group, tag))
         return PendingHop(dist.batch_isend_irecv(ops) if ops else [], recv)
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(self, t: torch.Tensor, during: str = HANDSHAKE) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape and dtype everywhere), in rank order: the
-        handshake's collective (handshake.py), a host sync. A rank that never joins (it
-        raised before its ring call, or skipped it) fails the others here after the process
-        group's timeout, with a :class:`RingError` that says so."""
+        handshake's collective (handshake.py) and the status check closing each pass
+        (ring.py), a host sync. A rank that never joins (it raised before its ring call, or
+        skipped it) fails the others here after the process group's timeout, with a
+        :class:`RingError` that says so (``during``: in which exchange)."""
         every = [torch.empty_like(t) for _ in range(self.world)]
         try:
             dist.all_gather(every, t, group=self.group)
         except RuntimeError as exc:  # gloo/NCCL timeouts and lost peers (DistBackendError)
             raise RingError(
                 f"ring: rank {self.rank} of {self.world} got no answer from the other ranks "
-                "in the handshake every rank makes before the first hop: a rank raised before "
-                "its ring call, skipped this attention call or lost its process (every rank "
-                "must call attention the same number of times, with the same arguments but "
-                f"its shard); torch.distributed said: {exc}") from exc
+                f"in {during}: a rank raised before or during its ring call, skipped this "
+                "attention call (or its backward) or lost its process (every rank must call "
+                "attention the same number of times, with the same arguments but its shard); "
+                f"torch.distributed said: {exc}") from exc
         return every

@@ -16,9 +16,10 @@ needs anyway, plus the call's geometry and flags) and every rank checks it the s
 It is the all-gather the ring made before for the lengths alone (same cost; ``thd`` with
 several documents pays a second tiny one). With ``global_seqlens`` the ring runs it only when
 a call differs from the last one of its geometry that the ranks agreed on (ring.py: repeats
-need no host sync). The price: a rank whose inputs change alone, while the others repeat
-that call, waits in a handshake they skip, and both sides fail only at the process group's
-timeout (with a RingError that says why, and on that rank, what it changed).
+need no handshake; each pass still ends with its status check). The price: a rank whose
+inputs change alone, while the others repeat that call, waits in a handshake they skip, and
+both sides fail only at the process group's timeout (with a RingError that says why, and on
+that rank, what it changed).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def agree(ring: Gatherer, problem: str | None, values: list[int] | None, lens: l
     heads = [t.tolist() for t in ring.all_gather(head)]
     failed = [r for r, h in enumerate(heads) if h[0]]
     if failed:
-        reasons = _exchange_reasons(ring, problem or "", device)
+        reasons = exchange_reasons(ring, problem or "", device)
         if problem is not None:
             raise RingError(problem)
         raise RingError("ring: " + "; ".join(
@@ -117,7 +118,9 @@ def agree(ring: Gatherer, problem: str | None, values: list[int] | None, lens: l
     return [t.tolist() for t in ring.all_gather(mine)]
 
 
-def _exchange_reasons(ring: Gatherer, problem: str, device: torch.device) -> list[str]:
+def exchange_reasons(ring: Gatherer, problem: str, device: torch.device) -> list[str]:
+    """Every rank's ``problem`` (empty where it has none), cut to :data:`REASON_BYTES`: a
+    refused handshake's reasons, or the failures of a drained ring (ring.py)."""
     raw = problem.encode("utf-8", "replace")[:REASON_BYTES]
     buf = torch.zeros(REASON_BYTES, dtype=torch.uint8, device=device)
     buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8, device=device)

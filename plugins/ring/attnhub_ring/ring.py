@@ -10,10 +10,14 @@ gradients come from a fused backward given the merged output and the global LSE 
 torch's FlashAttention), or from the exact fp32 math where those cannot serve
 (block_kernels.py says which and why).
 
-A rank whose block kernel raises, or whose forced block backward refuses its own loss (the
-LSE used on this rank only), keeps draining the ring (it passes every block on; in the
-backward the dK/dV accumulators it forwards become NaN, never a quietly partial sum) and
-raises only after its last hop, so no other rank is left waiting on it.
+A rank whose part of a pass fails (its block kernel or merge raises, its forced block
+backward refuses its own loss, an allocation fails) stops computing but keeps draining the
+ring: it passes every block (and dK/dV accumulator) on, so no rank is left waiting in a hop.
+Each pass then ends with a status exchange (one tiny all-gather, a host sync): if any rank
+failed, every rank raises the same :class:`RingError` naming each failed rank, the step and
+block it was at, and why; no rank returns an output or gradients of that call (another
+rank's result would be exact, or hold a partial dK/dV, but its job's step is lost either way,
+and a rank that went on alone would wait in its next call's collectives for the failed one).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from attnhub.plugin import AttentionSpec, AttnParams, Backend, MaskSpec, first_o
 
 from .block_backward import block_backward
 from .comm import PendingHop, ProcessGroup, Ring, RingError, resolve_group
-from .handshake import BLOCK_CHOICES, agree, changes, fields
+from .handshake import BLOCK_CHOICES, agree, changes, exchange_reasons, fields
 from .block_kernels import backward_segments, block_backward_fn, block_backward_kernel
 from .merge import merge_into, merge_partial
 from .plan import BlockPlan, Rows, block_plans
@@ -192,7 +196,7 @@ def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: Backend |
                                                     q.device), sharding)
     else:
         # the caller gave the layout: the handshake runs only when this call differs from the
-        # last one of its geometry the ranks agreed on, so repeated calls sync nothing
+        # last one of its geometry the ranks agreed on, so repeated calls skip it
         _agree_once(ring, problem, gs, local_lens, values, q.device)
         layout = ZigzagLayout(ring.world, gs, sharding)
     assert local is not None  # a rank without one had a problem, raised above
@@ -220,7 +224,7 @@ def _agree_once(ring: Transport, problem: str | None, gs: tuple[int, ...],
     cannot tell whether the others changed too (legal: they handshake with it) or repeat the
     geometry (they skip it and wait in the first hop): if nobody answers, its error names
     what changed."""
-    if not isinstance(ring, Ring):  # a simulated ring has no peers to agree with
+    if not _has_peers(ring):  # a simulated ring has no peers to agree with
         if problem:
             raise RingError(problem)
         return
@@ -345,28 +349,30 @@ SECOND_ORDER = (
 def _forward(call: RingCall, q: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Post the next hop, run the local kernel on the block in hand, merge, wait: the hop
-    hides under the block's compute. Two K/V buffers alternate (double buffering); nothing
-    here waits on the device (no host sync) for bshd."""
-    axis, dev = call.axis, q.device
-    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=dev)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=dev)
-    bufs = call.kv_buffers(k, v)
+    hides under the block's compute. Two K/V buffers alternate (double buffering); the one
+    host sync is the closing status check (:func:`_settle`)."""
+    dev = q.device
+    bufs = call.kv_buffers(k, v)  # without them this rank cannot drain: raised at once
     kv = bufs[0][:call.numel(call.ring.rank)]
+    failed: _Failure | None = None
+    try:
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=dev)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=dev)
+    except _FAILURES as exc:
+        failed = _Failure("allocating its output", exc)
     last = len(call.plans) - 1
     first = True  # the first block that reaches a row writes it; later ones merge
-    failed: Exception | None = None
     for step, plan in enumerate(call.plans):
         hop = call.ring.hop(kv, call.numel(call.next_source(step)), _KV_TAG,
                             into=bufs[(step + 1) % 2]) if step < last else None
-        try:
-            if failed is None and not plan.empty:
+        if failed is None and not plan.empty:
+            try:
                 first = _forward_block(call, q, kv, plan, step, out, lse, first)
-        except Exception as exc:  # noqa: BLE001 - raised below, after the ring is drained
-            failed = exc
+            except _FAILURES as exc:  # raised on every rank by _settle, after the drain
+                failed = _Failure(_at_block(step, plan), exc)
         if hop is not None:
             kv = hop.wait()
-    if failed is not None:  # the others got every block from us: they finish, exact
-        raise failed
+    _settle(call, failed, "forward", dev)
     if first:  # no block reached this rank (it holds no visible pair)
         out.zero_()
         lse.fill_(float("-inf"))
@@ -415,62 +421,130 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               dlse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K/V go round again (double-buffered, posted before each block's compute); each
     block's dK/dV accumulator follows one hop behind, its hop posted as soon as the block is
-    done, so it travels under the next block's compute."""
+    done, so it travels under the next block's compute. Like the forward, a rank that fails
+    drains (forwarding the accumulators it receives, uncomputed) and :func:`_settle` raises
+    on every rank."""
     dev = q.device
-    # a forced kernel decides by structure (the loss used the LSE), alike on every rank: by
-    # data, a rank whose dlse is empty or zero ran it while the others raised, and it hung
-    lse_grad = dlse is not None and (call.block_backward != "auto"
-                                     or bool(dlse.ne(0).any()))  # one sync, if LSE was used
-    failed: Exception | None = None
-    try:
-        kernel, _ = block_backward_kernel(q, v, call.params.softcap, call.params.deterministic,
-                                          lse_grad, call.block_backward)
-    except Exception as exc:  # noqa: BLE001 - raised below, after the ring is drained
-        # a forced kernel refused on this rank alone (its loss used the LSE, another rank's
-        # did not): the others are already in their hops, so drain like a failed block
-        kernel, failed = "math", exc
-    fused = kernel != "math"
-    delta = None
-    if not fused:
-        delta = (dout.float() * out.float()).sum(-1)
-        if dlse is not None:  # d lse_i / d s_ij = P_ij: the LSE's gradient enters via delta
-            delta = delta - dlse.float()
-    lse_k = _kernel_lse(lse, call.thd) if fused else lse
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=dev)
-    bufs = call.kv_buffers(k, v)
+    bufs = call.kv_buffers(k, v)  # without them this rank cannot drain: raised at once
     kv = bufs[0][:call.numel(call.ring.rank)]
+    failed: _Failure | None = None
+    try:
+        kernel, delta, lse_k, dq = _backward_setup(call, q, v, out, lse, dout, dlse)
+    except _FAILURES as exc:
+        # e.g. a forced kernel refused on this rank alone (its loss used the LSE, another
+        # rank's did not): the others are already in their hops
+        failed = _Failure("before its first block", exc)
     dkv_hop = None
     last = len(call.plans) - 1
     for step, plan in enumerate(call.plans):
         nxt = call.next_source(step)
         kv_hop = call.ring.hop(kv, call.numel(nxt), _KV_TAG,
                                into=bufs[(step + 1) % 2]) if step < last else None
-        dkv = torch.zeros(call.numel(plan.source), dtype=torch.float32, device=dev)
-        try:
-            if failed is None and not plan.empty:
-                dk_b, dv_b = call.unpack(dkv, plan.source)
-                k_b, v_b = call.unpack(kv, plan.source)
-                if fused:
-                    _fused_block_grads(call, plan, kernel, q, k_b, v_b, dout, out, lse_k, dq,
-                                       dk_b, dv_b)
-                else:
-                    assert delta is not None
-                    _block_grads(call, plan, q, k_b, v_b, dout, lse, delta, dq, dk_b, dv_b)
-        except Exception as exc:  # noqa: BLE001 - raised below, after the ring is drained
-            failed = exc
+        dkv = None
+        if failed is None:
+            try:
+                dkv = torch.zeros(call.numel(plan.source), dtype=torch.float32, device=dev)
+                if not plan.empty:
+                    dk_b, dv_b = call.unpack(dkv, plan.source)
+                    k_b, v_b = call.unpack(kv, plan.source)
+                    if kernel != "math":
+                        _fused_block_grads(call, plan, kernel, q, k_b, v_b, dout, out, lse_k,
+                                           dq, dk_b, dv_b)
+                    else:
+                        _block_grads(call, plan, q, k_b, v_b, dout, lse, delta, dq, dk_b,
+                                     dv_b)
+            except _FAILURES as exc:  # raised on every rank by _settle, after the drain
+                failed, dkv = _Failure(_at_block(step, plan), exc), None
         if dkv_hop is not None:  # earlier ranks' share of this block's dK/dV, one hop behind
-            dkv = dkv_hop.wait().add_(dkv)
-        if failed is not None:  # this block misses our share: NaN, never a quietly wrong dK/dV
-            dkv.fill_(float("nan"))
+            got = dkv_hop.wait()
+            dkv = got if dkv is None else got.add_(dkv)
+        if dkv is None:  # a failed rank's first step: the next rank waits for this size
+            dkv = torch.empty(call.numel(plan.source), dtype=torch.float32, device=dev)
         dkv_hop = call.ring.hop(dkv, call.numel(nxt), _DKV_TAG)
         if kv_hop is not None:
             kv = kv_hop.wait()
     assert dkv_hop is not None  # W >= 1 steps: the last hop brings this rank's own dK/dV home
-    if failed is not None:
-        dkv_hop.wait()
-        raise failed
-    dk, dv = call.unpack(dkv_hop.wait(), call.ring.rank)
+    mine = dkv_hop.wait()
+    _settle(call, failed, "backward", dev)
+    dk, dv = call.unpack(mine, call.ring.rank)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _backward_setup(call: RingCall, q: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                    ) -> tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The block backward kernel, the math kernel's ``delta``, the LSE in the kernels'
+    layout and the fp32 dQ accumulator, before the first hop."""
+    # a forced kernel decides by structure (the loss used the LSE), alike on every rank: by
+    # data, a rank whose dlse is empty or zero ran it while the others raised
+    lse_grad = dlse is not None and (call.block_backward != "auto"
+                                     or bool(dlse.ne(0).any()))  # one sync, if LSE was used
+    kernel, _ = block_backward_kernel(q, v, call.params.softcap, call.params.deterministic,
+                                      lse_grad, call.block_backward)
+    delta = None
+    if kernel == "math":
+        delta = (dout.float() * out.float()).sum(-1)
+        if dlse is not None:  # d lse_i / d s_ij = P_ij: the LSE's gradient enters via delta
+            delta = delta - dlse.float()
+    lse_k = lse if kernel == "math" else _kernel_lse(lse, call.thd)
+    return kernel, delta, lse_k, torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+
+#: What a rank's block work may raise and still drain the ring (a kernel library's exit()
+#: too, as the hub takes it); KeyboardInterrupt and torch's control flow pass at once.
+_FAILURES = (Exception, SystemExit, GeneratorExit)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Where this rank's part of a pass stopped (``where``: a phrase) and what it raised."""
+
+    where: str
+    exc: BaseException
+
+    def describe(self, phase: str) -> str:
+        why = str(self.exc).strip() or "(no message)"
+        return f"failed in the ring's {phase} {self.where}: {type(self.exc).__name__}: {why}"
+
+
+def _at_block(step: int, plan: BlockPlan) -> str:
+    return f"at step {step}, on the K/V block of rank {plan.source}"
+
+
+def _has_peers(ring: Transport) -> bool:
+    """A real process group (a simulated ring plays one rank: nobody to exchange with)."""
+    return isinstance(ring, Ring)
+
+
+def _settle(call: RingCall, failed: _Failure | None, phase: str,
+            device: torch.device) -> None:
+    """The end of a drained pass: every rank learns whether any failed, and if so every rank
+    raises the same :class:`RingError` naming each failed rank, where and why (chained to
+    the original error on that rank). One all-gather of a flag, a second of the reasons
+    only when one failed."""
+    ring = call.ring
+    mine = "" if failed is None else failed.describe(phase)
+    if _has_peers(ring) and ring.world > 1:
+        assert isinstance(ring, Ring)
+        during = f"the status check closing the ring's {phase}"
+        flags = ring.all_gather(torch.tensor([int(failed is not None)], device=device),
+                                during=during)
+        if not any(int(f.item()) for f in flags):
+            return
+        said = exchange_reasons(ring, mine, device)
+    elif failed is None:
+        return
+    else:
+        said = ["" if r != ring.rank else mine for r in range(ring.world)]
+    ranks: dict[str, list[str]] = {}  # ranks that failed alike are named once
+    for r, text in enumerate(said):
+        if text:
+            ranks.setdefault(text, []).append(str(r))
+    raise RingError("ring: " + "; ".join(
+        f"rank{'s' * (len(rs) > 1)} {', '.join(rs)} of {ring.world} {text}"
+        for text, rs in ranks.items())
+        + f". Every rank drained the ring and raises this; none returns a result of this "
+        f"{phase}") from (failed.exc if failed is not None else None)
 
 
 def _kernel_lse(lse: torch.Tensor, thd: bool) -> torch.Tensor:

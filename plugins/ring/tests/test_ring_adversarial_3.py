@@ -300,7 +300,8 @@ def _reverts_alone(rank: int, world: int) -> None:
 def _forced_flash_lse_grad_on_some_ranks(rank: int, world: int) -> None:
     """block_backward="flash" with a loss on the LSE: the ranks holding tokens could not run
     it and raised alone, the empty rank waited in its hops (S = W - 1: the last rank holds
-    none). Every rank must refuse alike, before any hop."""
+    none). Every rank must refuse alike (each drains the ring, then all raise, naming
+    every rank once)."""
     import torch.distributed as dist
 
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=5))
@@ -394,7 +395,9 @@ EXPECT = {
                          "RingError: ring: rank 1 of {w} cannot run this call (ring: "
                          "sharding='striped'"),
     "double_backward": ("RingError: ring: second-order gradients",) * 2,
-    "forced_flash_lse_grad": ("InputError: ring: block_backward='flash' cannot serve",) * 2,
+    "forced_flash_lse_grad": ("RingError: ring: ranks 0, 1 of {w} failed in the ring's "
+                              "backward before its first block: InputError: ring: "
+                              "block_backward='flash' cannot serve",) * 2,
     "block_backward_disagrees": ("RingError: ring: the {w} ranks disagree on block backward: "
                                  "rank 0: auto, rank 1: flash",) * 2,
     "block_backward_unknown": ("RingError: ring: block_backward='fast'",
