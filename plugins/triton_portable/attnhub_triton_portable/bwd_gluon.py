@@ -13,7 +13,13 @@ through shared memory). Each dQ tile leaves by one TMA reduce-add into an fp32 b
 (FlashAttention-3's way) from one of two shared-memory buffers, so the sum runs under the
 next tile's GEMMs.
 
-What limits it (H200, 16k, d128; docs/benchmarks/h200_20261205_s14): 11.45 ms at full
+The programs of the last, partial wave walk their query tiles in parts on the SMs the wave
+leaves idle (:mod:`.bwd_tail`), and programs start at their KV row's first key tile (under a
+causal mask, the longest walks first). H100, 16k, d128 (docs/benchmarks/h100_20261205_s18):
+full 10.94 ms through the API (503 TFLOP/s; 11.20 with whole walks), causal 5.74 (479;
+6.06 taking the last key tile first); cuDNN 9.81 / 5.05 in the same run.
+
+What limited it before (H200, 16k, d128; docs/benchmarks/h200_20261205_s14): 11.45 ms at full
 (480 TFLOP/s for the kernel, 476 with delta and dQ's cast), 6.02 ms causal (450), against
 cuDNN's 10.16 / 5.23. The step as first written hoisted its loop invariants (the wgmma
 descriptors of K, V and dS, the mask's column offsets) into registers and spilled them at
@@ -322,7 +328,7 @@ def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, 
                 DQ_BUFS: gl.constexpr, PROBE: gl.constexpr, PIPE: gl.constexpr,
                 NO_HOIST: gl.constexpr):
     # program ``unit`` takes key tile unit % n_key_tiles of KV row bh = unit // n_key_tiles,
-    # counted from the last key tile when key_desc (bwd_tail.key_tile); the programs past
+    # counted from the last key tile when key_desc (KEY_DESC says why); the programs past
     # full_units are the last wave's tiles in tail_parts parts each (bwd_tail says why)
     pid = gl.program_id(0)
     tail = (pid >= full_units).to(gl.int32)
@@ -491,9 +497,12 @@ def _row_desc(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(flat, [flat.numel()], [1], [BLOCK_M], layout)
 
 
-#: Programs take their KV row's key tiles last first (True) or first first. Causal: the
-#: first key tile sees every query, the last one the fewest.
-KEY_DESC = True
+#: Programs take their KV row's key tiles last first (True) or first first (False: under a
+#: causal mask the first key tile sees every query, the last the fewest, so the longest
+#: walks start first and the last wave is short ones). H100, 16k causal (2026-12-05,
+#: docs/benchmarks/h100_20261205_s18): 5.742 ms first first against 6.057 last first; full
+#: the same (11.20 both, whole walks).
+KEY_DESC = False
 #: SMs of the sm90 the launch stub compiles for off CUDA (an H100's or an H200's).
 STUB_SMS = 132
 #: The kernel's runtime arguments (descriptors, dK/dV, the parts' slots, strides, sizes, the
@@ -514,7 +523,7 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
     ``_probe`` (timing studies only, wrong gradients): 1 skips dq's store and reduce-add,
     2 dq altogether; ``_stages`` / ``_dq_bufs`` try other ring depths, ``_pipe`` the other
     step, ``_no_hoist=False`` the step as it was before its spills were cured, ``_tail_parts``
-    the last wave's split (None: :func:`.bwd_tail.tail_parts`, none under a window),
+    the last wave's split (None: :func:`.bwd_tail.tail_parts` unmasked, none masked),
     ``_key_desc`` the programs' order (None: ``KEY_DESC``) (benchmarks, tests)."""
     q, k, v = args.q, args.k, args.v
     d = args.head_dim
@@ -560,9 +569,10 @@ def _split(args: DenseArgs, units: int, parts: int | None) -> tuple[int, int]:
     sms = sm_count(dev.index or 0) if dev.type == "cuda" else STUB_SMS
     walk = args.group * (args.seqlen_q // BLOCK_M)
     if parts is None:
-        # a window bounds each walk well below ``walk``: the model would split short walks
-        windowed = args.left >= 0 or args.right >= 0
-        parts = 1 if windowed else bwd_tail.tail_parts(units, sms, walk)
+        # masked walks differ in length, and the longest go first (KEY_DESC): the last wave
+        # is short walks. H100, 16k causal: 5.759 ms in parts, 5.742 whole (s18)
+        masked = args.causal or args.left >= 0 or args.right >= 0
+        parts = 1 if masked else bwd_tail.tail_parts(units, sms, walk)
     if parts < 1:
         raise ValueError(f"_tail_parts={parts}: a key tile's walk splits into >= 1 parts")
     rest = units % sms if parts > 1 else 0

@@ -8,7 +8,10 @@ programs of that last wave each walk a part of their query tiles, the parts run 
 on the idle SMs, and each part writes its fp32 dK and dV to a scratch slot; :func:`combine`
 sums a tile's parts in a fixed order (dK and dV stay deterministic) and writes them in the
 gradients' dtype. The number of parts minimises the last wave's time under a cost model
-(:func:`tail_parts`); the GPU run that chose it is in docs/benchmarks.
+(:func:`tail_parts`). H100, 16k full (docs/benchmarks/h100_20261205_s18): the kernel 10.65
+ms in 7 parts (the model's pick) against 11.09 whole, 10.94 ms through the API against 11.20;
+4 and 8 parts within 0.3% of 7. Masked calls stay whole: their longest walks go first, so
+their last wave is short walks already (``bwd_gluon.KEY_DESC``).
 """
 
 from __future__ import annotations
@@ -66,8 +69,9 @@ def scratch(rest: int, parts: int, block_n: int, head_dim: int, device: torch.de
 
 @triton.jit
 def _combine_kernel(Scratch, DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, full_units,
-                    n_key_tiles, key_desc, num_kv_heads, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr):
+                    n_key_tiles, key_desc, num_kv_heads, PARTS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                    ROUND: tl.constexpr):
     r = tl.program_id(0)
     which = tl.program_id(1)  # 0: dK, 1: dV
     rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)

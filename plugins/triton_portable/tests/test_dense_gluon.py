@@ -234,7 +234,7 @@ def test_the_backward_launch_binds_every_parameter_in_order_once_per_key(monkeyp
     assert got["NO_HOIST"] is bwd_gluon.NO_HOIST and got["STAGES"] == bwd_gluon.STAGES
     units = 512 // bwd_gluon.BLOCK_N * 2 * 2  # key tiles x batch x KV heads
     assert made[0].grid == (units, ) and got["n_key_tiles"] == 512 // bwd_gluon.BLOCK_N
-    assert (got["full_units"], got["tail_parts"]) == (units, 1)  # windowed: never in parts
+    assert (got["full_units"], got["tail_parts"]) == (units, 1)  # masked: never in parts
     assert got["key_desc"] == int(bwd_gluon.KEY_DESC)
     assert made[0].options == {"num_warps": bwd_gluon.NUM_WARPS, "num_stages": 1}
     again = run(_args(sq=256, sk=512, causal=True, window=(100, 0)))  # same key
