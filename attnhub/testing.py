@@ -201,3 +201,53 @@ class DictStateStore:
             raise InputError(f"DictStateStore: sequence {seq_id} already has a state")
         if len(self.states) >= self.slots:
             raise CacheFullError(f"DictStateStore: full at sequence {seq_id}")
+
+
+class CtrlCAt:
+    """Fault injection for stores that promise all-or-nothing changes: a KeyboardInterrupt at
+    the ``n``-th point of the code in files whose names end with ``files``, either as a C call
+    returns (``mode="c"``: where CPython delivers a real Ctrl-C) or as a line starts
+    (``mode="line"``, stricter). Sweep ``n`` from 1 until ``fired`` stays False, checking the
+    store's invariants after each :meth:`run`."""
+
+    def __init__(self, n: int, mode: str, files: tuple[str, ...]) -> None:
+        if mode not in ("c", "line"):
+            raise ValueError(f"CtrlCAt(mode={mode!r}): 'c' or 'line'")
+        self.n, self.mode, self.files, self.count, self.fired = n, mode, files, 0, False
+
+    def _tick(self) -> None:
+        self.count += 1
+        if self.count == self.n:
+            self.fired = True
+            raise KeyboardInterrupt(f"Ctrl-C at point {self.n}")
+
+    def _ours(self, frame: Any) -> bool:
+        code = frame.f_code  # never the injector's own lines (this file may be watched)
+        return code.co_filename.endswith(self.files) and code.co_qualname[:8] != "CtrlCAt."
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and self._ours(frame):
+            self._tick()
+
+    def _trace(self, frame: Any, event: str, arg: Any) -> Any:
+        if not self._ours(frame):
+            return None
+        if event in ("call", "line"):
+            self._tick()
+        return self._trace
+
+    def run(self, op: Any) -> None:
+        """``op()`` under the injector; the injected KeyboardInterrupt is swallowed."""
+        import sys
+
+        if self.mode == "c":
+            sys.setprofile(self._profile)
+        else:
+            sys.settrace(self._trace)
+        try:
+            op()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+            sys.setprofile(None)

@@ -100,7 +100,8 @@ def test_values_the_cache_cannot_hold_are_refused(cache_dtype: torch.dtype,
     page's earlier tokens requantized to 0)."""
     c = _cache(cache_dtype)
     s = c.allocate()
-    c.append(s, [_kv(2)] * 2, [_kv(2)] * 2)
+    ok = torch.float32 if cache_dtype == torch.float8_e4m3fn else cache_dtype
+    c.append(s, [_kv(2, ok)] * 2, [_kv(2, ok)] * 2)
     before = c.read(0, s)
     bad = _kv(1, kv_dtype)
     bad[0, 0, 0] = value
@@ -115,12 +116,16 @@ def test_values_the_cache_cannot_hold_are_refused(cache_dtype: torch.dtype,
     assert torch.isfinite(k).all()
 
 
-def test_a_float32_cache_still_takes_infinite_and_wide_float64_values_it_can_hold() -> None:
+def test_a_float32_cache_takes_infinite_float32_values_and_refuses_float64_ones() -> None:
+    """k/v of another dtype are refused, never cast (review 10: the range check of a cast
+    cost a host read per write), even where every value fits."""
     c = _cache(torch.float32)
     s = c.allocate()
-    k = _kv(2, torch.float64)
-    k[0, 0, 0] = float("inf")  # no narrowing: inf stays inf (the cache does not check NaN)
-    c.append(s, [k, k], [_kv(2, torch.float64)] * 2)
+    k = _kv(2, torch.float32)
+    k[0, 0, 0] = float("inf")  # its own dtype: inf stays inf (the cache does not check NaN)
+    with pytest.raises(InputError, match="v is torch.float64, the cache stores torch.float32"):
+        c.append(s, [k, k], [_kv(2, torch.float64)] * 2)
+    c.append(s, [k, k], [_kv(2, torch.float32)] * 2)
     assert torch.isinf(c.read(0, s)[0][0, 0, 0])
 
 

@@ -19,9 +19,9 @@ import functools
 import operator
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -99,6 +99,8 @@ class CacheStep:
                 how = (f"could not be undone ({refused}); its {self.new_tokens} tokens per "
                        "sequence stay reserved, some layers unwritten: free those sequences "
                        "(cache.free) before reading them again")
+            elif self._aborted[0]:  # cut short once, finished by the abort itself
+                how = f"was undone, though {refused!r} landed in the undo"
             elif any(u is self._undo for u in self.cache._undos):  # begun, cut short
                 how = (f"was not fully undone ({refused}); the cache finishes the undo before "
                        "its next operation, or call step.abort() again to finish it now")
@@ -204,9 +206,23 @@ class _Unfinished(threading.local):
     can leave reserved with no name bound to it (``abort_unentered_steps``)."""
 
     last: tuple[int, CacheStep] | None = None
-    #: the id this thread's ``allocate``/``fork`` registered, from its registration until
-    #: the call returned it (``_hands_out_id``)
-    new_id: int | None = None
+    #: how to take back what this thread's ``allocate``/``fork``/``reserve`` did, from the
+    #: moment it is done until the call returned its result (``_hands_out``)
+    take_back: Callable[[], None] | None = None
+
+
+_T = TypeVar("_T")
+
+
+def _to_the_end(apply: Callable[[], Any]) -> None:
+    """Run ``apply`` (idempotent: running it again finishes what a cut-short run began); if
+    anything cuts it short (a Ctrl-C after one of its C calls), run it once more before the
+    exception goes on. A second Ctrl-C there leaves it to whoever runs it next."""
+    try:
+        apply()
+    except BaseException:
+        apply()
+        raise
 
 
 def _locked(fn: Any) -> Any:
@@ -228,26 +244,28 @@ def _locked(fn: Any) -> Any:
     return run
 
 
-def _hands_out_id(fn: Any) -> Any:
-    """``_locked`` for ``allocate``/``fork``: a Ctrl-C delivered as the call releases the
-    cache's lock (after that C call returns: the sequence registered, the id not yet given
-    back) would leave a live sequence, and its state slots, under an id the caller never
-    got. ``_add`` records the id per thread before anything can interrupt it; such a call
-    frees it before the interrupt goes on."""
+def _hands_out(fn: Any) -> Any:
+    """``_locked`` for the mutators whose result the caller needs (``allocate``/``fork``: the
+    id; ``reserve``: the slots): a Ctrl-C delivered as the call releases the cache's lock
+    (after that C call returns: the change made, the result not yet given back) would leave a
+    live sequence (and its state slots) under an id the caller never got, or tokens reserved
+    at slots it never got. The change records per thread how to take it back, with no call
+    between the change and the record (``_atomically``); such a call takes it back before
+    the interrupt goes on (a retry of a take-back cut short by a second Ctrl-C is the
+    caller's, as for ``free``)."""
     locked = _locked(fn)
 
     @functools.wraps(fn)
     def run(self: PagedKVCache, *args: Any, **kwargs: Any) -> Any:
         local = self._unfinished
-        local.new_id = None
+        local.take_back = None  # one a call before left (it returned) is never run
         try:
             return locked(self, *args, **kwargs)
         except BaseException:
-            sid, local.new_id = local.new_id, None
-            if sid is not None:  # registered, never returned: freed (a retry of a free cut
-                with self._lock:  # short by a second Ctrl-C is the caller's, as for free)
-                    if sid in self._seqs:
-                        self.free(sid)
+            take_back, local.take_back = local.take_back, None
+            if take_back is not None:
+                with self._lock:
+                    take_back()
             raise
     return run
 
@@ -315,9 +333,10 @@ class PagedKVCache:
         #: are built): a rolled-back step takes back those after its undo point's number
         self._moved: dict[int, tuple[weakref.ref, frozenset[int], frozenset[int]]] = {}
         self._moves = 0
-        #: undos begun and not finished (a Ctrl-C cut them short): finished, in order, before
-        #: the next operation (``_locked``)
-        self._undos: list[tuple[Any, ...]] = []
+        #: records of the mutations under way (``_atomically``): undo points and roll-forward
+        #: records; one a Ctrl-C left unfinished is finished before the next operation
+        #: (``_locked``)
+        self._undos: list[Any] = []
         #: how deep this thread is in the cache's locked operations (pending undos are
         #: finished at the outermost entry only: an inner call must not undo its caller)
         self._depth = 0
@@ -329,11 +348,11 @@ class PagedKVCache:
     # -- storage ----------------------------------------------------------------------------
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s keys, (num_pages, page_size, Hkv, D): the paged layout's k."""
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         return self._k[layer]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         return self._v[layer]
 
     @property
@@ -357,10 +376,11 @@ class PagedKVCache:
         return tuple(self._seq(seq_id).pages)
 
     def refcount(self, page: int) -> int:
-        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+        index = _int(page)
+        if index is None or not 0 <= index < self.num_pages:
             raise InputError(f"refcount: page={page!r}; pass a page index in "
                              f"0..{self.num_pages - 1}")
-        return self._refs[page]
+        return self._refs[index]
 
     # -- sequences --------------------------------------------------------------------------
     @_locked
@@ -373,17 +393,17 @@ class PagedKVCache:
                              f"{sorted(self._seqs)}; attach state stores before allocating")
         self.states.attach(layers, store)
 
-    # allocate and fork are all or nothing under a Ctrl-C too (which lands at a call's entry
-    # or return, or a loop's back edge), and free can be retried: everything is computed
-    # first, the state stores called last, then the result published by plain assignments,
-    # with no call between them; one delivered as the lock is released frees the new
-    # sequence (``_hands_out_id``)
-    @_hands_out_id
+    # every mutator is all or nothing under a Ctrl-C too (which lands at a call's entry or
+    # return, or a loop's back edge): everything is planned first, then the change runs as
+    # one record (``_atomically``), rolled back or finished if anything cuts it short; one
+    # delivered as the lock is released takes back an id or slots never returned
+    # (``_hands_out``)
+    @_hands_out
     def allocate(self) -> int:
         """A new, empty sequence; pages are taken only when tokens are appended."""
         return self._add(_Seq([], 0), lambda sid: self.states.allocate(sid))
 
-    @_hands_out_id
+    @_hands_out
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing ``seq_id``'s tokens (no copy; pages are reference-counted)
         and starting from a copy of its state (never shared). Write every layer of a step (or
@@ -400,50 +420,93 @@ class PagedKVCache:
         """Register ``seq`` under a new id once ``states(id)`` gave it its state, forked from
         ``src``. The id is taken first: one a cut-short call touched is skipped, never handed
         out twice. Anything raised from the stores' call on (a Ctrl-C as it returns, out of
-        memory) frees what they hold for the id (``SequenceStates.free`` frees exactly that)."""
+        memory) frees what they hold for the id (``SequenceStates.free`` frees exactly that),
+        and the sequence once registered (``_hands_out``)."""
         sid = self._next_id
         self._next_id = sid + 1
+        version, local = self._version + 1, self._unfinished
+
+        def give_back() -> None:
+            if sid in self._seqs:
+                self.free(sid)
+
+        def register() -> None:  # plain stores: run again, it finishes a cut-short run
+            self._seqs[sid] = seq
+            if src is not None:
+                self._refs, src.shared = refs, src.length
+                src.links[sid] = src.length
+            self._version, local.take_back = version, give_back
+
         try:
             states(sid)
-            self._seqs[sid] = seq
+            self._atomically(register)
         except BaseException:
-            self.states.free(sid)
+            if sid not in self._seqs:
+                self.states.free(sid)
             raise
-        if src is not None:
-            self._refs, src.shared = refs, src.length
-            src.links[sid] = src.length
-        self._version += 1
-        # a store, no call, before the return: a Ctrl-C as the lock is released finds it
-        self._unfinished.new_id = sid
         return sid
+
+    def _atomically(self, apply: Callable[[], _T], undo: tuple[Any, ...] | None = None) -> _T:
+        """Run one mutation all or nothing, even if a Ctrl-C (or any exception) cuts it short
+        anywhere: ``apply`` changes the cache, pending in ``_undos`` until it returns. With
+        ``undo`` (an ``_undo_point`` taken before), a cut-short ``apply`` is rolled back to it
+        (a change that writes values or may run out of memory); without, ``apply`` itself is
+        the record, idempotent, and a cut-short run is finished by running it again (a change
+        that cannot be undone: a store's free). Either way before the exception goes on, or,
+        cut short again by a second Ctrl-C, before the cache's next operation (``_locked``).
+        An ``Exception`` from a roll-forward ``apply`` itself (a store refusing its free) is
+        its caller's: nothing after it ran, and the call can be retried."""
+        record: Any = apply if undo is None else undo
+        try:
+            self._undos.append(record)
+            out = apply()
+            self._undos.pop()
+            return out
+        except Exception:
+            if undo is None and self._undos and self._undos[-1] is record:
+                self._undos.pop()  # refused by its own work: the caller retries, or not
+                raise
+            _to_the_end(self._finish_undos)
+            raise
+        except BaseException:
+            _to_the_end(self._finish_undos)
+            raise
 
     @_locked
     def free(self, seq_id: int) -> None:
         """Release a finished sequence; pages no other sequence holds return to the free list.
-        Retryable: a free cut short (Ctrl-C) leaves the sequence live, a retry finishes it."""
+        All or nothing: planned first, then finished even if a Ctrl-C cuts it short (its
+        state stores' frees cannot be undone); a store refusing its free leaves the sequence
+        live, and a retry finishes it."""
         seq_id = self._check_id(seq_id)
         seq = self._seqs[seq_id]
         refs = list(self._refs)
         for p in seq.pages:
             refs[p] -= 1
         released = [p for p in reversed(seq.pages) if not refs[p]]
-        free = self._free + released
-        # the tables naming the pages are revoked before any page is released: an interrupt
-        # (Ctrl-C) between the two left a freed page readable through them
-        self._revoke_tables(released, f"sequence {seq_id} was freed")
-        self.states.free(seq_id)  # retryable: frees only the stores still holding it
-        del self._seqs[seq_id]
-        self._refs, self._free = refs, free
-        self._version += 1
-        for rid, held in seq.links.items():  # its relatives stay linked through it, by the
-            rel = self._seqs.get(rid)  # tokens both held of it; each one's ``shared`` is what
-            if rel is not None:  # its live relatives still hold
-                links = {o: max(rel.links.get(o, 0), min(held, n))
-                         for o, n in seq.links.items() if o != rid}
-                rel.links = {**rel.links, **links}
-                rel.links.pop(seq_id, None)
-                rel.shared = max((n for o, n in rel.links.items() if o in self._seqs),
-                                 default=0)
+        free, version = self._free + released, self._version + 1
+        relatives = []  # its relatives stay linked through it, by the tokens both held of it;
+        for rid, held in seq.links.items():  # each one's ``shared`` is what its live
+            rel = self._seqs.get(rid)  # relatives still hold
+            if rel is not None:
+                links = {**rel.links, **{o: max(rel.links.get(o, 0), min(held, n))
+                                         for o, n in seq.links.items() if o != rid}}
+                links.pop(seq_id, None)
+                shared = max((n for o, n in links.items() if o in self._seqs),
+                             default=0)
+                relatives.append((rel, links, shared))
+
+        def release() -> None:  # idempotent: run again, it finishes a cut-short run
+            # the tables naming the pages are revoked before any page is released: an
+            # interrupt between the two left a freed page readable through them
+            self._revoke_tables(released, f"sequence {seq_id} was freed")
+            self.states.free(seq_id)  # frees only the stores still holding it
+            self._seqs.pop(seq_id, None)
+            self._refs, self._free, self._version = refs, free, version
+            for rel, links, shared in relatives:
+                rel.links, rel.shared = links, shared
+
+        self._atomically(release)
 
     def _revoke_tables(self, pages: Iterable[int], why: str, seq_id: int | None = None
                        ) -> list[tuple[weakref.ref, frozenset[int], frozenset[int]]]:
@@ -467,26 +530,28 @@ class PagedKVCache:
         return revoked
 
     # -- appending --------------------------------------------------------------------------
-    @_locked
+    @_hands_out
     def reserve(self, seq_ids: Sequence[int], num_tokens: int | Sequence[int]) -> torch.Tensor:
         """Make room for ``num_tokens`` more tokens in each sequence; returns their slots.
 
         All or nothing: the pages needed (new pages plus copies of shared, partially filled
         last pages) are counted first, and ``CacheFullError`` is raised before any change;
-        anything raised after that (Ctrl-C in a copy, out of memory) puts the sequences, the
-        free list and the refcounts back before it propagates.
+        anything raised after that (Ctrl-C in a copy, out of memory, or as the lock is
+        released, the slots never returned) puts the sequences, the free list and the
+        refcounts back before it propagates.
         Slots are flat indices into ``(num_pages * page_size)``, sequence-major.
         """
         seq_ids = self._check_ids("reserve", seq_ids)
-        if isinstance(num_tokens, int):
+        if _int(num_tokens) is not None:
             counts = [num_tokens] * len(seq_ids)
-        elif isinstance(num_tokens, Sequence):
+        elif isinstance(num_tokens, Sequence) and not isinstance(num_tokens, (str, bytes)):
             counts = list(num_tokens)
         else:
             raise InputError(f"reserve: num_tokens={num_tokens!r}; pass an int or one int per "
                              "sequence")
-        if any(isinstance(n, bool) or not isinstance(n, int) for n in counts):
+        if any(_int(n) is None for n in counts):
             raise InputError(f"reserve: token counts must be ints, got {counts}")
+        counts = [operator.index(n) for n in counts]
         if len(counts) != len(seq_ids):
             raise InputError(f"reserve: {len(seq_ids)} sequences but {len(counts)} token counts")
         seq_ids = [self._check_id(s) for s in seq_ids]
@@ -506,8 +571,9 @@ class PagedKVCache:
                 "sequences or build the cache with more num_pages. No sequence was changed.")
         undo = ([(seq, list(seq.pages), seq.length) for seq in seqs], list(self._free),
                 list(self._refs), [], self._moves, [False])
-        self._undos.append(undo)  # pending until it returns (see ``_rollback``)
-        try:
+        local = self._unfinished
+
+        def take() -> torch.Tensor:
             for i in copies:
                 self._copy_on_write(seq_ids[i], seqs[i])
             fresh = []
@@ -521,12 +587,18 @@ class PagedKVCache:
                     fresh.append(p)
             self._clear(fresh)
             slots = self._slots(seqs, counts)
-            self._undos.pop()
-        except BaseException:
+            version = self._version + 1
+            self._version, local.take_back = version, lambda: self._take_back(undo, version)
+            return slots
+
+        return self._atomically(take, undo)
+
+    def _take_back(self, undo: tuple[Any, ...], version: int) -> None:
+        """Undo a reservation whose slots never reached the caller (``_hands_out``), unless
+        the cache changed since (another thread's call took the lock in between): the
+        tokens then stay reserved, the cache as right after the call."""
+        if self._version == version:
             self._rollback(undo)
-            raise
-        self._version += 1
-        return slots
 
     def _clear(self, pages: list[int]) -> None:
         """Zero pages taken from the free list: they may hold a freed sequence's keys, which
@@ -596,7 +668,7 @@ class PagedKVCache:
         self._write(layer, slots, k, v, check_slots=True)
 
     def _write(self, layer: int, slots: Any, k: Any, v: Any, *, check_slots: bool) -> None:
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
             raise InputError(f"write: slots must be the (N,) int64 tensor reserve() returned, "
                              f"got {_describe(slots)}")
@@ -606,15 +678,18 @@ class PagedKVCache:
         if check_slots and n:
             self._check_slots(slots)
         # values, never autograd history: a k/v that requires grad would otherwise make the
-        # whole cache part of its graph, kept alive (and growing) step after step
+        # whole cache part of its graph, kept alive (and growing) step after step. k and v
+        # land together: a Ctrl-C between the two copies finishes the second (both
+        # idempotent; an FP8 page's descale, once grown, stays), never one without the other
         with torch.no_grad():
             if self.scales is not None:  # FP8: quantized per page, descales grown as needed
-                self.scales.write(self._k[layer], self._v[layer], layer, slots, k, v)
+                scales = self.scales
+                _to_the_end(lambda: scales.write(self._k[layer], self._v[layer], layer, slots,
+                                                 k, v))
                 return
-            self._k[layer].view(-1, *self._k.shape[3:]).index_copy_(0, slots,
-                                                                    k.to(self.dtype))
-            self._v[layer].view(-1, *self._v.shape[3:]).index_copy_(0, slots,
-                                                                    v.to(self.dtype))
+            kf = self._k[layer].view(-1, *self._k.shape[3:])
+            vf = self._v[layer].view(-1, *self._v.shape[3:])
+            _to_the_end(lambda: (kf.index_copy_(0, slots, k), vf.index_copy_(0, slots, v)))
 
     def _check_slots(self, slots: torch.Tensor) -> None:
         """Every slot is a token a live sequence reserved, in a page no other sequence holds,
@@ -671,16 +746,13 @@ class PagedKVCache:
         n = self._check_kv("append layer 0", ks[0], vs[0], None)
         for layer in range(1, self.num_layers):
             self._check_kv(f"append layer {layer}", ks[layer], vs[layer], n)
-        undo = self._undo_point([seq_id])
-        self._undos.append(undo)  # pending until it returns (see ``_rollback``)
-        try:
-            slots = self.reserve([seq_id], n)
+
+        def put() -> None:  # a write the checks could not foresee (out of memory, ...) or a
+            slots = self.reserve([seq_id], n)  # Ctrl-C rolls it all back
             for layer, (k, v) in enumerate(zip(ks, vs)):
                 self._write(layer, slots, k, v, check_slots=False)
-            self._undos.pop()
-        except BaseException:  # a write the checks could not foresee (out of memory, ...)
-            self._rollback(undo)
-            raise
+
+        self._atomically(put, self._undo_point([seq_id]))
 
     def _undo_point(self, seq_ids: Sequence[int]) -> tuple[Any, ...]:
         """What ``_rollback`` needs to put the cache back as it is now, before tokens are
@@ -711,17 +783,29 @@ class PagedKVCache:
         cuts the undo short (a shared page counted once, say), leaves it to be finished
         before the cache's next operation (``_locked``) or by ``step.abort()``, never
         half-done under a ``free``."""
-        with self._lock:
+        def finish() -> None:  # registered inside: a Ctrl-C as it is, undone now, not later
             if not self._undos or self._undos[-1] is not undo:
                 self._undos.append(undo)
             self._finish_undos()
 
+        with self._lock:
+            _to_the_end(finish)
+
     def _finish_undos(self) -> None:
-        """Finish the pending undos, innermost (last begun) first, as nested operations
-        unwind; each can be run again, and once done does nothing."""
-        for undo in reversed(self._undos):
-            self._undo(undo)
-        self._undos.clear()
+        """Finish the pending records, innermost (last begun) first, as nested operations
+        unwind: undo points are rolled back, a roll-forward record (``_atomically``) is run
+        again; each can be run again, and once done does nothing."""
+        while self._undos:
+            record = self._undos[-1]
+            if not callable(record):
+                self._undo(record)
+            else:
+                try:
+                    record()
+                except Exception:  # refused by its own work (a store's free): its call's
+                    self._undos.pop()  # to retry, never the cache's to fail on for good
+                    raise
+            self._undos.pop()
 
     def _undo(self, undo: tuple[Any, ...]) -> None:
         """Restore one undo point; safe to run again after a Ctrl-C, a no-op once done."""
@@ -761,8 +845,8 @@ class PagedKVCache:
         done[0] = True
 
     def _check_kv(self, where: str, k: Any, v: Any, n: int | None) -> int:
-        """k (n, Hkv, D) and v (n, Hkv, Dv) fit this cache; returns n. Floating point only
-        (an integer tensor is refused, never cast); FP8 caches also need finite values."""
+        """k (n, Hkv, D) and v (n, Hkv, Dv) fit this cache; returns n. The cache's own dtype
+        (another is refused, never cast); an FP8 cache takes finite fp16/bf16/fp32 values."""
         dv = self._v.shape[-1]
         for name, t, d in (("k", k, self.head_dim), ("v", v, dv)):
             if not isinstance(t, torch.Tensor):
@@ -772,6 +856,14 @@ class PagedKVCache:
                 raise InputError(f"{where}: {name} is {t.dtype}; the cache takes fp16/bf16/fp32 "
                                  f"k/v (cast explicitly, e.g. {name}.float()); integers are "
                                  "refused, not cast, and an FP8 cache quantizes by itself")
+            if self.scales is None and t.dtype != self.dtype:
+                # never cast here: refusing the values a narrower dtype rounds to inf would
+                # cost a host read (a device sync) per write; the hub refuses reading this
+                # cache with queries of another dtype anyway
+                raise InputError(f"{where}: {name} is {t.dtype}, the cache stores "
+                                 f"{self.dtype}; pass {name}.to(cache.dtype) (values past "
+                                 f"{self.dtype}'s range become inf) or build the cache with "
+                                 f"dtype={t.dtype}")
             if t.device != self.device:
                 raise InputError(f"{where}: {name} is on {t.device}, the cache on "
                                  f"{self.device}; move it ({name}.to(cache.device))")
@@ -789,46 +881,29 @@ class PagedKVCache:
             # in float32, where the descales are computed: a float64 1e300 is finite there
             raise InputError(f"{where}: k/v hold NaN, inf or values beyond the float32 range, "
                              "which an FP8 cache cannot store with a finite page descale")
-        if self.scales is None and n:
-            self._check_range(where, k, v)
         return n
 
-    def _check_range(self, where: str, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Refuse finite values the cache's dtype cannot hold (a float32 1e5 into a float16
-        cache, a float64 1e300 into a float32 one, a float32 3.4e38 into a bfloat16 one):
-        the cast would store inf silently. Exactly the values the cast rounds to inf (65519
-        into float16 rounds to 65504 and is kept). Only when ``k``/``v``'s dtype reaches
-        past the cache's largest value (a host read there): float32 into bfloat16 too, whose
-        largest value is 2^120 x (2 - 2^-7), below float32's."""
-        fmax = torch.finfo(self.dtype).max
-        for name, t in (("k", k), ("v", v)):
-            if torch.finfo(t.dtype).max <= fmax:
-                continue
-            over = torch.isfinite(t) & torch.isinf(t.to(self.dtype))
-            if bool(over.any()):
-                big = float(t[over].abs().min())
-                raise InputError(f"{where}: {name} holds {big:.3g}, beyond the largest "
-                                 f"{self.dtype} value {fmax:.3g} the cache stores; scale it or "
-                                 "build the cache with a wider dtype")
-
-    def _check_layer(self, layer: Any) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not (
-                0 <= layer < self.num_layers):
+    def _check_layer(self, layer: Any) -> int:
+        index = _int(layer)
+        if index is None or not 0 <= index < self.num_layers:
             raise InputError(f"layer={layer!r}; pass an index in 0..{self.num_layers - 1} "
                              "(negative indices are refused, not counted from the end)")
+        return index
 
     @_locked
     def step(self, seq_ids: Sequence[int], new_tokens: int) -> CacheStep:
         """Reserve ``new_tokens`` per sequence and build the tables every layer of a step uses."""
         seq_ids = self._check_ids("step", seq_ids)
-        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
+        count = _int(new_tokens)
+        if count is None or count < 0:
             raise InputError(f"step: new_tokens={new_tokens!r}; pass one int >= 0, the tokens "
                              "each sequence appends in this step (per-sequence counts: "
                              "reserve)")
+        new_tokens = count
         context = tuple(self._seqs[s].length for s in seq_ids)
         undo = self._undo_point(seq_ids)
-        self._undos.append(undo)  # pending until it returns (see ``_rollback``)
-        try:
+
+        def take() -> CacheStep:
             slots = self.reserve(seq_ids, new_tokens)
             owned = tuple((s, tuple(self._seqs[s].pages[c // self.page_size:]))
                           for s, c in zip(seq_ids, context) if new_tokens)
@@ -837,13 +912,10 @@ class PagedKVCache:
                              _aborted=undo[-1], _owned=owned)
             # recorded before the undo is dropped: from here until a ``with`` block's exit
             # is done with it, a Ctrl-C that leaves ``step`` unbound leaves it findable
-            self._steps += 1
-            self._unfinished.last = (self._steps, step)
-            self._undos.pop()
+            self._steps, self._unfinished.last = self._steps + 1, (self._steps + 1, step)
             return step
-        except BaseException:
-            self._rollback(undo)
-            raise
+
+        return self._atomically(take, undo)
 
     @property
     def steps_taken(self) -> int:
@@ -927,7 +999,7 @@ class PagedKVCache:
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A contiguous copy of one sequence's k/v for ``layer``: (length, Hkv, D) each
         (an FP8 cache gives the dequantized values, fp32)."""
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         seq = self._seq(seq_id)
         idx = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
         k, v = self._k[layer].index_select(0, idx), self._v[layer].index_select(0, idx)
@@ -1011,6 +1083,16 @@ def _as_f32(t: torch.Tensor) -> torch.Tensor:
     """``t`` where float32 computes its descale: float64 cast (1e300 is finite there, not in
     float32), narrower floats as they are (no copy)."""
     return t.float() if t.dtype == torch.float64 else t
+
+
+def _int(value: Any) -> int | None:
+    """``value`` as an int where it is one (a Python, numpy or torch integer, as sequence ids
+    are taken), else None: a bool or float is never an int here (True passed for 1, a count
+    2.0 was refused where ``numpy.int64(2)`` was not taken either)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__") or (
+            isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim())):
+        return None
+    return operator.index(value)
 
 
 def _describe(x: Any) -> str:

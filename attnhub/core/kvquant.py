@@ -106,8 +106,10 @@ def _write(pages: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, x: to
     if bool(grown.any()):  # requantize the tokens already in pages whose descale grew
         idx = touched[grown]
         ratio = (old[grown] / new[grown])[:, None, :, None]
-        pages[idx] = _cast(pages[idx].float() * ratio, fmax, pages.dtype)
-        scales[idx] = new[grown]
+        # one statement, no call between the two stores: a Ctrl-C never leaves the codes
+        # requantized under the old descale (the write, run again to finish, would scale
+        # them twice)
+        pages[idx], scales[idx] = _cast(pages[idx].float() * ratio, fmax, pages.dtype), new[grown]
     flat = pages.view(-1, *pages.shape[2:])
     flat[slots] = _cast(x.float() / new[inv][:, :, None], fmax, pages.dtype)
 

@@ -89,8 +89,9 @@ class SequenceStates:
         if taken:
             raise InputError(f"attach: layers {taken} already have a state store; one store "
                              "per layer")
-        self._stores.append(store)
-        self._by_layer.update(dict.fromkeys(layers, store))
+        by_layer = {**self._by_layer, **dict.fromkeys(layers, store)}
+        # one statement, no call: a Ctrl-C never leaves a store listed without its layers
+        self._stores, self._by_layer = [*self._stores, store], by_layer
 
     def store(self, layer: int) -> SequenceStore | None:
         return self._by_layer.get(layer)

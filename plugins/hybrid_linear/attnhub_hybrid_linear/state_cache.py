@@ -10,7 +10,10 @@ Guarantees:
   * freed on finish (``free``), after which the id is unknown and any use raises;
   * never shared: ``fork`` copies the parent's state into a slot of its own, ``read`` returns
     a copy, ``write`` refuses repeated ids in one call;
-  * a full pool raises :class:`attnhub.plugin.CacheFullError` and changes nothing.
+  * a full pool raises :class:`attnhub.plugin.CacheFullError` and changes nothing;
+  * every change is all or nothing, under a Ctrl-C too (delivered as a call returns): a slot
+    is filled while still free, then handed over by one statement with no call in it; a
+    write lands its states and positions together (``_to_the_end``).
 Each (sequence, layer) also records how many tokens its state has consumed, so a backend can
 refuse a state that does not match the context it is given (a stale or skipped step).
 """
@@ -18,7 +21,7 @@ refuse a state that does not match the context it is given (a stale or skipped s
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -41,24 +44,42 @@ def whole(value: Any, what: str) -> int:
                      "bool is never rounded into one)")
 
 
+def _to_the_end(apply: Callable[[], None]) -> None:
+    """Run ``apply`` (idempotent); if anything cuts it short (a Ctrl-C after one of its C
+    calls), run it once more before the exception goes on: never a state written without
+    its position, or the reverse."""
+    try:
+        apply()
+    except BaseException:
+        apply()
+        raise
+
+
 class RecurrentStateCache:
     """Pool of per-sequence recurrent states for the linear layers of one model."""
 
     def __init__(self, *, layers: int | Iterable[int], num_heads: int, key_dim: int,
                  value_dim: int | None = None, max_seqs: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        ids = (list(range(layers)) if isinstance(layers, int) and not isinstance(layers, bool)
+        if isinstance(layers, (bool, str, bytes)) or not isinstance(layers, (int, Iterable)):
+            raise InputError(f"RecurrentStateCache: layers={layers!r}; pass a count or the "
+                             "layer ids")
+        ids = (list(range(layers)) if isinstance(layers, int)
                else [whole(x, "RecurrentStateCache: layer id") for x in layers])
-        if not ids or min(num_heads, key_dim, value_dim or key_dim, max_seqs) <= 0:
-            raise InputError("RecurrentStateCache: layers, num_heads, key_dim, value_dim and "
-                             "max_seqs must all be positive")
+        sizes = {"num_heads": num_heads, "key_dim": key_dim, "max_seqs": max_seqs,
+                 "value_dim": key_dim if value_dim is None else value_dim}
+        sizes = {k: whole(n, f"RecurrentStateCache: {k}") for k, n in sizes.items()}
+        if not ids or min(sizes.values()) <= 0:
+            raise InputError(f"RecurrentStateCache: layers={layers!r}, {sizes}; layers, "
+                             "num_heads, key_dim, value_dim and max_seqs must all be positive")
+        num_heads, key_dim, max_seqs = sizes["num_heads"], sizes["key_dim"], sizes["max_seqs"]
         if len(set(ids)) != len(ids):
             raise InputError(f"RecurrentStateCache: layer ids repeat in {ids}")
         self._row = {layer: i for i, layer in enumerate(ids)}
         self.max_seqs = max_seqs
         self.device = torch.device(device)
-        vd = value_dim or key_dim
-        self._pool = torch.zeros(max_seqs, len(ids), num_heads, key_dim, vd, dtype=dtype,
+        self._pool = torch.zeros(max_seqs, len(ids), num_heads, key_dim, sizes["value_dim"],
+                                 dtype=dtype,
                                  device=self.device)
         self._pos = [[0] * len(ids) for _ in range(max_seqs)]
         self._free: list[int] = list(range(max_seqs - 1, -1, -1))
@@ -90,7 +111,7 @@ class RecurrentStateCache:
         slot = self._take(f"allocate sequence {seq_id}")
         self._pool[slot].zero_()
         self._pos[slot] = [0] * len(self._row)
-        self._slot[seq_id] = slot
+        self._own(seq_id, slot)
 
     def fork(self, src: int, dst: int) -> None:
         """``dst`` starts as a copy of ``src`` (state and positions); later writes diverge."""
@@ -102,11 +123,21 @@ class RecurrentStateCache:
         slot = self._take(f"fork sequence {src} into {dst}")
         self._pool[slot].copy_(self._pool[s])
         self._pos[slot] = list(self._pos[s])
-        self._slot[dst] = slot
+        self._own(dst, slot)
 
     def free(self, seq_id: int) -> None:
-        """Release a finished sequence's slot; the id is unknown afterwards."""
-        self._free.append(self._slot.pop(self._check(seq_id)))
+        """Release a finished sequence's slot; the id is unknown afterwards. All or nothing:
+        a Ctrl-C as ``dict.pop`` returned lost the slot (neither owned nor free)."""
+        owned = dict(self._slot)
+        slot = owned.pop(self._check(seq_id))
+        self._slot, self._free = owned, [*self._free, slot]  # no call: never half-done
+
+    def _own(self, seq_id: int, slot: int) -> None:
+        """Hand ``slot`` (the last free one, ``_take``, filled while still free) to
+        ``seq_id`` in one statement with no call in it: a Ctrl-C lands before or after,
+        never with the slot both free and owned, or neither."""
+        owned = {**self._slot, seq_id: slot}
+        self._slot, self._free = owned, self._free[:-1]
 
     # -- states -----------------------------------------------------------------------------
     def position(self, seq_id: int, layer: int) -> int:
@@ -125,10 +156,7 @@ class RecurrentStateCache:
         """Store new states (B, H, K, V) and advance each position by the tokens consumed."""
         slots = self._slots(seq_ids, "write")
         row = self._layer_row(layer)
-        want = (len(slots), *self._pool.shape[2:])
-        if tuple(states.shape) != want:
-            raise InputError(f"RecurrentStateCache.write: states have shape "
-                             f"{tuple(states.shape)}, expected {want} (B, H, K, V)")
+        self._check_state("write", states, (len(slots), *self._pool.shape[2:]))
         try:
             steps = [advance] * len(slots) if isinstance(advance, int) else list(advance)
         except TypeError:  # one count of another type (0.7, a 0-d tensor): whole() judges it
@@ -136,25 +164,54 @@ class RecurrentStateCache:
         if len(steps) != len(slots):
             raise InputError(f"RecurrentStateCache.write: {len(slots)} sequences but "
                              f"{len(steps)} token counts")
+        # every count judged before anything is written (a refused one changed the states)
+        steps = [whole(n, "RecurrentStateCache.write: advance") for n in steps]
+        if min(steps, default=0) < 0:
+            raise InputError(f"RecurrentStateCache.write: advance={steps}; pass the tokens "
+                             "each state consumed, >= 0 (restore() sets a position back)")
+        pos = [self._pos[s][row] + n for s, n in zip(slots, steps)]
         # values only: a state carrying a training call's graph would pull the pool into it
         # (the next call's backward went through it twice; decode grew it a node per step)
-        self._pool[:, row].index_copy_(0, self._slot_index(slots),
-                                       states.detach().to(self._pool.dtype))
-        steps = [whole(n, "RecurrentStateCache.write: advance") for n in steps]
-        for s, n in zip(slots, steps):
-            self._pos[s][row] += n
+        new, index = states.detach().to(self._pool.dtype), self._slot_index(slots)
+
+        def land() -> None:
+            self._pool[:, row].index_copy_(0, index, new)
+            for s, p in zip(slots, pos):
+                self._pos[s][row] = p
+
+        _to_the_end(land)
 
     def restore(self, seq_id: int, layer: int, state: torch.Tensor, position: int) -> None:
         """Set one sequence's state in ``layer`` and the tokens it has consumed, absolutely:
         a state rebuilt from the KV cache's context after a step was aborted or skipped."""
         slot, row = self._slot_of(seq_id), self._layer_row(layer)
         position = whole(position, "RecurrentStateCache.restore: position")
-        if tuple(state.shape) != tuple(self._pool.shape[2:]) or position < 0:
-            raise InputError(f"RecurrentStateCache.restore: state {tuple(state.shape)} at "
-                             f"position {position}; expected {tuple(self._pool.shape[2:])} "
-                             "(H, K, V) at a position >= 0")
-        self._pool[slot, row].copy_(state.detach())
-        self._pos[slot][row] = position
+        self._check_state("restore", state, tuple(self._pool.shape[2:]))
+        if position < 0:
+            raise InputError(f"RecurrentStateCache.restore: position={position}; pass the "
+                             "tokens the state has consumed, >= 0")
+
+        def land() -> None:
+            self._pool[slot, row].copy_(state.detach())
+            self._pos[slot][row] = position
+
+        _to_the_end(land)
+
+    def _check_state(self, where: str, states: Any, want: tuple[int, ...]) -> None:
+        """A floating tensor of shape ``want`` on the pool's device: anything else was cast
+        (an integer state truncated), moved or half-written before it failed."""
+        dims = "B, H, K, V" if len(want) == 4 else "H, K, V"
+        if not isinstance(states, torch.Tensor) or not states.is_floating_point():
+            got = states.dtype if isinstance(states, torch.Tensor) else type(states).__name__
+            raise InputError(f"RecurrentStateCache.{where}: states are {got}; pass a floating "
+                             f"point tensor {want} ({dims}) of this cache's states")
+        if tuple(states.shape) != want:
+            raise InputError(f"RecurrentStateCache.{where}: states have shape "
+                             f"{tuple(states.shape)}, expected {want} ({dims})")
+        if states.device != self._pool.device:
+            raise InputError(f"RecurrentStateCache.{where}: states are on {states.device}, "
+                             f"the cache on {self._pool.device}; move them "
+                             "(states.to(cache.device))")
 
     def check_invariants(self) -> None:
         """Every slot is either free or owned by exactly one sequence."""
@@ -173,12 +230,13 @@ class RecurrentStateCache:
         return self._index[1]
 
     def _take(self, what: str) -> int:
+        """The free slot ``_own`` hands out next, left on the free list meanwhile."""
         if not self._free:
             raise CacheFullError(
                 f"RecurrentStateCache: cannot {what}: all {self.max_seqs} state slots are in "
                 "use. No sequence was changed; free finished sequences or build the cache "
                 "with a larger max_seqs")
-        return self._free.pop()
+        return self._free[-1]
 
     def _check(self, seq_id: int) -> int:
         seq_id = whole(seq_id, "RecurrentStateCache: sequence id")
