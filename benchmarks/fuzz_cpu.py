@@ -5,7 +5,13 @@ choice), compared with the fp64 reference by the FlashAttention rule (``attnhub.
 Each case is drawn as a family of calls of one shape and run two or three times on the same
 hub with fresh data, tables and side tensors (and, for bshd/bhsd, new lengths in the same
 power-of-two bucket), so the hot path and the grow path are exercised as well as the slow
-path. Triton runs under ``TRITON_INTERPRET=1`` on tiny shapes only. A tool, not a test:
+path. Triton runs under ``TRITON_INTERPRET=1`` on tiny shapes only.
+
+An output over the rule is ``peaked`` (reported, not a failure) where every element is within
+the rule plus twice its ``score_rounding_floor``: the first-order error of rounding each
+score once in fp32, which grows with the scores; where they are large it, not the
+reference's luck with its order of operations, sets what a kernel can reach
+(docs/contract.md). A tool, not a test:
 
     python benchmarks/fuzz_cpu.py --cases 500 --seed 1 --budget-s 600
 """
@@ -28,6 +34,7 @@ import torch  # noqa: E402
 
 import attnhub  # noqa: E402
 from attnhub import AttnParams, BackendUnavailableError, InputError, NoBackendError  # noqa: E402
+from attnhub.plugin import reference_attention  # noqa: E402
 from attnhub.testing import fa_references, fa_rule_error  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -397,9 +404,49 @@ def _lse_ok(lse: torch.Tensor, ref: torch.Tensor) -> str | None:
     return None
 
 
+def score_rounding_floor(call: Call, ref64: torch.Tensor) -> torch.Tensor:
+    """Per output element, in the call's layout: ``sum_j p_ij * u * |scale| * sum_d
+    |q_id k_jd| * |v_j - o_i|`` (``u``: fp32's unit roundoff), the first-order change of
+    attention when each score moves by one fp32 rounding of its dot product, which no kernel
+    holding its scores in fp32 avoids (in half precision too: the scores are fp32 there).
+    It grows with the scores: where they are large, rounding them decides the error, and
+    the rule's yardstick (the reference's error) is one order of operations' luck.
+    Softcap, ALiBi and mods round more, not counted: classified conservatively there.
+    Probabilities come from the reference itself (values one-hot in the key position)."""
+    q, k, v = (x.detach().double() for x in call.ref)
+    tk = k.shape[-3]
+    eye = torch.eye(tk, dtype=torch.float64).unsqueeze(-2).expand(*k.shape[:-1], tk)
+    probs, _ = reference_attention(q, k, eye.contiguous(), call.params,
+                                   layout=call.ref_layout)
+    if call.ref_layout == "thd":  # one packed row: cross-document pairs have p = 0
+        q, k, v, probs, ref64 = (x.unsqueeze(0) for x in (q, k, v, probs, ref64))
+    g = q.shape[-2] // k.shape[-2]
+    k, v = (x.repeat_interleave(g, dim=-2) for x in (k, v))
+    unit = torch.finfo(torch.float32).eps / 2
+    mag = torch.einsum("bqhd,bkhd->bqhk", q.abs(), k.abs()) * abs(call.params.scale) * unit
+    spread = (v.unsqueeze(1) - ref64.detach().unsqueeze(2)).abs()  # (B, Sq, Sk, H, Dv)
+    floor = torch.einsum("bqhk,bqkhc->bqhc", probs * mag, spread)
+    return call.to_out(floor[0] if call.ref_layout == "thd" else floor)
+
+
+def peaked(out: torch.Tensor, call: Call, ref64: torch.Tensor, allowed: float) -> str | None:
+    """Why an output over the rule (``allowed``) is the large-score regime (None: a
+    failure): every element within the rule plus 2x its :func:`score_rounding_floor` (2x,
+    as the rule takes its yardstick). At the default scale that adds at most ~17% to the
+    fp32 rule (nothing in half precision); a wrong mask or formula is off by far more."""
+    floor = score_rounding_floor(call, ref64)
+    err = (out.detach().double() - call.to_out(ref64)).abs()
+    if not bool((err <= allowed + 2 * floor).all()):
+        return None
+    return (f"every element within the rule ({allowed:.3e}) plus 2x its score-rounding "
+            f"floor: error up to {float(err.max()):.3e}, floor up to "
+            f"{float(floor.max()):.3e}")
+
+
 def check_one(call: Call, backend: str, refs: tuple, grad_out: torch.Tensor | None,
               ) -> tuple[str, str]:
-    """('ok'|'refused'|'input'|'FAIL', detail)."""
+    """('ok'|'refused'|'input'|'peaked'|'FAIL', detail); 'peaked' (``peaked``) is reported,
+    not failed."""
     kw = dict(call.kw)
     if backend != POLICY:
         kw["backend"] = backend
@@ -426,7 +473,9 @@ def check_one(call: Call, backend: str, refs: tuple, grad_out: torch.Tensor | No
         return "FAIL", "NaN in output"
     err, allowed = fa_rule_error(out, r64, rsame)
     if err > allowed:
-        return "FAIL", f"output error {err:.3e} > allowed {allowed:.3e}"
+        why = peaked(out, call, ref64, allowed)
+        return ("peaked", why) if why else ("FAIL", f"output error {err:.3e} > allowed "
+                                                    f"{allowed:.3e}")
     if lse is not None:
         want = call.to_lse(ref_lse)
         if lse.shape != want.shape:
@@ -523,6 +572,9 @@ def run_case(seed: int, stats: dict, failures: list, budget_end: float,
             if status == "input":
                 stats.setdefault("input_msgs", {}).setdefault(detail[:160], repro(
                     fam, seed, rep, name))
+            if status == "peaked":
+                stats.setdefault("peaked_msgs", []).append(f"{repro(fam, seed, rep, name)}"
+                                                           f"\n    {detail}")
             if status == "FAIL":
                 failures.append(f"{repro(fam, seed, rep, name)} lens_q={lens_q} "
                                 f"lens_k={lens_k} mode={mode} kw={kw_show}\n    {detail}")
@@ -540,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     end = time.monotonic() + args.budget_s
-    stats: dict = {"ok": 0, "refused": 0, "input": 0, "FAIL": 0, "invalid": 0}
+    stats: dict = {"ok": 0, "refused": 0, "input": 0, "peaked": 0, "FAIL": 0, "invalid": 0}
     failures: list[str] = []
     done = 0
     seeds = ([args.case] if args.case is not None
@@ -553,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         done += 1
     print(f"fuzz_cpu: {done} cases, {stats['ok']} ok, {stats['refused']} refused, "
           f"{stats['input']} input errors, {stats['invalid']} invalid draws, "
-          f"{len(failures)} FAILED")
+          f"{stats['peaked']} peaked (not failed: module docstring), {len(failures)} FAILED")
     for name, st in sorted(stats.get("by_backend", {}).items()):
         print(f"  {name}: {st}")
     if args.verbose:
@@ -562,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  refused {name} x{n}: {why}")
     for msg in sorted(stats.get("invalid_msgs", ())) if args.verbose else ():
         print(f"  invalid draw (the reference refused it): {msg}")
+    for msg in stats.get("peaked_msgs", []):
+        print(f"  peaked: {msg}")
     for msg, rep in stats.get("input_msgs", {}).items():
         print(f"  input error: {msg}\n    first at {rep}")
     return 1 if failures else 0

@@ -331,8 +331,9 @@ LOCAL_WINDOW = 4
 def _budget(base: Case, caps: Capabilities) -> list[Case]:
     """An approximate backend's declared ``error_budget``, judged on the inputs it is stated
     for (``conformance.budget``): two draws (one for an unbounded budget, which can only be
-    shown); no budget, an unknown input class or a class the masks cannot serve is a
-    failure naming the fix."""
+    shown), and with a backward two more whose dq, dk, dv are held to its
+    ``gradient_budget``; no budget, an unknown input class or a class the masks cannot serve
+    is a failure naming the fix."""
     if caps.exact:
         return []
     cls = caps.error_budget_inputs
@@ -353,6 +354,20 @@ def _budget(base: Case, caps: Capabilities) -> list[Case]:
                "another input class")
     if fix:
         return [replace(base, feature=feature, notes=(fix,))]
+    out = _budget_draws(base, feature, cls, caps.error_budget == float("inf"))
+    grads = caps.gradient_budget
+    if caps.backward and "train" in caps.phases and grads is not None and grads < float("inf"):
+        layout = "bshd" if "bshd" in caps.layouts else base.layout
+        if layout != "paged":  # the forward draws' mask, in training (as ``_phases``)
+            train = _fit(replace(base, phase="train", layout=layout, backward=True,
+                                 page_size=0), caps)
+            out += _budget_draws(train, f"gradient budget ({cls} inputs)", cls, False)
+    return out
+
+
+def _budget_draws(base: Case, feature: str, cls: str, one: bool) -> list[Case]:
+    """The draws of a budget on ``cls`` inputs from ``base`` (also their basis): the second
+    one, for ``local``, with a heavy value; only the first when ``one``."""
     c = replace(base, feature=feature, budget_inputs=cls, return_lse=False, strided=False,
                 basis=base)
     if base.phase != "decode" and base.layout in ("bshd", "thd"):
@@ -362,7 +377,7 @@ def _budget(base: Case, caps: Capabilities) -> list[Case]:
         w = LOCAL_WINDOW
         c = replace(c, window=(w, 0) if base.causal else (w, w))
     cases = [c, replace(c, seed=1, heavy_value=cls == "local")]
-    return cases[:1] if caps.error_budget == float("inf") else cases
+    return cases[:1] if one else cases
 
 
 def _results(base: Case, caps: Capabilities) -> list[Case]:

@@ -9,9 +9,10 @@ tensors left unchanged, with an output of its own memory (``guards``). Approxima
 (``exact=False``) are judged on the contract in every case (their error against the exact
 reference is shown) and held to their declared ``error_budget`` (relative RMSE against dense
 attention) in the "error budget" cases, on inputs the kit builds of the class the budget is
-stated for (``budget``, ``_judge_budget``). ``check()`` raising or returning junk is the
-backend's crash/failure, not a decline. Declared dropout is judged by its law
-(``_judge_dropout``).
+stated for (``budget``, ``_judge_budget``); with a backward, their dq, dk, dv are held to
+``Capabilities.gradient_budget`` on the same inputs in the "gradient budget" cases.
+``check()`` raising or returning junk is the backend's crash/failure, not a decline.
+Declared dropout is judged by its law (``_judge_dropout``).
 
 The backend is called directly (``check``, ``load``, ``forward``) with the spec and params the
 hub would build, so the kit judges the backend's own contract, not the hub's safety nets.
@@ -271,8 +272,11 @@ def _judge(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
 def _judge_budget(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
     """The declared ``error_budget`` (relative RMSE against dense attention) on inputs of
     the class it is stated for, which the kit builds and, for ``local``, tunes and checks
-    (``budget``). An unbounded budget (math.inf) is shown, never failed."""
-    cap = backend.capabilities.error_budget
+    (``budget``); in a backward case also dq, dk, dv, each against fp64 dense attention's
+    gradients, within ``gradient_budget``. An unbounded budget (math.inf) is shown, never
+    failed."""
+    caps = backend.capabilities
+    cap = caps.error_budget
     if cap is None:  # grid() makes this a failing case; a hand-made one lands here
         return CaseResult(case, "fail", "approximate (exact=False) but no error_budget "
                                         "declared: declare Capabilities(error_budget=...)")
@@ -282,11 +286,14 @@ def _judge_budget(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
         cond = ""
         if case.budget_inputs == "local" and math.isfinite(cap):
             inp, cond = _tune_local(case, inp, cap)
-        with torch.no_grad():
-            out, lse = _call(backend, inp, inp.q, inp.k, inp.v)
+        x = [t.detach().clone().requires_grad_(case.backward) for t in (inp.q, inp.k, inp.v)]
+        with torch.set_grad_enabled(case.backward):
+            out, lse = _call(backend, inp, *x)
         _contract(out, lse, case, inp)
-        dense, _ = _reference(inp, budget.dense_params(case, inp.ref_params))
+        dense_params = budget.dense_params(case, inp.ref_params)
+        dense, _ = _reference(inp, dense_params)
         err = budget.rel_rmse(out, dense)
+        grads = _budget_grads(out, x, inp, dense_params) if case.backward else []
     except _Fail as exc:
         return CaseResult(case, "fail", f"error budget: {exc}")
     where = f"on {case.budget_inputs} inputs" + (f" ({cond})" if cond else "")
@@ -297,8 +304,37 @@ def _judge_budget(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
         return CaseResult(case, "fail", f"rel. RMSE {err:.3g} > error_budget {cap:g} vs {what} "
                           f"{where}: the budget does not hold on the inputs it is stated "
                           "for; fix the backend, or declare the budget it meets", err, cap)
-    return CaseResult(case, "pass", f"rel. RMSE {err:.3g} <= error_budget {cap:g} vs {what} "
-                      f"{where}", err, cap)
+    shown = f"rel. RMSE {err:.3g} <= error_budget {cap:g} vs {what} {where}"
+    if not grads:
+        return CaseResult(case, "pass", shown, err, cap)
+    g_cap = caps.gradient_budget
+    assert g_cap is not None  # grid() makes gradient cases only for a finite one
+    g_name, g_err = max(grads, key=lambda ne: math.inf if math.isnan(ne[1]) else ne[1])
+    listed = ", ".join(f"{n} {e:.3g}" for n, e in grads)
+    named = "grad_error_budget" if caps.grad_error_budget is not None else (
+        "error_budget (no grad_error_budget declared)")
+    if not g_err <= g_cap:
+        return CaseResult(case, "fail", f"gradient {g_name}: rel. RMSE {g_err:.3g} > {named} "
+                          f"{g_cap:g} vs {what}'s gradients (fp64) {where}; {listed}: fix the "
+                          "backward, or declare the grad_error_budget it meets", g_err, g_cap)
+    return CaseResult(case, "pass", f"{shown}; gradients' rel. RMSE {listed} <= {named} "
+                      f"{g_cap:g}", g_err, g_cap)
+
+
+def _budget_grads(out: torch.Tensor, x: list[torch.Tensor], inp: Inputs,
+                  params: AttnParams) -> list[tuple[str, float]]:
+    """Relative RMSE of the backend's dq, dk, dv against those of fp64 ``params`` attention
+    on the same data, for the upstream gradient ``_grads`` uses (seeded)."""
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(99)).to(out)
+    got = torch.autograd.grad(out, x, dout, allow_unused=True)
+    x64 = [t.detach().double().requires_grad_(True) for t in (inp.ref_q, inp.ref_k, inp.ref_v)]
+    ref, _ = reference_attention(*x64, params, layout=inp.ref_layout)
+    want = torch.autograd.grad(ref, x64, dout.double().reshape(ref.shape))
+    errs = []
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        _check_grad(name, g, tuple(w.shape), x[0].dtype)
+        errs.append((name, budget.rel_rmse(g, w)))
+    return errs
 
 
 def _tune_local(case: Case, inp: Inputs, cap: float) -> tuple[Inputs, str]:
@@ -523,11 +559,7 @@ def _grads(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
     gsame = torch.autograd.grad(ref_same, inputs, dout)
     worst, worst_allowed, worst_name = 0.0, math.inf, "dq"
     for name, g, r64, rs in zip(("dq", "dk", "dv"), grads, g64, gsame):
-        if g is None or torch.isnan(g).any():
-            raise _Fail(f"gradient {name} missing or NaN (backward declared)")
-        if g.shape != r64.shape or g.dtype != rs.dtype:
-            raise _Fail(f"gradient {name} of shape {tuple(g.shape)} {g.dtype}, expected "
-                        f"{tuple(r64.shape)} {rs.dtype}")
+        _check_grad(name, g, tuple(r64.shape), rs.dtype)
         e, a = fa_rule_error(g, r64, rs, mult=3.0)
         if e - a > worst - worst_allowed:
             worst, worst_allowed, worst_name = e, a, name
@@ -539,6 +571,16 @@ def _grads(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
         if not all(torch.equal(a, b) for a, b in zip(again, grads)):
             raise _Fail("declared deterministic backward, but two backward passes differ")
     return worst, worst_allowed, worst_name
+
+
+def _check_grad(name: str, g: torch.Tensor | None, shape: tuple[int, ...],
+                dtype: torch.dtype) -> None:
+    """A declared backward gives every gradient, of its input's shape and dtype, NaN-free."""
+    if g is None or torch.isnan(g).any():
+        raise _Fail(f"gradient {name} missing or NaN (backward declared)")
+    if tuple(g.shape) != shape or g.dtype != dtype:
+        raise _Fail(f"gradient {name} of shape {tuple(g.shape)} {g.dtype}, expected "
+                    f"{shape} {dtype}")
 
 
 def _exc(exc: BaseException) -> str:

@@ -35,7 +35,9 @@ class Capabilities:
     ``head_dim_multiple`` as the rule. ``exact=False`` marks an approximate backend whose
     ``error_budget`` (relative RMSE against dense attention) must be declared, with the
     input class it holds on (``error_budget_inputs``, one of :data:`BUDGET_INPUTS`): a
-    budget is only checkable, and only true, on the inputs it is stated for.
+    budget is only checkable, and only true, on the inputs it is stated for. With
+    ``backward``, ``grad_error_budget`` bounds dq, dk and dv the same way (each against
+    dense attention's, on the same inputs); left out, they are held to ``error_budget``.
     """
 
     vendors: frozenset[str] = frozenset({"cpu", "cuda", "rocm"})
@@ -69,6 +71,10 @@ class Capabilities:
     page_size_multiple: int = 1
     #: Attention dropout (``dropout_p > 0``, training), drawn from torch's generator.
     dropout: bool = False
+    #: Approximate with backward: relative RMSE each of dq, dk, dv stays within against
+    #: dense attention's gradients, on the ``error_budget_inputs`` class (None: the forward
+    #: ``error_budget``; last, so that positional declarations keep their meaning).
+    grad_error_budget: float | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -80,6 +86,13 @@ class Capabilities:
             raise ValueError(f"capabilities name unknown values: {sorted(bad)}")
         if not self.exact and self.error_budget is None:
             raise ValueError("an approximate backend (exact=False) must declare error_budget")
+
+    @property
+    def gradient_budget(self) -> float | None:
+        """The budget the conformance kit holds dq, dk and dv to (None: exact backend)."""
+        if self.exact:
+            return None
+        return self.error_budget if self.grad_error_budget is None else self.grad_error_budget
 
     @property
     def fp8(self) -> bool:
@@ -207,11 +220,15 @@ def _check_types(c: Capabilities) -> None:
                        f"(got {v!r})")
     if not bad:
         bad += _contradictions(c)
-    b = c.error_budget
-    if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
-                          or math.isnan(b) or b < 0):
-        bad.append(f"error_budget must be a non-negative number (math.inf: no bound) or None "
-                   f"(got {b!r})")
+    for name in ("error_budget", "grad_error_budget"):
+        b = getattr(c, name)
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
+                              or math.isnan(b) or b < 0):
+            bad.append(f"{name} must be a non-negative number (math.inf: no bound) or None "
+                       f"(got {b!r})")
+    if c.grad_error_budget is not None and c.exact:
+        bad.append("grad_error_budget is for approximate backends (exact=False): an exact "
+                   "backend's gradients are held to the FlashAttention rule")
     if not isinstance(c.error_budget_inputs, str) or c.error_budget_inputs not in BUDGET_INPUTS:
         bad.append(f"error_budget_inputs must be one of {_fmt(BUDGET_INPUTS)} (got "
                    f"{c.error_budget_inputs!r})")
