@@ -118,18 +118,32 @@ class Ring:
 
     def all_gather(self, t: torch.Tensor, during: str = HANDSHAKE) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape and dtype everywhere), in rank order: the
-        handshake's collective (handshake.py) and the status check closing each pass
-        (ring.py), a host sync. A rank that never joins (it raised before its ring call, or
+        handshake's collective (handshake.py) and the reasons of a failed pass (ring.py), a
+        host sync. A rank that never joins (it raised before its ring call, or
         skipped it) fails the others here after the process group's timeout, with a
         :class:`RingError` that says so (``during``: in which exchange)."""
         every = [torch.empty_like(t) for _ in range(self.world)]
         try:
             dist.all_gather(every, t, group=self.group)
         except RuntimeError as exc:  # gloo/NCCL timeouts and lost peers (DistBackendError)
-            raise RingError(
-                f"ring: rank {self.rank} of {self.world} got no answer from the other ranks "
+            raise RingError(self._no_answer(during, exc)) from exc
+        return every
+
+    def count(self, flag: bool, device: torch.device, during: str) -> int:
+        """How many ranks pass ``flag`` true: the status check closing each pass (ring.py).
+        One all-reduce of a one-element tensor made on ``device`` (the call's tensors': CUDA
+        for NCCL, the CPU for gloo) by a fill, not a host-to-device copy, and read once: the
+        pass's one host sync."""
+        t = torch.full((1,), int(flag), dtype=torch.int32, device=device)
+        try:
+            dist.all_reduce(t, group=self.group)
+            return int(t.item())  # NCCL reports a failed collective here too
+        except RuntimeError as exc:  # gloo/NCCL timeouts and lost peers (DistBackendError)
+            raise RingError(self._no_answer(during, exc)) from exc
+
+    def _no_answer(self, during: str, exc: BaseException) -> str:
+        return (f"ring: rank {self.rank} of {self.world} got no answer from the other ranks "
                 f"in {during}: a rank raised before or during its ring call, skipped this "
                 "attention call (or its backward) or lost its process (every rank must call "
                 "attention the same number of times, with the same arguments but its shard); "
-                f"torch.distributed said: {exc}") from exc
-        return every
+                f"torch.distributed said: {exc}")

@@ -13,7 +13,7 @@ torch's FlashAttention), or from the exact fp32 math where those cannot serve
 A rank whose part of a pass fails (its block kernel or merge raises, its forced block
 backward refuses its own loss, an allocation fails) stops computing but keeps draining the
 ring: it passes every block (and dK/dV accumulator) on, so no rank is left waiting in a hop.
-Each pass then ends with a status exchange (one tiny all-gather, a host sync): if any rank
+Each pass then ends with a status exchange (one tiny all-reduce, a host sync): if any rank
 failed, every rank raises the same :class:`RingError` naming each failed rank, the step and
 block it was at, and why; no rank returns an output or gradients of that call (another
 rank's result would be exact, or hold a partial dK/dV, but its job's step is lost either way,
@@ -23,6 +23,7 @@ and a rank that went on alone would wait in its next call's collectives for the 
 from __future__ import annotations
 
 import operator
+import traceback
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -101,6 +102,16 @@ class RingCall:
         first[nk:mine].view(v.shape).copy_(v)
         second = torch.empty(n if self.ring.world > 1 else 0, dtype=k.dtype, device=k.device)
         return first, second
+
+    def dkv_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two fp32 buffers of the largest packed block that the dK/dV hops receive into,
+        alternating (the second also serves a rank that failed before its first block, as
+        the accumulator it passes on): a rank that drains the backward (after an
+        out-of-memory error, say) allocates nothing more."""
+        n = max(self.numel(r) for r in range(self.ring.world))
+        return (torch.empty(n, dtype=torch.float32, device=device),
+                torch.empty(n if self.ring.world > 1 else 0, dtype=torch.float32,
+                            device=device))
 
     def block_call(self, step: int, device: torch.device) -> tuple[AttentionSpec, AttnParams]:
         """The local kernel's spec and params for step ``step``'s block: per call for thd
@@ -359,7 +370,7 @@ def _forward(call: RingCall, q: torch.Tensor, k: torch.Tensor,
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=dev)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=dev)
     except _FAILURES as exc:
-        failed = _Failure("allocating its output", exc)
+        failed = _failure("allocating its output", exc)
     last = len(call.plans) - 1
     first = True  # the first block that reaches a row writes it; later ones merge
     for step, plan in enumerate(call.plans):
@@ -369,14 +380,21 @@ def _forward(call: RingCall, q: torch.Tensor, k: torch.Tensor,
             try:
                 first = _forward_block(call, q, kv, plan, step, out, lse, first)
             except _FAILURES as exc:  # raised on every rank by _settle, after the drain
-                failed = _Failure(_at_block(step, plan), exc)
+                failed = _failure(_at_block(step, plan), exc)
         if hop is not None:
             kv = hop.wait()
+    result = None
+    if failed is None:  # before the status check: what fails after it fails on one rank alone
+        try:
+            if first:  # no block reached this rank (it holds no visible pair)
+                out.zero_()
+                lse.fill_(float("-inf"))
+            result = out.to(q.dtype), lse
+        except _FAILURES as exc:
+            failed = _failure("after its last block, casting its output", exc)
     _settle(call, failed, "forward", dev)
-    if first:  # no block reached this rank (it holds no visible pair)
-        out.zero_()
-        lse.fill_(float("-inf"))
-    return out.to(q.dtype), lse
+    assert result is not None  # _settle raised otherwise
+    return result
 
 
 def _forward_block(call: RingCall, q: torch.Tensor, kv: torch.Tensor, plan: BlockPlan,
@@ -426,6 +444,7 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     on every rank."""
     dev = q.device
     bufs = call.kv_buffers(k, v)  # without them this rank cannot drain: raised at once
+    dbufs = call.dkv_buffers(dev)  # the same
     kv = bufs[0][:call.numel(call.ring.rank)]
     failed: _Failure | None = None
     try:
@@ -433,7 +452,7 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     except _FAILURES as exc:
         # e.g. a forced kernel refused on this rank alone (its loss used the LSE, another
         # rank's did not): the others are already in their hops
-        failed = _Failure("before its first block", exc)
+        failed = _failure("before its first block", exc)
     dkv_hop = None
     last = len(call.plans) - 1
     for step, plan in enumerate(call.plans):
@@ -454,20 +473,28 @@ def _backward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         _block_grads(call, plan, q, k_b, v_b, dout, lse, delta, dq, dk_b,
                                      dv_b)
             except _FAILURES as exc:  # raised on every rank by _settle, after the drain
-                failed, dkv = _Failure(_at_block(step, plan), exc), None
+                failed, dkv = _failure(_at_block(step, plan), exc), None
         if dkv_hop is not None:  # earlier ranks' share of this block's dK/dV, one hop behind
-            got = dkv_hop.wait()
+            got = dkv_hop.wait()  # dbufs[(step - 1) % 2]
             dkv = got if dkv is None else got.add_(dkv)
         if dkv is None:  # a failed rank's first step: the next rank waits for this size
-            dkv = torch.empty(call.numel(plan.source), dtype=torch.float32, device=dev)
-        dkv_hop = call.ring.hop(dkv, call.numel(nxt), _DKV_TAG)
+            dkv = dbufs[1][:call.numel(plan.source)]  # not received into before step 1
+        # received into the buffer this rank sent from one step ago (that hop is done)
+        dkv_hop = call.ring.hop(dkv, call.numel(nxt), _DKV_TAG, into=dbufs[step % 2])
         if kv_hop is not None:
             kv = kv_hop.wait()
     assert dkv_hop is not None  # W >= 1 steps: the last hop brings this rank's own dK/dV home
     mine = dkv_hop.wait()
+    grads = None
+    if failed is None:  # before the status check: what fails after it fails on one rank alone
+        try:
+            dk, dv = call.unpack(mine, call.ring.rank)
+            grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        except _FAILURES as exc:
+            failed = _failure("after its last block, casting its gradients", exc)
     _settle(call, failed, "backward", dev)
-    dk, dv = call.unpack(mine, call.ring.rank)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    assert grads is not None  # _settle raised otherwise
+    return grads
 
 
 def _backward_setup(call: RingCall, q: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -503,8 +530,19 @@ class _Failure:
     exc: BaseException
 
     def describe(self, phase: str) -> str:
-        why = str(self.exc).strip() or "(no message)"
+        try:
+            why = str(self.exc).strip() or "(no message)"
+        except Exception as exc:  # noqa: BLE001 - a broken __str__ must not skip the check
+            why = f"(its message could not be read: {type(exc).__name__})"
         return f"failed in the ring's {phase} {self.where}: {type(self.exc).__name__}: {why}"
+
+
+def _failure(where: str, exc: BaseException) -> _Failure:
+    """``exc`` as this rank's failure, the locals of the frames it unwound released: the
+    rank drains the ring next (holding a failed kernel's temporaries through the traceback
+    would keep the memory an out-of-memory error needs back); the traceback keeps its lines."""
+    traceback.clear_frames(exc.__traceback__)
+    return _Failure(where, exc)
 
 
 def _at_block(step: int, plan: BlockPlan) -> str:
@@ -520,22 +558,20 @@ def _settle(call: RingCall, failed: _Failure | None, phase: str,
             device: torch.device) -> None:
     """The end of a drained pass: every rank learns whether any failed, and if so every rank
     raises the same :class:`RingError` naming each failed rank, where and why (chained to
-    the original error on that rank). One all-gather of a flag, a second of the reasons
-    only when one failed."""
+    the original error on that rank). One all-reduce of a flag, read once (the pass's one
+    host sync); an all-gather of the reasons only when one failed."""
     ring = call.ring
-    mine = "" if failed is None else failed.describe(phase)
     if _has_peers(ring) and ring.world > 1:
         assert isinstance(ring, Ring)
-        during = f"the status check closing the ring's {phase}"
-        flags = ring.all_gather(torch.tensor([int(failed is not None)], device=device),
-                                during=during)
-        if not any(int(f.item()) for f in flags):
+        if not ring.count(failed is not None, device,
+                          f"the status check closing the ring's {phase}"):
             return
+        mine = "" if failed is None else failed.describe(phase)
         said = exchange_reasons(ring, mine, device)
     elif failed is None:
         return
     else:
-        said = ["" if r != ring.rank else mine for r in range(ring.world)]
+        said = ["" if r != ring.rank else failed.describe(phase) for r in range(ring.world)]
     ranks: dict[str, list[str]] = {}  # ranks that failed alike are named once
     for r, text in enumerate(said):
         if text:
