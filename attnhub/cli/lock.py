@@ -12,13 +12,14 @@ from pathlib import Path
 
 from ..core.decision import BindContext
 from ..core.registry import Registry
-from ..errors import AttnhubError
-from ..policy import load_policy
+from ..errors import AttnhubError, PolicyError
+from ..policy import Policy, load_policy
 from ..policy.cells import cells
 from ..policy.loader import PolicyData, _exists, policies_dir
+from ..policy.located import clip
 from ..policy.profile import default_profile_path
-from ..policy.lock import (EXIT_BAD_LOCK, LockfileError, build_lock, check_lock, read_lock,
-                           write_lock)
+from ..policy.lock import (EXIT_BAD_LOCK, LockfileError, build_lock, check_lock,
+                           hardware_name, read_lock, write_lock)
 from ._common import add_json, hardware_names, nonblank, print_error_json, print_json, progress
 from ._policy_common import add_policy, devices, load
 
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     write_lock(args.output, lock)
     unserved = sum(d.backend is None for _, d in pairs)
     summary = {"lockfile": args.output, "bindings": len(pairs), "unserved": unserved,
-               "hardware": sorted({dev.arch for dev, _ in pairs})}
+               "hardware": sorted({hardware_name(dev) for dev, _ in pairs})}
     if args.json:
         print_json(summary)
     else:
@@ -88,8 +89,7 @@ def _not_a_policy_file(out: Path, policy_files: tuple[Path, ...]) -> None:
 def _check(args: argparse.Namespace) -> int:
     try:
         lock = read_lock(args.check)
-        policy_ref = args.policy or _locked_policy(lock, Path(args.check))
-        policy, registry = load_policy(policy_ref), Registry.load()
+        policy, registry = _policy_to_check(args, lock), Registry.load()
         drift = check_lock(lock, policy, registry)
     except AttnhubError as exc:  # nothing was checked: not drift (1), which a CI job acts on
         # always EXIT_BAD_LOCK, whatever printing meets: stderr first, then the object (a
@@ -135,6 +135,21 @@ def _recorded_files(lock_path: Path, data: PolicyData) -> list[str]:
         out.append(real.stem if real.parent == packaged and real.suffix == ".yaml"
                    else os.path.relpath(os.path.abspath(shown), base))
     return out
+
+
+def _policy_to_check(args: argparse.Namespace, lock: dict) -> Policy:
+    """``--policy``, else the policy the lock records; one that does not load is said to
+    come from the lock (``cannot read policy x.yaml`` alone named no flag and no key)."""
+    if args.policy:
+        return load_policy(args.policy)
+    ref = _locked_policy(lock, Path(args.check))
+    try:
+        return load_policy(ref)
+    except PolicyError as exc:
+        raise PolicyError([*exc.problems, (
+            f"{args.check}: policy.files[-1] names {clip(ref, 200, middle=True)!r}, the policy "
+            "the lock was written with; expected it readable there: restore it, or pass "
+            "--policy FILE")]) from None
 
 
 def _locked_policy(lock: dict, lock_path: Path) -> str:

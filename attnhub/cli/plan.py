@@ -11,6 +11,7 @@ from typing import Any
 
 from ..core.decision import Decision
 from ..policy.cells import cells
+from ..policy.lock import hardware_name
 from ._common import add_json, hardware_names, print_json, table
 from ._policy_common import add_policy, devices, load
 
@@ -35,6 +36,7 @@ def entry(d: Decision) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     policy, registry = load(args)
     devs = devices(args.hardware, policy)
+    names = [hardware_name(d) for d in devs]  # an H20 and an H100 are both sm90
     grid = cells()
     rows = []
     for cell in grid:
@@ -42,18 +44,18 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"phase": cell.phase, "dtype": cell.dtype, "mask": cell.mask,
                      "dropout": cell.dropout, "label": cell.phase_label,
                      "spec": spec.describe(),
-                     "bindings": {d.arch: entry(policy.resolve(spec, d, registry))
-                                  for d in devs}})
+                     "bindings": {n: entry(policy.resolve(spec, d, registry))
+                                  for n, d in zip(names, devs)}})
     if args.json:
         print_json({"schema": "attnhub.plan/1", "policy": policy.name,
-                    "files": list(policy.data.files), "hardware": [d.arch for d in devs],
+                    "files": list(policy.data.files), "hardware": names,
                     "cells": rows})
         return 0
     print(f"policy {policy.name} ({' <- '.join(policy.data.files)}); shape of each cell: "
           f"{grid[0].spec().describe().split(' mask=')[0].split(' ', 2)[2]}")
     print(table([(r["label"], r["dtype"], r["mask"],
-                  *(r["bindings"][d.arch]["backend"] or "-" for d in devs)) for r in rows],
-                ("phase", "dtype", "mask", *(d.arch for d in devs))))
+                  *(r["bindings"][n]["backend"] or "-" for n in names)) for r in rows],
+                ("phase", "dtype", "mask", *names)))
     unserved = sum(b["backend"] is None for r in rows for b in r["bindings"].values())
     if unserved:
         print(f"{unserved} cell(s) unserved; `attnhub explain` shows why")

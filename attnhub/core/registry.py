@@ -215,12 +215,8 @@ class Registry:
                         dist: str | None, version: str | None, timeout: float | None,
                         watch: process_state.Watch) -> PluginRecord:
         rec = PluginRecord(name=name, module=module, distribution=dist, version=version)
-        if name in self.plugins:
-            rec.errors.append(f"plugin name {name!r} already loaded from "
-                              f"{self.plugins[name].module}; skipped")
-            self.plugins[f"{name}#{module}"] = rec
+        if not self._claim(rec):
             return rec
-        self.plugins[name] = rec
         hung = _HUNG_IMPORTS.get(module)
         if hung is not None and hung.is_alive():  # it holds the module's import lock
             self._stall(rec, "its import (still running from an earlier load)")
@@ -280,11 +276,29 @@ class Registry:
         :meth:`on_change`): a backend added (or replaced) now binds on their next call."""
         rec = PluginRecord(name=name, module=getattr(obj, "__name__", type(obj).__name__))
         try:
-            self.plugins[name] = rec
-            self._register_from(obj, rec)
+            if self._claim(rec):
+                self._register_from(obj, rec)
         finally:  # a Ctrl-C halfway still leaves what was registered, which binds
             self._changed()
         return rec
+
+    def _claim(self, rec: PluginRecord) -> bool:
+        """Record ``rec`` under its name, or, when a plugin of that name is loaded already,
+        under a name of its own with why it is skipped: a second ``add_plugin(obj, "x")``
+        (or ``"core"``) replaced the first's record, which then listed no backends while
+        they still served, and a later provider pick failed to find them in it."""
+        if rec.name not in self.plugins:
+            self.plugins[rec.name] = rec
+            return True
+        rec.errors.append(f"plugin name {rec.name!r} already loaded from "
+                          f"{self.plugins[rec.name].module}; skipped (give the plugin another "
+                          "name, or load it once)")
+        key, n = f"{rec.name}#{rec.module}", 1
+        while key in self.plugins:  # the same module again: each attempt keeps its record
+            n += 1
+            key = f"{rec.name}#{rec.module}#{n}"
+        self.plugins[key] = rec
+        return False
 
     def on_change(self, callback: Callable[[Registry], None]) -> None:
         """Call ``callback(registry)`` after each change (a bound method, held weakly: a hub
@@ -315,6 +329,11 @@ class Registry:
 
     def _register_from(self, obj: object, rec: PluginRecord, timeout: float | None = None,
                        watch: process_state.Watch | None = None) -> None:
+        other = next((n for n, p in self.pm.list_name_plugin() if p is obj), None)
+        if other is not None:  # pluggy's refusal printed its whole table of plugins
+            rec.errors.append(f"this plugin object is already loaded as plugin {other!r}; "
+                              "skipped (load it once)")
+            return
         try:
             self.pm.register(obj, name=rec.name)
         except KeyboardInterrupt:
@@ -351,8 +370,8 @@ class Registry:
         bare = [h for h in HOOKS if callable(getattr(obj, h, None))]
         rec.errors.append(
             f"{', '.join(bare)} not decorated with @attnhub.plugin.hookimpl, so never called"
-            if bare else f"implements no attnhub hook, so it registers nothing; expected "
-                         f"@hookimpl def attnhub_register_backends(register) (docs/plugins.md)")
+            if bare else "implements no attnhub hook, so it registers nothing; expected "
+                         "@hookimpl def attnhub_register_backends(register) (docs/plugins.md)")
         return False
 
     def _call(self, rec: PluginRecord, hook: Callable[..., Any], register: Callable[..., None],

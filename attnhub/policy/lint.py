@@ -77,8 +77,25 @@ def lint_policy(policy: Policy, registry: Registry,
         out += _impossible(lr)
         out += _repeated_candidates(lr)
         out += shadows.add(lr)
+    out += _target_spelling(policy)
     out += _cells(policy, registry, hardware or policy.targets)
     return sorted(out, key=lambda f: (f.level != "error", _sort_key(f.where)))
+
+
+def _target_spelling(policy: Policy) -> list[Finding]:
+    """``targets`` entries that load only because targets ignore case (``H200`` plans as
+    ``h200``, as ``--hardware`` and ``ATTNHUB_HARDWARE`` do): every name a condition matches
+    (``hardware``, phases, dtypes, backends, rule names) is exact, so ``H200`` here reads as
+    if ``hardware: SM90`` would work too (it is refused); the spelling that plans is said."""
+    out = []
+    for name, place in zip(policy.data.targets or (), policy.data.target_places):
+        if name != name.lower():
+            where, _, path = place.partition(" ")
+            out.append(Finding("warning", where, path, (
+                f"target {name!r} is read as {name.lower()!r}: targets ignore case, unlike "
+                "the names of conditions (`hardware: SM90` is refused); expected "
+                f"{name.lower()!r} as written")))
+    return out
 
 
 def _sort_key(where: str) -> tuple[str, int, int]:

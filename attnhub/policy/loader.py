@@ -420,7 +420,7 @@ def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
     moved: list[tuple[int, LoadedRule, str]] = []
     for i, r in enumerate(pf.rules):
         lr = LoadedRule(r, doc, ("rules", i))
-        target = r.before or r.after
+        target = r.before if r.before is not None else r.after
         if target is not None:
             if r.name in index:
                 drop(r.name)
@@ -434,7 +434,7 @@ def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
     before_placing = len(problems)
     attached: dict[str, tuple[list[LoadedRule], list[LoadedRule]]] = {}
     for i, lr, target in moved:
-        key = ("rules", i, "before" if lr.rule.before else "after")
+        key = ("rules", i, "before" if lr.rule.before is not None else "after")
         if target == lr.rule.name:
             problems.append(f"{doc.where(key)} {dotted(key)}: rule {target!r} is placed "
                             "relative to itself; expected another rule's name")
@@ -459,7 +459,7 @@ def _overlay(base: list[LoadedRule], pf: PolicyFile, doc: Located,
         if placement_problems:  # or hanging from a placement refused above: said there
             break
         for lr in before + after:
-            key = ("rules", lr.path[1], "before" if lr.rule.before else "after")
+            key = ("rules", lr.path[1], "before" if lr.rule.before is not None else "after")
             problems.append(f"{doc.where(key)} {dotted(key)}: rule {lr.rule.name!r} is "
                             f"placed relative to {name!r}, which is placed relative to it "
                             "(a cycle); expected one of them placed by a rule outside it")

@@ -72,8 +72,10 @@ _LEGACY_NUMBER = re.compile(r"[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\
 #: cannot even be printed as UTF-8).
 #: Control characters, lone surrogates and the bidirectional overrides that make text read
 #: differently from what it is ("Trojan Source": a name shown reversed in every message).
+#: U+2028/U+2029 too: refused raw before parsing (``_hidden_breaks``), an escape
+#: (``"a\\Lb"``) still put a line break no editor shows into a name and every message.
 _UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff"
-                          "\u202a-\u202e\u2066-\u2069]")
+                          "\u202a-\u202e\u2066-\u2069\u2028\u2029]")
 
 
 #: Characters YAML reads as a line break that editors do not show as one (often pasted from a
@@ -317,9 +319,9 @@ class _Builder:
             bad = _UNPRINTABLE.search(ev.value)
             if bad:
                 raise _Refused(f"{self._at(ev.start_mark)} {dotted(path)}: character "
-                               f"U+{ord(bad.group()):04X} (a control character or lone "
-                               "surrogate) is not allowed in policy files, expected printable "
-                               "text (remove the escape)")
+                               f"U+{ord(bad.group()):04X} ({_char_kind(bad.group())}) is not "
+                               "allowed in policy files, expected printable text (remove the "
+                               "escape)")
             return ev.value
         if tag in _NUMBER_TAGS and _LEGACY_NUMBER.match(ev.value.strip()):
             kind = "a base-60" if ":" in ev.value else "an octal"
@@ -341,6 +343,13 @@ class _Builder:
                            f"{show(ev.value.strip())} is too large ({value.bit_length()} bits), "
                            f"expected an integer of at most {MAX_INT_BITS} bits")
         return value
+
+
+def _char_kind(c: str) -> str:
+    """What an unprintable character is, for the message that refuses it."""
+    if c in "\u2028\u2029":
+        return "a line break no editor shows"
+    return "a control character or lone surrogate"
 
 
 def _reading(key: Any) -> str:

@@ -63,10 +63,27 @@ def spec_from_json(d: dict[str, Any]) -> AttentionSpec:
     return AttentionSpec(mask=m, **{k: v for k, v in d.items() if k in fields})
 
 
+def hardware_name(device: DeviceInfo) -> str:
+    """The name that gives ``device`` back: its arch, or for a simulated model other than
+    its arch's preset (``h20``, ``h200``: rules on ``device_name`` tell them from the H100)
+    the model's alias. Locks and plans keyed by arch alone resolved a locked H20 as an
+    H100 again (every ``h20-dense`` binding reported as drift) and showed one column for
+    both."""
+    if not device.simulated:
+        return device.arch
+    for name in (device.arch, *device.name.lower().split()):
+        try:
+            if simulate(name) == device:
+                return name
+        except ValueError:  # a word of the model's name that names no device
+            continue
+    return device.arch
+
+
 def binding(device: DeviceInfo, d: Decision) -> dict[str, Any]:
     """One lock entry from a decision."""
     c = d.context
-    return {"hardware": device.arch, "simulated": device.simulated,
+    return {"hardware": hardware_name(device), "simulated": device.simulated,
             "spec": spec_to_json(d.spec),
             "context": {"model": c.model, "layer": c.layer, "layer_kind": c.layer_kind,
                         "world_size": c.world_size},

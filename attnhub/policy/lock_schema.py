@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, \
-    ValidationError, ValidationInfo, field_validator
+    ValidationError, ValidationInfo, field_validator, model_validator
 
+from ..core.decision import BindContext
 from ..core.device import simulate
 from ..core.spec import DTYPES, LAYOUTS, PHASES
+from ..errors import ArgumentError
 from .located import Located, pydantic_problems, read_yaml
 
 
@@ -70,6 +72,17 @@ class LockContext(_Model):
     layer: StrictInt | None = Field(ge=0)
     layer_kind: StrictStr
     world_size: StrictInt = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _a_context(self) -> "LockContext":
+        """What ``BindContext`` refuses (``layer_kind: ""``) must fail here, located, not
+        unlocated from ``lock --check`` as it rebuilds the context."""
+        try:
+            BindContext(model=self.model, layer=self.layer, layer_kind=self.layer_kind,
+                        world_size=self.world_size)
+        except ArgumentError as exc:
+            raise ValueError(f"got {str(exc).removeprefix('BindContext: ')}") from None
+        return self
 
 
 class LockBinding(_Model):

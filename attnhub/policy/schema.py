@@ -48,7 +48,15 @@ def _hardware(v: Any) -> Any:
     if isinstance(v, str) and _HARDWARE_RE.match(v):
         return v
     raise ValueError(f"got {show(v)}, expected an arch ({', '.join(known_hardware())}, any "
-                     f"smNN or gfxNNN) or a vendor ({', '.join(VENDORS)})")
+                     f"smNN or gfxNNN) or a vendor ({', '.join(VENDORS)}){_hardware_hint(v)}")
+
+
+def _hardware_hint(v: Any) -> str:
+    """The fix for a ``when.hardware`` entry in another case or with spaces around it:
+    conditions match names exactly, as phases, dtypes and backends do."""
+    if isinstance(v, str) and len(v) <= MAX_NAME and _HARDWARE_RE.match(v.strip().lower()):
+        return f"; conditions match names exactly: write {v.strip().lower()!r}"
+    return ""
 
 
 def _target(v: Any) -> Any:
@@ -113,11 +121,17 @@ def _at_most(limit: int, what: str, why: str) -> Callable[[Any], Any]:
     return check
 
 
+def _blank(v: str) -> bool:
+    """Only spaces and invisible format characters (a zero-width space, a BOM): a name
+    every message and record would show as nothing."""
+    return not "".join(c for c in v if unicodedata.category(c) != "Cf").strip()
+
+
 def _not_blank(what: str, expected: str) -> Callable[[Any], Any]:
     """A validator refusing text that is empty or only spaces, as ``got an empty {what}``."""
 
     def check(v: Any) -> Any:
-        if isinstance(v, str) and not v.strip():
+        if isinstance(v, str) and _blank(v):
             raise ValueError(f"got an empty {what} ({v!r}), expected {expected}")
         return v
 
@@ -129,8 +143,8 @@ def _one_line(what: str) -> Callable[[Any], Any]:
     message and record prints on one line (``name: "a\\nb"`` split each of them in two)."""
 
     def check(v: Any) -> Any:
-        if isinstance(v, str) and (not v.strip() or any(c in v for c in "\t\n\r")):
-            got = "an empty" if not v.strip() else "a tab or line break in the"
+        if isinstance(v, str) and (_blank(v) or any(c in v for c in "\t\n\r")):
+            got = "an empty" if _blank(v) else "a tab or line break in the"
             raise ValueError(f"got {got} {what} {show(v)}, expected one line of printable "
                              "text")
         return v
@@ -280,7 +294,24 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-class Range(Strict):
+class Condition(Strict):
+    """Base of the models whose keys narrow a match (``when``, ranges, layer selectors).
+
+    A key written with no value (``hardware:``, ``~``, ``null``) read as "no condition": the
+    rule matched every device, phase or length, the opposite of what was being written."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_null(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            key = cls.model_fields[str(info.field_name)].alias or info.field_name
+            raise ValueError(f"got no value (an empty value, ~ or null), expected a value for "
+                             f"{key} (or remove the key: a condition left out matches "
+                             "everything)")
+        return v
+
+
+class Range(Condition):
     """A numeric condition: ``in`` (one of these values) and/or bounds ge, gt, le, lt."""
 
     #: ``in`` only: the Python name ``in_`` is no key of the policy language
@@ -382,7 +413,7 @@ def _many(t: Any) -> Any:
     return Annotated[list[t], BeforeValidator(_listify), Field(min_length=1)]
 
 
-class LayerSelector(Strict):
+class LayerSelector(Condition):
     """Which layers of a model: by index, every n-th (with offsets), or by layer kind."""
 
     index: Range | None = None
@@ -409,7 +440,7 @@ class LayerSelector(Strict):
         return self
 
 
-class ProfileCondition(Strict):
+class ProfileCondition(Condition):
     """Conditions on measurements in the profile store (see attnhub.policy.profile)."""
 
     attention_share: Range | None = None
@@ -428,7 +459,7 @@ RANGE_MINIMUM: dict[str, float] = {
 }
 
 
-class When(Strict):
+class When(Condition):
     """Conditions of a rule; all given keys must hold (an empty ``when`` matches everything)."""
 
     hardware: _many(Hardware) | None = None  # type: ignore[valid-type]
@@ -497,12 +528,22 @@ class Use(Strict):
         return list(self.order or self.fastest or [])
 
 
+def _error_bound(v: float) -> float:
+    """A ``requires.accuracy.max`` bound: every metric a record holds is an error, never
+    negative, so a bound below 0 refused every record and the backend never bound."""
+    if v < 0:
+        raise ValueError(f"got {v:g}, expected a bound >= 0 (accuracy metrics are errors, "
+                         "never negative: no record could pass this gate)")
+    return v
+
+
 class AccuracyRequirement(Strict):
     """A passing accuracy record must exist for ``backends`` (default: every candidate of the
     rule); ``max`` bounds metrics of that record (e.g. ``{rel_error: 0.05}``)."""
 
     backends: _many(Identifier) | None = None  # type: ignore[valid-type]
-    max: dict[str, Annotated[Number, Field(allow_inf_nan=False)]] = Field(default_factory=dict)
+    max: dict[str, Annotated[Number, Field(allow_inf_nan=False),
+                             AfterValidator(_error_bound)]] = Field(default_factory=dict)
 
     def applies(self, backend: str) -> bool:
         return self.backends is None or backend in self.backends
@@ -526,8 +567,9 @@ class Rule(Strict):
     use: Use
     on_failure: OnFailure | None = None
     requires: Requires | None = None
-    before: str | None = None
-    after: str | None = None
+    #: rule names (``before: ''`` read as no placement: the rule went first, silently)
+    before: RuleName | None = None
+    after: RuleName | None = None
 
     @model_validator(mode="after")
     def _one_placement(self) -> "Rule":
@@ -549,5 +591,5 @@ class PolicyFile(Strict):
     extends: Extends | None = None
     targets: _many(Target) | None = None  # type: ignore[valid-type]
     defaults: Defaults = Field(default_factory=Defaults)
-    remove: list[str] = Field(default_factory=list)
+    remove: list[RuleName] = Field(default_factory=list)
     rules: list[Rule] = Field(default_factory=list)
