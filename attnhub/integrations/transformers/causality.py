@@ -9,7 +9,11 @@ CLIP's text attention says False and is called with ``is_causal=True``. So the p
 same three sources from the code that will make the call: the mask builders of the model
 owning the layer, and literal ``is_causal=`` keywords in the forwards between that model and
 the layer. Where the code does not say (a keyword computed at run time, a model that builds
-both kinds of mask, as BERT does by ``is_decoder``), the module's flag stands, as in the call.
+both kinds of mask, as BERT does by ``is_decoder``, source that cannot be read), the module's
+flag stands, as in the call. The code read is each class's methods as the class resolves
+them (an override hides its base's), from transformers' model packages and from classes of
+no library (remote code, a user's subclass), one function at a time, cached per class and
+per function: a model's bind reads each of its classes once.
 """
 
 from __future__ import annotations
@@ -55,27 +59,62 @@ def _owners(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:
     return chain
 
 
-def _calls(fn: object) -> list[ast.Call]:
-    """Every call in ``fn``'s source (a class or a function); none where it has no source."""
+#: Where a class's methods are library machinery, not model code: torch's ``nn.Module``,
+#: transformers' ``PreTrainedModel`` and ``GenerationMixin`` (which calls a causal builder
+#: for every model), Python's own classes.
+_MACHINERY = frozenset({"torch", "transformers", "builtins", "abc", "typing"})
+
+
+def _model_code(k: type) -> bool:
+    """Whether ``k``'s methods are a model's code: transformers' model packages, or a class
+    of no library (a model's remote code, a user's subclass)."""
+    module = getattr(k, "__module__", None) or ""
+    return module.startswith("transformers.models.") or module.split(".")[0] not in _MACHINERY
+
+
+def _methods(cls: type) -> list[object]:
+    """The functions ``cls`` runs from model code, each as the class resolves its name: an
+    override hides the method it replaces (a subclass's ``forward`` building another mask)."""
+    out = []
+    for name in dict.fromkeys(n for k in cls.__mro__ if _model_code(k) for n in vars(k)):
+        try:
+            f = inspect.getattr_static(cls, name)
+        except AttributeError:
+            continue
+        f = getattr(f, "__func__", f)  # staticmethod, classmethod
+        if inspect.isfunction(f):
+            out.append(f)
+    return out
+
+
+def _tree(fn: object) -> ast.AST | None:
+    """``fn``'s syntax tree, or None where its source cannot be read: defined in a REPL or by
+    ``exec``, compiled, or a file edited since the import (``inspect`` then raises what it
+    meets: ``OSError``, ``TypeError``, ``tokenize.TokenError``, ``SyntaxError``, ...)."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))  # type: ignore[arg-type]
-    except (OSError, TypeError, SyntaxError):
-        return []
-    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        return ast.parse(textwrap.dedent(inspect.getsource(fn)))  # type: ignore[arg-type]
+    except Exception:  # the plan reads what the code says; unreadable code says nothing
+        return None
+
+
+@functools.cache
+def _named_builders(fn: object) -> frozenset[str]:
+    """The mask builders ``fn`` names: called, or chosen first and called through a variable
+    (``mask_function = create_causal_mask if ... else create_bidirectional_mask``)."""
+    tree = _tree(fn)
+    names = set()
+    for n in ast.walk(tree) if tree else ():
+        if isinstance(n, ast.Name):
+            names.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            names.add(n.attr)
+    return frozenset(names & (BIDIRECTIONAL | CAUSAL))
 
 
 @functools.cache
 def _builders(cls: type) -> frozenset[str]:
-    """The ``masking_utils`` mask builders the methods of ``cls`` and of the transformers
-    model classes it derives from call."""
-    names = set()
-    mine = [k for k in cls.__mro__ if k.__module__.startswith("transformers.models.")]
-    for call in (c for k in mine or [cls] for c in _calls(k)):
-        f = call.func
-        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-        if name in BIDIRECTIONAL | CAUSAL:
-            names.add(name)
-    return frozenset(names)
+    """The ``masking_utils`` mask builders the methods ``cls`` runs name (``_methods``)."""
+    return frozenset().union(*map(_named_builders, _methods(cls)))
 
 
 @functools.cache
@@ -83,8 +122,9 @@ def _literal_is_causal(cls: type) -> bool | None:
     """The ``is_causal=True/False`` keyword ``cls.forward`` passes on, when it passes one
     constant (None: none, or several that depend on the call)."""
     forward = getattr(cls, "forward", None)
-    said = {kw.value.value for call in (_calls(forward) if forward else [])
-            for kw in call.keywords
+    tree = _tree(forward) if inspect.isfunction(forward) else None
+    said = {kw.value.value for call in (ast.walk(tree) if tree else ())
+            if isinstance(call, ast.Call) for kw in call.keywords
             if kw.arg == "is_causal" and isinstance(kw.value, ast.Constant)
             and isinstance(kw.value.value, bool)}
     return said.pop() if len(said) == 1 else None

@@ -227,21 +227,25 @@ def kept_keys(allowed: torch.Tensor, sq: int, sk: int, reach: int) -> torch.Tens
     when that sequence ends at the last query, as a mask for past and new tokens does. Read
     so, the first query sees exactly its window in the cache, and the window cuts the later
     queries' oldest keys: the answer of the layer's own sliding mask and of eager over every
-    key with the custom mask and the window, whatever the cache kept. A mask whose last
-    columns are not the queries' own (each query unable to see itself there: a static
-    cache's unwritten slots, a mask for other keys) cannot be placed, and is refused."""
+    key with the custom mask and the window. (Where the cache dropped no key the mask has a
+    column per key and is applied as given, without the window, as eager and sdpa apply it.)
+    A mask whose last columns are not the queries' own (a query that sees some key but not
+    its own column there: a static cache's unwritten slots, a mask for other keys) cannot be
+    placed, and is refused. A query that sees no key at all (a padding query: a row
+    left-padded past the window) says nothing about the placement, and stays empty."""
     cols = torch.arange(sk, device=allowed.device)
     rows = torch.arange(sq, device=allowed.device) + (sk - sq)  # bottom-right: the queries
     cut = allowed[..., allowed.shape[3] - sk:].expand(*allowed.shape[:2], sq, sk)
-    if not bool(cut[..., torch.arange(sq, device=allowed.device), rows].all()):
+    own = cut[..., torch.arange(sq, device=allowed.device), rows]  # (B|1, H|1, Sq)
+    if not bool((own | ~allowed.any(dim=3).expand(own.shape)).all()):
         raise InputError(
             f"attention_mask has {allowed.shape[3]} key columns but this sliding-window layer "
             f"was handed {sk} keys: its cache keeps only the last window - 1 keys before the "
             f"{sq} new ones, and attnhub places them under the mask's last {sk} columns only "
-            "where each query sees its own column there (a mask over past and new tokens, "
-            "ending at the last query), which this mask does not (a static cache's mask "
-            "covers unwritten slots); pass a 2-D (B, Sk) padding mask and let transformers "
-            "build each layer's mask, or use a cache that keeps every key "
+            "where each query that sees a key sees its own column there (a mask over past "
+            "and new tokens, ending at the last query), which this mask does not (a static "
+            "cache's mask covers unwritten slots); pass a 2-D (B, Sk) padding mask and let "
+            "transformers build each layer's mask, or use a cache that keeps every key "
             "(DynamicCache() without the model's config)")
     return cut & (cols.view(1, sk) >= rows.view(sq, 1) - reach)
 
