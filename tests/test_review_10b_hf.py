@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import linecache
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ from transformers.masking_utils import (  # noqa: E402
     create_bidirectional_mask, create_causal_mask)
 from transformers.models.llama import modeling_llama  # noqa: E402
 
+from tests.test_review_10_hf import _windowed_eager  # noqa: E402
+
 VOCAB = 99
 TOKENS = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
 
@@ -45,22 +47,6 @@ def own() -> Iterator[Hub]:
     hf.register(h)
     yield h
     hf.register()
-
-
-def _windowed_eager(eager: Callable[..., Any]) -> Callable[..., Any]:
-    """Eager over every key with the custom mask and, on sliding layers, the window."""
-
-    def forward(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None, sliding_window: int | None = None,
-                **kw: Any) -> Any:
-        if sliding_window and mask is not None:
-            sq, sk = q.shape[2], k.shape[2]
-            rows = torch.arange(sq).view(sq, 1) + (sk - sq)
-            far = torch.arange(sk).view(1, sk) < rows - (sliding_window - 1)
-            mask = mask.masked_fill(far, torch.finfo(mask.dtype).min)
-        return eager(module, q, k, v, mask, **kw)
-
-    return forward
 
 
 def test_padding_queries_in_a_chunk_over_a_sliding_cache_are_served(own: Hub) -> None:

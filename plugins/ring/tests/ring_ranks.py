@@ -17,8 +17,30 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+#: What every rank raises when rank ``rank`` of 3 fails mid-ring (the review-10 suites).
+FAILED = "RingError: ring: rank {rank} of 3 failed in the ring's {phase} {where}: {error}"
+
+
+def outcomes(scenarios: dict[str, Callable[[], Any]],
+             before: Callable[[], Any] | None = None) -> dict[str, tuple[Any, float]]:
+    """Each scenario's outcome on this rank, ("ok", its value) or its error's words
+    (SystemExit included), with its seconds; ``before`` runs ahead of each (a barrier)."""
+    out = {}
+    for name, fn in scenarios.items():
+        if before is not None:
+            before()
+        t0 = time.monotonic()
+        try:
+            res: Any = ("ok", fn())
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - judged by the test
+            res = f"{type(exc).__name__}: {exc}"
+        out[name] = (res, time.monotonic() - t0)
+    return out
 
 
 def free_port() -> int:

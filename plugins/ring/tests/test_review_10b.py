@@ -25,10 +25,10 @@ After them every rank's next call is exact. This file is also the rank-side modu
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 import os
 import sys
-import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +54,10 @@ def _round_4() -> Any:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+#: the words every rank raises when one fails mid-ring (ring_ranks.py)
+FAILED = _round_4()._sibling("ring_ranks").FAILED
 
 
 def _shards(rank: int, world: int, seed: int, dtype: torch.dtype = torch.float32) -> list[Any]:
@@ -272,19 +276,12 @@ def main(rank: int, world: int) -> dict[str, tuple[Any, float]]:
                                    timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
               for name in SCENARIOS}
     _call(rank, world, groups["after"], seed=20)
-    out = {}
-    for name, fn in SCENARIOS.items():
-        # every rank starts each scenario together: one left behind by a rank that failed
-        # alone must not time out the next scenario (the default group waits; the suite's
-        # timeout bounds it)
-        dist.barrier()
-        t0 = time.monotonic()
-        try:
-            res: Any = ("ok", fn(rank, world, groups[name]))
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - judged by the test
-            res = f"{type(exc).__name__}: {exc}"
-        out[name] = (res, time.monotonic() - t0)
-    return out
+    # every rank starts each scenario together: one left behind by a rank that failed alone
+    # must not time out the next scenario (the default group waits; the suite's timeout
+    # bounds it)
+    outcomes = _round_4()._sibling("ring_ranks").outcomes
+    return outcomes({name: functools.partial(fn, rank, world, groups[name])
+                     for name, fn in SCENARIOS.items()}, before=dist.barrier)
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +289,6 @@ def results(run_on_ranks: Callable[..., list[Any]]) -> list[dict[str, tuple[Any,
     return run_on_ranks(HERE, "main", WORLD, timeout=300)
 
 
-FAILED = "RingError: ring: rank {rank} of 3 failed in the ring's {phase} {where}: {error}"
 #: per failing scenario: the words every rank must raise, alike
 EXPECT = {
     "output_cast_fails": FAILED.format(
