@@ -23,6 +23,10 @@ def _load(name: str) -> Any:
     return module
 
 
+#: the tests' ``import ring_ranks`` (no package here; the ranks' script registers itself)
+sys.modules.setdefault("ring_ranks", _load("ring_ranks"))
+
+
 @pytest.fixture(scope="session")
 def run_on_ranks() -> Callable[..., list[Any]]:
     """``run_on_ranks(file, function, world_size, *args, timeout=60)`` (see ring_ranks.py)."""

@@ -43,6 +43,21 @@ def outcomes(scenarios: dict[str, Callable[[], Any]],
     return out
 
 
+def sibling(name: str) -> Any:
+    """Another module of this folder, loaded by path once (tests import no package here:
+    pytest runs in importlib mode, and the ranks load their target by path)."""
+    import importlib.util
+
+    full = f"_ring_tests_{name}"
+    if full not in sys.modules:
+        spec = importlib.util.spec_from_file_location(full, Path(__file__).parent / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[full]
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -129,4 +144,5 @@ def _child(file: str, function: str, work: Path) -> None:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("ring_ranks", sys.modules[__name__])  # ``import ring_ranks``
     _child(sys.argv[1], sys.argv[2], Path(sys.argv[3]))

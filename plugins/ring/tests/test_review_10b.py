@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import importlib.util
 import os
 import sys
 import weakref
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ring_ranks  # this folder's (conftest.py)
 import torch
 
 HERE = Path(__file__)
@@ -44,41 +44,24 @@ RING_PY = os.path.join("attnhub_ring", "ring.py")
 
 
 def _round_4() -> Any:
-    """test_adversarial_ring_4, loaded by path (its helpers: shards, exact check, kernel)."""
-    name = "_ring10b_test_adversarial_ring_4"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, HERE.parent / "test_adversarial_ring_4.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """test_adversarial_ring_4 (its helpers: shards, exact check, failing kernel)."""
+    return ring_ranks.sibling("test_adversarial_ring_4")
 
 
-#: the words every rank raises when one fails mid-ring (ring_ranks.py)
-FAILED = _round_4()._sibling("ring_ranks").FAILED
+FAILED = ring_ranks.FAILED
+
+
+def _ten() -> Any:
+    """test_review_10 (its zigzag call, checked against fp64, and its shards)."""
+    return ring_ranks.sibling("test_review_10")
 
 
 def _shards(rank: int, world: int, seed: int, dtype: torch.dtype = torch.float32) -> list[Any]:
-    return _round_4()._sibling("test_ring_adversarial_3")._shards(
-        rank, world, 4 * world + 1, "zigzag", seed=seed, dtype=dtype)
+    return _ten()._shards(rank, world, seed, dtype)
 
 
-def _call(rank: int, world: int, group: Any, seed: int, local: Any = "torch_flash_cpu",
-          backward: bool = True, dtype: torch.dtype = torch.float32, check: bool = True,
-          **kw: Any) -> None:
-    """A causal zigzag call (and its backward); fp32 ones checked against fp64."""
-    from attnhub_ring import ring_attention
-
-    q, k, v, dout, *full = _shards(rank, world, seed, dtype)
-    lq, lk, lv = (x.detach().requires_grad_() for x in (q, k, v))
-    out = ring_attention(lq, lk, lv, local_backend=local, causal=True, group=group, **kw)
-    got = {0: out}
-    if backward:
-        got.update(enumerate(torch.autograd.grad((out * dout).sum(), (lq, lk, lv)), 1))
-    if check:
-        _round_4()._exact(rank, world, got, full, f"seed {seed}")
+def _call(rank: int, world: int, group: Any, seed: int, **kw: Any) -> None:
+    _ten()._call(rank, world, group, seed, **kw)
 
 
 def _failing_cast(rank: int, function: str) -> Callable[[], None]:
@@ -279,9 +262,8 @@ def main(rank: int, world: int) -> dict[str, tuple[Any, float]]:
     # every rank starts each scenario together: one left behind by a rank that failed alone
     # must not time out the next scenario (the default group waits; the suite's timeout
     # bounds it)
-    outcomes = _round_4()._sibling("ring_ranks").outcomes
-    return outcomes({name: functools.partial(fn, rank, world, groups[name])
-                     for name, fn in SCENARIOS.items()}, before=dist.barrier)
+    return ring_ranks.outcomes({name: functools.partial(fn, rank, world, groups[name])
+                                           for name, fn in SCENARIOS.items()}, before=dist.barrier)
 
 
 @pytest.fixture(scope="module")
