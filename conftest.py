@@ -4,7 +4,8 @@ Without a GPU, every Triton kernel in the suite runs under the interpreter. Trit
 ``@triton.jit`` time whether a function is interpreted, so the variable must be set before
 the first kernel module is imported by any test, in every xdist worker.
 
-No test may leave a ``threading.Timer`` armed (``_no_timer_left_armed``).
+No test may leave a ``threading.Timer`` armed (``_no_timer_left_armed``) or torch's
+gradients switched off (``_grad_mode_kept``).
 """
 
 import os
@@ -31,3 +32,15 @@ def _no_timer_left_armed() -> Iterator[None]:
     for t in left:
         t.cancel()
     assert not left, f"the test left threading.Timer(s) armed (cancelled now): {left}"
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_kept() -> Iterator[None]:
+    """A test must leave torch's grad mode as it found it: one left off made every later
+    backward test of its xdist worker fail ("does not require grad"), far from the cause.
+    Put back here, and the test that changed it errors."""
+    before = torch.is_grad_enabled()
+    yield
+    after = torch.is_grad_enabled()
+    torch.set_grad_enabled(before)
+    assert after == before, f"the test left torch's grad mode {after} (was {before}): restored"

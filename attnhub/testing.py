@@ -237,9 +237,14 @@ class CtrlCAt:
         return self._trace
 
     def run(self, op: Any) -> None:
-        """``op()`` under the injector; the injected KeyboardInterrupt is swallowed."""
+        """``op()`` under the injector; the injected KeyboardInterrupt is swallowed.
+
+        Line mode also fires on the line event CPython 3.11 emits for a ``with`` line just
+        before calling ``__exit__``, which then never runs: a ``torch.no_grad()`` there would
+        leave gradients off for the rest of the process. torch's grad mode is put back."""
         import sys
 
+        grad = torch.is_grad_enabled()
         if self.mode == "c":
             sys.setprofile(self._profile)
         else:
@@ -251,3 +256,4 @@ class CtrlCAt:
         finally:
             sys.settrace(None)
             sys.setprofile(None)
+            torch.set_grad_enabled(grad)
