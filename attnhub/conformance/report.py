@@ -19,7 +19,9 @@ def format_report(report: KitReport, verbose: bool = False) -> str:
     head = f"{report.backend} (plugin {report.plugin}) on {report.device}: {verdict}"
     lines = [head, table(rows, ("feature", "result", "worst error", "allowed", "detail"))]
     for f in report.features():  # the budget verdict in full: metric, error, budget, case
-        if f["feature"].startswith("error budget"):
+        # (the gradient budget's too: which of dq, dk, dv broke it, and the fix, came after
+        # the table's 110 characters)
+        if f["feature"].startswith(("error budget", "gradient budget")):
             lines.append(f"{f['feature']}: {f['status'].upper()}: {f['detail']} "
                          f"[case: {f['case']}]")
     if verbose:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ..core.decision import BindContext, Decision
-from ..core.device import DeviceInfo, library_versions, probe, simulate
+from ..core.device import _MODELS, DeviceInfo, library_versions, probe, simulate
 from ..core.registry import Registry
 from ..core.spec import AttentionSpec, MaskSpec
 from ..errors import PolicyError
@@ -237,8 +237,29 @@ def check_lock(lock: dict[str, Any], policy: Policy, registry: Registry,
                                                                  "inner") if b.get(k) != now_b[k]]
         if diffs:
             where = f"{b['hardware']} {spec.describe()}" + _ctx_text(ctx)
-            drift.changed.append(f"{where}: {'; '.join(diffs)}")
+            drift.changed.append(f"{where}: {'; '.join(diffs)}"
+                                 + _model_hint(b, dev, spec, ctx, policy, registry))
     return drift
+
+
+def _model_hint(b: dict[str, Any], dev: DeviceInfo, spec: AttentionSpec, ctx: BindContext,
+                policy: Policy, registry: Registry) -> str:
+    """For a simulated binding keyed by its arch that another model of that arch (``h20``,
+    ``h200``) would still resolve as locked: a lock from before :func:`hardware_name` keyed
+    an H20 as ``sm90``, which resolves as an H100; said, so the fix is to regenerate, not
+    to chase the drift (it stays drift: an H100 binding may have changed to that too)."""
+    if not b["simulated"] or b["hardware"] != dev.arch:
+        return ""
+    for alias in sorted(_MODELS):
+        other = simulate(alias)
+        if other.arch != dev.arch or other == dev:
+            continue
+        again = binding(other, policy.resolve(spec, other, registry, ctx))
+        if all(b.get(k) == again[k] for k in ("backend", "rule", "fallbacks", "inner")):
+            return (f" (as locked on {alias}: a lock written before attnhub named simulated "
+                    f"models by alias records {alias} as {dev.arch}; regenerate it with "
+                    f"`attnhub lock --hardware {alias}`)")
+    return ""
 
 
 def _provider_drift(locked: dict[str, Any], registry: Registry) -> list[str]:
