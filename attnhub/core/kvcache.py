@@ -207,8 +207,11 @@ class _Unfinished(threading.local):
 
     last: tuple[int, CacheStep] | None = None
     #: how to take back what this thread's ``allocate``/``fork``/``reserve`` did, from the
-    #: moment it is done until the call returned its result (``_hands_out``)
-    take_back: Callable[[], None] | None = None
+    #: moment it is done until the call returned its result (``_hands_out``): plain data
+    #: (``PagedKVCache._take_back``), never a closure over the cache, since it stays here
+    #: after the call returned: such a cycle kept a cache its owner let go of alive, pages
+    #: and all (GPU memory), until the garbage collector found it
+    take_back: tuple[Any, ...] | None = None
 
 
 _T = TypeVar("_T")
@@ -265,7 +268,7 @@ def _hands_out(fn: Any) -> Any:
             take_back, local.take_back = local.take_back, None
             if take_back is not None:
                 with self._lock:
-                    take_back()
+                    self._take_back(take_back)
             raise
     return run
 
@@ -424,11 +427,7 @@ class PagedKVCache:
         and the sequence once registered (``_hands_out``)."""
         sid = self._next_id
         self._next_id = sid + 1
-        version, local = self._version + 1, self._unfinished
-
-        def give_back() -> None:
-            if sid in self._seqs:
-                self.free(sid)
+        version, local, give_back = self._version + 1, self._unfinished, ("free", sid)
 
         def register() -> None:  # plain stores: run again, it finishes a cut-short run
             self._seqs[sid] = seq
@@ -497,10 +496,12 @@ class PagedKVCache:
                 relatives.append((rel, links, shared))
 
         def release() -> None:  # idempotent: run again, it finishes a cut-short run
-            # the tables naming the pages are revoked before any page is released: an
-            # interrupt between the two left a freed page readable through them
-            self._revoke_tables(released, f"sequence {seq_id} was freed")
+            # the stores first: one that refuses its free leaves the sequence live with its
+            # tables valid (revoked, they could not be given back). The tables naming the
+            # pages are revoked before any page is released: an interrupt between the two
+            # left a freed page readable through them
             self.states.free(seq_id)  # frees only the stores still holding it
+            self._revoke_tables(released, f"sequence {seq_id} was freed")
             self._seqs.pop(seq_id, None)
             self._refs, self._free, self._version = refs, free, version
             for rel, links, shared in relatives:
@@ -588,17 +589,22 @@ class PagedKVCache:
             self._clear(fresh)
             slots = self._slots(seqs, counts)
             version = self._version + 1
-            self._version, local.take_back = version, lambda: self._take_back(undo, version)
+            self._version, local.take_back = version, ("rollback", undo, version)
             return slots
 
         return self._atomically(take, undo)
 
-    def _take_back(self, undo: tuple[Any, ...], version: int) -> None:
-        """Undo a reservation whose slots never reached the caller (``_hands_out``), unless
-        the cache changed since (another thread's call took the lock in between): the
-        tokens then stay reserved, the cache as right after the call."""
-        if self._version == version:
-            self._rollback(undo)
+    def _take_back(self, record: tuple[Any, ...]) -> None:
+        """Take back what a call whose result never reached its caller did (``_hands_out``):
+        ``("free", id)`` frees the sequence of an ``allocate``/``fork``; ``("rollback", undo,
+        version)`` undoes a reservation, unless the cache changed since (another thread's
+        call took the lock in between): the tokens then stay reserved, the cache as right
+        after the call."""
+        if record[0] == "free":
+            if record[1] in self._seqs:
+                self.free(record[1])
+        elif self._version == record[2]:
+            self._rollback(record[1])
 
     def _clear(self, pages: list[int]) -> None:
         """Zero pages taken from the free list: they may hold a freed sequence's keys, which

@@ -81,6 +81,8 @@ class RecurrentStateCache:
         self._pool = torch.zeros(max_seqs, len(ids), num_heads, key_dim, sizes["value_dim"],
                                  dtype=dtype,
                                  device=self.device)
+        #: a state's (H, K, V) and the pool's device, as the checks of every write compare them
+        self._shape, self._device = tuple(self._pool.shape[2:]), self._pool.device
         self._pos = [[0] * len(ids) for _ in range(max_seqs)]
         self._free: list[int] = list(range(max_seqs - 1, -1, -1))
         self._slot: dict[int, int] = {}
@@ -156,37 +158,47 @@ class RecurrentStateCache:
         """Store new states (B, H, K, V) and advance each position by the tokens consumed."""
         slots = self._slots(seq_ids, "write")
         row = self._layer_row(layer)
-        self._check_state("write", states, (len(slots), *self._pool.shape[2:]))
-        try:
-            steps = [advance] * len(slots) if isinstance(advance, int) else list(advance)
-        except TypeError:  # one count of another type (0.7, a 0-d tensor): whole() judges it
-            steps = [advance] * len(slots)
-        if len(steps) != len(slots):
-            raise InputError(f"RecurrentStateCache.write: {len(slots)} sequences but "
-                             f"{len(steps)} token counts")
-        # every count judged before anything is written (a refused one changed the states)
-        steps = [whole(n, "RecurrentStateCache.write: advance") for n in steps]
-        if min(steps, default=0) < 0:
-            raise InputError(f"RecurrentStateCache.write: advance={steps}; pass the tokens "
-                             "each state consumed, >= 0 (restore() sets a position back)")
-        pos = [self._pos[s][row] + n for s, n in zip(slots, steps)]
+        self._check_state("write", states, (len(slots), *self._shape))
+        positions = self._pos
+        if type(advance) is int and advance >= 0:  # one count for all: a decode step's
+            pos = [positions[s][row] + advance for s in slots]
+        else:
+            try:
+                steps = [advance] * len(slots) if isinstance(advance, int) else list(advance)
+            except TypeError:  # one count of another type (0.7, a 0-d tensor): whole() judges
+                steps = [advance] * len(slots)
+            if len(steps) != len(slots):
+                raise InputError(f"RecurrentStateCache.write: {len(slots)} sequences but "
+                                 f"{len(steps)} token counts")
+            # every count judged before anything is written (a refused one changed the states)
+            steps = [whole(n, "RecurrentStateCache.write: advance") for n in steps]
+            if min(steps, default=0) < 0:
+                raise InputError(f"RecurrentStateCache.write: advance={steps}; pass the tokens "
+                                 "each state consumed, >= 0 (restore() sets a position back)")
+            pos = [positions[s][row] + n for s, n in zip(slots, steps)]
         # values only: a state carrying a training call's graph would pull the pool into it
         # (the next call's backward went through it twice; decode grew it a node per step)
         new, index = states.detach().to(self._pool.dtype), self._slot_index(slots)
-
-        def land() -> None:
-            self._pool[:, row].index_copy_(0, index, new)
+        pool = self._pool[:, row]
+        # states and positions land together: a Ctrl-C (or any exception) cutting the two
+        # short runs both again (idempotent) before it goes on (``_to_the_end``, inlined: this
+        # runs for every linear layer of every decode step)
+        try:
+            pool.index_copy_(0, index, new)
             for s, p in zip(slots, pos):
-                self._pos[s][row] = p
-
-        _to_the_end(land)
+                positions[s][row] = p
+        except BaseException:
+            pool.index_copy_(0, index, new)
+            for s, p in zip(slots, pos):
+                positions[s][row] = p
+            raise
 
     def restore(self, seq_id: int, layer: int, state: torch.Tensor, position: int) -> None:
         """Set one sequence's state in ``layer`` and the tokens it has consumed, absolutely:
         a state rebuilt from the KV cache's context after a step was aborted or skipped."""
         slot, row = self._slot_of(seq_id), self._layer_row(layer)
         position = whole(position, "RecurrentStateCache.restore: position")
-        self._check_state("restore", state, tuple(self._pool.shape[2:]))
+        self._check_state("restore", state, self._shape)
         if position < 0:
             raise InputError(f"RecurrentStateCache.restore: position={position}; pass the "
                              "tokens the state has consumed, >= 0")
@@ -208,7 +220,7 @@ class RecurrentStateCache:
         if tuple(states.shape) != want:
             raise InputError(f"RecurrentStateCache.{where}: states have shape "
                              f"{tuple(states.shape)}, expected {want} ({dims})")
-        if states.device != self._pool.device:
+        if states.device != self._device:
             raise InputError(f"RecurrentStateCache.{where}: states are on {states.device}, "
                              f"the cache on {self._pool.device}; move them "
                              "(states.to(cache.device))")
