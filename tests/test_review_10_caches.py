@@ -178,7 +178,8 @@ def test_a_ctrl_c_as_the_lock_is_released_leaves_no_reservation_nobody_got(op: s
 # -- 2. k/v of another dtype -----------------------------------------------------------------
 @pytest.mark.parametrize("cache_dtype,kv_dtype", [
     (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-    (torch.float32, torch.float64), (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float64), (torch.float16, torch.bfloat16),
+    (torch.bfloat16, torch.float16),
 ])
 @pytest.mark.parametrize("how", ["append", "write", "step"])
 def test_kv_of_another_dtype_is_refused_naming_the_fix_and_nothing_changes(
@@ -211,6 +212,50 @@ def test_kv_of_another_dtype_is_refused_naming_the_fix_and_nothing_changes(
     for layer in range(2):
         k, v = c.read(layer, a)
         assert torch.equal(k[:2], before[layer][0]) and torch.equal(v[:2], before[layer][1])
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("cache_dtype,kv_dtype", [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.float64, torch.float32), (torch.float64, torch.bfloat16),
+])
+@pytest.mark.parametrize("how", ["append", "write", "step"])
+def test_kv_the_cache_widens_exactly_is_written_as_is_without_a_host_read(
+        monkeypatch: pytest.MonkeyPatch, cache_dtype: torch.dtype, kv_dtype: torch.dtype,
+        how: str) -> None:
+    """A prefill under autocast (bf16 k/v) into an fp32 cache: every value fits exactly, so
+    it is taken, with no check to make: no host read beyond the same write's at the cache's
+    own dtype (``write`` reads its slots once)."""
+    c = PagedKVCache(num_layers=2, num_pages=6, page_size=P, num_kv_heads=H, head_dim=D,
+                     dtype=cache_dtype)
+    reads: list[int] = []
+    real = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real(t))
+
+    def put(seq: int, ks: list, vs: list) -> int:
+        reads.clear()
+        if how == "append":
+            c.append(seq, ks, vs)
+        elif how == "write":
+            slots = c.reserve([seq], 2)
+            for layer in range(2):
+                c.write(layer, slots, ks[layer], vs[layer])
+        else:
+            with c.step([seq], 2) as st:
+                for layer in range(2):
+                    st.write(layer, ks[layer][None], vs[layer][None])
+        return len(reads)
+
+    own = put(c.allocate(), *_kv(2, 44, cache_dtype))
+    a = c.allocate()
+    ks, vs = _kv(2, 43, kv_dtype)
+    assert put(a, ks, vs) == own
+    monkeypatch.undo()
+    for layer in range(2):
+        k, v = c.read(layer, a)
+        assert k.dtype == cache_dtype
+        assert torch.equal(k[:2], ks[layer].to(cache_dtype))
+        assert torch.equal(v[:2], vs[layer].to(cache_dtype))
     c.check_invariants()
 
 

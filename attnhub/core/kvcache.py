@@ -217,6 +217,13 @@ class _Unfinished(threading.local):
 _T = TypeVar("_T")
 
 
+#: (k/v dtype, cache dtype) pairs whose every value the cache holds exactly: written cast,
+#: with no check (nothing rounds, nothing overflows), so no host read either.
+_EXACT_WIDENING = frozenset({(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                             (torch.float16, torch.float64), (torch.bfloat16, torch.float64),
+                             (torch.float32, torch.float64)})
+
+
 def _to_the_end(apply: Callable[[], Any]) -> None:
     """Run ``apply`` (idempotent: running it again finishes what a cut-short run began); if
     anything cuts it short (a Ctrl-C after one of its C calls), run it once more before the
@@ -695,6 +702,7 @@ class PagedKVCache:
                 return
             kf = self._k[layer].view(-1, *self._k.shape[3:])
             vf = self._v[layer].view(-1, *self._v.shape[3:])
+            k, v = k.to(self.dtype), v.to(self.dtype)  # as is, or widened exactly
             _to_the_end(lambda: (kf.index_copy_(0, slots, k), vf.index_copy_(0, slots, v)))
 
     def _check_slots(self, slots: torch.Tensor) -> None:
@@ -851,8 +859,10 @@ class PagedKVCache:
         done[0] = True
 
     def _check_kv(self, where: str, k: Any, v: Any, n: int | None) -> int:
-        """k (n, Hkv, D) and v (n, Hkv, Dv) fit this cache; returns n. The cache's own dtype
-        (another is refused, never cast); an FP8 cache takes finite fp16/bf16/fp32 values."""
+        """k (n, Hkv, D) and v (n, Hkv, Dv) fit this cache; returns n. The cache's own dtype,
+        or one it widens exactly (fp16/bf16 into fp32, any into fp64: prefill under autocast
+        into an fp32 cache); a narrowing one is refused, never cast; an FP8 cache takes
+        finite fp16/bf16/fp32 values."""
         dv = self._v.shape[-1]
         for name, t, d in (("k", k, self.head_dim), ("v", v, dv)):
             if not isinstance(t, torch.Tensor):
@@ -862,7 +872,8 @@ class PagedKVCache:
                 raise InputError(f"{where}: {name} is {t.dtype}; the cache takes fp16/bf16/fp32 "
                                  f"k/v (cast explicitly, e.g. {name}.float()); integers are "
                                  "refused, not cast, and an FP8 cache quantizes by itself")
-            if self.scales is None and t.dtype != self.dtype:
+            if self.scales is None and (t.dtype, self.dtype) not in _EXACT_WIDENING \
+                    and t.dtype != self.dtype:
                 # never cast here: refusing the values a narrower dtype rounds to inf would
                 # cost a host read (a device sync) per write; the hub refuses reading this
                 # cache with queries of another dtype anyway
