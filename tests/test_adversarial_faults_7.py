@@ -61,13 +61,23 @@ def test_an_interrupted_free_leaves_no_table_reading_a_freed_page(
         states_free(seq_id)
         raise KeyboardInterrupt  # Ctrl-C lands after the tables were revoked
 
-    monkeypatch.setattr(cache.states, "free", interrupted)
+    monkeypatch.setattr(cache.states, "free", interrupted)  # and again on the retry
     with pytest.raises(KeyboardInterrupt):
         cache.free(a)
+    # the stores are freed first and the tables revoked before any page is released: cut
+    # there (twice, so the finish waits for the next operation), the pages are still a's
+    assert cache.free_pages == 3 and a in cache.seq_ids
     q = torch.ones(1, 1, 1, 8)
+    hub = attnhub.Hub(hardware="cpu")
+    out = hub.attention(q, cache.k_cache(0), cache.v_cache(0), layout="paged",
+                        block_table=bt, seqlens_k=sl)
+    torch.testing.assert_close(out, torch.ones_like(out))
+    monkeypatch.undo()
+    cache.allocate()  # the next operation finishes the free: pages back, tables revoked
+    assert a not in cache.seq_ids and cache.free_pages == 4
     with pytest.raises(SeqlensError, match="freed"):
-        attnhub.Hub(hardware="cpu").attention(q, cache.k_cache(0), cache.v_cache(0),
-                                              layout="paged", block_table=bt, seqlens_k=sl)
+        hub.attention(q, cache.k_cache(0), cache.v_cache(0), layout="paged", block_table=bt,
+                      seqlens_k=sl)
 
 
 def test_several_records_are_written_together_or_not_at_all(tmp_path: Path,
