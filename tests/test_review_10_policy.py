@@ -136,6 +136,26 @@ def test_a_hardware_condition_in_another_case_says_the_spelling(tmp_path: Path) 
     assert line.endswith("; conditions match names exactly: write 'sm90'")
 
 
+@pytest.mark.parametrize("model,arch,glob", [("h100", "sm90", "*H100*"),
+                                              ("H200", "sm90", "*H200*"),
+                                              ("mi300x", "gfx942", "*MI300X*")])
+def test_a_hardware_condition_naming_a_device_model_says_its_arch_and_the_glob(
+        tmp_path: Path, model: str, arch: str, glob: str) -> None:
+    """Targets take models (h100); conditions take archs: the error says which, and how to
+    match the model alone. The glob it proposes matches that model's device name."""
+    import fnmatch
+
+    from attnhub.core.device import simulate
+
+    (line,) = _problems(_write(tmp_path, "name: x\n" + RULE.replace("{WHEN}",
+                                                                      f"{{hardware: {model}}}")))
+    assert line.endswith(f"; {model!r} is a device model: write {arch!r} (every {arch} device), "
+                         f"or match the model with device_name: {glob!r}"), line
+    assert fnmatch.fnmatchcase(simulate(model).name, glob)
+    fixed = RULE.replace("{WHEN}", f"{{hardware: {arch}, device_name: {glob!r}}}")
+    load_policy(str(_write(tmp_path, "name: x\n" + fixed, "fixed.yaml")))
+
+
 def test_plan_shows_targets_by_the_name_that_plans(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, "name: x\ntargets: [H200]\nrules:\n  - name: a\n"

@@ -52,10 +52,18 @@ def _hardware(v: Any) -> Any:
 
 
 def _hardware_hint(v: Any) -> str:
-    """The fix for a ``when.hardware`` entry in another case or with spaces around it:
-    conditions match names exactly, as phases, dtypes and backends do."""
-    if isinstance(v, str) and len(v) <= MAX_NAME and _HARDWARE_RE.match(v.strip().lower()):
-        return f"; conditions match names exactly: write {v.strip().lower()!r}"
+    """The fix for a ``when.hardware`` entry in another case or with spaces around it
+    (conditions match names exactly, as phases, dtypes and backends do), or naming a device
+    model (``h100``: its arch, or ``device_name`` for that model alone)."""
+    if not isinstance(v, str) or len(v) > MAX_NAME:
+        return ""
+    name = v.strip().lower()
+    if _HARDWARE_RE.match(name):
+        return f"; conditions match names exactly: write {name!r}"
+    if name and _unsimulable(name) is None:  # a model alias (targets take those)
+        arch = simulate(name).arch
+        return (f"; {v!r} is a device model: write {arch!r} (every {arch} device), or match "
+                f"the model with device_name: '*{v.strip().upper()}*'")
     return ""
 
 

@@ -55,7 +55,8 @@ def test_wrong_types_and_bad_enums_all_at_once(write):
         "interpret input",
         "F:7:17 rules[0].when.hardware: got 'h100', expected an arch (cpu, gfx1100, gfx1201, "
         "gfx90a, gfx942, gfx950, sm100, sm120, sm75, sm80, sm86, sm89, sm90, any smNN or gfxNNN) "
-        "or a vendor (cpu, cuda, rocm)",
+        "or a vendor (cpu, cuda, rocm); 'h100' is a device model: write 'sm90' (every sm90 "
+        "device), or match the model with device_name: '*H100*'",
         "F:9:17 rules[0].on_failure: got 'retry', expected 'next' or 'error'",
         "F:11:19 rules[1].when.phase: got 'trian', expected 'train', 'prefill' or 'decode'",
         "F:11:45 rules[1].when.seqlen.over: unknown key 'over', expected one of: ge, gt, in, le, "
