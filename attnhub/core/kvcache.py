@@ -872,8 +872,8 @@ class PagedKVCache:
                 raise InputError(f"{where}: {name} is {t.dtype}; the cache takes fp16/bf16/fp32 "
                                  f"k/v (cast explicitly, e.g. {name}.float()); integers are "
                                  "refused, not cast, and an FP8 cache quantizes by itself")
-            if self.scales is None and (t.dtype, self.dtype) not in _EXACT_WIDENING \
-                    and t.dtype != self.dtype:
+            if self.scales is None and t.dtype != self.dtype \
+                    and (t.dtype, self.dtype) not in _EXACT_WIDENING:
                 # never cast here: refusing the values a narrower dtype rounds to inf would
                 # cost a host read (a device sync) per write; the hub refuses reading this
                 # cache with queries of another dtype anyway

@@ -311,12 +311,8 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
     """
     q, k, v = args.q, args.k, args.v
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    zeros = args.varlen  # rows outside cu_seqlens are never written: give them 0
-    dq = torch.zeros_like(q) if zeros else torch.empty_like(q)
-    dk = torch.zeros_like(k) if zeros else torch.empty_like(k)
-    dv = torch.zeros_like(v) if zeros else torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0 or args.batch == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = torch.empty_like(lse)
     heads = args.batch * args.num_heads
     _delta_kernel[(triton.cdiv(args.max_seqlen_q, _DELTA_BLOCK), heads)](
@@ -334,6 +330,11 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
 
         return bwd_gluon.flash_bwd(args, out, lse, dout, delta)
 
+    # the portable kernels' gradients (the Gluon one makes its own)
+    zeros = args.varlen  # rows outside cu_seqlens are never written: give them 0
+    dq = torch.zeros_like(q) if zeros else torch.empty_like(q)
+    dk = torch.zeros_like(k) if zeros else torch.empty_like(k)
+    dv = torch.zeros_like(v) if zeros else torch.empty_like(v)
     atomic = config.get("dq_mode", "separate") == "atomic"
     dqacc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
     common = (args.cu_q, args.cu_k, args.seqlen_q, args.seqlen_k)

@@ -16,6 +16,7 @@ their last wave is short walks already (``bwd_gluon.KEY_DESC``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -32,6 +33,7 @@ PART_RAMP_TILES = 1.0
 MAX_PARTS, MIN_PART_TILES = 8, 4
 
 
+@functools.lru_cache(maxsize=256)  # asked on every backward call of a shape
 def tail_parts(units: int, sms: int, walk: int) -> int:
     """Parts each program of the last, partial wave is split into (1: none).
 
