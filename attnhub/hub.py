@@ -953,7 +953,8 @@ def _attends_nothing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if return_lse:
         shape = (q.shape[1], q.shape[0]) if layout == "thd" else (q.shape[0], q.shape[2],
                                                                  q.shape[1])
-        lse = torch.full(shape, -_INF, device=q.device)
+        # fp32 as the contract says, whatever torch.set_default_dtype chose
+        lse = torch.full(shape, -_INF, dtype=torch.float32, device=q.device)
     return AttentionOutput(attends_nothing(q, k, v), lse)
 
 

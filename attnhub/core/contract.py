@@ -116,9 +116,11 @@ def check_call(q: Any, k: Any, v: Any, *, layout: Any, causal: Any, causal_align
     if window is not None:
         # an edge past every key is "unbounded" (exact), for every backend: a sentinel such
         # as 2**31 - 1 or sys.maxsize would overflow kernels' int32/int64 index arithmetic.
-        # Bounded by the lengths' bucket, not the lengths: calls of one length bucket share
-        # a binding (a growing cache's steps), so they must normalise alike
-        window = bounding_window(window_within(window, bucket(max(cap_q, cap_k, 1))), causal,
+        # Bounded by the longest lengths' bucket (the spec's), not the lengths: calls of one
+        # bucket share a binding (a growing cache's steps), so they must normalise alike; not
+        # by a paged table's capacity either: ``bind`` resolves decode by the lengths it will
+        # run (``nn.call_spec``), and a wider table made the call's spec differ from it
+        window = bounding_window(window_within(window, bucket(max(max_q, max_k, 1))), causal,
                                  prefix_lens is not None)
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if alibi_slopes is not None:
