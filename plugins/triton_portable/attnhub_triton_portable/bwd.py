@@ -23,7 +23,7 @@ import triton.language as tl
 from . import tiles
 from attnhub.plugin import InputError
 
-from .launch import DenseArgs, device_arch, launch_options
+from .launch import DenseArgs, device_arch, flat_grid, launch_options
 
 _DELTA_BLOCK = 64
 
@@ -32,8 +32,7 @@ _DELTA_BLOCK = 64
 def _delta_kernel(O, DO, DELTA, sob, sos, soh, sdb, sds, sdh, slb, slh, CU_Q, seqlen_q_arg,
                   num_heads, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_D: tl.constexpr, VARLEN: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = tiles.flat_program(seqlen_q_arg, BLOCK_M)
     b = bh // num_heads
     h = bh % num_heads
     q_start, seqlen_q = tiles.doc_bounds(b, CU_Q, seqlen_q_arg, VARLEN)
@@ -118,8 +117,7 @@ def _dkdv_kernel(
     VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
-    pid_n = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_n, bh = tiles.flat_program(seqlen_k_arg, BLOCK_N)
     b = bh // num_kv_heads
     hk = bh % num_kv_heads
     q_start, seqlen_q, k_start, seqlen_k, q_off = tiles.sequence(
@@ -315,9 +313,9 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = torch.empty_like(lse)
     heads = args.batch * args.num_heads
-    _delta_kernel[(triton.cdiv(args.max_seqlen_q, _DELTA_BLOCK), heads)](
+    _delta_kernel[flat_grid(args.max_seqlen_q, _DELTA_BLOCK, heads)](
         out, dout, delta, *args.bsh_strides(out), *args.bsh_strides(dout),
-        *args.lse_strides(lse), args.cu_q, args.seqlen_q, args.num_heads,
+        *args.lse_strides(lse), args.cu_q, args.max_seqlen_q, args.num_heads,
         HEAD_DIM=args.head_dim, BLOCK_M=_DELTA_BLOCK, BLOCK_D=args.block_d, VARLEN=args.varlen)
     if dlse is not None:  # d lse_i / d s_ij = P_ij: dS = P (dP - (delta - dlse))
         delta.sub_(dlse)
@@ -337,11 +335,11 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
     dv = torch.zeros_like(v) if zeros else torch.empty_like(v)
     atomic = config.get("dq_mode", "separate") == "atomic"
     dqacc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
-    common = (args.cu_q, args.cu_k, args.seqlen_q, args.seqlen_k)
+    common = (args.cu_q, args.cu_k, args.max_seqlen_q, args.max_seqlen_k)
     masks = args.mask_scalars()
     consts, options = launch_options(config["dkdv"])
     bm, bn = consts["BLOCK_M"], consts["BLOCK_N"]
-    _dkdv_kernel[(triton.cdiv(args.max_seqlen_k, bn), args.batch * args.num_kv_heads)](
+    _dkdv_kernel[flat_grid(args.max_seqlen_k, bn, args.batch * args.num_kv_heads)](
         q, k, v, dout, lse, delta, dk, dv, dqacc,
         *args.bsh_strides(q), *args.bsh_strides(k), *args.bsh_strides(v),
         *args.bsh_strides(dout), *args.bsh_strides(dk), *args.bsh_strides(dv),
@@ -354,7 +352,7 @@ def flash_bwd(args: DenseArgs, out: torch.Tensor, lse: torch.Tensor, dout: torch
         return dqacc.to(q.dtype), dk, dv
     consts, options = launch_options(config["dq"])
     bm, bn = consts["BLOCK_M"], consts["BLOCK_N"]
-    _dq_kernel[(triton.cdiv(args.max_seqlen_q, bm), heads)](
+    _dq_kernel[flat_grid(args.max_seqlen_q, bm, heads)](
         q, k, v, dout, lse, delta, dq,
         *args.bsh_strides(q), *args.bsh_strides(k), *args.bsh_strides(v),
         *args.bsh_strides(dout), *args.bsh_strides(dq), *args.lse_strides(lse),

@@ -48,6 +48,7 @@ from .decode_configs import (
     gluon_fp8_row,
 )
 from .fastlaunch import Launcher
+from .launch import MAX_GRID_Y as _MAX_GRID_Y
 from .launch import device_arch
 from .launch import sm_count as _sm_count
 
@@ -457,7 +458,7 @@ class _Shape:
     the same specialization, which is what lets ``Launcher`` skip Triton's dispatch.
     """
 
-    __slots__ = ("block_n", "by_longest", "by_splits", "cap_k", "consts", "copy",
+    __slots__ = ("block_n", "by_longest", "by_splits", "cap_k", "chunk", "consts", "copy",
                  "cuda_index", "device", "dim", "empty", "interpreted", "ints", "launchers",
                  "new_lse", "new_out", "plan_args", "plan_opts", "strides", "templates")
 
@@ -478,6 +479,7 @@ class _Shape:
         self.new_out = _allocator((batch, seqlen_q, hq, dim), q.dtype, q.device)
         self.new_lse = _allocator((batch, hq, seqlen_q), torch.float32, q.device)
         self.empty = batch * seqlen_q * hq * dim == 0
+        self.chunk = _batch_chunk(batch, seqlen_q, hq, k.shape[2])
         self.copy = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
         hkv = k.shape[2]
@@ -530,6 +532,7 @@ class _Shape:
             _kv_disagree(k_shape, v_shape)
         new = object.__new__(_Shape)  # every slot set here, by hand: a loop costs ~2 us more
         new.consts, new.copy, new.cuda_index = self.consts, self.copy, self.cuda_index
+        new.chunk = self.chunk
         new.device, new.dim, new.empty = self.device, self.dim, self.empty
         new.interpreted, new.launchers, new.templates = (self.interpreted, self.launchers,
                                                          self.templates)
@@ -659,6 +662,54 @@ _RECENT_LIMIT = 16
 #: The key of the last new length served from its family without a shape of its own (a
 #: one-layer walk never stores one; a model's next layer at that length does)
 _first_sight: list[Any] = [None]
+
+
+#: CUDA's limit on a grid's second axis (``launch.MAX_GRID_Y``), where pass 1 puts its
+#: (sequence, KV head, row block) programs: a call with more runs as several, each on a
+#: slice of the batch.
+MAX_GRID_Y = _MAX_GRID_Y
+
+
+def _batch_chunk(batch: int, seqlen_q: int, hq: int, hkv: int) -> int:
+    """Sequences per launch when pass 1's programs of one split (``batch`` x ``hkv`` x row
+    blocks) exceed ``MAX_GRID_Y`` (a launch with more failed: "invalid argument"; batch
+    8192 x 8 KV heads is 65536), else 0: the whole batch in one launch."""
+    rows = seqlen_q * (hq // max(hkv, 1))
+    per_seq = max(hkv, 1) * -(-rows // block_m(rows))
+    if batch < 2 or batch * per_seq <= MAX_GRID_Y:  # (one sequence: no slice is smaller)
+        return 0
+    return max(1, MAX_GRID_Y // per_seq)
+
+
+def _chunked(chunk: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             block_table: torch.Tensor | None, seqlens_k: torch.Tensor | None,
+             slopes: torch.Tensor | None, k_descale: torch.Tensor | None,
+             v_descale: torch.Tensor | None, return_lse: bool, **kw: Any
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``decode_attention`` in slices of ``chunk`` sequences, concatenated: what is per
+    sequence (q, a contiguous cache and its (B, Hkv) descales, the table, lengths, (B, Hq)
+    slopes) is sliced; a paged cache and its per-page descales are shared by every slice."""
+    batch, paged = q.shape[0], block_table is not None
+
+    def per_seq(x: torch.Tensor | None) -> bool:  # a descale with a row per sequence
+        return not paged and x is not None and x.dim() == 2 and x.shape[0] == batch > 1
+
+    def rows(x: torch.Tensor | None, lo: int, hi: int, sliced: bool) -> torch.Tensor | None:
+        return x[lo:hi] if sliced and x is not None else x
+
+    outs, lses = [], []
+    for lo in range(0, batch, chunk):
+        hi = min(lo + chunk, batch)
+        out, lse = decode_attention(
+            q[lo:hi], rows(k, lo, hi, not paged), rows(v, lo, hi, not paged),
+            block_table=rows(block_table, lo, hi, True), seqlens_k=rows(seqlens_k, lo, hi, True),
+            alibi_slopes=rows(slopes, lo, hi, slopes is not None and slopes.dim() == 2),
+            k_descale=rows(k_descale, lo, hi, per_seq(k_descale)),
+            v_descale=rows(v_descale, lo, hi, per_seq(v_descale)), return_lse=return_lse,
+            **kw)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses) if return_lse else None
 
 
 def _spec_class(x: int) -> int:
@@ -902,6 +953,11 @@ def decode_attention(
             if len(_shapes) >= _CACHE_LIMIT:
                 _shapes.clear()
             _shapes[key] = shape
+    if shape.chunk:  # more programs than a grid axis takes: slices of the batch
+        return _chunked(shape.chunk, q, k, v, block_table, seqlens_k, slopes, k_descale,
+                        v_descale, return_lse, scale=scale, causal=causal,
+                        alignment=alignment, window=window, softcap=softcap,
+                        max_seqlen_k=max_seqlen_k, num_splits=num_splits, config=config)
     if shape.interpreted:
         device, stream, direct = -1, 0, False  # the interpreter launches on neither
     else:

@@ -80,6 +80,13 @@ class DecodeConfig:
     pdl: bool = True
 
     def __post_init__(self) -> None:
+        # the kernels' tiles: a non-power of two failed inside the launch (Triton: "arange's
+        # range must be a power of 2"), 0 divided by zero while planning the splits
+        for name in ("block_n", "num_warps", "merge_warps"):
+            n = getattr(self, name)
+            low = 16 if name == "block_n" else 1  # 16: the smallest tl.dot tile
+            if not isinstance(n, int) or n < low or n & (n - 1):
+                raise ValueError(f"DecodeConfig: {name}={n!r}; use a power of two >= {low}")
         if self.fp8_ring not in (0, 2, 4, 8):
             raise ValueError(f"DecodeConfig: fp8_ring={self.fp8_ring}; use 0 (none) or a ring "
                              "of 2, 4 or 8 slots")

@@ -17,7 +17,7 @@ import triton.language as tl
 from attnhub.plugin import InputError
 
 from . import tiles
-from .launch import DenseArgs, device_arch, launch_options
+from .launch import MAX_GRID_Y, DenseArgs, device_arch, flat_grid, launch_options
 
 
 @triton.jit
@@ -149,14 +149,14 @@ def flash_fwd(args: DenseArgs, config: dict) -> tuple[torch.Tensor, torch.Tensor
     out = torch.zeros_like(q) if args.varlen else torch.empty_like(q)
     lse = args.new_lse()
     use_tma = args.tma_ok(consts, out)
-    grid = (triton.cdiv(args.max_seqlen_q, bm), args.batch * args.num_heads)
-    if grid[0] == 0 or grid[1] == 0:
+    grid = flat_grid(args.max_seqlen_q, bm, args.batch * args.num_heads)
+    if grid[0] == 0:
         return out, lse
     _fwd_kernel[grid](
         q, k, v, out, lse,
         *args.bsh_strides(q), *args.bsh_strides(k), *args.bsh_strides(v),
         *args.bsh_strides(out), *args.lse_strides(lse),
-        args.cu_q, args.cu_k, args.seqlen_q, args.seqlen_k, args.num_heads, args.group,
+        args.cu_q, args.cu_k, args.max_seqlen_q, args.max_seqlen_k, args.num_heads, args.group,
         *args.mask_scalars(), *args.colmask_tiles(bn),
         HEAD_DIM=args.head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=args.block_d,
         USE_TMA=use_tma, **args.mask_constants(),
@@ -183,6 +183,9 @@ def gluon_missing(ws: bool = False) -> str | None:
 def gluon_unsupported(args: DenseArgs, config: dict) -> str | None:
     """Why the Hopper Gluon forward (:mod:`.fwd_gluon`) cannot run this call with ``config``,
     or None when it can."""
+    if args.batch * args.num_heads > MAX_GRID_Y:  # its grid is (query tiles, B x H)
+        return (f"{args.batch} x {args.num_heads} (sequence, head) pairs: the Gluon forward's "
+                f"grid axis takes at most {MAX_GRID_Y} (CUDA's limit)")
     arch = device_arch(args.q.device)  # cached per device: no driver query per call
     if not arch.startswith("sm"):
         return f"the Gluon forward runs on NVIDIA GPUs only (this is {arch})"

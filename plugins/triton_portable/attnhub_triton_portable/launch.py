@@ -40,6 +40,18 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+#: CUDA's limit on a grid's second and third axes (the first takes 2**31 - 1).
+MAX_GRID_Y = 65535
+
+
+def flat_grid(n: int, block: int, rows: int) -> tuple[int]:
+    """The 1-D grid of ``tiles.flat_program``: ``cdiv(n, block)`` tiles for each of ``rows``
+    (B x heads). CUDA caps a grid's second axis at 65535, which a (tiles, B x H) grid
+    passed with 65536 (sequence, head) pairs (a thd batch of 2048 documents x 32 heads):
+    "invalid argument" at launch; the first axis takes 2**31 - 1."""
+    return (-(-n // block) * rows,)
+
+
 def launch_options(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a config into kernel constants and launch options, checking the block sizes."""
     consts, options = split_config(config)

@@ -61,7 +61,8 @@ def narrow(x, dtype: tl.constexpr, ROUND: tl.constexpr):
 
 @triton.jit
 def doc_bounds(b, CU, seqlen, VARLEN: tl.constexpr):
-    """(first row, length) of sequence ``b``: from cu_seqlens (thd) or the fixed length."""
+    """(first row, length) of sequence ``b``: from cu_seqlens (thd; ``seqlen`` is then the
+    longest, which sizes the grid) or the fixed length."""
     if VARLEN:
         start = tl.load(CU + b)
         n = tl.load(CU + b + 1) - start
@@ -85,14 +86,25 @@ def sequence(b, CU_Q, CU_K, seqlen_q, seqlen_k, VARLEN: tl.constexpr,
 
 
 @triton.jit
+def flat_program(n, BLOCK: tl.constexpr):
+    """(tile, row) of a program of a 1-D grid of ``cdiv(n, BLOCK)`` tiles x rows
+    (``launch.flat_grid``), tiles fastest and reversed, so the longest (causal) tiles of a
+    row start first: the order a (tiles, rows) grid had. One axis, because CUDA caps a
+    grid's second axis at 65535 programs, which B x H (thd: documents x heads) passes."""
+    per_row = tl.cdiv(n, BLOCK)
+    pid = tl.program_id(0)
+    return per_row - 1 - pid % per_row, pid // per_row
+
+
+@triton.jit
 def query_program(CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, group, BLOCK_M: tl.constexpr,
                   VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
     """Where a query-tile program works: (b, h, KV head, q_start, Sq, k_start, Sk, q_off, m0).
 
-    Grid: (query tiles, B * Hq). Axis 0 runs reversed so the longest (causal) tiles start
-    first; the caller returns when ``m0 >= Sq`` (a tile past a short varlen sequence)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    Grid: ``flat_program``'s over the longest query sequence (``seqlen_q``: Sq, or the
+    longest document with VARLEN) and B * Hq; the caller returns when ``m0 >= Sq`` (a tile
+    past a short varlen sequence)."""
+    pid_m, bh = flat_program(seqlen_q, BLOCK_M)
     b = bh // num_heads
     h = bh % num_heads
     hk = h // group

@@ -31,6 +31,7 @@ Sq != Sk, prefer the built-in arguments (``causal=True, window=...``, ``alibi_sl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -48,8 +49,9 @@ def _named(fn: Mod, name: str, doc: str) -> Mod:
 
 def softcap(cap: float) -> Mod:
     """score_mod ``cap * tanh(score / cap)`` (Gemma 2 uses 50 in attention)."""
-    if cap <= 0:
-        raise ValueError(f"softcap({cap}): the cap must be > 0")
+    if not 0 < cap < math.inf:  # inf (read as "no cap") made every score 0 * inf: NaN
+        raise ValueError(f"softcap({cap}): the cap must be finite and > 0 (for no cap pass "
+                         "no score_mod)")
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return torch.tanh(score / cap) * cap
