@@ -126,7 +126,7 @@ say "done"
 collect
 # beside results.tar.gz and session.log, at most 6 files come back (the device's limit is 8)
 n=0
-for f in session.log overhead.json probe.out dsweep.out peaked.out peaked.json null.out fp8api.out fp8api.json gap.out gap.json fagrid.out bwd.out bwd.json bwd.png fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
+for f in session.log dprobe.json dprobe.out overhead.json probe.out dsweep.out peaked.out peaked.json null.out fp8api.out fp8api.json gap.out gap.json fagrid.out bwd.out bwd.json bwd.png fp8g.out gluon_ws.out gluon_ws.json grow.out grow_ragged.out pvf.out dho.out profile.out hf_generate.md ring_sim2.md gpu_tests.txt kit.txt \
     regret/regret.md regret/regret.png; do
   [[ -f "$out/$f" && $f != session.log && $n -lt 6 ]] && cp "$out/$f" "$final/" && n=$((n + 1))
 done
