@@ -9,7 +9,6 @@ import math
 import os
 import stat
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -140,19 +139,18 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     if path_kind(target) == "other":
         raise InputError(f"{path} is not a regular file (a device, FIFO or socket, which the "
                          "write would replace); pass the path of a file to write")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix,
-                               dir=target.parent)
-    os.close(fd)
+    from ..policy.profile import _UMASK, open_new, temp_name
+
+    tmp = temp_name(target, target.suffix)
     try:
-        yield Path(tmp)
+        os.close(open_new(tmp))
+        yield tmp
         with open(tmp, "rb+") as f:  # on disk before the rename, as the store's JSON
             os.fsync(f.fileno())
-        from ..policy.profile import _UMASK
-
-        os.chmod(tmp, 0o666 & ~_UMASK)  # as an ordinary new file (mkstemp: 0600)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # the writer may have made the file anew
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

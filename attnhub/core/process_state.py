@@ -284,12 +284,55 @@ def _never(old: Any, new: Any) -> bool:
 
 
 def _shown(v: Any) -> str:
-    """``repr`` for a message, short, and never raising (a plugin's stream object may)."""
+    """``repr`` for a message, short, and never raising (a plugin's stream object may, with
+    ``SystemExit`` too)."""
     try:
         text = repr(v)
-    except Exception:
+    except BaseException as exc:
+        _reraise_ctrl_c(exc)
         text = f"<{type(v).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _reraise_ctrl_c(exc: BaseException) -> None:
+    """Raise ``exc`` again when it is the user's Ctrl-C (a ``KeyboardInterrupt`` on the main
+    thread); anything else a plugin's object raised is that plugin's, reported."""
+    if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is \
+            threading.main_thread():
+        raise exc
+
+
+class _Unreadable:
+    """A setting whose getter raised (a plugin set ``logging.getLogger("attnhub").handlers =
+    None``, and ``list(None)`` raised out of the registry's guard, crashing the host)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"<unreadable: {self.error}>"
+
+
+def _read(get: Callable[[], Any]) -> Any:
+    try:
+        return get()
+    except BaseException as exc:
+        _reraise_ctrl_c(exc)
+        return _Unreadable(type(exc).__name__)
+
+
+def _differs(old: Any, new: Any) -> bool:
+    """``new != old`` that cannot raise: a plugin's object in ``sys.stdout`` whose ``__eq__``
+    raises (or answers with a tensor, whose truth is ambiguous) differs."""
+    if new is old:
+        return False
+    try:
+        return bool(new != old)
+    except BaseException as exc:
+        _reraise_ctrl_c(exc)
+        return True
 State = tuple[list[Any], dict[str, str], dict[str, Any], dict[str, Any], set[int],
               dict[str, tuple[Any, dict[str, Any]]]]
 
@@ -297,7 +340,7 @@ State = tuple[list[Any], dict[str, str], dict[str, Any], dict[str, Any], set[int
 def snapshot() -> State:
     """The current values of :data:`SETTINGS`, the host's ``ATTNHUB_*`` variables, attnhub's
     functions and classes, ``sys.modules``, the running threads and torch's functions."""
-    return ([get() for _, get, _ in SETTINGS], _own_env(), _attnhub_attrs(),
+    return ([_read(get) for _, get, _ in SETTINGS], _own_env(), _attnhub_attrs(),
             dict(sys.modules), {t.ident or 0 for t in threading.enumerate()}, _torch_attrs())
 
 
@@ -356,9 +399,12 @@ def _put_back(settings: tuple[tuple[str, Callable[[], Any], Callable[[Any], None
     for (what, get, put), old in zip(settings, values):
         if what in skip:
             continue
-        new = get()
-        if new is not old and new != old and not _KEPT.get(what, _never)(old, new):
+        new = _read(get)
+        if _differs(old, new) and (isinstance(new, _Unreadable)
+                                   or not _KEPT.get(what, _never)(old, new)):
             try:
+                if isinstance(old, _Unreadable):  # nothing known to go back to
+                    raise LookupError
                 put(old)
             except Exception as exc:  # e.g. the old working directory was deleted meanwhile
                 what += f" (not put back: {type(exc).__name__})"
@@ -427,15 +473,15 @@ def others_running(mine: Iterable[int]) -> bool:
 def call_snapshot() -> tuple[list[Any], tuple[int, int, bool]]:
     """The values of :data:`CALL_SETTINGS` (for :func:`call_restore`), where attnhub's own
     switch flips stood, and whether another thread ran (:func:`others_running`)."""
-    return ([get() for _, get, _ in CALL_SETTINGS],
+    return ([_read(get) for _, get, _ in CALL_SETTINGS],
             (_Flips.active, _Flips.events, others_running((threading.get_ident(),))))
 
 
 def call_restore(snap: tuple[list[Any], tuple[int, int, bool]]) -> list[str]:
     """Put back what of :data:`CALL_SETTINGS` changed since :func:`call_snapshot`; a line
     per change. torch's scoped switches (:data:`_SCOPED`) are compared only while no other
-    thread runs (:func:`others_running`). SDPA's switches are skipped as well when attnhub flipped them
-    meanwhile (:class:`_Flips`); this thread's own flips end before it returns."""
+    thread runs (:func:`others_running`). SDPA's switches are skipped as well when attnhub
+    flipped them meanwhile (:class:`_Flips`); this thread's own flips end before it returns."""
     values, (active, events, others) = snap
     if others or others_running((threading.get_ident(),)):
         return _put_back(CALL_SETTINGS, values, _SCOPED)

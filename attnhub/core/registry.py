@@ -274,7 +274,7 @@ class Registry:
         """Register an already-imported plugin object (tests, notebooks, the core itself).
         Hubs already binding from this registry drop their decisions and runners (see
         :meth:`on_change`): a backend added (or replaced) now binds on their next call."""
-        rec = PluginRecord(name=name, module=getattr(obj, "__name__", type(obj).__name__))
+        rec = PluginRecord(name=name, module=_object_name(obj))
         try:
             if self._claim(rec):
                 self._register_from(obj, rec)
@@ -367,7 +367,7 @@ class Registry:
             return True
         if callers:  # only misspelt hooks, each reported above
             return False
-        bare = [h for h in HOOKS if callable(getattr(obj, h, None))]
+        bare = [h for h in HOOKS if callable(_static(obj, h))]
         rec.errors.append(
             f"{', '.join(bare)} not decorated with @attnhub.plugin.hookimpl, so never called"
             if bare else "implements no attnhub hook, so it registers nothing; expected "
@@ -410,15 +410,33 @@ class Registry:
                                       f"{_exc_text(exc)}")
 
         def add(backend: Any) -> None:
-            problem = _invalid_backend(backend) or self._name_problem(backend.name, rec)
+            problem = _invalid_backend(backend) or self._same_object(backend) or \
+                self._name_problem(backend.name, rec)
             if problem:
                 rec.errors.append(problem)
                 return
             backend.plugin = rec.name
+            if inspect.getattr_static(backend, "plugin", None) != rec.name:
+                rec.errors.append(
+                    f"backend {backend.name!r}: its `plugin` attribute cannot be set (a "
+                    f"property or descriptor of {type(backend).__name__}); the registry "
+                    "sets it to the plugin that registered the backend: remove it")
+                return
             self.backends[backend.name] = backend
             rec.backends.append(backend.name)
 
         return register
+
+    def _same_object(self, backend: Backend) -> str | None:
+        """Why ``backend`` cannot be registered again: one object served two names (its
+        name changed between two ``register`` calls), and ``get(first)`` returned a backend
+        named otherwise; or a plugin registered another plugin's (the core's) instance."""
+        was = next((n for n, b in self.backends.items() if b is backend), None)
+        if was is None:
+            return None
+        return (f"backend {type(backend).__name__} (name {backend.name!r}): this object is "
+                f"already registered as {was!r} by plugin {backend.plugin!r}; register a new "
+                "instance for each backend name")
 
     def _name_problem(self, name: str, rec: PluginRecord) -> str | None:
         """Why ``rec`` may not serve backend ``name`` (None: it may). A name claimed twice
@@ -478,6 +496,7 @@ class Registry:
         def add(name: Any, score_mod: Any, mask_mod: Any, doc: Any) -> None:
             if not _nameable(name):
                 what = "an identifier" if not isinstance(name, str) or not name.isidentifier() \
+                    else f"a plain str (got a {type(name).__name__})" if type(name) is not str \
                     else f"an ASCII identifier of at most {MAX_NAME} characters"
                 rec.errors.append(f"variant name {_short(name)} is not {what} (a rule names it "
                                   "in `when.variant`, a call in score_mod=/mask_mod=)")
@@ -710,7 +729,7 @@ MAX_NAME = 128
 def _nameable(name: Any) -> bool:
     """A name a policy can write: ASCII (a Cyrillic 'а' in "triton" lists like the real one
     and no policy could name it) and short (a megabyte name filled every listing)."""
-    return (isinstance(name, str) and name.isascii() and name.isidentifier()
+    return (type(name) is str and name.isascii() and name.isidentifier()
             and len(name) <= MAX_NAME)
 
 
@@ -723,6 +742,24 @@ def _short(v: Any) -> str:
             raise
         text = f"<{type(v).__name__}: repr() raised {type(exc).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _static(obj: object, attr: str) -> Any:
+    """``obj.attr`` found without running the plugin's code (None if absent): a module's
+    ``__getattr__`` or an object's property that raised (``SystemExit`` too) or hung went up
+    through the registry's guard and took the host down."""
+    try:
+        return inspect.getattr_static(obj, attr, None)
+    except Exception:  # a metaclass or __dict__ that cannot be searched
+        return None
+
+
+def _object_name(obj: object) -> str:
+    """What a plugin object is known by in its record: a module's or class's name, else its
+    type's (read without running its code, as :func:`_static`)."""
+    name = _static(obj, "__name__") if isinstance(obj, ModuleType) else \
+        obj.__name__ if isinstance(obj, type) else None
+    return name if isinstance(name, str) else type(obj).__name__
 
 
 def _invalid_backend(obj: Any) -> str | None:
@@ -744,8 +781,11 @@ def _invalid_backend(obj: Any) -> str | None:
                 "a backend is known by one name: set name = '...' as a class or instance "
                 "attribute")
     if not _nameable(name):
-        return (f"backend {type(obj).__name__} has an invalid name {_short(name)} (use an ASCII "
-                f"identifier of at most {MAX_NAME} characters: a policy names it)")
+        sub = f", a {type(name).__name__}: a str subclass's own ==/hash would decide every " \
+            "lookup" if isinstance(name, str) and type(name) is not str else ""
+        return (f"backend {type(obj).__name__} has an invalid name {_short(name)}{sub} (use a "
+                f"plain str, an ASCII identifier of at most {MAX_NAME} characters: a policy "
+                "names it)")
     try:
         tier = obj.tier
         ok = isinstance(tier, str) and tier in TIERS

@@ -40,7 +40,7 @@ import glob
 import json
 import math
 import os
-import tempfile
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -648,18 +648,32 @@ def write_json_atomic(path: Path, obj: Any) -> None:
                            "the write would replace); pass the path of a file to write"])
     path.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = temp_name(path, ".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:  # owns fd from here: always closed
-            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # as an ordinary new file (mkstemp: 0600)
+        with os.fdopen(open_new(tmp), "w", encoding="utf-8") as f:  # owns the fd: closed
             json.dump(obj, f, indent=2, sort_keys=True)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def temp_name(path: Path, suffix: str) -> Path:
+    """A fresh name beside ``path`` for a write that replaces it: named before the file is
+    made, so a ``try`` around the making can remove it. ``tempfile.mkstemp`` made the file
+    before the caller knew its name: a Ctrl-C as it returned (or before the ``try``) left a
+    temporary file behind each time."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(8)}{suffix}")
+
+
+def open_new(tmp: Path) -> int:
+    """Create ``tmp`` (it must not exist) for writing, with an ordinary new file's mode (0666
+    less the umask, as ``open`` gives); its file descriptor."""
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+                   | getattr(os, "O_BINARY", 0), 0o666)
 
 
 #: A temporary file of a write older than this was left by a writer that died mid-write
