@@ -27,6 +27,10 @@ from attnhub.plugin import InputError, first_order_only
 
 BT = 64  # chunk length
 BC = 16  # sub-chunk length (tl.dot needs >= 16)
+#: The most programs a grid's first axis takes (CUDA's limit; its second and third axes take
+#: 65535, which B x H passed at 65536 (sequence, head) pairs, and T / 64 at 4M tokens:
+#: "invalid argument" at launch). Every kernel here runs on that one axis (``_flat_grid``).
+MAX_PROGRAMS = 2**31 - 1
 
 
 @triton.jit
@@ -40,6 +44,15 @@ def _tile(ptr, rows, i_h, H: tl.constexpr, W: tl.constexpr, cols, m):
 def _row(ptr, r, i_h, H: tl.constexpr, W: tl.constexpr, cols, m):
     """One row ``r`` of a (B*T, H, W) tensor, as a vector over ``cols``."""
     return tl.load(ptr + (r * H + i_h) * W + cols, mask=m, other=0.0)
+
+
+@triton.jit
+def _flat_program(NV: tl.constexpr, nc):
+    """(V-block, chunk, batch*head) of this program of a 1-D ``_flat_grid``: V-blocks fastest,
+    then chunks, the order the (V-blocks, chunks, B*H) grid ran in (``nc`` = 1: no chunks)."""
+    pid = tl.program_id(0)
+    rest = pid // NV
+    return pid % NV, rest % nc, rest // nc
 
 
 @triton.jit
@@ -84,8 +97,7 @@ def _scan_kernel(x_ptr, y_ptr, gc_ptr, s0_ptr, states_ptr, final_ptr, scale, T, 
                  HAS_S0: tl.constexpr, STORE_STATES: tl.constexpr, STORE_FINAL: tl.constexpr,
                  PREC: tl.constexpr):
     """S <- exp(G_last) * S + (X * exp(F))^T Y per chunk; F = G_last - G forward, G reverse."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_v, _, i_bh = _flat_program((V + BV - 1) // BV, 1)
     i_b, i_h, ok, ov, mk, mv = _head_block(i_v, i_bh, H, K, V, BK, BV)
     mkv = mk[:, None] & mv[None, :]
     s_off = ok[:, None] * V + ov[None, :]
@@ -120,9 +132,7 @@ def _chunk_out_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, states_ptr, o_ptr, scale, T, 
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CT: tl.constexpr,
                       CC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """o = scale * (q exp(G)) S_chunk + in-chunk attention, for one (V-block, chunk, head)."""
-    i_v = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_bh = tl.program_id(2)
+    i_v, i_c, i_bh = _flat_program((V + BV - 1) // BV, NT)
     i_b, i_h, ok, ov, mk, mv = _head_block(i_v, i_bh, H, K, V, BK, BV)
     rc = tl.arange(0, CC)
     dt = v_ptr.dtype.element_ty
@@ -164,9 +174,8 @@ def _chunk_bwd_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, do_ptr, states_ptr, dstates_p
     q is used pre-scaled (q' = scale q), so dq here is d/dq'; the caller multiplies by scale.
     ``dstates`` holds the gradient of the state leaving each chunk.
     """
-    i_v = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_bh = tl.program_id(2)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_v, i_c, i_bh = _flat_program(NV, NT)
     i_b, i_h, ok, ov, mk, mv = _head_block(i_v, i_bh, H, K, V, BK, BV)
     rc = tl.arange(0, CC)
     dt = v_ptr.dtype.element_ty
@@ -176,7 +185,8 @@ def _chunk_bwd_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, do_ptr, states_ptr, dstates_p
     ds = tl.load(dstates_ptr + s_off, mask=mkv, other=0.0)
     row0 = i_b * T + i_c * CT
     g_last = _row(gc_ptr, row0 + CT - 1, i_h, H, K, ok, mk)
-    part = i_v.to(tl.int64) * (tl.num_programs(2) // H) * T * H * K  # dq/dk partial slice
+    # dq/dk partial slice of this V-block: B x T x H x K (B from the grid's programs)
+    part = i_v.to(tl.int64) * (tl.num_programs(0) // (NV * NT * H)) * T * H * K
     for i in tl.static_range(CT // CC):
         ri = row0 + i * CC + rc
         pk_i = (ri[:, None] * H + i_h) * K + ok[None, :]
@@ -238,8 +248,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, s0_ptr, o_ptr, final_ptr, scal
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, HAS_S0: tl.constexpr):
     """Token by token for one (V-block, head): the decode step (T = new tokens)."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_v, _, i_bh = _flat_program((V + BV - 1) // BV, 1)
     i_b, i_h, ok, ov, mk, mv = _head_block(i_v, i_bh, H, K, V, BK, BV)
     mkv = mk[:, None] & mv[None, :]
     s_off = (i_b * H + i_h) * K * V + ok[:, None] * V + ov[None, :]
@@ -263,6 +272,15 @@ def _blocks(kd: int, vd: int) -> tuple[int, int]:
     bk = max(16, triton.next_power_of_2(kd))
     bv = min(64, max(16, triton.next_power_of_2(vd)))
     return bk, bv
+
+
+def _flat_grid(nv: int, nc: int, bh: int) -> tuple[int]:
+    """The 1-D grid of ``_flat_program``: ``nv`` V-blocks x ``nc`` chunks x ``bh`` (B x H)."""
+    n = nv * nc * bh
+    if n > MAX_PROGRAMS:
+        raise InputError(f"gla: {nv} V-blocks x {nc} chunks x {bh} (sequence, head) pairs = "
+                         f"{n} programs, past a grid's {MAX_PROGRAMS}; split the batch")
+    return (n,)
 
 
 def _prec(x: torch.Tensor) -> str:
@@ -295,7 +313,7 @@ def _scan(x: torch.Tensor, y: torch.Tensor, gc: torch.Tensor, s0: torch.Tensor |
     states = x.new_empty(b, nt, h, kd, vd, dtype=torch.float32) if store_states else None
     final = x.new_empty(b, h, kd, vd, dtype=torch.float32) if store_final else None
     dummy = gc
-    _scan_kernel[(triton.cdiv(vd, bv), b * h)](
+    _scan_kernel[_flat_grid(triton.cdiv(vd, bv), 1, b * h)](
         x, y, gc, s0 if s0 is not None else dummy, states if states is not None else dummy,
         final if final is not None else dummy, scale, tp, nt, H=h, K=kd, V=vd, CT=BT, BK=bk,
         BV=bv, REVERSE=reverse, HAS_S0=s0 is not None, STORE_STATES=store_states,
@@ -309,7 +327,7 @@ def _forward(q, k, v, gc, scale, s0, want_final):  # type: ignore[no-untyped-def
     bk, bv = _blocks(kd, vd)
     states, final = _scan(k, v, gc, s0, 1.0, False, True, want_final)
     o = torch.empty_like(v)
-    _chunk_out_kernel[(triton.cdiv(vd, bv), tp // BT, b * h)](
+    _chunk_out_kernel[_flat_grid(triton.cdiv(vd, bv), tp // BT, b * h)](
         q, k, v, gc, states, o, scale, tp, tp // BT, H=h, K=kd, V=vd, CT=BT, CC=BC, BK=bk,
         BV=bv, PREC=_prec(v))
     return o, final, states
@@ -356,7 +374,7 @@ def _backward(ctx, qp, kp, vp, gc, states, do):  # type: ignore[no-untyped-def]
     dq = qp.new_empty(nv, b, tp, h, kd, dtype=torch.float32)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(vp)
-    _chunk_bwd_kernel[(nv, tp // BT, b * h)](
+    _chunk_bwd_kernel[_flat_grid(nv, tp // BT, b * h)](
         qp, kp, vp, gc, dop, states, dstates, dq, dk, dv, scale, tp, tp // BT, H=h, K=kd,
         V=vd, CT=BT, CC=BC, BK=bk, BV=bv, PREC=_prec(vp))
     dq = dq.sum(0) * scale
@@ -412,7 +430,7 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     o = torch.empty_like(v)
     final = q.new_empty(b, h, kd, vd, dtype=torch.float32)
     s0 = initial_state.float().contiguous() if initial_state is not None else None
-    _recurrent_kernel[(triton.cdiv(vd, bv), b * h)](
+    _recurrent_kernel[_flat_grid(triton.cdiv(vd, bv), 1, b * h)](
         q, k, v, g, s0 if s0 is not None else final, o, final, scale, t, H=h, K=kd, V=vd,
         BK=bk, BV=bv, HAS_S0=s0 is not None)
     return o, final

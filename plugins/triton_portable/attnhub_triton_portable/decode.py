@@ -673,12 +673,18 @@ MAX_GRID_Y = _MAX_GRID_Y
 def _batch_chunk(batch: int, seqlen_q: int, hq: int, hkv: int) -> int:
     """Sequences per launch when pass 1's programs of one split (``batch`` x ``hkv`` x row
     blocks) exceed ``MAX_GRID_Y`` (a launch with more failed: "invalid argument"; batch
-    8192 x 8 KV heads is 65536), else 0: the whole batch in one launch."""
+    8192 x 8 KV heads is 65536), else 0: the whole batch in one launch. A ValueError where
+    one sequence's programs alone exceed it (no slice would launch)."""
     rows = seqlen_q * (hq // max(hkv, 1))
     per_seq = max(hkv, 1) * -(-rows // block_m(rows))
-    if batch < 2 or batch * per_seq <= MAX_GRID_Y:  # (one sequence: no slice is smaller)
+    if batch and per_seq > MAX_GRID_Y:  # no slice of the batch launches: refused by name
+        raise ValueError(f"decode_attention: one sequence's {hkv} KV heads x "
+                         f"{per_seq // max(hkv, 1)} query-row blocks ({seqlen_q} query tokens) "
+                         f"are {per_seq} programs, past a grid axis's {MAX_GRID_Y} (CUDA's "
+                         "limit); use fewer query tokens per call")
+    if batch * per_seq <= MAX_GRID_Y:
         return 0
-    return max(1, MAX_GRID_Y // per_seq)
+    return MAX_GRID_Y // per_seq
 
 
 def _chunked(chunk: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -690,6 +696,7 @@ def _chunked(chunk: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sequence (q, a contiguous cache and its (B, Hkv) descales, the table, lengths, (B, Hq)
     slopes) is sliced; a paged cache and its per-page descales are shared by every slice."""
     batch, paged = q.shape[0], block_table is not None
+    seqlens_k, block_table = _row_per_sequence(batch, seqlens_k, block_table)
 
     def per_seq(x: torch.Tensor | None) -> bool:  # a descale with a row per sequence
         return not paged and x is not None and x.dim() == 2 and x.shape[0] == batch > 1
@@ -710,6 +717,23 @@ def _chunked(chunk: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses) if return_lse else None
+
+
+def _row_per_sequence(batch: int, lens: torch.Tensor | None, table: torch.Tensor | None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Lengths and block table with a row for each of ``batch`` sequences, as the kernel
+    reads shorter ones (a sequence past the end of either has length 0): a slice of
+    ``_chunked`` past their end was an empty tensor, which ``_check_shapes`` refused."""
+    if table is not None and table.shape[0] < batch:
+        rows = table.shape[0]
+        table = torch.nn.functional.pad(table, (0, 0, 0, batch - rows))
+        if lens is not None:  # (a paged call has lengths) the padded rows keep length 0
+            keep = torch.arange(lens.numel(), device=lens.device) < rows
+            lens = torch.where(keep, lens, torch.zeros((), dtype=lens.dtype,
+                                                       device=lens.device))
+    if lens is not None and lens.numel() < batch:
+        lens = torch.nn.functional.pad(lens, (0, batch - lens.numel()))
+    return lens, table
 
 
 def _spec_class(x: int) -> int:

@@ -48,8 +48,16 @@ def flat_grid(n: int, block: int, rows: int) -> tuple[int]:
     """The 1-D grid of ``tiles.flat_program``: ``cdiv(n, block)`` tiles for each of ``rows``
     (B x heads). CUDA caps a grid's second axis at 65535, which a (tiles, B x H) grid
     passed with 65536 (sequence, head) pairs (a thd batch of 2048 documents x 32 heads):
-    "invalid argument" at launch; the first axis takes 2**31 - 1."""
-    return (-(-n // block) * rows,)
+    "invalid argument" at launch; the first axis takes 2**31 - 1, which a thd batch of many
+    documents beside one very long one passes (every document gets the longest's tiles):
+    refused here, by name, rather than by the driver (and the kernels' int32 program id)."""
+    programs = -(-n // block) * rows
+    if programs > _INT32_MAX:
+        raise InputError(f"triton: {-(-n // block)} tiles of the longest sequence ({n} rows) "
+                         f"x {rows} (sequence, head) pairs = {programs} programs, past a "
+                         f"grid's {_INT32_MAX}; split the batch (or pass a tighter "
+                         "max_seqlen)")
+    return (programs,)
 
 
 def launch_options(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
