@@ -23,7 +23,7 @@ from .core.backend import AttentionOutput, Backend, safe_check
 from .core.decision import BindContext, Decision, report_missing
 from .core.device import DeviceInfo, probe
 from .core.registry import Registry
-from .core.masking import attends_nothing
+from .core.masking import attends_nothing, no_keys_lse
 from .core.modsig import arity_error, shape_key
 from .core.lse_guard import guard_lse
 from .core.spec import AttentionSpec, AttnParams, MaskSpec, bucket, dtype_name
@@ -71,7 +71,6 @@ _EXACT_CACHE_LIMIT = 4096
 #: shapes and the *kind* (name) of score/mask callables, never by the callable object, so
 #: a fresh lambda per call reuses one runner; the limit bounds even unusual workloads.
 RUNNER_LIMIT = 1024
-_INF = math.inf
 #: The default of ``Hub.attention``'s guard parameter: a fourth positional argument is not it.
 _KEYWORDS = object()
 _TENSOR = torch.Tensor
@@ -953,8 +952,7 @@ def _attends_nothing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if return_lse:
         shape = (q.shape[1], q.shape[0]) if layout == "thd" else (q.shape[0], q.shape[2],
                                                                  q.shape[1])
-        # fp32 as the contract says, whatever torch.set_default_dtype chose
-        lse = torch.full(shape, -_INF, dtype=torch.float32, device=q.device)
+        lse = no_keys_lse(shape, q.device)
     return AttentionOutput(attends_nothing(q, k, v), lse)
 
 

@@ -35,6 +35,7 @@ from .core.masking import (
     bottom_right_form,
     doc_ranges,
     learned_slopes,
+    no_keys_lse,
     query_offset,
     window_within,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "module_available",
     "moved_alibi",
     "natural_lse",
+    "no_keys_lse",
     "paged_to_varlen",
     "query_offset",
     "window_within",

@@ -481,7 +481,8 @@ class _Walks:
         self.limit = bucket(sk)
         self._made: list[_Walk] = []
         top = max(self.limit, sk)
-        self.bufs = tuple(torch.randn(b * h * top * d, device=inp.k.device).to(inp.k.dtype)
+        self.bufs = tuple(torch.randn(b * h * top * d, dtype=torch.float32,
+                                      device=inp.k.device).to(inp.k.dtype)
                           for h in (inp.q.shape[2], hkv, hkv))
 
     def next(self) -> _Walk:

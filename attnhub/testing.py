@@ -121,7 +121,8 @@ def nan_case(where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool
     is skipped by kernels but not by the maths, so the v case is not causal."""
     import math
 
-    q, k, v = torch.randn(2, 7, 4, 16), torch.randn(2, 7, 2, 16), torch.randn(2, 7, 2, 16)
+    q, k, v = (torch.randn(*s, dtype=torch.float32) for s in ((2, 7, 4, 16), (2, 7, 2, 16),
+                                                              (2, 7, 2, 16)))
     if where == "q":
         q[0, 3, 1, 5] = math.nan
     elif where == "k":
@@ -181,7 +182,7 @@ class DictStateStore:
 
     def allocate(self, seq_id: int) -> None:
         self._room(seq_id)
-        self.states[seq_id] = torch.randn(3)
+        self.states[seq_id] = torch.randn(3, dtype=torch.float32)
 
     def fork(self, src: int, dst: int) -> None:
         self._room(dst)

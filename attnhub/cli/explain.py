@@ -218,12 +218,13 @@ def _run_once(policy: Any, registry: Any, spec: AttentionSpec, ctx: BindContext,
                  "pass a smaller --seqlen, --seqlen-q, --batch or --heads")
     # drawn in fp32 and cast: torch has no random kernels for FP8 (a KV cache may be FP8)
     q = torch.randn(args.batch, _seqlen_q(args), spec.num_q_heads, spec.head_dim,
-                    device=dev).to(dt)
-    k, v = (torch.randn(args.batch, args.seqlen, spec.num_kv_heads, d, device=dev)
+                    dtype=torch.float32, device=dev).to(dt)
+    k, v = (torch.randn(args.batch, args.seqlen, spec.num_kv_heads, d, dtype=torch.float32,
+                        device=dev)
             .to(torch_dtype(spec.kv_dtype or spec.dtype))
             for d in (spec.head_dim, spec.head_dim_v or spec.head_dim))
     m = spec.mask
-    slopes = torch.rand(spec.num_q_heads, device=dev) if m.alibi else None
+    slopes = torch.rand(spec.num_q_heads, dtype=torch.float32, device=dev) if m.alibi else None
     with torch.set_grad_enabled(spec.needs_grad):
         if spec.needs_grad:
             q.requires_grad_(True)

@@ -130,7 +130,9 @@ def synthetic_cases(shape: tuple[int, ...], causal: bool, magnitudes: list[float
                     channel: int | None, device: torch.device, seed: int) -> list[Case]:
     b, s, hq, hkv, d = shape
     g = torch.Generator(device).manual_seed(seed)
-    q, k, v = (torch.randn(b, s, h, d, generator=g, device=device).to(torch.bfloat16)
+    # drawn in fp32 (not the default dtype, whose draw of one seed differs), then cast
+    q, k, v = (torch.randn(b, s, h, d, generator=g, dtype=torch.float32,
+                           device=device).to(torch.bfloat16)
                for h in (hq, hkv, hkv))
     label = f"b={b} s={s} h={hq}:{hkv} d={d}"
     cases = [Case(label, "random", 1.0, q, k, v, causal)]

@@ -54,8 +54,8 @@ def class_data(case: Case, qs: list[torch.Tensor], ks: list[torch.Tensor],
         return _local(case, qs, ks, vs, gen)
     if case.budget_inputs == "clustered":
         d = qs[0].shape[-1]
-        centres = torch.nn.functional.normalize(torch.randn(CLUSTER_CENTRES, d, generator=gen),
-                                                dim=-1)
+        centres = torch.nn.functional.normalize(
+            torch.randn(CLUSTER_CENTRES, d, generator=gen, dtype=torch.float32), dim=-1)
         return _clustered(qs, centres, gen, scale), _clustered(ks, centres, gen, scale), vs
     return qs, ks, vs
 
@@ -63,7 +63,8 @@ def class_data(case: Case, qs: list[torch.Tensor], ks: list[torch.Tensor],
 def _code(pos: torch.Tensor, d: int) -> torch.Tensor:
     """A unit-norm position code (n, d): sinusoids with periods 8..256 (similarity falls
     with distance over the kit's lengths and is 1 only at distance 0)."""
-    periods = torch.logspace(math.log10(8), math.log10(256), max(-(-d // 2), 1))
+    periods = torch.logspace(math.log10(8), math.log10(256), max(-(-d // 2), 1),
+                             dtype=torch.float32)
     ang = 2 * math.pi * pos[:, None].float() / periods[None, :]
     code = torch.cat([ang.cos(), ang.sin()], -1)[:, :d]
     return code / code.norm(dim=-1, keepdim=True).clamp_min(1e-6)
@@ -82,8 +83,8 @@ def _local(case: Case, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[
         noise = 0.1 / math.sqrt(d)
         cq = _code(torch.arange(sq) + off, d)[:, None]
         ck = _code(torch.arange(sk), d)[:, None]
-        out_q.append(a * (cq + noise * torch.randn(q.shape, generator=gen)))
-        out_k.append(a * (ck + noise * torch.randn(k.shape, generator=gen)))
+        out_q.append(a * (cq + noise * torch.randn(q.shape, generator=gen, dtype=torch.float32)))
+        out_k.append(a * (ck + noise * torch.randn(k.shape, generator=gen, dtype=torch.float32)))
         if case.heavy_value and sk:
             v = v.clone()
             v[sk // 3] *= HEAVY_VALUE  # outside the windows of the later rows
@@ -100,7 +101,7 @@ def _clustered(xs: list[torch.Tensor], centres: torch.Tensor, gen: torch.Generat
     out = []
     for x in xs:
         at = centres[torch.randint(0, CLUSTER_CENTRES, x.shape[:-1], generator=gen)]
-        out.append(norm * (at + spread * torch.randn(x.shape, generator=gen)))
+        out.append(norm * (at + spread * torch.randn(x.shape, generator=gen, dtype=torch.float32)))
     return out
 
 

@@ -46,9 +46,10 @@ def build(case: Case, device: torch.device) -> Inputs:
     hq, hkv = case.heads
     d, dv = case.head_dim, case.head_dim_v or case.head_dim
     amp = 3.0 if case.softcap else 1.0  # larger scores so that the cap changes the result
-    qs = [amp * torch.randn(n, hq, d, generator=gen) for n in case.seqlens_q]
-    ks = [amp * torch.randn(n, hkv, d, generator=gen) for n in case.seqlens_k]
-    vs = [torch.randn(n, hkv, dv, generator=gen) for n in case.seqlens_k]
+    # drawn in fp32 whatever torch's default dtype: a float64 draw of one seed differs
+    qs = [amp * torch.randn(n, hq, d, generator=gen, dtype=torch.float32) for n in case.seqlens_q]
+    ks = [amp * torch.randn(n, hkv, d, generator=gen, dtype=torch.float32) for n in case.seqlens_k]
+    vs = [torch.randn(n, hkv, dv, generator=gen, dtype=torch.float32) for n in case.seqlens_k]
     b = len(qs)
     scale = SCALE / math.sqrt(d)  # not the default: a backend must use params.scale
     if case.budget_inputs:  # an error budget's input class (conformance.budget)
@@ -118,7 +119,7 @@ def _mask_params(case: Case, b: int, hq: int, hkv: int, sq: int, sk: int,
                  gen: torch.Generator) -> dict:
     out: dict = {}
     if case.alibi:
-        out["alibi_slopes"] = torch.rand(hq, generator=gen) * 0.5 + 0.05
+        out["alibi_slopes"] = torch.rand(hq, generator=gen, dtype=torch.float32) * 0.5 + 0.05
     if case.prefix_lm:
         out["prefix_lens"] = torch.randint(1, max(sk, 2), (b,), generator=gen, dtype=torch.int32)
     if case.column_sparse:
@@ -146,8 +147,8 @@ def _paged(ks: list[torch.Tensor], vs: list[torch.Tensor], page: int, gen: torch
     n_pages = sum(need) + 1
     order = torch.randperm(n_pages, generator=gen)
     hkv, d, dv = ks[0].shape[1], ks[0].shape[2], vs[0].shape[2]
-    kc = torch.randn(n_pages, page, hkv, d, generator=gen)
-    vc = torch.randn(n_pages, page, hkv, dv, generator=gen)
+    kc = torch.randn(n_pages, page, hkv, d, generator=gen, dtype=torch.float32)
+    vc = torch.randn(n_pages, page, hkv, dv, generator=gen, dtype=torch.float32)
     table = torch.zeros(len(ks), max(need), dtype=torch.int32)
     used = 0
     for i, (k, v) in enumerate(zip(ks, vs)):

@@ -325,7 +325,8 @@ def _budget_grads(out: torch.Tensor, x: list[torch.Tensor], inp: Inputs,
                   params: AttnParams) -> list[tuple[str, float]]:
     """Relative RMSE of the backend's dq, dk, dv against those of fp64 ``params`` attention
     on the same data, for the upstream gradient ``_grads`` uses (seeded)."""
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(99)).to(out)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(99),
+                       dtype=torch.float32).to(out)
     got = torch.autograd.grad(out, x, dout, allow_unused=True)
     x64 = [t.detach().double().requires_grad_(True) for t in (inp.ref_q, inp.ref_k, inp.ref_v)]
     ref, _ = reference_attention(*x64, params, layout=inp.ref_layout)
@@ -469,7 +470,8 @@ def _dropout_grads(out: torch.Tensor, dropped: torch.Tensor, qkv: tuple[torch.Te
     probs = dropout.exact_probabilities(inp, x64[0], x64[1]) * kept
     v64 = x64[2].repeat_interleave(probs.shape[1] // x64[2].shape[2], dim=2)
     ref = torch.einsum("bhqk,bkhd->bqhd", probs, v64)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(98)).to(out)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(98),
+                       dtype=torch.float32).to(out)
     grads = torch.autograd.grad(out, qkv, dout)
     for name, g, r in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref, x64,
                                                                           dout.double())):
@@ -553,7 +555,7 @@ def _grads(out: torch.Tensor, ref64: torch.Tensor, ref_same: torch.Tensor,
            inp: Inputs) -> tuple[float, float, str]:
     """(error, allowed, name) of the gradient (dq, dk or dv) furthest past its bound."""
     gen = torch.Generator().manual_seed(99)
-    dout = torch.randn(out.shape, generator=gen).to(out)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float32).to(out)
     grads = torch.autograd.grad(out, inputs, dout, retain_graph=case.repeat)
     g64 = torch.autograd.grad(ref64, inputs, dout.double())
     gsame = torch.autograd.grad(ref_same, inputs, dout)

@@ -17,7 +17,8 @@ from .capabilities import ALL_MASKS, Capabilities
 from .device import DeviceInfo
 from .flash_conventions import natural_lse, varlen_max_q
 from .kvquant import refuse_stray_descales
-from .masking import alibi_bias, allowed_mask, attends_nothing, doc_ranges, window_within
+from .masking import (alibi_bias, allowed_mask, attends_nothing, doc_ranges, no_keys_lse,
+                      window_within)
 from .paged import paged_to_varlen
 from .reference import _doc_params, reference_attention
 from .spec import AttentionSpec, AttnParams
@@ -142,8 +143,7 @@ def _sdpa_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b = p.cu_seqlens_q.numel() - 1
     tq, tk = q.shape[0], k.shape[0]
     if tq == 0 or tk == 0 or b == 0:  # nothing to attend to: 0 out, -inf LSE
-        lse = torch.full((q.shape[1], tq), float("-inf"), device=q.device) \
-            if p.return_lse else None
+        lse = no_keys_lse((q.shape[1], tq), q.device) if p.return_lse else None
         return AttentionOutput(attends_nothing(q, k, v), lse)
     max_q, max_k = p.max_seqlen_q, p.max_seqlen_k
     if max_q is None or max_k is None:  # a direct backend call: the hub always passes both
@@ -295,8 +295,7 @@ def _sdpa_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     b = q.shape[0]
     page = k_cache.shape[1]
     if p.block_table.shape[1] == 0:  # a table without pages: every length is 0
-        lse = torch.full((b, q.shape[2], q.shape[1]), float("-inf"), device=q.device) \
-            if p.return_lse else None
+        lse = no_keys_lse((b, q.shape[2], q.shape[1]), q.device) if p.return_lse else None
         return AttentionOutput(attends_nothing(q, k_cache, v_cache), lse)
     # max_seqlen_k may be a caller's upper bound: no length exceeds the tables' capacity
     max_k = max(min(int(p.max_seqlen_k or 0), page * p.block_table.shape[1]), 1)
@@ -435,7 +434,7 @@ def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sk, hkv = k.shape[1], k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if sq == 0 or sk == 0:
-        lse = torch.full((b, hq, sq), float("-inf"), device=q.device) if p.return_lse else None
+        lse = no_keys_lse((b, hq, sq), q.device) if p.return_lse else None
         return AttentionOutput(attends_nothing(q, k, v), lse)
     native = _native_causal(p, sq, sk)
     if native is not None and not _cpu_needs_explicit_mask(native, p, k):
@@ -536,7 +535,7 @@ def _hide_masked_nan_keys(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tenso
         weightless[..., cols] = drop
         allowed = allowed & ~weightless
     k = k.masked_fill(bad.unsqueeze(-1), 0.0)
-    poison = torch.zeros(seen.shape, device=q.device).masked_fill(seen, float("nan"))
+    poison = _nan_where(seen)
     return k, allowed, poison
 
 
@@ -565,7 +564,14 @@ def _keep_nan(out: torch.Tensor, lse: torch.Tensor | None, qt: torch.Tensor,
 def _nan_rows(qt: torch.Tensor) -> torch.Tensor:
     """(..., S, 1) fp32: 0 on rows of finite values, NaN on rows holding NaN or inf."""
     finite = torch.isfinite(qt).all(-1, keepdim=True)
-    return torch.zeros(finite.shape, device=qt.device).masked_fill(~finite, float("nan"))
+    return _nan_where(~finite)
+
+
+def _nan_where(rows: torch.Tensor) -> torch.Tensor:
+    """fp32 NaN where ``rows`` is set, else 0: an explicit dtype, since a poison added to an
+    fp32 LSE must not promote it to ``torch.get_default_dtype()`` (float64 for some users)."""
+    return torch.zeros(rows.shape, dtype=torch.float32, device=rows.device).masked_fill(
+        rows, float("nan"))
 
 
 def _native_causal(p: AttnParams, sq: int, sk: int) -> tuple[bool, object] | None:

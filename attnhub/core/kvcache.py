@@ -664,11 +664,12 @@ class PagedKVCache:
     def _slots(self, seqs: list[_Seq], counts: list[int]) -> torch.Tensor:
         out = []
         for seq, n in zip(seqs, counts):
-            pos = torch.arange(seq.length, seq.length + n)
-            pages = torch.tensor(seq.pages, dtype=torch.int64)
+            # host arithmetic (device="cpu": not torch's default device), one copy at the end
+            pos = torch.arange(seq.length, seq.length + n, device="cpu")
+            pages = torch.tensor(seq.pages, dtype=torch.int64, device="cpu")
             out.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
             seq.length += n
-        slots = torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+        slots = torch.cat(out) if out else torch.empty(0, dtype=torch.int64, device="cpu")
         return slots.to(self.device)
 
     @_locked
@@ -726,10 +727,13 @@ class PagedKVCache:
             for i, p in enumerate(seq.pages):
                 filled[p] = min(size, seq.length - i * size)
                 forked[p] = min(size, max(0, seq.shared - i * size))
-        refs = torch.tensor(self._refs, dtype=torch.int64)
+        # host tensors beside ``host`` (device="cpu", whatever torch's default device)
+        refs = torch.tensor(self._refs, dtype=torch.int64, device="cpu")
+        filled_t, forked_t = (torch.tensor(x, dtype=torch.int64, device="cpu")
+                              for x in (filled, forked))
         page, offset = host // size, host % size
         refused = (
-            (offset >= torch.tensor(filled)[page], lambda bad: (
+            (offset >= filled_t[page], lambda bad: (
                 f"slot {bad} (page {bad // size}) is no token a live sequence reserved: a free "
                 "page or past its sequence's end (slots kept from before a free?); write the "
                 "slots reserve() returned before freeing their sequence")),
@@ -737,7 +741,7 @@ class PagedKVCache:
                 f"slot {bad} lies in page {bad // size}, which {int(refs[bad // size])} "
                 "sequences share (forked after reserve): writing it would change the fork "
                 "too; write before forking")),
-            (offset < torch.tensor(forked)[page], lambda bad: (
+            (offset < forked_t[page], lambda bad: (
                 f"slot {bad} (page {bad // size}) was reserved before its sequence was "
                 "forked: the fork holds that token, and keeps zeros for this layer (it "
                 "copied the page since); write every layer of reserved slots before forking")))
@@ -986,7 +990,7 @@ class PagedKVCache:
         seqs = [self._seq(s) for s in ids]
         width = max((len(s.pages) for s in seqs), default=0) or 1
         rows = [s.pages + [PAD_PAGE] * (width - len(s.pages)) for s in seqs]
-        host = torch.tensor(rows, dtype=torch.int32).view(len(seqs), width)
+        host = torch.tensor(rows, dtype=torch.int32, device="cpu").view(len(seqs), width)
         # every entry a sequence uses is a page id of this cache, row i holds len(pages) pages
         t = self._vouched(host, (self.num_pages, tuple(len(s.pages) for s in seqs)))
         self._tables = [e for e in self._tables if e[0]() is not None]
@@ -999,8 +1003,8 @@ class PagedKVCache:
     def seqlens(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """(B,) int32 token counts."""
         lens = [self._seqs[s].length for s in self._check_ids("seqlens", seq_ids)]
-        return self._vouched(torch.tensor(lens, dtype=torch.int32), (max(lens, default=0),
-                                                                      tuple(lens)))
+        return self._vouched(torch.tensor(lens, dtype=torch.int32, device="cpu"),
+                             (max(lens, default=0), tuple(lens)))
 
     def _vouched(self, host: torch.Tensor, fact: tuple[int, tuple[int, ...]]) -> torch.Tensor:
         """``host`` on the cache's device, with a proof for the hub's paged check (see

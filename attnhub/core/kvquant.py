@@ -93,7 +93,7 @@ def _write(pages: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, x: to
     page_size = pages.shape[1]
     touched, inv = torch.unique(slots // page_size, return_inverse=True)
     amax = x.abs().amax(-1).float()  # (N, Hkv)
-    need = torch.zeros(touched.numel(), amax.shape[1], device=x.device)
+    need = amax.new_zeros(touched.numel(), amax.shape[1])  # fp32 as amax, whatever the default
     need.scatter_reduce_(0, inv[:, None].expand_as(amax), amax, "amax")
     old = scales[touched]
     # a descale grows to a power of two: the codes already in the page are then rescaled by

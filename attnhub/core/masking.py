@@ -194,6 +194,13 @@ def attends_nothing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return zero.expand(*q.shape[:-1], v.shape[-1]).contiguous()
 
 
+def no_keys_lse(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The LSE of rows that see no key: -inf, fp32 as docs/contract.md says. The dtype is
+    explicit: ``torch.full`` would take ``torch.get_default_dtype()`` (float64 for a caller
+    who set it so), which the hub's output check refuses."""
+    return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
+
+
 def learned_slopes(params: AttnParams) -> str | None:
     """Why a kernel whose backward gives ALiBi slopes no gradient cannot serve this call
     (None: it can): the slopes require one (learned per head) and grad mode is on. Without

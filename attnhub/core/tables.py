@@ -352,7 +352,8 @@ def _check_paged_contents(bt: torch.Tensor, sl: torch.Tensor, num_pages: int,
     if longest > cap:
         raise SeqlensError(f"seqlens_k max {longest} exceeds block_table capacity {cap} "
                            f"({bt.shape[1]} pages x {page}); add pages to the table")
-    used = torch.arange(bt.shape[1]).view(1, -1) < ((lens + page - 1) // page).view(-1, 1)
+    used = torch.arange(bt.shape[1], device=lens.device).view(1, -1) < (
+        (lens + page - 1) // page).view(-1, 1)  # on the host, as lens: not the default device
     ids = bt.cpu()[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
         hint = (" (-1 is a PagedKVCache table's padding past a sequence's pages: a table "

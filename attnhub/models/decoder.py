@@ -154,7 +154,9 @@ class Decoder(nn.Module):
             if "norm" in name:
                 continue
             fan_in = p.shape[-1] if "embed" not in name else 1
-            p.copy_(torch.randn(p.shape, generator=gen, device=self.device) / math.sqrt(fan_in))
+            # fp32 draws whatever the default dtype: the same weights for one seed
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32,
+                                device=self.device) / math.sqrt(fan_in))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -236,4 +238,5 @@ def random_prompts(cfg: DecoderConfig, batch: int, length: int,
                    device: str | torch.device = "cpu") -> torch.Tensor:
     """Token ids (B, S) from the config's seed (the same prompts for every run)."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)  # on the CPU: the same ids everywhere
-    return torch.randint(0, cfg.vocab_size, (batch, length), generator=gen).to(device)
+    return torch.randint(0, cfg.vocab_size, (batch, length), generator=gen,
+                         device="cpu").to(device)

@@ -361,7 +361,9 @@ class LinearBackend(_LinearFamily):
 
     def gate(self, q: torch.Tensor, k: torch.Tensor, extra: dict[str, Any], doc: Doc | None,
              context: int) -> torch.Tensor:
-        return torch.zeros(*k.shape[:2], q.shape[2], k.shape[3], device=k.device)
+        # fp32 as every gate (default_gate, a given one): not torch.get_default_dtype()
+        return torch.zeros(*k.shape[:2], q.shape[2], k.shape[3], dtype=torch.float32,
+                           device=k.device)
 
 
 class RetentionBackend(_LinearFamily):

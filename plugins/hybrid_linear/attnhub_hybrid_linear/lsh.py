@@ -31,7 +31,10 @@ def lsh_rotations(n_rounds: int, heads: int, dim: int, n_buckets: int, seed: int
     if n_rounds < 1:
         raise InputError(f"lsh: extra['lsh_rounds']={n_rounds}; use at least 1")
     gen = torch.Generator().manual_seed(seed)
-    rot = torch.randn(n_rounds, heads, dim, max(n_buckets // 2, 1), generator=gen)
+    # fp32 on the generator's device, whatever torch's defaults: a float64 default failed
+    # the einsum with fp32 keys (and a float64 draw of one seed is another rotation)
+    rot = torch.randn(n_rounds, heads, dim, max(n_buckets // 2, 1), generator=gen,
+                      dtype=torch.float32, device="cpu")
     return rot.to(device)
 
 

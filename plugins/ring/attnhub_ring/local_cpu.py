@@ -27,6 +27,7 @@ from attnhub.plugin import (
     InputError,
     attends_nothing,
     doc_ranges,
+    no_keys_lse,
     reference_attention,
 )
 
@@ -123,7 +124,7 @@ class TorchFlashCPUBackend(Backend):
         sk = k.shape[1]
         if sq == 0 or sk == 0:  # an empty document: nothing to align, whatever the lengths
             return (attends_nothing(q, k, v),
-                    torch.full((b, hq, sq), float("-inf"), device=q.device))
+                    no_keys_lse((b, hq, sq), q.device))
         reason = _square_reason(params.causal, params.alignment, sq, sk)
         if reason:
             raise BackendUnavailableError(self.name, [reason])
@@ -137,9 +138,11 @@ def _keep_nan(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Te
     every score is NaN. A query's NaN is added back (one reduction over q); a row that came
     out exactly zero (rare: all-NaN scores, or a true zero) is recomputed by the reference."""
     # (B, S, H, 1): 0, or NaN on rows with NaN/inf. Not a sum times 0: an fp16 row of large
-    # finite values sums to inf, and inf * 0 would turn an exact answer into NaN.
-    poison = torch.zeros(q.shape[:-1] + (1,), device=q.device).masked_fill(
-        ~torch.isfinite(q).all(-1, keepdim=True), float("nan"))
+    # finite values sums to inf, and inf * 0 would turn an exact answer into NaN. fp32, not
+    # the default dtype: added to the fp32 LSE, a float64 poison would promote it.
+    poison = torch.zeros(q.shape[:-1] + (1,), dtype=torch.float32,
+                         device=q.device).masked_fill(~torch.isfinite(q).all(-1, keepdim=True),
+                                                      float("nan"))
     out = out + poison.to(out.dtype)
     lse = torch.where(torch.isneginf(lse), lse, lse + poison.squeeze(-1).transpose(1, 2))
     if bool((out == 0).all(-1).any()):

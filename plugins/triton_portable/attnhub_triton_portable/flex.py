@@ -54,6 +54,7 @@ from attnhub.plugin import (
     BackendUnavailableError,
     InputError,
     attends_nothing,
+    no_keys_lse,
     query_offset,
     unit_head_stride,
     window_within,
@@ -504,7 +505,7 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
     if batch == 0 or sq == 0 or sk == 0:  # nothing to attend: flex mishandles empty grids
         out = attends_nothing(q, k, v)  # zeros in the autograd graph of q, k, v
         lse_shape = (hq, sq) if packed else (batch, hq, sq)
-        lse = torch.full(lse_shape, float("-inf"), device=q.device) if want_lse else None
+        lse = no_keys_lse(lse_shape, q.device) if want_lse else None
         return out, lse
     for fn in (params.score_mod, params.mask_mod):
         if fn is not None and (why := _variant_mismatch(fn, params, hq, sq, sk, packed)):
