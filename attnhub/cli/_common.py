@@ -139,18 +139,20 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     if path_kind(target) == "other":
         raise InputError(f"{path} is not a regular file (a device, FIFO or socket, which the "
                          "write would replace); pass the path of a file to write")
-    from ..policy.profile import _UMASK, open_new, temp_name
+    from ..policy.profile import _UMASK, discard, kept_mode, open_temp
 
-    tmp = temp_name(target, target.suffix)
+    kept = kept_mode(target)
+    made: list[Path] = []
     try:
-        os.close(open_new(tmp))
-        yield tmp
-        with open(tmp, "rb+") as f:  # on disk before the rename, as the store's JSON
+        os.close(open_temp(target, target.suffix, made))
+        yield made[-1]
+        with open(made[-1], "rb+") as f:  # on disk before the rename, as the store's JSON
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # the writer may have made the file anew
-        os.replace(tmp, target)
+        # the writer may have made the file anew: the old file's mode, or a new file's
+        os.chmod(made[-1], 0o666 & ~_UMASK if kept is None else kept)
+        os.replace(made[-1], target)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        discard(made)
         raise
 
 

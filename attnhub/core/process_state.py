@@ -325,8 +325,10 @@ def _read(get: Callable[[], Any]) -> Any:
 
 def _differs(old: Any, new: Any) -> bool:
     """``new != old`` that cannot raise: a plugin's object in ``sys.stdout`` whose ``__eq__``
-    raises (or answers with a tensor, whose truth is ambiguous) differs."""
-    if new is old:
+    raises (or answers with a tensor, whose truth is ambiguous) differs. A setting unreadable
+    before and after is unchanged as far as anyone can tell (the host's own state: every
+    plugin load and vetted call was blamed for it, with nothing to put back)."""
+    if new is old or (isinstance(old, _Unreadable) and isinstance(new, _Unreadable)):
         return False
     try:
         return bool(new != old)
@@ -400,7 +402,7 @@ def _put_back(settings: tuple[tuple[str, Callable[[], Any], Callable[[Any], None
         if what in skip:
             continue
         new = _read(get)
-        if _differs(old, new) and (isinstance(new, _Unreadable)
+        if _differs(old, new) and (isinstance(new, _Unreadable) or isinstance(old, _Unreadable)
                                    or not _KEPT.get(what, _never)(old, new)):
             try:
                 if isinstance(old, _Unreadable):  # nothing known to go back to

@@ -367,7 +367,7 @@ class Registry:
             return True
         if callers:  # only misspelt hooks, each reported above
             return False
-        bare = [h for h in HOOKS if callable(_static(obj, h))]
+        bare = [h for h in HOOKS if callable(_unwrapped(_static(obj, h)))]
         rec.errors.append(
             f"{', '.join(bare)} not decorated with @attnhub.plugin.hookimpl, so never called"
             if bare else "implements no attnhub hook, so it registers nothing; expected "
@@ -416,7 +416,8 @@ class Registry:
                 rec.errors.append(problem)
                 return
             backend.plugin = rec.name
-            if inspect.getattr_static(backend, "plugin", None) != rec.name:
+            kept = _stored(backend, "plugin")  # a plain str's ==, not the plugin's own code
+            if type(kept) is not str or kept != rec.name:
                 rec.errors.append(
                     f"backend {backend.name!r}: its `plugin` attribute cannot be set (a "
                     f"property or descriptor of {type(backend).__name__}); the registry "
@@ -430,10 +431,12 @@ class Registry:
     def _same_object(self, backend: Backend) -> str | None:
         """Why ``backend`` cannot be registered again: one object served two names (its
         name changed between two ``register`` calls), and ``get(first)`` returned a backend
-        named otherwise; or a plugin registered another plugin's (the core's) instance."""
+        named otherwise. Under the name it serves, another plugin's (the core's) instance
+        is refused by :meth:`_name_problem` as a new instance would be: a conflict, so load
+        order does not decide who serves a name two plugins register."""
         was = next((n for n, b in self.backends.items() if b is backend), None)
-        if was is None:
-            return None
+        if was is None or was == backend.name:  # the same name: a conflict, or this plugin's
+            return None  # second registration (:meth:`_name_problem`), as for two instances
         return (f"backend {type(backend).__name__} (name {backend.name!r}): this object is "
                 f"already registered as {was!r} by plugin {backend.plugin!r}; register a new "
                 "instance for each backend name")
@@ -752,6 +755,24 @@ def _static(obj: object, attr: str) -> Any:
         return inspect.getattr_static(obj, attr, None)
     except Exception:  # a metaclass or __dict__ that cannot be searched
         return None
+
+
+def _unwrapped(v: Any) -> Any:
+    """The function a ``staticmethod``/``classmethod`` found by :func:`_static` wraps (a
+    ``classmethod`` object is not callable itself)."""
+    return v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+
+
+def _stored(obj: object, attr: str) -> Any:
+    """The value ``obj`` stores for ``attr`` (its ``__dict__``, or a ``__slots__`` entry),
+    read without running its code; a property or other descriptor is returned itself."""
+    v = inspect.getattr_static(obj, attr, None)
+    if type(v) is types.MemberDescriptorType:  # a slot: read by the interpreter's own getter
+        try:
+            return v.__get__(obj, type(obj))
+        except AttributeError:  # an empty slot
+            return None
+    return v
 
 
 def _object_name(obj: object) -> str:

@@ -41,6 +41,7 @@ import json
 import math
 import os
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -648,16 +649,19 @@ def write_json_atomic(path: Path, obj: Any) -> None:
                            "the write would replace); pass the path of a file to write"])
     path.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale(path)
-    tmp = temp_name(path, ".tmp")
+    kept = kept_mode(path)
+    made: list[Path] = []
     try:
-        with os.fdopen(open_new(tmp), "w", encoding="utf-8") as f:  # owns the fd: closed
+        with os.fdopen(open_temp(path, ".tmp", made), "w", encoding="utf-8") as f:  # owns it
             json.dump(obj, f, indent=2, sort_keys=True)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if kept is not None:
+            os.chmod(made[-1], kept)
+        os.replace(made[-1], path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        discard(made)
         raise
 
 
@@ -674,6 +678,45 @@ def open_new(tmp: Path) -> int:
     less the umask, as ``open`` gives); its file descriptor."""
     return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
                    | getattr(os, "O_BINARY", 0), 0o666)
+
+
+#: Names drawn for one temporary file before giving up (each taken by another file).
+_TEMP_TRIES = 100
+
+
+def open_temp(path: Path, suffix: str, made: list[Path]) -> int:
+    """Create a temporary file beside ``path`` (:func:`temp_name`, :func:`open_new`); its
+    file descriptor. Its name is appended to ``made`` before the file is made, so the
+    caller's ``try`` around this call removes it (:func:`discard`) whatever interrupts it; a
+    name found taken is another writer's file: taken out of ``made`` again (the cleanup
+    removed that writer's file, failing both writes) and another name is drawn."""
+    for _ in range(_TEMP_TRIES):
+        tmp = temp_name(path, suffix)
+        made.append(tmp)
+        try:
+            return open_new(tmp)
+        except FileExistsError:
+            made.remove(tmp)
+    raise FileExistsError(f"no free temporary name beside {path} after {_TEMP_TRIES} tries")
+
+
+def discard(made: list[Path]) -> None:
+    """Remove the temporary files of a write that failed; one that cannot be removed (gone,
+    or a folder made read-only meanwhile) does not hide the write's own error."""
+    for tmp in made:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def kept_mode(path: Path) -> int | None:
+    """The permission bits of the regular file at ``path`` that a write replaces, for the file
+    replacing it (None: no such file; the new one gets an ordinary new file's mode). A store a
+    user made private (``chmod 600``) or shared (``chmod 664``) came back 0644 after a write."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return stat.S_IMODE(st.st_mode) & 0o777 if stat.S_ISREG(st.st_mode) else None
 
 
 #: A temporary file of a write older than this was left by a writer that died mid-write
