@@ -13,6 +13,10 @@ replay, ``triton_decode.gpu_us``) and the FlashAttention-rule check of:
   contiguous copy (what splits, merges and gaps cost).
 
     python benchmarks/decode_layout_probe.py --json $OUT/dprobe.json [--smoke]
+    python benchmarks/decode_layout_probe.py --replot dprobe.json   # its chart again
+
+The chart (``--json``'s path with ``.png``) puts each variant's TB/s beside the card's copy
+ceiling, one panel per cell.
 """
 
 from __future__ import annotations
@@ -128,11 +132,39 @@ def cell(batch: int, ctx: int, sms: int, arch: str) -> dict[str, Any]:
     return res
 
 
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Each variant's TB/s, one panel per cell, the copy ceiling as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = doc["cells"]
+    fig, axes = plt.subplots(1, len(cells), figsize=(6 * len(cells), 4.5), squeeze=False)
+    for ax, c in zip(axes[0], cells):
+        runs = [r for r in c["runs"] if "TBps" in r]
+        ax.barh([r["name"] for r in runs], [r["TBps"] for r in runs],
+                color=["tab:gray" if r["name"].startswith("sdpa") else "tab:blue" for r in runs])
+        ax.axvline(doc["ceilings"]["copy_rw_TBps"], color="tab:red", ls="--")
+        ax.invert_yaxis()
+        ax.set_xlabel("TB/s (KV bytes / GPU time); red: the card's copy ceiling")
+        ax.set_title(f"{c['batch']} x {c['ctx'] // 1024}k, page {doc['page']}")
+    fig.suptitle(f"paged decode variants, {doc['gpu']}, {doc['commit']}, {doc['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", required=True)
+    ap.add_argument("--json")
+    ap.add_argument("--replot", help="draw the chart of this JSON again, measure nothing")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+        return
+    if not a.json:
+        ap.error("--json PATH (where the results go) or --replot JSON")
     out, gpu, sms, arch = sweep_setup(str(Path(a.json).parent))
     doc: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="minutes"), "gpu": gpu, "sm_count": sms, "commit": source_commit(),
@@ -142,6 +174,7 @@ def main() -> None:
     for batch, ctx in CELLS:
         doc["cells"].append(cell(batch, ctx, sms, arch))
         Path(a.json).write_text(json.dumps(doc, indent=1))
+    plot(doc, Path(a.json).with_suffix(".png"))
 
 
 if __name__ == "__main__":
