@@ -203,3 +203,52 @@ def test_a_backend_whose_plugin_attribute_ignores_the_registry_is_refused() -> N
     rec = reg.add_plugin(Plugin(), "p")
     assert rec.backends == ["mine_one"] and "spoof" not in reg.backends
     assert len(rec.errors) == 1 and "`plugin` attribute cannot be set" in rec.errors[0]
+
+
+HANGS_ON_READ = '''
+import time
+from attnhub.plugin import AttentionOutput, Backend, Capabilities, hookimpl
+
+class Good(Backend):
+    name = "reads_hang_good"
+    capabilities = Capabilities()
+    def forward(self, q, k, v, spec, params):
+        return AttentionOutput(q)
+
+@hookimpl
+def attnhub_register_backends(register):
+    register(Good())
+
+def __dir__():
+    return ["attnhub_register_backends", "Good", "slow"]
+
+def __getattr__(name):
+    if name == "slow":  # pluggy reads every attribute __dir__ lists, looking for hooks
+        time.sleep(3600)
+    raise AttributeError(name)
+'''
+
+
+def test_an_attribute_that_hangs_when_read_for_hooks_is_bounded(tmp_path, monkeypatch) -> None:
+    """pluggy's register() reads every attribute of a plugin on the host's thread: a module
+    ``__getattr__`` (or a property) that hangs there hung ``Registry.load`` for good."""
+    import threading
+    import time
+
+    monkeypatch.setenv("ATTNHUB_PLUGIN_TIMEOUT", "0.5")
+    monkeypatch.delenv("ATTNHUB_PLUGINS")  # (this file's fixture allows no named plugin)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = f"adv_reads_hang_{time.time_ns()}"
+    (tmp_path / f"{mod}.py").write_text(HANGS_ON_READ)
+    got: list[Registry] = []
+    loader = threading.Thread(target=lambda: got.append(Registry.load(modules=[mod],
+                                                                      entry_points=False)),
+                              daemon=True)  # one that still hangs fails this test, not CI
+    loader.start()
+    loader.join(10)
+    assert got, "Registry.load is still waiting on the plugin's attribute"
+    assert got[0].plugins[mod].errors == [
+        "reading its hooks (an attribute that hangs) did not finish within 0.5 s "
+        "(ATTNHUB_PLUGIN_TIMEOUT); the plugin is skipped (fix the hang, or raise the limit "
+        "with ATTNHUB_PLUGIN_TIMEOUT=SECONDS)"]
+    assert "reads_hang_good" not in got[0].backends and "torch_sdpa" in got[0].backends

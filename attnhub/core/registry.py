@@ -329,19 +329,24 @@ class Registry:
 
     def _register_from(self, obj: object, rec: PluginRecord, timeout: float | None = None,
                        watch: process_state.Watch | None = None) -> None:
-        other = next((n for n, p in self.pm.list_name_plugin() if p is obj), None)
+        other = next((n for n, p in self.pm.list_name_plugin()
+                      if getattr(p, "source", None) is obj), None)
         if other is not None:  # pluggy's refusal printed its whole table of plugins
             rec.errors.append(f"this plugin object is already loaded as plugin {other!r}; "
                               "skipped (load it once)")
             return
-        try:
-            self.pm.register(obj, name=rec.name)
+        try:  # pluggy reads every attribute: in a bounded worker, never on this thread
+            hooks = bounded(_settling(lambda: self._hook_set(obj), watch), timeout)
+            self.pm.register(hooks, name=rec.name)
         except KeyboardInterrupt:
             raise
+        except Stalled:
+            self._stall(rec, "reading its hooks (an attribute that hangs)")
+            return
         except BaseException as exc:  # pluggy's reason spans lines (which arguments differ)
             rec.errors.append(f"invalid plugin: {_exc_text(exc, lines=4)}")
             return
-        if not self._hooks_known(obj, rec):
+        if not self._hooks_known(hooks, obj, rec):
             return
         for hook, adder in ((self.pm.hook.attnhub_register_backends, self._backend_adder),
                             (self.pm.hook.attnhub_register_variants, self._variant_adder)):
@@ -354,10 +359,21 @@ class Registry:
                         with self._lock:
                             gate.open = False
 
-    def _hooks_known(self, obj: object, rec: PluginRecord) -> bool:
+    def _hook_set(self, obj: object) -> _HookSet:
+        """``obj``'s hook implementations as pluggy would find them (its own test, each
+        attribute read once), on an object of their own: registering that, pluggy runs none
+        of the plugin's code (a property or module ``__getattr__`` that hangs would hang the
+        host's thread there, outside every time limit)."""
+        hooks = _HookSet(obj)
+        for name in dir(obj):
+            if self.pm.parse_hookimpl_opts(obj, name) is not None:
+                setattr(hooks, name, getattr(obj, name))
+        return hooks
+
+    def _hooks_known(self, hooks: _HookSet, obj: object, rec: PluginRecord) -> bool:
         """False, with the reason recorded, when ``obj`` implements no attnhub hook: a
         misspelt hook name or a missing ``@hookimpl`` would register nothing, silently."""
-        callers = self.pm.get_hookcallers(obj) or []
+        callers = self.pm.get_hookcallers(hooks) or []
         for hc in callers:
             if hc.spec is None:
                 rec.errors.append(f"hook {hc.name!r} is not an attnhub hook and is never called"
@@ -570,6 +586,14 @@ class Registry:
 
     def errors(self) -> list[tuple[str, str]]:
         return [(r.name, e) for r in self.plugins.values() for e in r.errors]
+
+
+class _HookSet:
+    """What pluggy registers for a plugin (``Registry._hook_set``): its hook functions as
+    attributes, and the plugin object itself as ``source``."""
+
+    def __init__(self, source: object) -> None:
+        self.source = source
 
 
 class _Gate:
