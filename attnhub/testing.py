@@ -258,3 +258,42 @@ class CtrlCAt:
             sys.settrace(None)
             sys.setprofile(None)
             torch.set_grad_enabled(grad)
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel (``kernel[grid](...)``): records each launch's grid,
+    tagged with ``name`` when given, and runs nothing. CUDA caps a grid's second and third
+    axes at 65535 programs, a limit the CPU interpreter does not have: a test checks a
+    plugin's grids against it on a machine without a GPU."""
+
+    def __init__(self, grids: list[Any], name: str | None = None) -> None:
+        self.grids, self.name = grids, name
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        self.grids.append(tuple(grid) if self.name is None else (self.name, tuple(grid)))
+        return lambda *args, **kwargs: None
+
+
+def record_launches(monkeypatch: Any, kernels: dict[Any, Sequence[str]],
+                    named: bool = False) -> list[Any]:
+    """Replace each ``module.name`` of ``kernels`` ({module: names}) with a
+    :class:`LaunchRecorder`; returns the list their grids go to (``(name, grid)`` pairs with
+    ``named``)."""
+    grids: list[Any] = []
+    for module, names in kernels.items():
+        for name in names:
+            monkeypatch.setattr(module, name, LaunchRecorder(grids, name if named else None))
+    return grids
+
+
+def plugin_of(*backends: Any) -> object:
+    """A plugin object whose hook registers ``backends`` (for ``Registry.add_plugin``)."""
+    from .hookspecs import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def attnhub_register_backends(self, register: Any) -> None:
+            for b in backends:
+                register(b)
+
+    return Plugin()

@@ -39,6 +39,14 @@ def wrong_registry() -> Registry:
     return reg
 
 
+@pytest.fixture
+def core_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the core's backends: no installed plugin, no provider preference from the
+    environment (a test's registry then holds just what it adds)."""
+    monkeypatch.setenv("ATTNHUB_PLUGINS", "")
+    monkeypatch.delenv("ATTNHUB_PROVIDERS", raising=False)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

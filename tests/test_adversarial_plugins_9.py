@@ -14,10 +14,7 @@ from attnhub.hookspecs import hookimpl
 from attnhub.plugin import Backend, Capabilities
 
 
-@pytest.fixture(autouse=True)
-def _core_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ATTNHUB_PLUGINS", "")
-    monkeypatch.delenv("ATTNHUB_PROVIDERS", raising=False)
+pytestmark = pytest.mark.usefixtures("core_only")
 
 
 class _Good(Backend):

@@ -105,14 +105,27 @@ def test_invalid_variants_are_refused_at_registration(site: Path) -> None:
         "variant 'text': score_mod is a str, expected a callable (FlexAttention style) or None"]
 
 
-@pytest.mark.parametrize("where", ["import", "hook"])
+#: plugins that hang: at import, in their hook, and in an attribute pluggy reads while it
+#: looks for hooks (a module ``__getattr__`` here; a property alike), then what is recorded
+HANGS = {
+    "import": ("import time\ntime.sleep(3600)\n", "its import"),
+    "hook": ("import time\n@hookimpl\ndef attnhub_register_backends(register):\n"
+             "    register(Good())\n    time.sleep(3600)\n", "hook attnhub_register_backends"),
+    "read": ("import time\n@hookimpl\ndef attnhub_register_backends(register):\n"
+             "    register(Good())\ndef __dir__():\n    return ['attnhub_register_backends', "
+             "'Good', 'slow']\ndef __getattr__(name):\n    if name == 'slow':\n"
+             "        time.sleep(3600)\n    raise AttributeError(name)\n",
+             "reading its hooks (an attribute that hangs)"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(HANGS))
 def test_a_plugin_that_hangs_is_skipped_after_the_timeout(site: Path, monkeypatch,
                                                           where: str) -> None:
-    """Registry.load waited forever on a plugin sleeping at import or in its hook."""
+    """Registry.load waited forever on a plugin sleeping at import, in its hook, or in an
+    attribute pluggy's register() read on the host's thread."""
     monkeypatch.setenv("ATTNHUB_PLUGIN_TIMEOUT", "0.5")
-    body = ("import time\ntime.sleep(3600)\n" if where == "import" else
-            "import time\n@hookimpl\ndef attnhub_register_backends(register):\n"
-            "    register(Good())\n    time.sleep(3600)\n")
+    body, what = HANGS[where]
     mod = _module(site, f"hang_{where}", body)
     got: list[Registry] = []
     loader = threading.Thread(target=lambda: got.append(Registry.load(modules=[mod],
@@ -122,7 +135,6 @@ def test_a_plugin_that_hangs_is_skipped_after_the_timeout(site: Path, monkeypatc
     loader.join(10)
     assert got, "Registry.load is still waiting on the plugin"
     reg = got[0]
-    what = "its import" if where == "import" else "hook attnhub_register_backends"
     assert reg.plugins[mod].errors == [
         f"{what} did not finish within 0.5 s (ATTNHUB_PLUGIN_TIMEOUT); the plugin is skipped "
         "(fix the hang, or raise the limit with ATTNHUB_PLUGIN_TIMEOUT=SECONDS)"]

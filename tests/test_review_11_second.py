@@ -1,6 +1,9 @@
 """Review round 11, second pass over the registry/process-state hardening and the atomic
 writers (2bf3795), and the window trim by the lengths' bucket (e578dcb).
 
+The registry and process-state tests of this pass live in test_adversarial_plugins_11.py
+(one set of plugin helpers); here: the atomic writers and the window trim.
+
 - A setting the host itself had left unreadable (``logging.getLogger("attnhub").filters =
   None``) was blamed on every plugin that loaded, as "changed ... not put back".
 - One backend object registered by two plugins under one name went to the first loaded
@@ -18,11 +21,9 @@ writers (2bf3795), and the window trim by the lengths' bucket (e578dcb).
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import secrets
 import stat
-import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,115 +32,7 @@ import torch
 
 import attnhub
 from attnhub.cli._common import write_text_atomic
-from attnhub.core.registry import Registry
-from attnhub.hookspecs import hookimpl
-from attnhub.plugin import Backend, Capabilities
 from attnhub.policy.profile import write_json_atomic
-
-
-@pytest.fixture(autouse=True)
-def _core_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ATTNHUB_PLUGINS", "")
-    monkeypatch.delenv("ATTNHUB_PROVIDERS", raising=False)
-
-
-class _Mine(Backend):
-    name = "mine_one"
-    capabilities = Capabilities()
-
-    def forward(self, *args: Any) -> Any:  # pragma: no cover - never called
-        raise NotImplementedError
-
-
-def _registering(*backends: Backend) -> object:
-    class Plugin:
-        @hookimpl
-        def attnhub_register_backends(self, register: Any) -> None:
-            for b in backends:
-                register(b)
-
-    return Plugin()
-
-
-# -- process state ------------------------------------------------------------------------
-def test_a_setting_unreadable_before_the_plugin_is_not_blamed_on_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    @hookimpl
-    def attnhub_register_backends(register: Any) -> None:
-        register(_Mine())
-
-    mod = types.ModuleType("attnhub_innocent")
-    mod.attnhub_register_backends = attnhub_register_backends  # type: ignore[attr-defined]
-    monkeypatch.setitem(__import__("sys").modules, "attnhub_innocent", mod)
-    monkeypatch.setattr(logging.getLogger("attnhub"), "filters", None)  # the host's own
-    reg = Registry.load(entry_points=False, modules=["attnhub_innocent"], deny=[])
-    rec = reg.plugins["innocent"]
-    assert rec.backends == ["mine_one"] and rec.errors == []
-
-
-# -- registry -----------------------------------------------------------------------------
-def test_one_object_registered_by_two_plugins_under_one_name_is_a_conflict() -> None:
-    """As two instances would be: neither serves it, whichever loaded first."""
-    shared = _Mine()
-    reg = Registry.load(entry_points=False, modules=[])
-    first = reg.add_plugin(_registering(shared), "a")
-    second = reg.add_plugin(_registering(shared), "b")
-    assert "mine_one" not in reg.backends and reg.conflicts["mine_one"] == ["a", "b"]
-    assert not first.backends and not second.backends
-    assert all("more than one plugin" in r.errors[0] for r in (first, second))
-    assert shared.plugin == "a"
-
-
-def test_a_slotted_plugin_attribute_keeps_the_registrys_value() -> None:
-    class Slotted(_Mine):
-        __slots__ = ("plugin",)
-        name = "slotted"
-
-    reg = Registry.load(entry_points=False, modules=[])
-    rec = reg.add_plugin(_registering(Slotted()), "s")
-    assert rec.backends == ["slotted"] and rec.errors == []
-    assert reg.provider("slotted")["plugin"] == "s"  # type: ignore[index]
-
-
-class _Sticky:
-    """A descriptor that ignores the assignment and compares equal to everything."""
-
-    def __get__(self, obj: Any, owner: Any = None) -> str:
-        return "core"
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        pass
-
-    def __eq__(self, other: object) -> bool:
-        return True
-
-    def __ne__(self, other: object) -> bool:
-        return False
-
-    __hash__ = object.__hash__
-
-
-def test_a_plugin_descriptor_that_compares_equal_is_still_refused() -> None:
-    class Spoof(_Mine):
-        name = "spoof"
-        plugin = _Sticky()  # type: ignore[assignment]
-
-    reg = Registry.load(entry_points=False, modules=[])
-    rec = reg.add_plugin(_registering(Spoof()), "p")
-    assert "spoof" not in reg.backends and reg.provider("spoof") is None
-    assert "`plugin` attribute cannot be set" in rec.errors[0]
-
-
-def test_an_undecorated_classmethod_hook_is_named() -> None:
-    class Plugin:
-        @classmethod
-        def attnhub_register_backends(cls, register: Any) -> None:  # pragma: no cover
-            register(_Mine())
-
-    reg = Registry.load(entry_points=False, modules=[])
-    rec = reg.add_plugin(Plugin(), "cm")
-    assert rec.errors == ["attnhub_register_backends not decorated with "
-                          "@attnhub.plugin.hookimpl, so never called"]
 
 
 # -- atomic writers -----------------------------------------------------------------------

@@ -19,9 +19,9 @@ from attnhub.cli import build_parser, main
 from attnhub.core.capabilities import ALL_MASKS
 from attnhub.core.registry import Registry
 from attnhub.errors import PolicyError
-from attnhub.hookspecs import hookimpl
 from attnhub.policy import load_policy
 from attnhub.policy.lint import lint_policy
+from attnhub.testing import plugin_of
 
 
 class Spy(Backend):
@@ -41,14 +41,6 @@ class Spy(Backend):
         return AttentionOutput(torch.zeros_like(q), None)
 
 
-def _plugin(*backends: Backend) -> object:
-    class Plugin:
-        @hookimpl
-        def attnhub_register_backends(self, register: Any) -> None:
-            for b in backends:
-                register(b)
-
-    return Plugin()
 
 
 def _write(tmp_path: Path, text: str, name: str = "p.yaml") -> Path:
@@ -83,7 +75,7 @@ def test_a_backend_added_after_first_calls_binds_on_the_hot_path(late_policy: Pa
     assert hub.decide(spec).backend == "torch_sdpa"
     before = reg.generation
     late = Spy("late")
-    reg.add_plugin(_plugin(late), "lateplugin")
+    reg.add_plugin(plugin_of(late), "lateplugin")
     out = hub.attention(q, k, v)  # same key: used to stay on torch_sdpa for good
     assert late.calls == 1 and not out.any()
     assert hub.decide(spec).backend == "late"  # and explain/decide say so
@@ -99,7 +91,7 @@ def test_a_plugin_the_deployment_picks_replaces_the_bound_backend() -> None:
     assert hub.bound()[-1].decision.backend == "torch_sdpa"
     reg.providers["torch_sdpa"] = "mine"  # the deployment picks a replacement provider
     mine = Spy("torch_sdpa")
-    assert reg.add_plugin(_plugin(mine), "mine").ok
+    assert reg.add_plugin(plugin_of(mine), "mine").ok
     assert reg.get("torch_sdpa") is mine
     hub.attention(q, k, v)
     assert mine.calls == 1  # not the core's torch_sdpa, bound before
@@ -108,13 +100,13 @@ def test_a_plugin_the_deployment_picks_replaces_the_bound_backend() -> None:
 def test_a_name_taken_from_its_plugin_by_a_conflict_stops_serving(late_policy: Path) -> None:
     reg = Registry.load(entry_points=False, modules=[])
     first = Spy("late")
-    reg.add_plugin(_plugin(first), "one")
+    reg.add_plugin(plugin_of(first), "one")
     hub = attnhub.Hub(policy=str(late_policy), hardware="cpu", registry=reg)
     q, k, v = _qkv()
     hub.attention(q, k, v)
     hub.attention(q, k, v)
     assert first.calls == 2
-    reg.add_plugin(_plugin(Spy("late")), "two")  # neither serves 'late' now
+    reg.add_plugin(plugin_of(Spy("late")), "two")  # neither serves 'late' now
     assert "late" not in reg.backends
     hub.attention(q, k, v)
     assert first.calls == 2
@@ -132,7 +124,7 @@ def test_the_policy_cache_keys_on_the_generation_not_the_count() -> None:
     assert policy.resolve(spec, device, reg).backend == "torch_sdpa"
     reg.providers["torch_sdpa"] = "fp32only"
     n = len(reg.backends)
-    reg.add_plugin(_plugin(Spy("torch_sdpa")), "fp32only")  # serves no bf16
+    reg.add_plugin(plugin_of(Spy("torch_sdpa")), "fp32only")  # serves no bf16
     assert len(reg.backends) == n
     d = policy.resolve(spec, device, reg)
     assert d.backend != "torch_sdpa"
@@ -157,13 +149,13 @@ def test_a_registry_holds_its_hubs_weakly_and_only_its_own_rebind() -> None:
     q, k, v = _qkv()
     hub.attention(q, k, v)
     bound = hub.bound()
-    reg.add_plugin(_plugin(Spy("late")), "late")
+    reg.add_plugin(plugin_of(Spy("late")), "late")
     assert hub.bound() == bound
     ref = weakref.ref(hub)
     del hub, bound
     gc.collect()
     assert ref() is None
-    other.add_plugin(_plugin(Spy("late")), "late")  # a dead listener is skipped
+    other.add_plugin(plugin_of(Spy("late")), "late")  # a dead listener is skipped
 
 
 # -- 2. targets exactly as written ----------------------------------------------------------

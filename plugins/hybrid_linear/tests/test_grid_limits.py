@@ -20,28 +20,16 @@ import triton.language as tl
 from attnhub_hybrid_linear import linear_torch
 from attnhub_hybrid_linear.metrics import rel_rmse
 
+from attnhub.testing import record_launches
+
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 _flat: Any = None  # linear_triton._flat_program, set by the order test
 _KERNELS = ("_scan_kernel", "_chunk_out_kernel", "_chunk_bwd_kernel", "_recurrent_kernel")
 
 
-class _GridRecorder:
-    """Stands in for a Triton kernel: records each launch's grid, runs nothing."""
-
-    def __init__(self, name: str, grids: list[tuple[str, tuple[int, ...]]]) -> None:
-        self.name, self.grids = name, grids
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Any:
-        self.grids.append((self.name, tuple(grid)))
-        return lambda *args, **kwargs: None
-
-
 def _record(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch
             ) -> list[tuple[str, tuple[int, ...]]]:
-    grids: list[tuple[str, tuple[int, ...]]] = []
-    for name in _KERNELS:
-        monkeypatch.setattr(kernels, name, _GridRecorder(name, grids))
-    return grids
+    return record_launches(monkeypatch, {kernels: _KERNELS}, named=True)
 
 
 def _run_all(kernels: ModuleType, b: int, t: int, h: int) -> None:

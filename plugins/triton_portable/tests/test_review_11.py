@@ -29,18 +29,11 @@ from attnhub_triton_portable.launch import MAX_GRID_Y, DenseArgs
 
 import attnhub
 from attnhub.plugin import AttnParams
-from attnhub.testing import assert_fa_rule, assert_grads_fa_rule, assert_lse, fa_references
+from attnhub.testing import (assert_fa_rule, assert_grads_fa_rule, assert_lse, fa_references,
+                             record_launches)
 
-
-class _GridCheck:
-    """Stands in for a Triton kernel: records each launch's grid, runs nothing."""
-
-    def __init__(self, grids: list[tuple[int, ...]]) -> None:
-        self.grids = grids
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Any:
-        self.grids.append(tuple(grid))
-        return lambda *args, **kwargs: None
+#: every launch of the dense forward and backward
+DENSE_KERNELS = {fwd: ["_fwd_kernel"], bwd: ["_delta_kernel", "_dkdv_kernel", "_dq_kernel"]}
 
 
 def _assert_within_cuda(grids: list[tuple[int, ...]]) -> None:
@@ -53,10 +46,7 @@ def test_dense_grids_fit_cuda_with_65600_document_heads(monkeypatch: pytest.Monk
                                                          ) -> None:
     """thd, 1025 one-token documents x 64 heads: every forward and backward launch's grid
     is within CUDA's axes (was (1, 65600)), and the Gluon forward declines the call."""
-    grids: list[tuple[int, ...]] = []
-    monkeypatch.setattr(fwd, "_fwd_kernel", _GridCheck(grids))
-    for name in ("_delta_kernel", "_dkdv_kernel", "_dq_kernel"):
-        monkeypatch.setattr(bwd, name, _GridCheck(grids))
+    grids = record_launches(monkeypatch, DENSE_KERNELS)
     docs, hq = 1025, 64
     q = torch.zeros(docs, hq, 16)
     k = v = torch.zeros(docs, 8, 16)

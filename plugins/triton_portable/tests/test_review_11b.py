@@ -28,7 +28,11 @@ from attnhub_triton_portable.launch import DenseArgs, flat_grid
 
 import attnhub
 from attnhub.plugin import AttnParams, InputError
-from attnhub.testing import assert_fa_rule, assert_grads_fa_rule, assert_lse, fa_references
+from attnhub.testing import (assert_fa_rule, assert_grads_fa_rule, assert_lse, fa_references,
+                             record_launches)
+
+#: every launch of the dense forward and backward
+DENSE_KERNELS = {fwd: ["_fwd_kernel"], bwd: ["_delta_kernel", "_dkdv_kernel", "_dq_kernel"]}
 
 
 @triton.jit
@@ -51,25 +55,11 @@ def test_flat_program_keeps_the_2d_grid_order() -> None:
     assert out.tolist() == [[tiles_ - 1 - x, y] for y in range(rows) for x in range(tiles_)]
 
 
-class _GridCheck:
-    """Stands in for a Triton kernel: records each launch's grid, runs nothing."""
-
-    def __init__(self, grids: list[tuple[int, ...]]) -> None:
-        self.grids = grids
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Any:
-        self.grids.append(tuple(grid))
-        return lambda *args, **kwargs: None
-
-
 def test_a_flat_grid_past_int32_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """thd, 1025 documents x 64 heads with a longest document of 2**26 rows: 2**22 tiles x
     65600 rows is past 2**31 - 1 programs; forward and backward refuse it by name (it went
     to the launch), and nothing is launched."""
-    grids: list[tuple[int, ...]] = []
-    monkeypatch.setattr(fwd, "_fwd_kernel", _GridCheck(grids))
-    for name in ("_delta_kernel", "_dkdv_kernel", "_dq_kernel"):
-        monkeypatch.setattr(bwd, name, _GridCheck(grids))
+    grids = record_launches(monkeypatch, DENSE_KERNELS)
     docs, hq = 1025, 64
     q = torch.zeros(docs, hq, 16)
     k = torch.zeros(docs, 8, 16)
