@@ -9,7 +9,15 @@ The wrapper's plan is cached under that layout's key (tensor identity + in-place
 ``run()`` in a CUDA graph. Caches are (pages, page_size, Hkv, D): NHD storage, or a transposed
 view of HND storage (pages, Hkv, page_size, D), detected from strides.
 
-FlashInfer returns base-2 LSE; it is converted to natural log here.
+FlashInfer returns base-2 LSE; it is converted to natural log here. Rows that see no key (an
+empty sequence, or the first Sq - seqlens_k queries of a causal chunk longer than its cache)
+are set to output 0 and LSE -inf here: FlashInfer before 0.6.18 masked with a finite sentinel
+(-5e4) and returned a finite LSE for such rows (flashinfer PR 4401).
+
+The CUDA-core decode kernel is compiled for GQA group sizes 1, 2, 3, 4 and 8 only
+(``DISPATCH_GQA_GROUP_SIZE`` in ``include/flashinfer/utils.cuh``; 6 from 0.6.18): plan() raises
+"Unsupported group_size" for any other ratio, so those decodes take the tensor-core kernel (the
+prefill kernels, any group size).
 """
 
 from __future__ import annotations
@@ -41,6 +49,21 @@ from .probe import FlashInferBuild, flashinfer_build
 INSTALL_FLASHINFER = "pip install 'attnhub-sm80-fa2[flashinfer]'"
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
 LN2 = math.log(2.0)
+#: GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (``utils.cuh``,
+#: ``DISPATCH_GQA_GROUP_SIZE``: 1, 2, 3, 4, 8; 6 only from 0.6.18, left out to stay exact on
+#: older releases): another ratio needs the tensor-core (prefill) kernel
+CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
+
+
+def rows_without_keys(seqlens_k: torch.Tensor, sq: int, causal: bool) -> torch.Tensor | None:
+    """(B, Sq) bool of the query rows that see no key, or None when every row sees one: every
+    row of an empty sequence, and under bottom-right causal the first ``Sq - seqlens_k``
+    rows (query i sits at key ``i + seqlens_k - Sq``). A left window never empties a row
+    that sees its own diagonal key. Computed at plan time (one host read per plan)."""
+    lens = seqlens_k.to(torch.int64).view(-1, 1)
+    rows = torch.arange(sq, device=lens.device).view(1, sq)
+    empty = rows < sq - lens if causal else (lens == 0) & (rows >= 0)
+    return empty if bool(empty.any()) else None
 
 
 def flashinfer_capabilities(build: FlashInferBuild, phases: frozenset[str],
@@ -71,6 +94,8 @@ class Plan:
     tensor_cores: bool = False
     reason: str = ""
     hnd: bool = False  # the cache is a (pages, page, H, D) view of HND storage
+    #: (B, Sq) rows that see no key (output 0, LSE -inf), None when there is none
+    empty_rows: torch.Tensor | None = None
     #: the slot whose wrapper holds this plan (its lock spans a plan's run)
     slot: Any = field(default=None, repr=False, compare=False)
 
@@ -164,8 +189,9 @@ class FlashInferPagedBackend(Backend):
             if params.softcap:
                 kw["logits_soft_cap"] = float(params.softcap)
             self._plan_wrapper(slot.wrapper, csr, q, hkv, page, causal, kw)
+            empty = rows_without_keys(params.seqlens_k, sq, causal)
             slot.plan = Plan(key, slot.wrapper, csr, (params.block_table, params.seqlens_k),
-                             use_tc, why, layout == "HND", slot)
+                             use_tc, why, layout == "HND", slot=slot, empty_rows=empty)
             if len(self._fast) > 64:
                 self._fast.clear()
             self._fast[fast] = (slot, slot.plan)
@@ -229,10 +255,10 @@ class FlashInferPagedBackend(Backend):
         out = out.view(b, sq, hq, out.shape[-1])
         if lse is not None:
             lse = lse.view(b, sq, hq).transpose(1, 2) * LN2
-        if plan.csr.empty is not None:  # sequences without keys: output 0, LSE -inf
-            out = out.masked_fill(plan.csr.empty.view(b, 1, 1, 1), 0.0)
+        if plan.empty_rows is not None:  # rows without keys: output 0, LSE -inf
+            out = out.masked_fill(plan.empty_rows.view(b, sq, 1, 1), 0.0)
             if lse is not None:
-                lse = lse.masked_fill(plan.csr.empty.view(b, 1, 1), float("-inf"))
+                lse = lse.masked_fill(plan.empty_rows.view(b, 1, sq), float("-inf"))
         return AttentionOutput(out, lse)
 
 
@@ -245,9 +271,23 @@ class FlashInferDecodeBackend(FlashInferPagedBackend):
     phases = frozenset({"decode"})
     max_query_len = 1
 
+    def extra_checks(self, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+        r = super().extra_checks(spec, device)
+        group = spec.num_q_heads // max(spec.num_kv_heads, 1)
+        if group not in CUDA_CORE_DECODE_GROUPS and not self.build.tensor_core_choice:
+            r.append(f"GQA group size {group}: FlashInfer's CUDA-core decode kernel is built for "
+                     f"group sizes {sorted(CUDA_CORE_DECODE_GROUPS)} only and this build has no "
+                     "use_tensor_cores switch; use flashinfer_prefill or triton_decode")
+        return r
+
     def _tensor_cores(self, gqa: int, batch: int, seqlen_k: int) -> tuple[bool, str]:
         if not self.build.tensor_core_choice:
             return False, "this FlashInfer build has no use_tensor_cores switch"
+        if gqa not in CUDA_CORE_DECODE_GROUPS:  # plan() would raise "Unsupported group_size"
+            use, why = True, (f"tensor cores: GQA group size {gqa} is not compiled into the "
+                              f"CUDA-core decode kernel ({sorted(CUDA_CORE_DECODE_GROUPS)})")
+            self.choices[(gqa, batch, seqlen_k)] = (use, why)
+            return use, why
         use, why = choose_tensor_cores(gqa, batch, seqlen_k)
         self.choices[(gqa, batch, seqlen_k)] = (use, why)
         return use, why

@@ -48,6 +48,25 @@ def fa3_fp8_capabilities(build: Fa3Build) -> Capabilities:
     )
 
 
+def kv_descale(name: str, d: object, batch: int, kv_heads: int,
+               device: torch.device) -> torch.Tensor:
+    """A descale of an e4m3 bshd cache as FA3 takes it: float32 (B, Hkv) on the cache's device
+    (``CHECK_SHAPE(k_descale, batch_size, num_heads_k)`` in ``hopper/flash_api.cpp``).
+
+    The hub passes on what its contract allows (a number, or a tensor per batch and KV head):
+    a number, a 0-d tensor, one per KV head ``(Hkv,)`` or one row ``(1, Hkv)`` broadcast to
+    every sequence; any other shape (per-page descales belong to a paged cache) is the
+    caller's error, named here, not a shape check failing inside the kernel library."""
+    t = torch.as_tensor(d, dtype=torch.float32, device=device)
+    if t.dim() == 0 or tuple(t.shape) in ((kv_heads,), (1, kv_heads)):
+        return t.reshape(-1, kv_heads if t.dim() else 1).expand(batch, kv_heads).contiguous()
+    if tuple(t.shape) != (batch, kv_heads):
+        raise InputError(f"fa3_fp8: extra[{name!r}] has shape {tuple(t.shape)}; an e4m3 bshd "
+                         f"cache takes one descale per (batch, KV head) = ({batch}, {kv_heads}),"
+                         f" per KV head ({kv_heads},), or a number")
+    return t.contiguous()
+
+
 class Fa3Fp8Backend(Fa3Backend):
     """FA3 FP8 forward with per-(batch, KV head) descales behind an accuracy record (the same
     build probe, requirements and kernel loading as ``fa3``)."""
@@ -96,8 +115,10 @@ class Fa3Fp8Backend(Fa3Backend):
         except KeyError:
             raise InputError("an e4m3 KV cache needs params.extra['k_descale'] and "
                              "['v_descale'], (B, Hkv) float32") from None
-        q8, qd = quantize(q, k.shape[2])
-        return Fp8Operands(q8, k, v, qd, kd.float(), vd.float())
+        b, hkv = k.shape[0], k.shape[2]
+        q8, qd = quantize(q, hkv)
+        return Fp8Operands(q8, k, v, qd, kv_descale("k_descale", kd, b, hkv, k.device),
+                           kv_descale("v_descale", vd, b, hkv, k.device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 spec: AttentionSpec, params: AttnParams) -> AttentionOutput:
