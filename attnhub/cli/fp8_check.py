@@ -403,13 +403,30 @@ def _record(args: argparse.Namespace, device: Any, cases: list[Case],
     store = ProfileStore(args.store)
     ref = fp8_reference(args.emulate, recipe, provider)
     with store.batch():  # every case, or none
-        for v in verdicts.values():
+        for spec, passed, found in per_bucket(verdicts):
             # the store holds finite numbers (a NaN error fails the case, and the report
             # shows it)
-            metrics = {k: x for k, x in dict(v["metrics"], budget=budget).items()
+            metrics = {k: x for k, x in dict(found, budget=budget).items()
                        if math.isfinite(x)}
-            store.record_accuracy(device, _spec(v["case"]), backend, v["passed"], metrics,
-                                  reference=ref)
+            store.record_accuracy(device, spec, backend, passed, metrics, reference=ref)
+
+
+def per_bucket(verdicts: dict[str, dict[str, Any]]) -> list[tuple[Any, bool, dict[str, float]]]:
+    """``(spec, passed, metrics)`` per profile-store bucket: shapes of one bucket (lengths
+    40 and 48, a captured input beside a ``--shape``) share one record, which passes only
+    when every one of them passed and holds the worst of each metric; written one by one,
+    the last shape's verdict replaced a failing one's."""
+    from ..policy.profile import bucket_key
+
+    out: dict[str, tuple[Any, bool, dict[str, float]]] = {}
+    for v in verdicts.values():
+        spec = _spec(v["case"])
+        key = bucket_key(spec)
+        first, passed, metrics = out.get(key, (spec, True, {}))
+        for name, x in v["metrics"].items():
+            metrics[name] = _worst(metrics[name], x) if name in metrics else x
+        out[key] = (first, passed and v["passed"], metrics)
+    return list(out.values())
 
 
 def _report(args: argparse.Namespace, hub: Any, cases: list[Case],

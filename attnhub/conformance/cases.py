@@ -52,6 +52,8 @@ class Case:
     window: tuple[int, int] | None = None
     softcap: float | None = None
     alibi: bool = False
+    #: ALiBi slopes of shape (B, Hq), one set per sequence, instead of (Hq,)
+    alibi_per_batch: bool = False
     prefix_lm: bool = False
     column_sparse: bool = False
     score_mod: bool = False
@@ -85,8 +87,9 @@ class Case:
         bits = [self.phase, self.dtype, f"d={self.head_dim}", f"heads={self.heads[0]}:"
                 f"{self.heads[1]}", self.layout + (f"/{self.page_size}" if self.page_size else ""),
                 f"sq={list(self.seqlens_q)}", f"sk={list(self.seqlens_k)}"]
-        for flag in ("causal", "alibi", "prefix_lm", "column_sparse", "score_mod", "mask_mod",
-                     "return_lse", "backward", "deterministic", "repeat", "strided"):
+        for flag in ("causal", "alibi", "alibi_per_batch", "prefix_lm", "column_sparse",
+                     "score_mod", "mask_mod", "return_lse", "backward", "deterministic",
+                     "repeat", "strided"):
             if getattr(self, flag):
                 bits.append(flag)
         if self.causal and self.alignment != "bottom_right":
@@ -130,7 +133,8 @@ def grid(caps: Capabilities, quick: bool = False,
     out: list[Case] = [replace(base, feature="basic")]
     out += _dtypes(base, caps, quick)
     out += _head_dims(base, caps, quick)
-    out += _masks(base, caps, quick)
+    masks = _masks(base, caps, quick)
+    out += masks + _under_masks(masks, caps)
     out += _layouts(base, caps, quick)
     out += _phases(base, caps)
     out += _shapes(base, caps, quick)
@@ -210,9 +214,9 @@ def _masks(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
     causal = "causal" in m
     if causal:
         out.append(replace(base, feature="mask causal", causal=True))
-        out += _misaligned(base, caps, "mask causal bottom_right (Sq != Sk)", "bottom_right")
-        if caps.top_left_causal:
-            out += _misaligned(base, caps, "mask causal top_left (Sq != Sk)", "top_left")
+        aligns = ("bottom_right", "top_left") if caps.top_left_causal else ("bottom_right",)
+        for al in aligns:
+            out += _misaligned(base, caps, f"mask causal {al} (Sq != Sk)", al)
     if "sliding_window" in m:
         out.append(replace(base, feature="mask sliding_window", window=(3, 0), causal=causal))
         if base.phase != "decode":  # non-causal: each edge is checked on its own
@@ -222,8 +226,12 @@ def _masks(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
             n = len(base.seqlens_q)  # the window sits on the bottom-right diagonal
             out.append(replace(base, feature="mask sliding_window", window=(3, 1),
                                seqlens_q=(5,) * n, seqlens_k=(12,) * n))
+        out += _ragged(base, caps, replace(base, feature="mask sliding_window", window=(3, 1)),
+                       both=False)
     if "alibi" in m:
         out.append(replace(base, feature="mask alibi", alibi=True, causal=causal))
+        out.append(replace(base, feature="mask alibi", alibi=True, alibi_per_batch=True,
+                           causal=causal))
     if "softcap" in m:
         out.append(replace(base, feature="mask softcap", softcap=SOFTCAP))
         if causal and not quick:
@@ -251,7 +259,8 @@ def _masks(base: Case, caps: Capabilities, quick: bool) -> list[Case]:
 
 def _misaligned(base: Case, caps: Capabilities, feature: str, alignment: str) -> list[Case]:
     """Causal with Sq < Sk (chunked prefill) and, outside decode, Sq > Sk (bottom-right:
-    the first rows see no key at all, so output 0 and LSE -inf)."""
+    the first rows see no key at all, so output 0 and LSE -inf); in ``thd`` too, per
+    document (``_ragged``)."""
     if base.phase == "decode" or base.layout == "paged":
         return [replace(base, feature=feature, causal=True, alignment=alignment)]
     n = len(base.seqlens_q)
@@ -260,6 +269,44 @@ def _misaligned(base: Case, caps: Capabilities, feature: str, alignment: str) ->
     out.append(replace(base, feature=feature, causal=True, alignment=alignment,
                        seqlens_q=(12,) * n, seqlens_k=(5,) * n,
                        return_lse=caps.returns_lse))
+    return out + _ragged(base, caps, replace(base, feature=feature, causal=True,
+                                             alignment=alignment))
+
+
+#: Packed documents whose query and key counts differ, per document (ragged, one empty of
+#: neither): fewer queries than keys (chunked prefill), then more.
+RAGGED_LESS = ((3, 1, 6), (9, 1, 14))
+RAGGED_MORE = ((9, 2, 14), (4, 1, 6))
+
+
+def _ragged(base: Case, caps: Capabilities, mask: Case, both: bool = True) -> list[Case]:
+    """``mask`` on packed documents with Sq != Sk per document: the alignment is each
+    document's own, which equal lengths (the ``thd`` layout case) cannot show; empty where
+    ``thd`` is not declared, or is already the base layout's equal-length cases' own."""
+    if "thd" not in caps.layouts or base.layout == "thd" or base.phase == "decode":
+        return []
+    thd = replace(mask, layout="thd", page_size=0)
+    out = [replace(thd, seqlens_q=RAGGED_LESS[0], seqlens_k=RAGGED_LESS[1])]
+    if both:
+        out.append(replace(thd, seqlens_q=RAGGED_MORE[0], seqlens_k=RAGGED_MORE[1],
+                           return_lse=caps.returns_lse))
+    return out
+
+
+def _under_masks(masks: list[Case], caps: Capabilities) -> list[Case]:
+    """Every mask case again with its LSE, and (Sq == Sk) as a training call, where declared: a
+    kernel's LSE and backward handle each mask in code of their own (a ring merges blocks
+    by the LSE; a backward that ignores the softcap trains a different model), which the
+    unmasked ``lse`` and ``backward`` cases cannot show."""
+    judged = [c for c in masks if not c.notes and not c.untested and c.phase != "decode"
+              and c.layout != "paged"]
+    out = []
+    if caps.returns_lse:
+        out += [replace(c, feature="masks: lse", return_lse=True) for c in judged
+                if not c.return_lse]
+    if caps.backward and "train" in caps.phases:  # training calls are self-attention:
+        out += [replace(c, feature="masks: backward", phase="train", backward=True,
+                        return_lse=False) for c in judged if c.seqlens_q == c.seqlens_k]
     return out
 
 

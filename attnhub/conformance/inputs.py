@@ -118,8 +118,9 @@ def build(case: Case, device: torch.device) -> Inputs:
 def _mask_params(case: Case, b: int, hq: int, hkv: int, sq: int, sk: int,
                  gen: torch.Generator) -> dict:
     out: dict = {}
-    if case.alibi:
-        out["alibi_slopes"] = torch.rand(hq, generator=gen, dtype=torch.float32) * 0.5 + 0.05
+    if case.alibi:  # per sequence: (B, Hq), which the docs allow besides (Hq,)
+        shape = (b, hq) if case.alibi_per_batch else (hq,)
+        out["alibi_slopes"] = torch.rand(shape, generator=gen, dtype=torch.float32) * 0.5 + 0.05
     if case.prefix_lm:
         out["prefix_lens"] = torch.randint(1, max(sk, 2), (b,), generator=gen, dtype=torch.int32)
     if case.column_sparse:

@@ -30,9 +30,10 @@ import torch
 from ..core.backend import Backend, plugin_fault, reasons_of, safe_check
 from ..core.bounded import safe_str
 from ..core.device import DeviceInfo
+from ..core.outputs import check_output, shared_memory
 from ..core.reference import reference_attention
 from ..core.spec import AttnParams
-from ..errors import InputError
+from ..errors import BackendUnavailableError, InputError, OutputContractError
 from ..testing import fa_rule_error
 from . import budget, dropout
 from .cases import Case, base_masks, grid
@@ -179,14 +180,26 @@ def _check_load_judge(backend: Backend, device: DeviceInfo, case: Case, inp: Inp
     if bugs:  # or extra_checks raised (Backend.check turns that into a reason)
         return CaseResult(case, "fail", "; ".join(bugs))
     if items:
-        if case.basis is not None and _serves(backend, case.basis, device):
-            return CaseResult(case, "fail", "declines the call its error budget is stated for "
-                              f"({'; '.join(items)}) but serves the grid's basic call: the "
-                              "budget would go unjudged; serve it, or state the budget on "
-                              "another input class")
-        return CaseResult(case, "skip", "declines: " + "; ".join(items))
+        return _declined(backend, device, case, items, "declines")
     backend.load()
-    return _judge(backend, case, inp)
+    try:
+        return _judge(backend, case, inp)
+    except BackendUnavailableError as exc:  # the documented refusal of what only the call's
+        reasons = [safe_str(r) for r in exc.reasons] or ["(no reason given)"]  # tensors show
+        return _declined(backend, device, case, reasons, "declines at call time "
+                         "(BackendUnavailableError from forward)")
+
+
+def _declined(backend: Backend, device: DeviceInfo, case: Case, reasons: list[str],
+              how: str) -> CaseResult:
+    """A skip, the hub's fallback serving such calls; but a budget case declined while its
+    basis is served is a failure (the budget would go unjudged)."""
+    if case.basis is not None and _serves(backend, case.basis, device):
+        return CaseResult(case, "fail", "declines the call its error budget is stated for "
+                          f"({'; '.join(reasons)}) but serves the grid's basic call: the "
+                          "budget would go unjudged; serve it, or state the budget on "
+                          "another input class")
+    return CaseResult(case, "skip", f"{how}: " + "; ".join(reasons))
 
 
 def _serves(backend: Backend, case: Case, device: DeviceInfo) -> bool:
@@ -232,7 +245,7 @@ def _judge(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
         with torch.set_grad_enabled(grad):
             out, lse = _call(backend, inp, q, k, v)
         held = out.detach().clone()  # what the caller holds: a later call must not rewrite it
-        _contract(out, lse, case, inp)
+        _contract(out, lse, case, inp, backend.name, (q, k, v), grad)
         ref64, ref_lse, ref_same, ref_lse_same = _references(inp, q, k, v, grad)
         err, allowed = _compare(backend, out, ref64, ref_same)
         approx = not backend.capabilities.exact
@@ -289,7 +302,7 @@ def _judge_budget(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
         x = [t.detach().clone().requires_grad_(case.backward) for t in (inp.q, inp.k, inp.v)]
         with torch.set_grad_enabled(case.backward):
             out, lse = _call(backend, inp, *x)
-        _contract(out, lse, case, inp)
+        _contract(out, lse, case, inp, backend.name, x, case.backward)
         dense_params = budget.dense_params(case, inp.ref_params)
         dense, _ = _reference(inp, dense_params)
         err = budget.rel_rmse(out, dense)
@@ -393,7 +406,7 @@ def _judge_dropout(backend: Backend, case: Case, inp: Inputs) -> CaseResult:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(5)
             first, _ = _call(backend, inp, q, k, v)
-            _contract(first, None, case, inp)
+            _contract(first, None, case, inp, backend.name, (q, k, v), False)
             first = first.clone()  # a backend reusing one buffer would make the two equal
             torch.manual_seed(5)
             if not torch.equal(_call(backend, inp, q, k, v)[0], first):
@@ -483,7 +496,12 @@ def _dropout_grads(out: torch.Tensor, dropped: torch.Tensor, qkv: tuple[torch.Te
                         "must replay the forward's dropout mask, not draw another")
 
 
-def _contract(out: torch.Tensor, lse: torch.Tensor | None, case: Case, inp: Inputs) -> None:
+def _contract(out: torch.Tensor, lse: torch.Tensor | None, case: Case, inp: Inputs,
+              name: str, qkv: Any, grad: bool) -> None:
+    """The kit's words for shape, dtype, device and NaN, then the hub's own output contract
+    (``core.outputs``: fp32 LSE on q's device, a plain tensor, in the graph when gradients
+    are needed, no stride-0 or shared memory), so that no result the kit passes is refused
+    by the hub at run time. ``grad``: whether the call ran with gradients."""
     if tuple(out.shape) != inp.out_shape:
         raise _Fail(f"output shape {tuple(out.shape)}, expected {inp.out_shape} "
                     f"({case.layout}, value head dim {case.head_dim_v or case.head_dim})")
@@ -499,6 +517,16 @@ def _contract(out: torch.Tensor, lse: torch.Tensor | None, case: Case, inp: Inpu
             raise _Fail("return_lse requested and returns_lse declared, but lse is None")
         if tuple(lse.shape) != inp.lse_shape:
             raise _Fail(f"lse shape {tuple(lse.shape)}, expected {inp.lse_shape}")
+    q, k, v = qkv
+    try:
+        check_output(name, out, lse, q, v, inp.spec.layout, case.return_lse, needs_grad=grad)
+        with torch.set_grad_enabled(grad):
+            bad = shared_memory(name, out, lse if case.return_lse else None,
+                                named_inputs(q, k, v, inp.params))
+    except OutputContractError as exc:
+        bad = exc
+    if bad is not None:
+        raise _Fail(f"refused by the hub's output contract: {safe_str(bad)}")
 
 
 def _references(inp: Inputs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: bool
