@@ -34,6 +34,7 @@ from attnhub.plugin import (
     AttentionSpec,
     AttnParams,
     Backend,
+    BackendUnavailableError,
     Capabilities,
     DeviceInfo,
     InputError,
@@ -45,6 +46,11 @@ from . import extra as X
 from . import linear_ops
 from .layouts import Doc, serve
 from .state_cache import RecurrentStateCache
+
+#: Why a training call with queries after a prefix and no state cache is declined, at call
+#: time (``check`` cannot see whether ``extra`` brings the prefix's state).
+_PREFIX_GRAD = ("{} does not differentiate the state of a prefix: gradients need Sq == Sk "
+                "(train on whole sequences, or bind an exact backend)")
 
 #: Decode calls with at most this many new tokens per sequence use the recurrent form.
 RECURRENT_MAX = 16
@@ -227,10 +233,9 @@ class _LinearFamily(Backend):
         k, v = _to_heads(k, hq, "k"), _to_heads(v, hq, "v")
         h0 = None
         if pre > 0:
-            if self._needs_grad(q, k, v):
-                raise InputError(f"{self.name}: gradients with Sq ({sq}) < Sk ({sk}) are not "
-                                 "supported (the prefix state is not differentiated); "
-                                 "train with Sq == Sk")
+            if self._needs_grad(q, k, v):  # (with a state cache the prefix is its state)
+                raise BackendUnavailableError(self.name, [
+                    f"{_PREFIX_GRAD.format(self.name)} (here Sq {sq} < Sk {sk})"])
             h0 = linear_ops.state_after(k[:, :pre], v[:, :pre], g[:, :pre])
         return self._run(q, k[:, pre:], v[:, pre:], g[:, pre:], p, h0, spec)[0]
 
