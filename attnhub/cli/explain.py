@@ -14,9 +14,12 @@ from typing import Any
 import torch
 
 from ..core.backend import safe_available
+from ..core.contract import bounding_window
 from ..core.decision import BindContext
+from ..core.masking import window_within
 from ..core.registry import Registry
-from ..core.spec import DTYPES, LAYOUTS, MASK_KINDS, PHASES, AttentionSpec, torch_dtype
+from ..core.spec import (DTYPES, LAYOUTS, MASK_KINDS, PHASES, AttentionSpec, bucket,
+                         torch_dtype)
 from ..errors import AttnhubError
 from ..hub import Hub
 from ..policy.cells import mask_from_kinds
@@ -135,6 +138,13 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
         raise AttnhubError(f"--page-size {args.page_size} is read only with --layout paged "
                            f"(the layout here is {layout}); add --layout paged or drop it")
     sq = _seqlen_q(args)
+    if mask.window is not None:
+        # as the call's check normalises it (contract.check_call): an edge past every key of
+        # the lengths' bucket is unbounded, and a causal window unbounded on the left is no
+        # window; explain showed a sliding-window rule where the hub ran another one
+        mask = dataclasses.replace(mask, window=bounding_window(
+            window_within(mask.window, bucket(max(sq, args.seqlen, 1))), mask.causal,
+            mask.prefix_lm))
     extra = {"page_size": args.page_size or 16} if layout == "paged" else {}
     return AttentionSpec(
         phase=args.phase, dtype=args.dtype, kv_dtype=args.kv_dtype, head_dim=args.head_dim,
@@ -231,7 +241,7 @@ def _run_once(policy: Any, registry: Any, spec: AttentionSpec, ctx: BindContext,
         hub.attention(q, k, v, causal=m.causal, window=m.window, alibi_slopes=slopes,
                       softcap=30.0 if m.softcap else None, phase=spec.phase, context=ctx,
                       deterministic=spec.deterministic, causal_alignment=m.alignment,
-                      dropout_p=args.dropout)
+                      return_lse=spec.return_lse, dropout_p=args.dropout)
     bound = hub.bound()[-1].decision
     ran = ran_backend(bound.backend, hub.fallback_counts)
     why = []

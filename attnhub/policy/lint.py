@@ -238,17 +238,49 @@ def _contradictions(lr: LoadedRule, registry: Registry) -> list[Finding]:
     return out
 
 
+#: Every value a bucketed length or batch takes (``core.spec.bucket``): 0 and powers of two.
+_BUCKET_VALUES = (0, *(1 << i for i in range(63)))
+
+
+def _is_bucket(x: float) -> bool:
+    return x == int(x) and (x == 0 or (x >= 1 and not int(x) & (int(x) - 1)))
+
+
 def _thresholds(lr: LoadedRule) -> list[Finding]:
+    """Bucketed keys compare powers of two (or 0): a listed value that is none never holds
+    (``batch: 3``, ``seqlen: 3000``), and a range between two neighbouring powers of two
+    (``seqlen: {gt: 4096, lt: 8192}``) admits no call at all; both loaded without a word."""
     out = []
     for key in _BUCKETED:
         rng: Range | None = getattr(lr.rule.when, key)
-        bounds = [b for b in (rng.ge, rng.gt, rng.le, rng.lt) if b is not None] if rng else []
-        odd = [b for b in bounds if b < 1 or int(b) != b or int(b) & (int(b) - 1)]
+        if rng is None or rng.empty() or (rng.in_ is not None
+                                          and not any(x == int(x) for x in rng.in_)):
+            continue  # said by _impossible / _out_of_domain
+        where, label = lr.where("when", key), _label(lr, "when", key)
+        if not any(rng.contains(b) for b in _BUCKET_VALUES):
+            out.append(Finding("warning", where, label, (
+                f"{key} is compared after bucketing to the next power of two, and no power "
+                f"of two (or 0) satisfies {rng.model_dump(exclude_none=True, by_alias=True)}, "
+                "so this rule can never match; expected bounds or values that are powers of "
+                "two (e.g. 4096, 8192)")))
+            continue
+        never = [x for x in rng.in_ or () if not _is_bucket(x)]
+        if never:
+            out.append(Finding("warning", where, label, (
+                f"value {never[0]:g} never holds: {key} is compared after bucketing to the "
+                f"next power of two (a call of {never[0]:g} is seen as "
+                f"{_next_bucket(never[0]):g}); expected powers of two (e.g. 4096, 8192)")))
+        bounds = [b for b in (rng.ge, rng.gt, rng.le, rng.lt) if b is not None]
+        odd = [b for b in bounds if not _is_bucket(b)]
         if odd:
-            out.append(Finding("warning", lr.where("when", key), _label(lr, "when", key), (
+            out.append(Finding("warning", where, label, (
                 f"bound {odd[0]:g} is not a power of two, but {key} is compared after bucketing "
                 "to the next power of two; expected a power of two (e.g. 4096, 8192)")))
     return out
+
+
+def _next_bucket(x: float) -> int:
+    return next(b for b in _BUCKET_VALUES if b >= x)
 
 
 def _impossible(lr: LoadedRule) -> list[Finding]:
@@ -386,8 +418,9 @@ def _layers_never(w: When) -> list[tuple[str, str]]:
         return []
     offsets = layer.offset if layer.offset is not None else [0]
     if not any(int(i) % layer.every in offsets for i in layer.index.in_ if i == int(i)):
-        return [("layer", f"none of the layers {[f'{i:g}' for i in layer.index.in_]} is at an offset "
-                          f"{list(offsets)} of every {layer.every}")]
+        listed = [f"{i:g}" for i in layer.index.in_]
+        return [("layer", f"none of the layers {listed} is at an offset {list(offsets)} of "
+                          f"every {layer.every}")]
     return []
 
 

@@ -210,7 +210,8 @@ class Policy:
             notes.append(f"fastest: {', '.join(gated)} passed the rule's accuracy gate and "
                          "leads (opted in by its accuracy record)")
         if ranking is not None:
-            out.tied = [n for n in ranking.tied(out.viable) if not _distributed(n, registry)]
+            out.tied = [n for n in ranking.tied(out.viable) if not _distributed(n, registry)
+                        and (not gated or n in gated)]  # timing never unseats an opt-in
             if len(out.tied) > 1:
                 notes.append(f"near-tie in the pack: {', '.join(out.tied)} within "
                              f"{SETTLE_MARGIN:.0%} ({SETTLE_MARGIN_SHORT:.0%} for calls under "
@@ -307,7 +308,11 @@ class Policy:
 
 
 def _bucketed(spec: AttentionSpec) -> AttentionSpec:
-    """``spec.bucketed()``, skipping the copy when it already is (the common case)."""
+    """``spec.bucketed()``, skipping the copy when it already is (the common case). A
+    ``bhsd`` spec is resolved as the ``bshd`` one the hub makes of that call (it transposes
+    views): ``layout: bshd`` rules missed it, so ``decide`` differed from the call."""
+    if spec.layout == "bhsd":
+        spec = replace(spec, layout="bshd")
     if (bucket(spec.max_seqlen_q) == spec.max_seqlen_q and bucket(spec.batch) == spec.batch
             and bucket(spec.max_seqlen_k) == spec.max_seqlen_k):
         return spec
