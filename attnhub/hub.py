@@ -557,8 +557,8 @@ class Hub:
             # flags first, shapes last: comparing with the last key fails fast on a flag
             fast_key = (layout, causal, causal_alignment, window, softcap is not None, side,
                         max_seqlen_q, max_seqlen_k,
-                        score_mod if score_mod is None else _mod_kind(score_mod),
-                        mask_mod if mask_mod is None else _mod_kind(mask_mod),
+                        score_mod if score_mod is None else _mod_kind(score_mod, self.registry.variant_of),
+                        mask_mod if mask_mod is None else _mod_kind(mask_mod, self.registry.variant_of),
                         phase, return_lse, backend, context, deterministic, det_on,
                         needs_grad,
                         dropout_p > 0.0,  # as the spec's flag, whatever number type
@@ -769,8 +769,9 @@ class Hub:
             phase = _phase(needs_grad, layout == "paged", max_seqlen_q, max_seqlen_k)
         # a named variant is its name to the policy (``when: {variant: [name]}``), whatever
         # its callable's ``__name__`` (a plugin may register a lambda under a name)
-        score_kind = variants[0] or _callable_name(score_mod)
-        mask_kind = variants[1] or _callable_name(mask_mod)
+        names = self.registry.variant_of
+        score_kind = variants[0] or _callable_name(score_mod, names)
+        mask_kind = variants[1] or _callable_name(mask_mod, names)
         # everything the spec holds (backends' checks read the window's values: a window
         # one backend refuses must not reuse the runner of another window it took)
         key = (phase, q.dtype, k.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2],
@@ -1010,21 +1011,23 @@ def _phase(needs_grad: bool, paged: bool, max_q: int, max_k: int) -> str:
     return "decode" if paged or (max_q == 1 and max_k > 1) else "prefill"
 
 
-def _callable_name(fn: Any) -> str | None:
-    """The kind of a score/mask callable, as the policy sees it (``MaskSpec.score_mod``)."""
+def _callable_name(fn: Any, names: dict[int, str]) -> str | None:
+    """The kind of a score/mask callable, as the policy sees it (``MaskSpec.score_mod``): a
+    registered variant's callable is that variant's name (``names``:
+    ``Registry.variant_of``; a plugin may register a lambda), any other its ``__name__``."""
     if fn is None:
         return None
-    return getattr(fn, "__name__", type(fn).__name__)
+    return names.get(id(fn)) or getattr(fn, "__name__", type(fn).__name__)
 
 
-def _mod_kind(fn: Any) -> Any:
+def _mod_kind(fn: Any, names: dict[int, str]) -> Any:
     """Exact-table key of a score/mask argument: a variant name as itself, a callable by its
     kind (a fresh lambda per call shares one entry; the caller's own callable always runs)
     and what its arity check reads (a partial, method or lambda of another arity, same name,
     goes to the slow path's check)."""
     if fn.__class__ is str:
         return fn
-    return ("callable", _callable_name(fn), shape_key(fn))
+    return ("callable", _callable_name(fn, names), shape_key(fn))
 
 
 def _check_arity(slot: str, fn: Any, variant: str | None) -> None:

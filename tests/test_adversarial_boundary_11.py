@@ -121,3 +121,36 @@ def test_empty_call_lse_is_fp32_whatever_the_default_dtype(float64_default: None
     out, lse = hub.attention(q, k, v, layout=layout, return_lse=True, **kw)
     assert out.dtype == torch.float32 and not out.any()
     assert lse.dtype == torch.float32 and torch.isneginf(lse).all()
+
+
+def test_a_registered_variants_callable_is_that_variant_to_the_policy(tmp_path) -> None:
+    """docs/policy.md: ``when.variant`` matches "a registered name, or its callable". Passed
+    as its callable, a variant registered as a lambda was matched by ``__name__``
+    (``<lambda>``), never by its name; and an unregistered lambda of the same shape must not
+    share the registered one's exact-table entry (one call handed another's binding)."""
+    from attnhub.core.registry import Registry
+    from attnhub.hookspecs import hookimpl
+
+    class Variants:
+        @hookimpl
+        def attnhub_register_variants(self, register: Any) -> None:
+            register("halved_lambda", score_mod=lambda s, b, h, q, kv: s * 0.5)
+
+    reg = Registry.of()
+    reg.add_plugin(Variants(), "v11")
+    p = tmp_path / "p.yaml"
+    p.write_text("name: t\nrules:\n"
+                 "  - {name: by-variant, when: {variant: [halved_lambda]}, use: [reference]}\n"
+                 "  - {name: rest, use: [reference]}\n")
+    registered = reg.variants["halved_lambda"].score_mod
+    other = lambda s, b, h, q, kv: s * 0.25  # noqa: E731  (same name and shape, not registered)
+    q, k, v = (torch.randn(1, 5, 2, 8) for _ in range(3))
+    for first, then in ((registered, other), (other, registered)):  # either one first
+        hub = attnhub.Hub(policy=p, hardware="cpu", registry=reg)
+        for mod in (first, first, then, then, first):  # slow path, then the exact table
+            out = hub.attention(q, k, v, score_mod=mod)
+            scale = 0.5 if mod is registered else 0.25
+            torch.testing.assert_close(out, attnhub.attention(q, k, v, scale=scale / 8 ** 0.5))
+        rules = [b.decision.rule for b in hub.bound()]  # in the order they were made
+        assert rules == (["by-variant", "rest"] if first is registered else
+                         ["rest", "by-variant"])

@@ -99,6 +99,9 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self.backends: dict[str, Backend] = {}
         self.variants: dict[str, Variant] = {}
+        #: id of a registered variant's callable -> its name: a call passing the callable
+        #: itself is that variant to the policy (the registry keeps the callable alive)
+        self.variant_of: dict[int, str] = {}
         self.plugins: dict[str, PluginRecord] = {}
         #: Backend name -> the plugin the deployment picked to serve it (ATTNHUB_PROVIDERS).
         self.providers: dict[str, str] = dict(providers or {})
@@ -250,6 +253,7 @@ class Registry:
             for name in rec.variants:
                 if self.variants[name].plugin == rec.name:
                     del self.variants[name]
+            self.variant_of = {i: n for i, n in self.variant_of.items() if n in self.variants}
             rec.backends, rec.variants = [], []
             rec.errors.append(f"{what} did not finish within {plugin_timeout_text()}; the "
                               "plugin is skipped (fix the hang, or raise the limit with "
@@ -540,6 +544,9 @@ class Registry:
                 rec.errors.append(why)
                 return
             self.variants[name] = Variant(name, score_mod, mask_mod, str(doc), rec.name)
+            for fn in (score_mod, mask_mod):
+                if fn is not None:
+                    self.variant_of.setdefault(id(fn), name)
             rec.variants.append(name)
 
         return register
