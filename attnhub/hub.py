@@ -377,8 +377,12 @@ class Hub:
         return self._resolver
 
     def decide(self, spec: AttentionSpec, ctx: BindContext = BindContext()) -> Decision:
-        """The cached decision record for a spec (bucketed) in a bind context."""
+        """The cached decision record for a spec (bucketed) in a bind context. A ``bhsd``
+        spec is the ``bshd`` call the hub makes of it (the resolver decides it so): keyed
+        apart, it missed the binding that call settled (a pack's near-tie timed)."""
         self._bind_current()
+        if spec.layout == "bhsd":
+            spec = dataclasses.replace(spec, layout="bshd")
         key = (spec.bucketed(), ctx)
         d = self._decisions.get(key)
         if d is None:
@@ -557,8 +561,10 @@ class Hub:
             # flags first, shapes last: comparing with the last key fails fast on a flag
             fast_key = (layout, causal, causal_alignment, window, softcap is not None, side,
                         max_seqlen_q, max_seqlen_k,
-                        score_mod if score_mod is None else _mod_kind(score_mod, self.registry.variant_of),
-                        mask_mod if mask_mod is None else _mod_kind(mask_mod, self.registry.variant_of),
+                        score_mod if score_mod is None
+                        else _mod_kind(score_mod, self._registry.variant_of),
+                        mask_mod if mask_mod is None
+                        else _mod_kind(mask_mod, self._registry.variant_of),
                         phase, return_lse, backend, context, deterministic, det_on,
                         needs_grad,
                         dropout_p > 0.0,  # as the spec's flag, whatever number type

@@ -100,7 +100,8 @@ class Registry:
         self.backends: dict[str, Backend] = {}
         self.variants: dict[str, Variant] = {}
         #: id of a registered variant's callable -> its name: a call passing the callable
-        #: itself is that variant to the policy (the registry keeps the callable alive)
+        #: itself is that variant to the policy (the registry keeps the callable alive; a
+        #: callable registered under two names is the first one's, docs/plugins.md)
         self.variant_of: dict[int, str] = {}
         self.plugins: dict[str, PluginRecord] = {}
         #: Backend name -> the plugin the deployment picked to serve it (ATTNHUB_PROVIDERS).

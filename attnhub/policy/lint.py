@@ -22,6 +22,7 @@ from ..core.backend import safe_capabilities
 from ..core.capabilities import Capabilities
 from ..core.device import simulate
 from ..core.registry import Registry, did_you_mean
+from ..core.spec import bucket
 from .cells import Cell, cells
 from .fp8_gate import METRICS, OUTLIER_KINDS, known_metric
 from .loader import LoadedRule
@@ -253,9 +254,10 @@ def _thresholds(lr: LoadedRule) -> list[Finding]:
     out = []
     for key in _BUCKETED:
         rng: Range | None = getattr(lr.rule.when, key)
-        if rng is None or rng.empty() or (rng.in_ is not None
-                                          and not any(x == int(x) for x in rng.in_)):
-            continue  # said by _impossible / _out_of_domain
+        if rng is None or rng.empty() or (
+                not any(x == int(x) for x in rng.in_) if rng.in_ is not None
+                else _no_whole(rng, RANGE_MINIMUM[key])):
+            continue  # said by _impossible / _out_of_domain (once: not twice for one slip)
         where, label = lr.where("when", key), _label(lr, "when", key)
         if not any(rng.contains(b) for b in _BUCKET_VALUES):
             out.append(Finding("warning", where, label, (
@@ -265,11 +267,17 @@ def _thresholds(lr: LoadedRule) -> list[Finding]:
                 "two (e.g. 4096, 8192)")))
             continue
         never = [x for x in rng.in_ or () if not _is_bucket(x)]
-        if never:
+        whole = [x for x in never if x == int(x)]
+        if whole:
             out.append(Finding("warning", where, label, (
-                f"value {never[0]:g} never holds: {key} is compared after bucketing to the "
-                f"next power of two (a call of {never[0]:g} is seen as "
-                f"{_next_bucket(never[0]):g}); expected powers of two (e.g. 4096, 8192)")))
+                f"value {whole[0]:g} never holds: {key} is compared after bucketing to the "
+                f"next power of two (a call of {whole[0]:g} is seen as "
+                f"{_next_bucket(whole[0]):g}); expected powers of two (e.g. 4096, 8192)")))
+        elif never:  # a fraction: no call has it, bucketed or not
+            out.append(Finding("warning", where, label, (
+                f"value {never[0]:g} never holds: {key} is a whole number (compared after "
+                "bucketing to the next power of two); expected powers of two (e.g. 4096, "
+                "8192)")))
         bounds = [b for b in (rng.ge, rng.gt, rng.le, rng.lt) if b is not None]
         odd = [b for b in bounds if not _is_bucket(b)]
         if odd:
@@ -279,8 +287,17 @@ def _thresholds(lr: LoadedRule) -> list[Finding]:
     return out
 
 
+def _no_whole(rng: Range, least: float) -> bool:
+    """Bounds that admit no whole number from ``least`` (``{gt: 1, lt: 2}``), which
+    :func:`_no_whole_number` reports."""
+    lo, hi = _whole_bounds(rng, least)
+    return lo > hi
+
+
 def _next_bucket(x: float) -> int:
-    return next(b for b in _BUCKET_VALUES if b >= x)
+    """The bucket a call of ``x`` (whole) is seen as, however large (a value past the last
+    of ``_BUCKET_VALUES`` raised StopIteration out of lint)."""
+    return bucket(int(x))
 
 
 def _impossible(lr: LoadedRule) -> list[Finding]:
