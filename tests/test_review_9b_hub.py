@@ -17,7 +17,9 @@ from attnhub import AttentionOutput, Backend, Capabilities
 from attnhub.core.capabilities import ALL_MASKS
 from attnhub.core.registry import Registry
 from attnhub.errors import ArgumentError
-from tests.test_review_9_registry_policy import Spy, _plugin
+from tests.test_review_9_registry_policy import Spy
+
+from attnhub.testing import plugin_of
 
 
 def _qkv(s: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,7 +132,7 @@ def test_a_listener_that_raises_does_not_keep_later_hubs_stale(tmp_path: Path) -
     assert hub.bound()[-1].decision.backend == "torch_sdpa"
     late = Spy("late9b")
     with pytest.raises(RuntimeError, match="listener failed"):
-        reg.add_plugin(_plugin(late), "late9b")
+        reg.add_plugin(plugin_of(late), "late9b")
     hub.attention(q, k, v)  # the hot path: its bindings were dropped when told
     assert late.calls == 1
 

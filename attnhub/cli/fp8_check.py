@@ -416,12 +416,12 @@ def per_bucket(verdicts: dict[str, dict[str, Any]]) -> list[tuple[Any, bool, dic
     40 and 48, a captured input beside a ``--shape``) share one record, which passes only
     when every one of them passed and holds the worst of each metric; written one by one,
     the last shape's verdict replaced a failing one's."""
-    from ..policy.profile import bucket_key
+    from ..policy.profile import _acc_key
 
     out: dict[str, tuple[Any, bool, dict[str, float]]] = {}
     for v in verdicts.values():
         spec = _spec(v["case"])
-        key = bucket_key(spec)
+        key = _acc_key(spec)  # the store's own key: a spec's bucket, or a label as itself
         first, passed, metrics = out.get(key, (spec, True, {}))
         for name, x in v["metrics"].items():
             metrics[name] = _worst(metrics[name], x) if name in metrics else x
