@@ -133,7 +133,29 @@ def run_kit(backend: Backend, device: DeviceInfo, *, quick: bool = False,
         hung = case.feature if res.hung else ""
         res.seconds = time.perf_counter() - t0
         report.results.append(res)
+    _declined_throughout(report.results)
     return report
+
+
+#: How a skip for a ``BackendUnavailableError`` raised from ``forward`` begins (``_declined``).
+_AT_CALL = "declines at call time"
+
+
+def _declined_throughout(results: list[CaseResult]) -> None:
+    """A feature whose every case check() accepted and forward() then declined fails: the
+    declaration promises it, the policy binds the backend for it, and every such call falls
+    back (a refusal from ``forward`` is for what only the tensors show, not for a feature as
+    a whole). Where check() declines any of them, or a case passes, skips stay skips."""
+    by_feature: dict[str, list[CaseResult]] = {}
+    for r in results:
+        by_feature.setdefault(r.case.feature, []).append(r)
+    for feature, rs in by_feature.items():
+        if all(r.status == "skip" and r.detail.startswith(_AT_CALL) for r in rs):
+            for r in rs:
+                r.status = "fail"
+                r.detail = (f"declares {feature!r} and check() accepts its calls, but forward() "
+                            f"declined every case of it ({r.detail}): decline such calls in "
+                            "extra_checks, or do not declare the feature")
 
 
 def run_case(backend: Backend, device: DeviceInfo, case: Case,
@@ -186,7 +208,7 @@ def _check_load_judge(backend: Backend, device: DeviceInfo, case: Case, inp: Inp
         return _judge(backend, case, inp)
     except BackendUnavailableError as exc:  # the documented refusal of what only the call's
         reasons = [safe_str(r) for r in exc.reasons] or ["(no reason given)"]  # tensors show
-        return _declined(backend, device, case, reasons, "declines at call time "
+        return _declined(backend, device, case, reasons, f"{_AT_CALL} "
                          "(BackendUnavailableError from forward)")
 
 

@@ -55,11 +55,16 @@ LN2 = math.log(2.0)
 CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
 
-def rows_without_keys(seqlens_k: torch.Tensor, sq: int, causal: bool) -> torch.Tensor | None:
+def rows_without_keys(seqlens_k: torch.Tensor, sq: int, causal: bool,
+                      empty_seqs: torch.Tensor | None | bool = True) -> torch.Tensor | None:
     """(B, Sq) bool of the query rows that see no key, or None when every row sees one: every
     row of an empty sequence, and under bottom-right causal the first ``Sq - seqlens_k``
     rows (query i sits at key ``i + seqlens_k - Sq``). A left window never empties a row
-    that sees its own diagonal key. Computed at plan time (one host read per plan)."""
+    that sees its own diagonal key. Computed at plan time (one host read per plan), none
+    where only empty sequences have such rows (one query, or not causal) and ``empty_seqs``
+    (the CSR's (B,) bool of them, or None) says which: decode plans read nothing more."""
+    if empty_seqs is not True and (sq == 1 or not causal):
+        return None if empty_seqs is None else empty_seqs.view(-1, 1).expand(-1, sq)
     lens = seqlens_k.to(torch.int64).view(-1, 1)
     rows = torch.arange(sq, device=lens.device).view(1, sq)
     empty = rows < sq - lens if causal else (lens == 0) & (rows >= 0)
@@ -189,7 +194,7 @@ class FlashInferPagedBackend(Backend):
             if params.softcap:
                 kw["logits_soft_cap"] = float(params.softcap)
             self._plan_wrapper(slot.wrapper, csr, q, hkv, page, causal, kw)
-            empty = rows_without_keys(params.seqlens_k, sq, causal)
+            empty = rows_without_keys(params.seqlens_k, sq, causal, csr.empty)
             slot.plan = Plan(key, slot.wrapper, csr, (params.block_table, params.seqlens_k),
                              use_tc, why, layout == "HND", slot=slot, empty_rows=empty)
             if len(self._fast) > 64:

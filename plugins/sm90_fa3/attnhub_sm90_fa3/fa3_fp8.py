@@ -54,17 +54,18 @@ def kv_descale(name: str, d: object, batch: int, kv_heads: int,
     (``CHECK_SHAPE(k_descale, batch_size, num_heads_k)`` in ``hopper/flash_api.cpp``).
 
     The hub passes on what its contract allows (a number, or a tensor per batch and KV head):
-    a number, a 0-d tensor, one per KV head ``(Hkv,)`` or one row ``(1, Hkv)`` broadcast to
-    every sequence; any other shape (per-page descales belong to a paged cache) is the
-    caller's error, named here, not a shape check failing inside the kernel library."""
+    anything that broadcasts to (B, Hkv), as ``triton_decode_fp8`` reads it (a number, a 0-d
+    tensor, one per KV head ``(Hkv,)`` or ``(1, Hkv)``, one per sequence ``(B, 1)``); any
+    other shape (per-page descales belong to a paged cache) is the caller's error, named
+    here, not a shape check failing inside the kernel library."""
     t = torch.as_tensor(d, dtype=torch.float32, device=device)
-    if t.dim() == 0 or tuple(t.shape) in ((kv_heads,), (1, kv_heads)):
-        return t.reshape(-1, kv_heads if t.dim() else 1).expand(batch, kv_heads).contiguous()
-    if tuple(t.shape) != (batch, kv_heads):
+    try:
+        return torch.broadcast_to(t, (batch, kv_heads)).contiguous()
+    except RuntimeError:
         raise InputError(f"fa3_fp8: extra[{name!r}] has shape {tuple(t.shape)}; an e4m3 bshd "
                          f"cache takes one descale per (batch, KV head) = ({batch}, {kv_heads}),"
-                         f" per KV head ({kv_heads},), or a number")
-    return t.contiguous()
+                         f" per KV head ({kv_heads},), per sequence ({batch}, 1), or a number"
+                         ) from None
 
 
 class Fa3Fp8Backend(Fa3Backend):
