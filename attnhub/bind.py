@@ -209,6 +209,7 @@ def bind(model: nn.Module, hub: Hub | None = None, *, batch: int = 1, prompt_len
         layer.decode_layout = next((r.decode_layout for r in mine if r.decode_layout),
                                    layer.decode_layout)
         layer.state_backend = _state_backend(hub, mine)
+        layer.bound_dtype = dtype
         rows += [replace(r, sequence_state=True) for r in mine] if layer.state_backend else mine
     return BindingTable(name, getattr(hub.resolver, "name", "?"), hub.device.describe(), rows)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core.contract import bounding_window, check_dropout, check_window
+from .core.contract import bounding_window, check_dropout, check_scalars, check_window
 from .core.decision import BindContext
 from .core.kvcache import CacheStep, PagedKVCache
 from .core.kvquant import is_fp8
@@ -73,9 +73,19 @@ class Attention(nn.Module):
             self.dropout = check_dropout(dropout)
         except ArgumentError as e:
             raise ValueError(f"Attention: {str(e).replace('dropout_p=', 'dropout=')}") from None
+        for what, n in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(n, bool) or not isinstance(n, int):  # 4.0 / True ran as heads
+                raise ValueError(f"Attention: {what}={n!r}; pass a positive int")
         if num_kv_heads <= 0 or num_q_heads <= 0 or num_q_heads % num_kv_heads:
             raise ValueError(f"Attention: {num_q_heads} query heads are not a positive "
                              f"multiple of {num_kv_heads} KV heads")
+        if not isinstance(causal, bool):  # None passed bind and failed at the first call
+            raise ValueError(f"Attention: causal={causal!r}; pass True or False")
+        try:  # checked here, not at the first call after a bind that took them
+            check_window(window, causal)
+            check_scalars(scale, softcap)
+        except ArgumentError as e:
+            raise ValueError(f"Attention: {e}") from None
         for what, n in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
                 raise ValueError(f"Attention: {what}={n!r}; pass a positive int"
@@ -103,6 +113,9 @@ class Attention(nn.Module):
         #: it): such calls pass the layer's state store from the KV cache in ``extra``.
         self.state_backend: str | None = None
         self._warned_no_state = False
+        #: The dtype ``bind`` resolved this layer for (None: not bound); a call in another
+        #: (the model cast with ``.to()`` after bind) is warned about once.
+        self.bound_dtype: torch.dtype | None = None
 
     def extra_repr(self) -> str:
         c = self.context
@@ -167,6 +180,10 @@ class Attention(nn.Module):
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cache: CacheStep | None) -> torch.Tensor:
+        if q.dim() == 4 and k.dim() == 4 and v.dim() == 4:
+            self._check_heads(q, k, v)
+        if self.bound_dtype is not None and q.dtype != self.bound_dtype:
+            self._warn_stale(q.dtype)
         hub = self.hub or default_hub()
         kw = {"window": self.window, "softcap": self.softcap, "scale": self.scale,
               "context": self.context, "backend": self.backend_override}
@@ -195,6 +212,29 @@ class Attention(nn.Module):
             q, cache.cache.k_cache(self.layer_idx), cache.cache.v_cache(self.layer_idx),
             layout="paged", block_table=cache.block_table, seqlens_k=cache.seqlens,
             causal=causal, phase=phase, **kw)
+
+    def _check_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The call's heads and head dims are the layer's: ``bind`` resolved (and the KV
+        cache and state stores are sized for) the declared ones; others ran anyway, on a
+        decision made on the hot path that the binding table never showed."""
+        got = (q.shape[2], k.shape[2], v.shape[2], q.shape[3], k.shape[3], v.shape[3])
+        want = (self.num_q_heads, self.num_kv_heads, self.num_kv_heads, self.head_dim,
+                self.head_dim, self.head_dim_v)
+        if got != want:
+            raise ValueError(
+                f"Attention (layer {self.layer_idx}): q/k/v have {got[0]}/{got[1]}/{got[2]} "
+                f"heads of dim {got[3]}/{got[4]}/{got[5]}; this layer was built for "
+                f"{want[0]}:{want[1]} heads of dim {want[3]} (v: {want[5]}), as bind resolved "
+                "it; build the Attention with the sizes the model projects")
+
+    def _warn_stale(self, dtype: torch.dtype) -> None:
+        """A call in a dtype that bind did not resolve: each new spec is then decided on the
+        hot path, by a policy decision the binding table does not show; said once."""
+        bound, self.bound_dtype = self.bound_dtype, None  # once per layer (until a rebind)
+        warnings.warn(f"attnhub: layer {self.layer_idx} was bound for {dtype_name(bound)} "
+                      f"but is called with {dtype_name(dtype)} (the model cast after bind?): "
+                      "its calls are resolved as they come and the binding table is stale; "
+                      "call attnhub.bind(model, ...) again after .to()", stacklevel=3)
 
     def _state_extra(self, cache: CacheStep) -> dict[str, Any] | None:
         """The state store entries for ``extra`` when this layer runs its stateful backend."""
