@@ -518,8 +518,13 @@ def _backward_setup(call: RingCall, q: torch.Tensor, v: torch.Tensor, out: torch
 
 
 #: What a rank's block work may raise and still drain the ring (a kernel library's exit()
-#: too, as the hub takes it); KeyboardInterrupt and torch's control flow pass at once.
-_FAILURES = (Exception, SystemExit, GeneratorExit)
+#: too, as the hub takes it). A Ctrl-C (KeyboardInterrupt) that lands in a block's work
+#: drains too: raised at once, it left the other ranks waiting in a hop for this one until the
+#: group's timeout (gloo's default: 30 minutes), and a process that caught it (a notebook, a
+#: training loop's handler) and called attention again hung with them. :func:`_settle` raises
+#: it again on this rank (as KeyboardInterrupt, chained to the shared RingError) and the
+#: RingError on the others.
+_FAILURES = (Exception, SystemExit, GeneratorExit, KeyboardInterrupt)
 
 
 @dataclass(frozen=True)
@@ -576,11 +581,17 @@ def _settle(call: RingCall, failed: _Failure | None, phase: str,
     for r, text in enumerate(said):
         if text:
             ranks.setdefault(text, []).append(str(r))
-    raise RingError("ring: " + "; ".join(
+    err = RingError("ring: " + "; ".join(
         f"rank{'s' * (len(rs) > 1)} {', '.join(rs)} of {ring.world} {text}"
         for text, rs in ranks.items())
         + f". Every rank drained the ring and raises this; none returns a result of this "
-        f"{phase}") from (failed.exc if failed is not None else None)
+        f"{phase}")
+    if failed is not None and isinstance(failed.exc, KeyboardInterrupt):
+        # the user's Ctrl-C stays one on this rank (an Exception would let `except Exception`
+        # swallow it); the others raise the RingError, which names it
+        err.__cause__ = failed.exc
+        raise KeyboardInterrupt(str(err)) from err
+    raise err from (failed.exc if failed is not None else None)
 
 
 def _kernel_lse(lse: torch.Tensor, thd: bool) -> torch.Tensor:
