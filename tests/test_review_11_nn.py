@@ -12,18 +12,10 @@ from attnhub import Hub
 from attnhub.models.decoder import Decoder, DecoderConfig, random_prompts
 from attnhub.nn import Attention
 from attnhub.policy import load_policy
+from tests.test_nn_bind import Counting
 
 CFG = DecoderConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, vocab_size=64,
                     seed=3)
-
-
-class Counting:
-    def __init__(self, inner):  # type: ignore[no-untyped-def]
-        self.inner, self.name, self.calls = inner, inner.name, 0
-
-    def resolve(self, *args):  # type: ignore[no-untyped-def]
-        self.calls += 1
-        return self.inner.resolve(*args)
 
 
 @pytest.mark.parametrize("kw", [

@@ -27,13 +27,13 @@ import torch
 
 import attnhub
 from attnhub.cli import main
-from attnhub.core.builtin import ReferenceBackend
 from attnhub.core.device import probe
 from attnhub.core.registry import Registry
 from attnhub.core.spec import AttentionSpec
 from attnhub.hookspecs import hookimpl
 from attnhub.policy import ProfileStore, load_policy
 from attnhub.policy.lint import lint_policy
+from tests.test_settle_ties import _Counted
 
 
 @pytest.fixture(autouse=True)
@@ -167,19 +167,7 @@ def test_what_lint_calls_unreachable_no_call_reaches(tmp_path: Path) -> None:
 
 # -- a pack's near-tie and an accuracy opt-in ---------------------------------------------
 
-class _Timed(ReferenceBackend):
-    """The reference kernel, costing ``cost`` seconds of the test's virtual clock a call."""
-
-    tier = "portable"
-    cost = 0.0
-
-    def __init__(self, clock: Any) -> None:
-        super().__init__()
-        self.clock = clock
-
-    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
-        self.clock.advance(self.cost)
-        return super().forward(q, k, v, spec, params)
+_Timed = _Counted  # the reference kernel on the virtual clock
 
 
 class OptedIn(_Timed):

@@ -24,26 +24,16 @@ import pytest
 import torch
 
 import attnhub
-from attnhub.core.builtin import ReferenceBackend
 from attnhub.core.registry import Registry
 from attnhub.hookspecs import hookimpl
 from attnhub.policy import ProfileStore, load_policy
 from attnhub.policy.lint import lint_policy
+from tests.test_settle_ties import _Counted
 
 
 # -- Hub.decide of a bhsd spec after its call settled a near-tie --------------------------
 
-class _Timed(ReferenceBackend):
-    tier = "portable"
-    cost = 0.0
-
-    def __init__(self, clock: Any) -> None:
-        super().__init__()
-        self.clock = clock
-
-    def forward(self, q, k, v, spec, params):  # type: ignore[no-untyped-def, override]
-        self.clock.advance(self.cost)
-        return super().forward(q, k, v, spec, params)
+_Timed = _Counted  # the reference kernel on the virtual clock
 
 
 class _Slow(_Timed):

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from attnhub.plugin import AttentionSpec, MaskSpec
+from attnhub.plugin import AttentionSpec, AttnParams, MaskSpec, paged_to_varlen
+from attnhub.plugin import reference_attention
 from attnhub.testing import flash_reference
 
 
@@ -206,7 +207,28 @@ def random_paged(b: int, lens: list[int], page: int, hkv: int, d: int, extra_pag
     return kc, vc, table, torch.tensor(lens, dtype=torch.int32)
 
 
+def small_backend(backend_cls: Any) -> Any:
+    """A FlashInfer backend loaded with a tiny workspace (the fakes allocate nothing)."""
+    b = backend_cls()
+    b.workspace_bytes = 64
+    b.load()
+    return b
+
+
+def paged_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor,
+                    lens: torch.Tensor, params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 reference output and LSE (B, Hq, Sq) of a paged call, through the thd layout."""
+    qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, lens)
+    p = AttnParams(scale=params.scale, causal=params.causal, window=params.window,
+                   softcap=params.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse = reference_attention(qv, kv, vv, p, layout="thd", compute_dtype=torch.float32)
+    b, sq, hq, _ = q.shape
+    return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
+
+
 @pytest.fixture
 def helpers() -> types.SimpleNamespace:
-    """``helpers.spec(q, k, ...)`` and ``helpers.paged(b, lens, page, hkv, d)``."""
-    return types.SimpleNamespace(spec=make_spec, paged=random_paged)
+    """``helpers.spec(q, k, ...)``, ``helpers.paged(b, lens, page, hkv, d)``,
+    ``helpers.small(backend_cls)`` and ``helpers.paged_reference(q, kc, vc, table, lens, p)``."""
+    return types.SimpleNamespace(spec=make_spec, paged=random_paged, small=small_backend,
+                                 paged_reference=paged_reference)

@@ -9,25 +9,10 @@ from attnhub_sm80_fa2 import decode_choice, flashinfer_paged
 from attnhub_sm80_fa2.flashinfer_paged import FlashInferDecodeBackend, FlashInferPrefillBackend
 from attnhub_sm80_fa2.paged_csr import block_table_to_csr
 
-from attnhub.plugin import AttnParams, BackendUnavailableError, paged_to_varlen
-from attnhub.plugin import reference_attention as ref_attn
+from attnhub.plugin import AttnParams, BackendUnavailableError
 from attnhub.testing import assert_lse
 
 
-def small(backend_cls):
-    b = backend_cls()
-    b.workspace_bytes = 64
-    b.load()
-    return b
-
-
-def paged_reference(q, kc, vc, table, lens, params):
-    qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, lens)
-    p = AttnParams(scale=params.scale, causal=params.causal, window=params.window,
-                   softcap=params.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    out, lse = ref_attn(qv, kv, vv, p, layout="thd", compute_dtype=torch.float32)
-    b, sq, hq, _ = q.shape
-    return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
 
 
 @pytest.mark.parametrize("page,lens", [(16, [40, 7, 16]), (4, [1, 13, 9])])
@@ -38,8 +23,8 @@ def test_decode_matches_reference_and_plans_csr(fake_flashinfer, helpers, page, 
                    max_seqlen_k=max(lens), softcap=3.0, window=(5, 0), return_lse=True)
     spec = helpers.spec(q, kc, "paged", phase="decode", causal=True, window=(5, 0),
                         softcap=True)
-    out, lse = small(FlashInferDecodeBackend).forward(q, kc, vc, spec, p)
-    ref, ref_lse = paged_reference(q, kc, vc, table, seqlens, p)
+    out, lse = helpers.small(FlashInferDecodeBackend).forward(q, kc, vc, spec, p)
+    ref, ref_lse = helpers.paged_reference(q, kc, vc, table, seqlens, p)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     assert_lse(lse, ref_lse, atol=1e-4)  # base-2 LSE converted to natural log
     plan = fake_flashinfer.last("decode.plan")
@@ -56,10 +41,10 @@ def test_hnd_storage_is_detected_from_strides(fake_flashinfer, helpers):
     q = torch.randn(2, 1, 4, 16)
     p = AttnParams(scale=0.3, block_table=table, seqlens_k=seqlens, max_seqlen_k=33)
     spec = helpers.spec(q, kc, "paged", phase="decode")
-    out, _ = small(FlashInferDecodeBackend).forward(
+    out, _ = helpers.small(FlashInferDecodeBackend).forward(
         q, k_hnd.transpose(1, 2), v_hnd.transpose(1, 2), spec, p)
     assert fake_flashinfer.last("decode.__init__")["kv_layout"] == "HND"
-    torch.testing.assert_close(out, paged_reference(q, kc, vc, table, seqlens, p)[0],
+    torch.testing.assert_close(out, helpers.paged_reference(q, kc, vc, table, seqlens, p)[0],
                                atol=2e-5, rtol=1e-5)
 
 
@@ -71,14 +56,14 @@ def test_strided_head_dims_are_copied_or_refused(fake_flashinfer, helpers):
     q = torch.randn(2, 1, 4, 32)[..., ::2]
     p = AttnParams(scale=0.3, block_table=table, seqlens_k=seqlens, max_seqlen_k=33)
     spec = helpers.spec(q, kc, "paged", phase="decode")
-    out, _ = small(FlashInferDecodeBackend).forward(q, kc, vc, spec, p)
+    out, _ = helpers.small(FlashInferDecodeBackend).forward(q, kc, vc, spec, p)
     assert fake_flashinfer.last("decode.run")["q_head_stride"] == 1
-    torch.testing.assert_close(out, paged_reference(q, kc, vc, table, seqlens, p)[0],
+    torch.testing.assert_close(out, helpers.paged_reference(q, kc, vc, table, seqlens, p)[0],
                                atol=2e-5, rtol=1e-5)
     wide = torch.zeros(*kc.shape[:-1], 32)
     wide[..., ::2] = kc
     with pytest.raises(BackendUnavailableError, match="stride 2/1"):
-        small(FlashInferDecodeBackend).forward(q, wide[..., ::2], vc, spec, p)
+        helpers.small(FlashInferDecodeBackend).forward(q, wide[..., ::2], vc, spec, p)
 
 
 def test_plan_is_cached_per_batch_layout(fake_flashinfer, helpers, monkeypatch):
@@ -87,7 +72,7 @@ def test_plan_is_cached_per_batch_layout(fake_flashinfer, helpers, monkeypatch):
                         lambda *a: choices.append(a) or (False, "test"))
     kc, vc, table, seqlens = helpers.paged(2, [20, 30], 8, 2, 16, extra_pages=8)
     q = torch.randn(2, 1, 4, 16)
-    backend = small(FlashInferDecodeBackend)
+    backend = helpers.small(FlashInferDecodeBackend)
     spec = helpers.spec(q, kc, "paged", phase="decode")
     p = AttnParams(scale=0.3, block_table=table, seqlens_k=seqlens, max_seqlen_k=30)
     for _ in range(3):  # three layers of one step: one plan
@@ -98,7 +83,7 @@ def test_plan_is_cached_per_batch_layout(fake_flashinfer, helpers, monkeypatch):
     seqlens.add_(1)  # the next step writes new lengths in place: replan
     out, _ = backend.forward(q, kc, vc, spec, p)
     assert fake_flashinfer.names().count("decode.plan") == 2
-    torch.testing.assert_close(out, paged_reference(q, kc, vc, table, seqlens, p)[0],
+    torch.testing.assert_close(out, helpers.paged_reference(q, kc, vc, table, seqlens, p)[0],
                                atol=2e-5, rtol=1e-5)
 
 
@@ -108,7 +93,7 @@ def test_tensor_core_choice_follows_measurements(fake_flashinfer, helpers, monke
     monkeypatch.setattr(decode_choice, "packaged_measurements", lambda: fast_tc)
     kc, vc, table, seqlens = helpers.paged(1, [30], 8, 2, 16)
     q = torch.randn(1, 1, 8, 16)
-    backend = small(FlashInferDecodeBackend)
+    backend = helpers.small(FlashInferDecodeBackend)
     backend.forward(q, kc, vc, helpers.spec(q, kc, "paged", phase="decode"),
                     AttnParams(scale=0.3, block_table=table, seqlens_k=seqlens, max_seqlen_k=30))
     assert fake_flashinfer.last("decode.__init__")["use_tensor_cores"] is True
@@ -120,13 +105,13 @@ def test_prefill_causal_chunk_and_empty_sequence(fake_flashinfer, helpers):
     q = torch.randn(3, 3, 4, 16)
     p = AttnParams(scale=0.3, causal=True, block_table=table, seqlens_k=seqlens,
                    max_seqlen_k=12, return_lse=True)
-    out, lse = small(FlashInferPrefillBackend).forward(
+    out, lse = helpers.small(FlashInferPrefillBackend).forward(
         q, kc, vc, helpers.spec(q, kc, "paged", causal=True), p)
     plan = fake_flashinfer.last("prefill.plan")
     assert plan["qo_indptr"].tolist() == [0, 3, 6, 9] and plan["causal"] is True
     assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
     live = [0, 2]
-    ref, ref_lse = paged_reference(q[live], kc, vc, table[live], seqlens[live], p)
+    ref, ref_lse = helpers.paged_reference(q[live], kc, vc, table[live], seqlens[live], p)
     torch.testing.assert_close(out[live], ref, atol=2e-5, rtol=1e-5)
     assert_lse(lse[live], ref_lse, atol=1e-4)
 
@@ -134,12 +119,12 @@ def test_prefill_causal_chunk_and_empty_sequence(fake_flashinfer, helpers):
 def test_prefill_window_right_edge_becomes_causal_or_is_refused(fake_flashinfer, helpers):
     kc, vc, table, seqlens = helpers.paged(1, [10], 4, 2, 16)
     q = torch.randn(1, 4, 4, 16)
-    backend = small(FlashInferPrefillBackend)
+    backend = helpers.small(FlashInferPrefillBackend)
     p = AttnParams(scale=0.3, window=(3, 0), block_table=table, seqlens_k=seqlens,
                    max_seqlen_k=10)
     out, _ = backend.forward(q, kc, vc, helpers.spec(q, kc, "paged", window=(3, 0)), p)
     assert fake_flashinfer.last("prefill.plan")["causal"] is True
-    torch.testing.assert_close(out, paged_reference(q, kc, vc, table, seqlens, p)[0],
+    torch.testing.assert_close(out, helpers.paged_reference(q, kc, vc, table, seqlens, p)[0],
                                atol=2e-5, rtol=1e-5)
     p.window = (3, 2)
     with pytest.raises(BackendUnavailableError, match="left only"):

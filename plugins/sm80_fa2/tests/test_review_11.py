@@ -26,27 +26,12 @@ from attnhub_sm80_fa2.flashinfer_paged import (
 from attnhub_sm80_fa2.probe import FlashInferBuild
 
 import attnhub
-from attnhub.plugin import AttnParams, paged_to_varlen
-from attnhub.plugin import reference_attention as ref_attn
+from attnhub.plugin import AttnParams
 from attnhub.testing import assert_lse
 
 SM80 = attnhub.simulate("sm80")
 
 
-def small(backend_cls):
-    b = backend_cls()
-    b.workspace_bytes = 64
-    b.load()
-    return b
-
-
-def paged_reference(q, kc, vc, table, lens, params):
-    qv, kv, vv, cu_q, cu_k = paged_to_varlen(q, kc, vc, table, lens)
-    p = AttnParams(scale=params.scale, causal=params.causal, window=params.window,
-                   softcap=params.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    out, lse = ref_attn(qv, kv, vv, p, layout="thd", compute_dtype=torch.float32)
-    b, sq, hq, _ = q.shape
-    return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
 
 
 @pytest.fixture
@@ -73,10 +58,10 @@ def test_decode_group_sizes_without_a_cuda_core_kernel_take_tensor_cores(
     q = torch.randn(2, 1, hq, 16)
     p = AttnParams(scale=0.3, block_table=table, seqlens_k=seqlens, max_seqlen_k=20,
                    return_lse=True)
-    backend = small(FlashInferDecodeBackend)
+    backend = helpers.small(FlashInferDecodeBackend)
     out, lse = backend.forward(q, kc, vc, helpers.spec(q, kc, "paged", phase="decode"), p)
     assert strict_groups.last("decode.__init__")["use_tensor_cores"] is True
-    ref, ref_lse = paged_reference(q, kc, vc, table, seqlens, p)
+    ref, ref_lse = helpers.paged_reference(q, kc, vc, table, seqlens, p)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     assert_lse(lse, ref_lse, atol=1e-4)
     use, why = backend.choices[(hq // hkv, 2, 20)]
@@ -88,7 +73,7 @@ def test_supported_group_sizes_still_follow_the_measurements(strict_groups, help
     monkeypatch.setenv(decode_choice.ENV_FORCE, "0")
     kc, vc, table, seqlens = helpers.paged(1, [20], 8, 2, 16)
     q = torch.randn(1, 1, 8, 16)  # 4:1, compiled into the CUDA-core kernel
-    small(FlashInferDecodeBackend).forward(
+    helpers.small(FlashInferDecodeBackend).forward(
         q, kc, vc, helpers.spec(q, kc, "paged", phase="decode"),
         AttnParams(scale=0.3, block_table=table, seqlens_k=seqlens, max_seqlen_k=20))
     assert strict_groups.last("decode.__init__")["use_tensor_cores"] is False
@@ -139,9 +124,9 @@ def test_prefill_rows_before_the_cache_start_are_empty(sentinel_lse, helpers):
     q = torch.randn(2, 5, 4, 16)
     p = AttnParams(scale=0.3, causal=True, block_table=table, seqlens_k=seqlens,
                    max_seqlen_k=7, return_lse=True)
-    out, lse = small(FlashInferPrefillBackend).forward(
+    out, lse = helpers.small(FlashInferPrefillBackend).forward(
         q, kc, vc, helpers.spec(q, kc, "paged", causal=True), p)
-    ref, ref_lse = paged_reference(q, kc, vc, table, seqlens, p)
+    ref, ref_lse = helpers.paged_reference(q, kc, vc, table, seqlens, p)
     assert torch.isneginf(ref_lse[0, :, :3]).all()
     assert torch.isneginf(lse[0, :, :3]).all() and (out[0, :3] == 0).all()
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
@@ -153,7 +138,7 @@ def test_empty_sequences_still_give_zero_and_minus_inf(sentinel_lse, helpers):
     q = torch.randn(2, 1, 4, 16)
     p = AttnParams(scale=0.3, block_table=table, seqlens_k=seqlens, max_seqlen_k=5,
                    return_lse=True)
-    out, lse = small(FlashInferDecodeBackend).forward(
+    out, lse = helpers.small(FlashInferDecodeBackend).forward(
         q, kc, vc, helpers.spec(q, kc, "paged", phase="decode"), p)
     assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
     assert torch.isfinite(lse[1]).all()
